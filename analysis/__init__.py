@@ -1,0 +1,1 @@
+"""vitlab analyses: measurements on any model the taps understand, at training time or offline."""

@@ -1,0 +1,145 @@
+"""Data: sources, tensors, seeded class-balanced nested subsets, augmentation, clear errors."""
+import gzip
+
+import numpy as np
+import pytest
+import torch
+
+from train.data import (
+    FASHION_MNIST_DIR,
+    DataError,
+    EpochBatchSampler,
+    augment,
+    balanced_indices,
+    build_data,
+    load_fashion_mnist,
+    load_source,
+    to_tensors,
+)
+from train.recipe import DataConfig, from_dict
+
+
+def _raw(kind):
+    with gzip.open(f"{FASHION_MNIST_DIR}/{kind}-images-idx3-ubyte.gz") as f:
+        x = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
+    with gzip.open(f"{FASHION_MNIST_DIR}/{kind}-labels-idx1-ubyte.gz") as f:
+        y = np.frombuffer(f.read(), np.uint8, offset=8)
+    return x, y
+
+
+def test_fashion_mnist_is_a_datasets_dataset_matching_the_idx_files():
+    import datasets
+
+    dsd = load_fashion_mnist()
+    assert isinstance(dsd["train"], datasets.Dataset) and len(dsd["train"]) == 60000 and len(dsd["test"]) == 10000
+    x, y = to_tensors(dsd["test"], DataConfig())
+    rx, ry = _raw("t10k")
+    assert x.dtype == torch.uint8 and x.shape == (10000, 1, 28, 28)
+    assert np.array_equal(x[:, 0].numpy(), rx) and np.array_equal(y.numpy(), ry)
+
+
+def test_missing_fashion_mnist_is_one_sentence(tmp_path):
+    with pytest.raises(DataError, match="apt-get install -y dataset-fashion-mnist"):
+        load_fashion_mnist(str(tmp_path))
+
+
+def test_hub_offline_is_one_sentence(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError) as e:
+        load_source(DataConfig(source="hub", name="cifar10"))
+    msg = str(e.value)
+    assert "could not reach the Hugging Face Hub" in msg and "cifar10" in msg and "\n" not in msg
+
+
+def test_balanced_indices_balance_determinism_nesting_seeds():
+    labels = np.repeat(np.arange(10), 600)[np.random.default_rng(0).permutation(6000)]
+    a = balanced_indices(labels, 180, seed=1)
+    assert np.array_equal(a, balanced_indices(labels, 180, seed=1))
+    assert np.bincount(labels[a], minlength=10).tolist() == [18] * 10
+    odd = balanced_indices(labels, 183, seed=1)
+    counts = np.bincount(labels[odd], minlength=10)
+    assert counts.max() - counts.min() <= 1 and counts.sum() == 183
+    small, mid, big = (balanced_indices(labels, n, seed=1) for n in (180, 600, 1800))
+    assert set(small) <= set(mid) <= set(big)
+    assert set(a) <= set(odd)
+    assert not np.array_equal(a, balanced_indices(labels, 180, seed=2))
+    assert len(balanced_indices(labels, 10**6, seed=0)) == 6000
+
+
+def test_balanced_indices_with_a_small_class():
+    labels = np.array([0] * 5 + [1] * 100 + [2] * 100)
+    idx = balanced_indices(labels, 60, seed=0)
+    assert np.bincount(labels[idx]).tolist() == [5, 28, 27] or np.bincount(labels[idx]).tolist() == [5, 27, 28]
+
+
+def test_build_data_roles_are_fixed_and_seeded():
+    r = from_dict({"data": {"train_size": 600, "eval_size": 300, "probe_train_size": 100, "analysis_size": 50}})
+    a, b = build_data(r), build_data(r)
+    assert len(a.train) == 600 and len(a.eval) == 300 and len(a.probe_train) == 100 and len(a.analysis) == 50
+    assert torch.equal(a.analysis.images, b.analysis.images) and torch.equal(a.probe_train.labels, b.probe_train.labels)
+    assert a.num_classes == 10 and a.class_names[0] == "T-shirt/top"
+    assert a.analysis.labels.bincount().tolist() == [5] * 10
+    assert 0.25 < float(a.mean) < 0.32 and 0.3 < float(a.std) < 0.4
+
+
+def test_imagefolder_and_parquet_sources(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for cls in ("cat", "dog"):
+            d = tmp_path / "folder" / split / cls
+            d.mkdir(parents=True)
+            for i in range(6):
+                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(d / f"{i}.png")
+    cfg = from_dict({"data": {"source": "imagefolder", "path": str(tmp_path / "folder"), "img_size": 16, "in_chans": 3,
+                              "probe_train_size": 4, "analysis_size": 4}, "model": {"patch_size": 4}})
+    bundle = build_data(cfg)
+    assert bundle.train.images.shape == (12, 3, 16, 16) and bundle.num_classes == 2
+
+    import datasets
+
+    pq = tmp_path / "pq"
+    pq.mkdir()
+    for split, n in (("train", 20), ("test", 10)):
+        ds = datasets.Dataset.from_dict(
+            {"img": [Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)) for _ in range(n)], "label": [i % 2 for i in range(n)]},
+            features=datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])}),
+        )
+        ds.to_parquet(str(pq / f"{split}.parquet"))
+    cfg = from_dict({"data": {"source": "parquet", "path": str(pq), "img_size": 8, "probe_train_size": 4, "analysis_size": 4},
+                     "model": {"patch_size": 4}})
+    bundle = build_data(cfg)
+    assert bundle.train.images.shape == (20, 1, 8, 8) and bundle.eval.labels.tolist() == [i % 2 for i in range(10)]
+
+
+def test_missing_split_is_one_sentence():
+    r = from_dict({"data": {"eval_split": "validation"}})
+    with pytest.raises(DataError, match="data.eval_split 'validation' is not a split"):
+        build_data(r)
+
+
+def test_augment_shifts_and_flips_within_bounds():
+    x = torch.zeros(64, 1, 8, 8, dtype=torch.uint8)
+    x[:, :, 3, 2] = 255  # one bright pixel
+    torch.manual_seed(0)
+    y = augment(x, shift=2, hflip=False)
+    pos = [divmod(int(i), 8) for i in y.view(64, -1).argmax(1)]
+    assert all(abs(r - 3) <= 2 and abs(c - 2) <= 2 for r, c in pos)
+    assert len(set(pos)) > 5 and int(y.sum()) == 64 * 255  # no pixel lost: it stays inside the image
+    torch.manual_seed(0)
+    z = augment(x, shift=0, hflip=True)
+    cols = {int(i) % 8 for i in z.view(64, -1).argmax(1)}
+    assert cols == {2, 5}
+
+
+def test_epoch_sampler_shards_without_overlap_and_resumes_mid_epoch():
+    a, b = EpochBatchSampler(100, 10, seed=3, rank=0, world=2), EpochBatchSampler(100, 10, seed=3, rank=1, world=2)
+    ea, eb = list(a), list(b)
+    assert len(ea) == 5 and not set(sum(ea, [])) & set(sum(eb, []))
+    a.set_epoch(1)
+    e1 = list(a)
+    assert e1 != ea
+    a.set_epoch(1, start_batch=3)
+    assert list(a) == e1[3:]

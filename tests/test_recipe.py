@@ -1,0 +1,102 @@
+"""Recipes: typed schema, inheritance, overrides, and one-sentence errors with exit code 2."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from train.cli import main
+from train.recipe import Recipe, RecipeError, load_recipe, run_name
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_every_shipped_recipe_validates():
+    recipes = sorted((ROOT / "recipes").rglob("*.yaml"))
+    assert len(recipes) >= 5
+    for p in recipes:
+        r = load_recipe(p)
+        assert isinstance(r, Recipe) and r.name == p.stem
+
+
+def test_base_inheritance_and_overrides(tmp_path):
+    (tmp_path / "parent.yaml").write_text("model: {depth: 4, embed_dim: 64}\ntrain: {steps: 100, lr: 0.002}\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\nmodel: {depth: 3}\n")
+    r = load_recipe(tmp_path / "child.yaml", ["train.steps=7", "model.head=gap", "train.betas=[0.9, 0.95]"])
+    assert (r.model.depth, r.model.embed_dim, r.model.head) == (3, 64, "gap")
+    assert (r.train.steps, r.train.lr, r.train.betas) == (7, 0.002, [0.9, 0.95])
+    assert run_name(r, ["train.steps=7"]) == "child-train.steps_7"
+    # the hash sees training changes but not the run folder
+    assert r.hash() != load_recipe(tmp_path / "child.yaml", ["train.steps=8", "model.head=gap", "train.betas=[0.9, 0.95]"]).hash()
+    assert r.hash() == load_recipe(tmp_path / "child.yaml", ["train.steps=7", "model.head=gap", "train.betas=[0.9, 0.95]", "run.name=x"]).hash()
+
+
+def test_callbacks_and_interventions_parse(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump({
+        "callbacks": ["sample_images", {"name": "sample_images", "every": 5, "n": 8}],
+        "interventions": {"no_skip": {"blocks": [1], "where": "attn"}, "head_mask": {"block": 0, "heads": [1]},
+                          "data_subset": {"fraction": 0.1, "seed": 3}},
+    }))
+    r = load_recipe(p)
+    assert r.callbacks[0].name == "sample_images" and r.callbacks[0].every is None
+    assert r.callbacks[1].every == 5 and r.callbacks[1].options == {"n": 8}
+    assert r.interventions.no_skip.blocks == [1] and r.interventions.head_mask[0].heads == [1]
+    assert r.interventions.data_subset.fraction == 0.1
+
+
+MALFORMED = [
+    # (yaml text or None for a missing file, overrides, words the sentence must contain)
+    ("trian: {steps: 3}\n", [], ["unknown key 'trian'", "train"]),
+    ("train: {stpes: 3}\n", [], ["unknown key 'train.stpes'", "steps"]),
+    ("train: {steps: many}\n", [], ["train.steps", "int"]),
+    ("train: {steps: true}\n", [], ["train.steps", "int"]),
+    ("train: {lr: -0.1}\n", [], ["train.lr", "out of range", "> 0.0"]),
+    ("model: {head: avg}\n", [], ["model.head", "'cls'", "'gap'"]),
+    ("model: {patch_size: 5}\n", [], ["model.patch_size", "data.img_size"]),
+    ("model: {embed_dim: 100, num_heads: 3}\n", [], ["model.num_heads", "model.embed_dim"]),
+    ("train: {lr: 0.1, min_lr: 0.5}\n", [], ["train.min_lr", "train.lr"]),
+    ("train: {steps: [1\n", [], ["not valid YAML"]),
+    ("- 1\n- 2\n", [], ["mapping"]),
+    (None, [], ["does not exist"]),
+    ("base: nowhere.yaml\n", [], ["nowhere.yaml", "does not exist"]),
+    ("callbacks: [no_such_callback]\n", [], ["callbacks[0].name", "no_such_callback", "sample_images"]),
+    ("interventions: {no_skip: {blocks: [9]}}\n", [], ["interventions.no_skip.blocks", "0..5"]),
+    ("interventions: {head_mask: {block: 0, heads: [4]}}\n", [], ["head_mask[0].heads", "0..3"]),
+    ("interventions: {data_subset: {fraction: 0.1, count: 5}}\n", [], ["exactly one of"]),
+    ("interventions: {data_subset: {fraction: 1.5}}\n", [], ["interventions.data_subset.fraction", "<= 1.0"]),
+    ("data: {source: hub}\n", [], ["data.name"]),
+    ("{}\n", ["train.steps"], ["override", "key.sub=value"]),
+    ("{}\n", ["train.steps.x=3"], ["key 'train.steps' must be int"]),
+    ("{}\n", ["model.arch=transformer"], ["model.arch", "'vit'", "'resnet'"]),
+]
+
+
+@pytest.mark.parametrize("text,overrides,words", MALFORMED, ids=[str(i) for i in range(len(MALFORMED))])
+def test_malformed_recipe_one_sentence_exit_2(tmp_path, capsys, text, overrides, words):
+    p = tmp_path / "bad.yaml"
+    if text is not None:
+        p.write_text(text)
+    root = tmp_path / "runs"
+    args = [str(p), "--set", f"run.root={root}", *(["--set", *overrides] if overrides else [])]
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("error: ") and "\n" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    assert not root.exists(), "a recipe error must not create the run folder"
+
+
+def test_recipe_error_exit_code_from_a_real_process(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "train", "--recipe", str(tmp_path / "missing.yaml")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "does not exist" in p.stderr and p.stderr.count("\n") == 1
+
+
+def test_base_cycle_is_an_error(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(RecipeError, match="inherits from itself"):
+        load_recipe(tmp_path / "a.yaml")

@@ -1,0 +1,237 @@
+"""The training loop: end-to-end smoke run, exact resume, interrupted/corrupted checkpoints, NaN stop,
+callback cadence and timing."""
+import json
+import os
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, read_scalars
+from safetensors.torch import load_file
+
+from train.callbacks import Callback, register_callback
+from train.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+from train.recipe import load_recipe
+from train.trainer import RunExists, TrainingDiverged, lr_at, train
+
+
+class Crash(RuntimeError):
+    pass
+
+
+@register_callback("test_crash_at")
+class CrashAt(Callback):
+    """Simulates the process dying right after the checkpoint of ``step``."""
+
+    def __init__(self, every=None, step=4):
+        super().__init__(every)
+        self.step = step
+
+    def on_checkpoint(self, ctx):
+        if ctx.step == self.step:
+            raise Crash(f"simulated crash at step {ctx.step}")
+
+
+@register_callback("test_poison")
+class Poison(Callback):
+    """Writes NaN into one weight at ``step`` (on_step_end), so the next step's loss is NaN."""
+
+    def __init__(self, every=1, step=6):
+        super().__init__(every)
+        self.step = step
+
+    def on_step_end(self, ctx):
+        if ctx.step == self.step:
+            with torch.no_grad():
+                next(ctx.model.parameters()).fill_(float("nan"))
+
+
+@register_callback("test_record")
+class Record(Callback):
+    calls: list = []
+
+    def __init__(self, every=None, sleep=0.0):
+        super().__init__(every)
+        self.sleep = sleep
+        Record.calls = []
+
+    def _rec(name):  # noqa: N805
+        def f(self, ctx):
+            import time
+
+            Record.calls.append((name, ctx.step))
+            time.sleep(self.sleep)
+
+        return f
+
+    on_train_start = _rec("start")
+    on_step_end = _rec("step")
+    on_checkpoint = _rec("ckpt")
+    on_train_end = _rec("end")
+
+
+def test_lr_schedule_warmup_then_decay():
+    r = load_recipe(ROOT / "recipes/default.yaml", ["train.steps=100", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.0"])
+    t = r.train
+    assert lr_at(0, t) == pytest.approx(0.1) and lr_at(9, t) == pytest.approx(1.0)
+    assert lr_at(10, t) == pytest.approx(1.0) and lr_at(55, t) == pytest.approx(0.5) and lr_at(100, t) == pytest.approx(0.0)
+    t.schedule = "linear"
+    assert lr_at(55, t) == pytest.approx(0.5) and lr_at(28, t) == pytest.approx(0.8)
+
+
+def test_smoke_run_through_launch_sh(write_recipe, tmp_path):
+    """The user's path: ./launch.sh RECIPE --set ... -> checkpoints, TensorBoard tags, resolved recipe."""
+    p = write_recipe(callbacks=[{"name": "sample_images", "every": 4}])
+    env = {**os.environ, "VITLAB_NPROC": "1"}
+    out = subprocess.run([str(ROOT / "launch.sh"), str(p), "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    assert [c.name for c in list_checkpoints(run / "checkpoints")] == ["step_0000004", "step_0000008"]
+    for c in list_checkpoints(run / "checkpoints"):
+        meta = verify_checkpoint(c)
+        assert {"model.safetensors", "optimizer.bin"} <= set(meta["files"]) and meta["recipe_hash"]
+        assert meta["step"] == int(c.name[5:]) and "epoch" in meta
+    assert json.loads((run / "checkpoints/step_0000008/meta.json").read_text())["final"] is True
+    resolved = load_recipe(run / "recipe.yaml")
+    assert resolved.hash() == load_recipe(p).hash()
+    scalars = read_scalars(run)
+    for tag in ("train/loss", "train/lr", "train/throughput_img_s", "eval/top1", "time/callbacks_s"):
+        assert tag in scalars, (tag, sorted(scalars))
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
+    assert [s for s, _ in scalars["eval/top1"]] == [4, 8]
+    assert all(v > 0 for _, v in scalars["train/throughput_img_s"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run / "tb"), size_guidance={"tensors": 0, "images": 0})
+    ea.Reload()
+    assert "data/train_samples" in ea.Tags()["images"]
+    hp = ea.PluginTagToContent("hparams")
+    assert hp and b"train.lr" in b"".join(hp.values())
+    assert len(list((run / "tb").rglob("events.out.tfevents*"))) == 1  # one writer, no stray hparams folder
+    result = json.loads((run / "result.json").read_text())
+    assert result["step"] == 8 and 0.0 <= result["top1"] <= 1.0
+
+
+def _final_weights(run: Path) -> dict:
+    return load_file(str(list_checkpoints(run / "checkpoints")[-1] / "model.safetensors"))
+
+
+def test_resume_is_exact(write_recipe, tmp_path):
+    """2N steps straight == N steps, crash, resume N more: same loss sequence and final weights."""
+    straight = train(load_recipe(write_recipe("straight")), progress=False)
+    p = write_recipe("resumed", callbacks=[{"name": "test_crash_at", "step": 4}])
+    with pytest.raises(Crash):
+        train(load_recipe(p), progress=False)
+    with pytest.raises(RunExists, match="--resume"):
+        train(load_recipe(p), progress=False)
+    resumed = train(load_recipe(p), resume=True, progress=False)
+    assert resumed["step"] == straight["step"] == 8
+    a, b = read_scalars(Path(straight["run_dir"])), read_scalars(Path(resumed["run_dir"]))
+    assert [s for s, _ in b["train/loss"]] == list(range(1, 9))
+    assert a["train/loss"] == b["train/loss"]
+    assert a["eval/top1"] == b["eval/top1"]
+    wa, wb = _final_weights(Path(straight["run_dir"])), _final_weights(Path(resumed["run_dir"]))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # a finished run resumed again does nothing
+    again = train(load_recipe(p), resume=True, progress=False)
+    assert again.get("already_finished") and again["step"] == 8
+
+
+def test_resume_with_grad_accum_across_epoch_boundary(write_recipe):
+    """Accumulation windows that straddle an epoch end resume exactly too (512 imgs / 96 = 5 batches/epoch)."""
+    kw = dict(train={"batch_size": 96, "grad_accum": 2, "steps": 6, "checkpoint_every": 3, "eval_every": 0, "log_every": 1})
+    straight = train(load_recipe(write_recipe("s", **kw)), progress=False)
+    p = write_recipe("r", callbacks=[{"name": "test_crash_at", "step": 3}], **kw)
+    with pytest.raises(Crash):
+        train(load_recipe(p), progress=False)
+    resumed = train(load_recipe(p), resume=True, progress=False)
+    a, b = read_scalars(Path(straight["run_dir"])), read_scalars(Path(resumed["run_dir"]))
+    assert a["train/loss"] == b["train/loss"] and len(a["train/loss"]) == 6
+    wa, wb = _final_weights(Path(straight["run_dir"])), _final_weights(Path(resumed["run_dir"]))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_with_another_recipe_is_refused(write_recipe):
+    p = write_recipe(train={"steps": 4})
+    train(load_recipe(p), progress=False)
+    from train.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="different recipe.*train.lr"):
+        train(load_recipe(p, ["train.lr=0.5", "run.name=tiny"]), resume=True, progress=False)
+
+
+def test_interrupted_checkpoint_skipped_with_warning_and_corrupted_one_is_an_error(write_recipe, tmp_path):
+    p = write_recipe(callbacks=[{"name": "test_crash_at", "step": 8}])
+    with pytest.raises(Crash):
+        train(load_recipe(p), progress=False)
+    ckpts = tmp_path / "runs/tiny/checkpoints"
+    # an interrupted write of step 8: its meta.json (written last) never appeared
+    (ckpts / "step_0000008" / "meta.json").unlink()
+    (ckpts / ".staging-step_0000012").mkdir()
+    r = load_recipe(p)
+    r.callbacks = []  # callbacks do not change what is trained: the same run resumes without the crash
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = train(r, resume=True, progress=False)
+    msgs = [str(x.message) for x in w]
+    assert any("step_0000008" in m and "interrupted" in m for m in msgs), msgs
+    assert any(".staging-step_0000012" in m for m in msgs), msgs
+    assert out["step"] == 8
+    # now corrupt the newest complete checkpoint: resuming names the file and refuses
+    f = ckpts / "step_0000008" / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-10] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"step_0000008 is corrupted \(model.safetensors does not match"):
+        train(r, resume=True, progress=False)
+    with pytest.raises(CheckpointError, match="corrupted"):
+        verify_checkpoint(ckpts / "step_0000008")
+
+
+def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(write_recipe, tmp_path):
+    p = write_recipe(callbacks=[{"name": "test_poison", "every": 1, "step": 6}])
+    with pytest.raises(TrainingDiverged) as e:
+        train(load_recipe(p), progress=False)
+    msg = str(e.value)
+    assert "diverged at step 7" in msg and "nan" in msg and "step_0000004" in msg
+    ckpts = list_checkpoints(tmp_path / "runs/tiny/checkpoints")
+    assert [c.name for c in ckpts] == ["step_0000004"]
+    verify_checkpoint(ckpts[0])
+    w = load_file(str(ckpts[0] / "model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in w.values())
+
+
+def test_nan_exit_code_from_cli(write_recipe, capsys):
+    from train.cli import main
+
+    p = write_recipe(callbacks=[{"name": "test_poison", "every": 1, "step": 2}])
+    assert main([str(p), "--no-progress"]) == 1
+    assert "diverged" in capsys.readouterr().err
+
+
+def test_callback_cadence_and_time_excluded_from_throughput(write_recipe):
+    p = write_recipe(callbacks=[{"name": "test_record", "every": 3, "sleep": 0.0}, {"name": "test_record", "sleep": 1.5}],
+                     train={"log_every": 4})
+    out = train(load_recipe(p), progress=False)
+    calls = Record.calls
+    assert ("start", 0) in calls and ("end", 8) in calls
+    assert [s for n, s in calls if n == "step"] == [3, 6]
+    assert sorted(s for n, s in calls if n == "ckpt") == [4, 8]  # every=None: every checkpoint, not every 3 steps
+    sc = read_scalars(Path(out["run_dir"]))
+    cb = dict(sc["time/callbacks_s"])
+    assert cb[4] >= 1.5 and cb[8] >= 1.5
+    # steps 5-8 of this tiny model take well under 1.5 s; had the 1.5 s callback after step 4 been counted,
+    # the throughput logged at step 8 would be below 4 x 32 images / 1.5 s
+    ips = dict(sc["train/throughput_img_s"])
+    assert sorted(ips) == [4, 8] and ips[8] > 4 * 32 / 1.5
+
+
+def test_run_folder_is_not_overwritten(write_recipe, capsys):
+    from train.cli import main
+
+    p = write_recipe(train={"steps": 2, "checkpoint_every": 1, "eval_every": 0})
+    assert main([str(p), "--no-progress"]) == 0
+    assert main([str(p), "--no-progress"]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err

@@ -1,0 +1,162 @@
+"""Callbacks: code that runs inside training at its own cadence, built by name from a recipe.
+
+A recipe lists them::
+
+    callbacks:
+      - analysis_suite            # every checkpoint (the default cadence)
+      - {name: sample_images, every: 1000, n: 32}   # at steps that are multiples of 1000
+
+``every: None`` (default) runs ``on_checkpoint`` at every checkpoint; ``every: N`` runs ``on_step_end`` at
+steps that are multiples of N and ``on_checkpoint`` only at checkpoints whose step is a multiple of N.
+``on_train_start`` and ``on_train_end`` always run. Extra keys are passed to the callback's constructor.
+The time spent in callbacks is excluded from ``train/throughput_img_s`` and logged as ``time/callbacks_s``.
+
+This module must stay free of torch imports at load time: recipe validation uses :func:`known_callbacks`.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# name -> "module:attribute"; imported only when a recipe uses it (keeps recipe validation fast)
+_BUILTIN = {
+    "sample_images": "train.callbacks:SampleImages",
+    "cka": "analysis.callbacks:CKACallback",
+    "norm_ratio": "analysis.callbacks:NormRatioCallback",
+    "attention_distance": "analysis.callbacks:AttentionDistanceCallback",
+    "fewshot_probe": "analysis.callbacks:FewShotProbeCallback",
+    "analysis_suite": "analysis.callbacks:AnalysisSuiteCallback",
+}
+_REGISTRY: dict[str, Any] = {}
+
+
+def register_callback(name: str) -> Callable:
+    """Class decorator: make a Callback subclass available to recipes under ``name``."""
+
+    def deco(cls):
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _available(target: str) -> bool:
+    mod = target.split(":")[0]
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def known_callbacks() -> list[str]:
+    return sorted(set(_REGISTRY) | {k for k, v in _BUILTIN.items() if _available(v)})
+
+
+def _resolve(name: str):
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    mod, attr = _BUILTIN[name].split(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+@dataclass
+class TrainContext:
+    """What a callback sees. ``model`` is the unwrapped model (no DDP wrapper); ``log`` writes scalars to the
+    run's tracker (main process only); ``writer`` is the raw TensorBoard SummaryWriter on the main process
+    and None elsewhere; ``checkpoint_dir`` is set during ``on_checkpoint``."""
+
+    accelerator: Any
+    model: Any
+    recipe: Any
+    data: Any
+    run_dir: Any
+    step: int = 0
+    epoch: int = 0
+    writer: Any = None
+    checkpoint_dir: Any = None
+    log: Callable = field(default=lambda values, step: None)
+
+
+class Callback:
+    """Base class: override any of the four hooks. ``every`` is the cadence described in the module docstring."""
+
+    def __init__(self, every: int | None = None, **options):
+        self.every = every
+        if options:
+            raise TypeError(f"callback {type(self).__name__} takes no options {sorted(options)}")
+
+    def on_train_start(self, ctx: TrainContext) -> None: ...
+
+    def on_step_end(self, ctx: TrainContext) -> None: ...
+
+    def on_checkpoint(self, ctx: TrainContext) -> None: ...
+
+    def on_train_end(self, ctx: TrainContext) -> None: ...
+
+
+class CallbackList:
+    """Dispatches hooks with each callback's cadence and measures the seconds spent in them."""
+
+    def __init__(self, callbacks: list[Callback]):
+        self.callbacks = callbacks
+
+    def _run(self, hook: str, ctx: TrainContext, due: Callable[[Callback], bool]) -> float:
+        t0 = time.perf_counter()
+        for cb in self.callbacks:
+            if due(cb):
+                getattr(cb, hook)(ctx)
+        return time.perf_counter() - t0 if self.callbacks else 0.0
+
+    def on_train_start(self, ctx):
+        return self._run("on_train_start", ctx, lambda cb: True)
+
+    def on_step_end(self, ctx):
+        return self._run("on_step_end", ctx, lambda cb: cb.every is not None and ctx.step % cb.every == 0)
+
+    def on_checkpoint(self, ctx):
+        return self._run("on_checkpoint", ctx, lambda cb: cb.every is None or ctx.step % cb.every == 0)
+
+    def on_train_end(self, ctx):
+        return self._run("on_train_end", ctx, lambda cb: True)
+
+
+def build_callbacks(specs) -> CallbackList:
+    """Instantiate the recipe's ``callbacks:`` entries (CallbackConfig objects)."""
+    out = []
+    for spec in specs:
+        cls = _resolve(spec.name)
+        try:
+            out.append(cls(every=spec.every, **spec.options))
+        except TypeError as e:
+            from train.recipe import RecipeError
+
+            raise RecipeError(f"callback '{spec.name}' got options it does not take ({e}): see its docstring.") from None
+    return CallbackList(out)
+
+
+class SampleImages(Callback):
+    """Logs a grid of ``n`` augmented training images (``data/train_samples``) so augmentation can be checked
+    by eye; at train start and then at its cadence."""
+
+    def __init__(self, every: int | None = None, n: int = 32):
+        super().__init__(every)
+        self.n = n
+
+    def _log(self, ctx):
+        if ctx.writer is None:
+            return
+        import torch
+        import torchvision.utils as vutils
+
+        from train.data import augment
+
+        aug = ctx.recipe.data.augment
+        g = torch.Generator().manual_seed(ctx.recipe.seed + ctx.step)
+        idx = torch.randperm(len(ctx.data.train), generator=g)[: self.n]
+        x = augment(ctx.data.train.images[idx], aug.shift, aug.hflip)
+        ctx.writer.add_image("data/train_samples", vutils.make_grid(x, nrow=8, pad_value=255), ctx.step)
+
+    on_train_start = _log
+    on_step_end = _log

@@ -1,0 +1,138 @@
+"""Atomic, verified checkpoints on top of ``accelerator.save_state``.
+
+Layout: ``<run>/checkpoints/step_XXXXXXX/`` holding what ``save_state`` writes (``model.safetensors``,
+``optimizer.bin``, ``random_states_<rank>.pkl``, ...) plus ``meta.json`` (step, epoch, recipe hash, the
+sha256 of every file). A checkpoint is written into ``.staging-step_XXXXXXX`` and renamed into place once
+complete, then older ones beyond ``keep_last`` are pruned, so a crash never leaves a folder that looks
+complete. On resume, folders without ``meta.json`` (interrupted writes) are skipped with a warning; a folder
+whose files do not match their recorded checksums is an error (never silently loaded).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+STEP_RE = re.compile(r"^step_(\d{7,})$")
+META = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message is one sentence for the user."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(accelerator, ckpt_root: Path, step: int, meta: dict, keep_last: int) -> Path:
+    """Collective: every process calls it. Returns the final folder."""
+    ckpt_root = Path(ckpt_root)
+    final = ckpt_root / step_dir_name(step)
+    staging = ckpt_root / f".staging-{step_dir_name(step)}"
+    if accelerator.is_main_process:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != META}
+        tmp_meta = staging / (META + ".tmp")
+        tmp_meta.write_text(json.dumps({**meta, "step": step, "files": files}, indent=1))
+        tmp_meta.replace(staging / META)
+        if final.exists():  # a checkpoint of the same step from an earlier, diverged attempt
+            shutil.rmtree(final)
+        staging.replace(final)
+        prune(ckpt_root, keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prune(ckpt_root: Path, keep_last: int) -> None:
+    complete = list_checkpoints(ckpt_root, warn=False)
+    for p in complete[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def list_checkpoints(ckpt_root: Path, warn: bool = True) -> list[Path]:
+    """Complete checkpoints (a step folder with meta.json), oldest first; warns about incomplete ones."""
+    ckpt_root = Path(ckpt_root)
+    if not ckpt_root.is_dir():
+        return []
+    out = []
+    for p in sorted(ckpt_root.iterdir()):
+        m = STEP_RE.match(p.name)
+        if p.is_dir() and m and (p / META).is_file():
+            out.append(p)
+        elif warn and p.is_dir() and (m or p.name.startswith(".staging-")):
+            warnings.warn(f"skipping checkpoint folder {p}: its write was interrupted (no {META}); it can be deleted.", stacklevel=2)
+    return sorted(out, key=lambda p: int(STEP_RE.match(p.name).group(1)))
+
+
+def read_meta(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} has an unreadable {META} ({type(e).__name__}): delete the folder to resume from an earlier checkpoint.") from None
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """Check every file against the sha256 recorded at save time; return the meta dict."""
+    path = Path(path)
+    meta = read_meta(path)
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"checkpoint {path} lists no files in its {META}: it was not written by vitlab; delete it or pass another.")
+    for name, digest in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is corrupted ({name} is missing): delete the folder to resume from an earlier checkpoint.")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"checkpoint {path} is corrupted ({name} does not match its recorded checksum): delete the folder to resume from an earlier checkpoint.")
+    return meta
+
+
+def resolve_resume(ckpt_root: Path, explicit: str | None) -> Path | None:
+    """The checkpoint to resume: ``explicit`` (a folder) if given, else the latest complete one, else None."""
+    if explicit:
+        p = Path(explicit)
+        if not p.is_dir():
+            p2 = Path(ckpt_root) / explicit
+            if not p2.is_dir():
+                raise CheckpointError(f"--resume {explicit}: no such checkpoint folder; pass a path like {Path(ckpt_root) / 'step_0000500'}.")
+            p = p2
+        return p
+    complete = list_checkpoints(ckpt_root)
+    return complete[-1] if complete else None
+
+
+def load_weights(model, path: Path, strict: bool = True) -> None:
+    """Load ``model.safetensors`` of a checkpoint folder (or a .safetensors file) into ``model``."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    f = path / "model.safetensors" if path.is_dir() else path
+    if not f.is_file():
+        raise CheckpointError(f"no weights at {f}: pass a checkpoint folder (step_XXXXXXX) or a .safetensors file.")
+    try:
+        state = load_file(str(f))
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise CheckpointError(f"weights file {f} cannot be read ({type(e).__name__}): it is corrupted or not a safetensors file.") from None
+    try:
+        model.load_state_dict(state, strict=strict)
+    except RuntimeError as e:
+        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)[:200]
+        raise CheckpointError(f"weights in {f} do not fit this model ({first}): check that the recipe's model section matches the run that wrote them.") from None

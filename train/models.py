@@ -1,0 +1,61 @@
+"""Models from a recipe: timm VisionTransformer (CLS or GAP head) and a timm ResNet baseline for small images."""
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def build_model(recipe, num_classes: int) -> nn.Module:
+    """The recipe's model with its interventions applied (see interventions/)."""
+    m, d = recipe.model, recipe.data
+    if m.arch == "vit":
+        model = build_vit(m, d.img_size, d.in_chans, num_classes, recipe.interventions)
+    else:
+        model = build_resnet(m, d.in_chans, num_classes)
+    from interventions import apply_model_interventions
+
+    apply_model_interventions(model, recipe)
+    return model
+
+
+def build_vit(m, img_size: int, in_chans: int, num_classes: int, interventions=None) -> nn.Module:
+    """timm VisionTransformer. ``head: cls`` classifies the class token (global_pool='token');
+    ``head: gap`` has no class token and classifies the mean of the final tokens (global_pool='avg')."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    from interventions import block_fn_for
+
+    cls = m.head == "cls"
+    return VisionTransformer(
+        img_size=img_size,
+        patch_size=m.patch_size,
+        in_chans=in_chans,
+        num_classes=num_classes,
+        embed_dim=m.embed_dim,
+        depth=m.depth,
+        num_heads=m.num_heads,
+        mlp_ratio=m.mlp_ratio,
+        class_token=cls,
+        global_pool="token" if cls else "avg",
+        drop_path_rate=m.drop_path,
+        block_fn=block_fn_for(interventions),
+    )
+
+
+def build_resnet(m, in_chans: int, num_classes: int) -> nn.Module:
+    """timm ResNet with BasicBlocks; ``small_stem`` swaps the 7x7/2 stem and max-pool for one 3x3/1 conv,
+    so 28-32 px images keep their resolution into the first stage (as CIFAR ResNets do)."""
+    from timm.models.resnet import BasicBlock, ResNet
+
+    model = ResNet(
+        block=BasicBlock,
+        layers=tuple(m.resnet_layers),
+        channels=tuple(m.resnet_channels),
+        in_chans=in_chans,
+        num_classes=num_classes,
+        stem_width=m.resnet_channels[0],
+        drop_path_rate=m.drop_path,
+    )
+    if m.small_stem:
+        model.conv1 = nn.Conv2d(in_chans, m.resnet_channels[0], kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    return model

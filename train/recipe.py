@@ -1,0 +1,400 @@
+"""Recipes: YAML files validated against a typed schema.
+
+A recipe is one experiment. It is read from YAML, may inherit from another file with ``base: other.yaml``
+(paths relative to the file that names them; the child's keys win, nested mappings merge), takes
+``--set a.b=value`` overrides (values parsed as YAML), and is validated against the dataclasses below:
+unknown keys, wrong types and out-of-range values raise :class:`RecipeError` with one sentence that names
+the key and says what is allowed. The resolved recipe is written into the run folder as ``recipe.yaml``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe (file, base chain or override) is malformed; the message is one sentence for the user."""
+
+
+def _range(lo=None, hi=None, lo_open=False):
+    return {"lo": lo, "hi": hi, "lo_open": lo_open}
+
+
+@dataclass
+class AugmentConfig:
+    shift: int = field(default=2, metadata=_range(0, 64))  # random translation by up to +-shift pixels (zero pad)
+    hflip: bool = True  # random horizontal flip with probability 1/2
+
+
+@dataclass
+class DataConfig:
+    source: Literal["fashion_mnist", "hub", "imagefolder", "parquet"] = "fashion_mnist"
+    name: Optional[str] = None  # hub data set name (e.g. cifar10) when source=hub
+    path: Optional[str] = None  # folder for imagefolder/parquet (or the Fashion-MNIST folder)
+    train_split: str = "train"
+    eval_split: str = "test"
+    image_column: Optional[str] = None  # default: the first Image feature, else 'image' or 'img'
+    label_column: Optional[str] = None  # default: the first ClassLabel feature, else 'label'
+    img_size: int = field(default=28, metadata=_range(8, 1024))
+    in_chans: int = field(default=1, metadata=_range(1, 4))
+    probe_train_size: int = field(default=2000, metadata=_range(0))  # seeded, class-balanced part of train
+    analysis_size: int = field(default=1024, metadata=_range(0))  # fixed, seeded, class-balanced part of eval
+    eval_size: Optional[int] = field(default=None, metadata=_range(1))  # None: the whole eval split
+    train_size: Optional[int] = field(default=None, metadata=_range(1))  # None: the whole train split
+    num_workers: int = field(default=0, metadata=_range(0, 64))
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["vit", "resnet"] = "vit"
+    patch_size: int = field(default=4, metadata=_range(1, 64))
+    depth: int = field(default=6, metadata=_range(1, 64))
+    embed_dim: int = field(default=96, metadata=_range(8, 8192))
+    num_heads: int = field(default=4, metadata=_range(1, 128))
+    mlp_ratio: float = field(default=2.0, metadata=_range(0.0, 64.0, lo_open=True))
+    head: Literal["cls", "gap"] = "cls"
+    drop_path: float = field(default=0.0, metadata=_range(0.0, 1.0))
+    # ResNet baseline (timm ResNet, BasicBlock): blocks per stage and the widths of the stages
+    resnet_layers: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
+    resnet_channels: list[int] = field(default_factory=lambda: [32, 64, 128, 256])
+    small_stem: bool = True  # 3x3 stride-1 stem without max-pool, for 28-32 px images
+
+
+@dataclass
+class TrainConfig:
+    steps: int = field(default=1000, metadata=_range(1))  # optimizer steps
+    batch_size: int = field(default=128, metadata=_range(1))  # per process, per micro-batch
+    grad_accum: int = field(default=1, metadata=_range(1, 1024))
+    lr: float = field(default=1e-3, metadata=_range(0.0, 10.0, lo_open=True))
+    min_lr: float = field(default=0.0, metadata=_range(0.0))
+    weight_decay: float = field(default=0.05, metadata=_range(0.0, 10.0))
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = field(default=100, metadata=_range(0))
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    grad_clip: float = field(default=1.0, metadata=_range(0.0))  # 0 disables clipping
+    label_smoothing: float = field(default=0.1, metadata=_range(0.0, 1.0))
+    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    eval_every: int = field(default=500, metadata=_range(0))  # 0: only at the end
+    eval_batch_size: int = field(default=500, metadata=_range(1))
+    checkpoint_every: int = field(default=500, metadata=_range(0))  # 0: only at the end
+    keep_last: int = field(default=3, metadata=_range(1))
+    log_every: int = field(default=10, metadata=_range(1))
+
+
+@dataclass
+class CallbackConfig:
+    name: str
+    every: Optional[int] = field(default=None, metadata=_range(1))  # None: at every checkpoint
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class NoSkipConfig:
+    """Remove the residual connection(s) of these blocks: x = f(norm(x)) instead of x + f(norm(x))."""
+
+    blocks: list[int] = field(default_factory=list)
+    where: Literal["attn", "mlp", "both"] = "both"
+
+
+@dataclass
+class DataSubsetConfig:
+    """Pretrain on a class-balanced, seeded, nested subset of the train split (give fraction or count)."""
+
+    fraction: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
+    count: Optional[int] = field(default=None, metadata=_range(1))
+    seed: int = field(default=0, metadata=_range(0))
+
+
+@dataclass
+class HeadMaskConfig:
+    """Zero the outputs of these attention heads of one block (an ablation)."""
+
+    block: int = field(default=0, metadata=_range(0))
+    heads: list[int] = field(default_factory=list)
+
+
+@dataclass
+class InterventionsConfig:
+    no_skip: Optional[NoSkipConfig] = None
+    data_subset: Optional[DataSubsetConfig] = None
+    head_mask: list[HeadMaskConfig] = field(default_factory=list)  # one mapping or a list of them
+
+
+@dataclass
+class RunConfig:
+    root: str = "runs"
+    name: Optional[str] = None  # default: recipe file name plus the overrides
+
+
+@dataclass
+class Recipe:
+    name: str = "recipe"
+    seed: int = field(default=0, metadata=_range(0))
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    callbacks: list[CallbackConfig] = field(default_factory=list)
+    interventions: InterventionsConfig = field(default_factory=InterventionsConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """sha256 (16 hex digits) of everything that changes what is trained (not the run folder's name)."""
+        d = self.to_dict()
+        d.pop("run")
+        d["callbacks"] = []  # callbacks observe; they do not change the weights
+        blob = json.dumps(d, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise RecipeError(f"recipe file '{path}' does not exist: pass the path of a YAML file such as recipes/default.yaml.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"recipe file '{path}' is not valid YAML{where}: fix the syntax there.") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe file '{path}' must hold a mapping of keys (data:, model:, train:, ...), not a {type(data).__name__}.")
+    return data
+
+
+def _merge(base: dict, child: dict) -> dict:
+    out = dict(base)
+    for k, v in child.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _load_chain(path: Path, seen: tuple = ()) -> dict:
+    path = path.resolve() if path.exists() else path
+    if path in seen:
+        raise RecipeError(f"recipe '{path}' inherits from itself through 'base:': remove the cycle.")
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise RecipeError(f"key 'base' in '{path}' must be a file name (str), got {type(base).__name__}.")
+    parent = _load_chain(path.parent / base, seen + (path,))
+    parent.pop("name", None)  # a recipe is named after its own file (or its own 'name:'), not its base's
+    return _merge(parent, data)
+
+
+def _set_override(d: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise RecipeError(f"override '{assignment}' must look like key.sub=value (e.g. train.steps=200).")
+    key, raw = assignment.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    cur = d
+    for p in parts[:-1]:
+        nxt = cur.get(p)
+        if nxt is None:
+            nxt = cur[p] = {}
+        if not isinstance(nxt, dict):
+            raise RecipeError(f"override '{assignment}': '{p}' is not a section, so it has no key '{parts[-1]}'.")
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp, key: str):
+    origin = typing.get_origin(tp)
+    bad = RecipeError(f"key '{key}' must be {_type_name(tp)}, got {value!r}.")
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        real = [a for a in args if a is not type(None)]
+        if len(real) == 1:  # Optional[X]: X's own, more precise message
+            return _convert(value, real[0], key)
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key)
+            except RecipeError:
+                pass
+        raise bad
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise bad
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, dict) and dataclasses.is_dataclass(item):
+            value = [value]  # one mapping where a list of them is expected
+        if not isinstance(value, list):
+            raise bad
+        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if tp is CallbackConfig and isinstance(value, str):
+            value = {"name": value}
+        if not isinstance(value, dict):
+            raise bad
+        return _build(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if tp is dict:
+        if isinstance(value, dict):
+            return value
+        raise bad
+    raise TypeError(f"unsupported schema type {tp} for {key}")  # a bug in the schema, not in the recipe
+
+
+def _check_range(value, meta: dict, key: str) -> None:
+    if not meta or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    lo, hi, lo_open = meta.get("lo"), meta.get("hi"), meta.get("lo_open")
+    ok = (lo is None or (value > lo if lo_open else value >= lo)) and (hi is None or value <= hi)
+    if not ok:
+        lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
+        hi_s = "" if hi is None else f"<= {hi}"
+        raise RecipeError(f"key '{key}' is {value}, out of range: it must be {' and '.join(s for s in (lo_s, hi_s) if s)}.")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if cls is CallbackConfig:  # extra keys of a callback entry are its options
+        data = dict(data)
+        opts = {k: data.pop(k) for k in list(data) if k not in fields}
+        data.setdefault("options", {})
+        if isinstance(data["options"], dict):
+            data["options"] = {**data["options"], **opts}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in fields:
+            allowed = ", ".join(sorted(fields))
+            raise RecipeError(f"unknown key '{key}': allowed keys here are {allowed}.")
+        kwargs[k] = _convert(v, hints[k], key)
+        _check_range(kwargs[k], fields[k].metadata, key)
+    for name, f in fields.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise RecipeError(f"key '{prefix + '.' if prefix else ''}{name}' is required.")
+    return cls(**kwargs)
+
+
+def _cross_checks(r: Recipe) -> None:
+    m, d, t = r.model, r.data, r.train
+    if m.arch == "vit":
+        if d.img_size % m.patch_size:
+            raise RecipeError(f"key 'model.patch_size' ({m.patch_size}) must divide 'data.img_size' ({d.img_size}).")
+        if m.embed_dim % m.num_heads:
+            raise RecipeError(f"key 'model.num_heads' ({m.num_heads}) must divide 'model.embed_dim' ({m.embed_dim}).")
+    if m.arch == "resnet":
+        if not m.resnet_layers or len(m.resnet_layers) != len(m.resnet_channels):
+            raise RecipeError("keys 'model.resnet_layers' and 'model.resnet_channels' must be non-empty lists of the same length.")
+        if any(v < 1 for v in m.resnet_layers + m.resnet_channels):
+            raise RecipeError("keys 'model.resnet_layers' and 'model.resnet_channels' must hold positive integers.")
+    if d.source == "hub" and not d.name:
+        raise RecipeError("key 'data.name' must name a Hugging Face hub data set (e.g. cifar10) when data.source is 'hub'.")
+    if d.source in ("imagefolder", "parquet") and not d.path:
+        raise RecipeError(f"key 'data.path' must give a folder when data.source is '{d.source}'.")
+    if t.min_lr > t.lr:
+        raise RecipeError(f"key 'train.min_lr' ({t.min_lr}) must not exceed 'train.lr' ({t.lr}).")
+    if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
+        raise RecipeError(f"key 'train.betas' must be two numbers in [0, 1), got {t.betas}.")
+    from train.callbacks import known_callbacks
+
+    known = known_callbacks()
+    for i, cb in enumerate(r.callbacks):
+        if cb.name not in known:
+            raise RecipeError(f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback: choose one of {', '.join(sorted(known))}.")
+    from interventions import validate_interventions
+
+    validate_interventions(r)
+
+
+def from_dict(data: dict, name: str = "recipe") -> Recipe:
+    data = dict(data)
+    data.setdefault("name", name)
+    recipe = _build(Recipe, data)
+    _cross_checks(recipe)
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple = ()) -> Recipe:
+    """Read ``path`` (following ``base:``), apply ``key=value`` overrides, validate; raise RecipeError."""
+    path = Path(path)
+    data = _load_chain(path)
+    for o in overrides:
+        _set_override(data, o)
+    return from_dict(data, name=path.stem)
+
+
+def run_name(recipe: Recipe, overrides: list[str] | tuple = ()) -> str:
+    """``<recipe name>[-<overrides>]`` with characters that are awkward in folder names replaced."""
+    if recipe.run.name:
+        return recipe.run.name
+    parts = [recipe.name] + [o for o in overrides if not o.startswith("run.")]
+    s = "-".join(parts)
+    keep = "".join(c if c.isalnum() or c in "._-" else "_" for c in s)
+    return keep[:200]
+
+
+def dump(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Dotted keys; lists and None stringified (what TensorBoard hparams accept)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key))
+        elif isinstance(v, (bool, int, float, str)):
+            out[key] = v
+        else:
+            out[key] = json.dumps(v, default=str)
+    return out

@@ -1,0 +1,311 @@
+"""The Accelerate training loop: recipe -> data -> model -> steps -> eval, checkpoints, callbacks, TensorBoard.
+
+Exact resume: the data order of epoch e comes from (seed, e) alone (:class:`train.data.EpochBatchSampler`),
+torch's RNG is reseeded from (seed, step, rank) before every optimizer step (augmentation, dropout), and the
+learning rate is a pure function of the step, so N steps + resume + N steps equals 2N steps bit for bit.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from train.checkpoint import CheckpointError, list_checkpoints, resolve_resume, save_checkpoint, verify_checkpoint
+from train.recipe import Recipe, RecipeError, dump, flatten, run_name
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient became NaN/inf; training stopped without writing a checkpoint."""
+
+
+class RunExists(RuntimeError):
+    """The run folder already holds checkpoints and --resume was not given."""
+
+
+def lr_at(step: int, t) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up from lr/warmup to lr over
+    ``warmup_steps`` (at most ``steps``), then cosine or linear decay to ``min_lr`` at ``steps`` (or constant)."""
+    warmup = min(t.warmup_steps, t.steps)
+    if warmup and step < warmup:
+        return t.lr * (step + 1) / warmup
+    if t.schedule == "constant":
+        return t.lr
+    progress = min(1.0, (step - warmup) / max(1, t.steps - warmup))
+    if t.schedule == "cosine":
+        return t.min_lr + (t.lr - t.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return t.min_lr + (t.lr - t.min_lr) * (1.0 - progress)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step) * 4096 + rank
+
+
+def make_accelerator(recipe: Recipe, run_dir: Path | None = None, log: bool = True):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    kwargs = {}
+    if run_dir is not None and log:
+        kwargs = {"log_with": "tensorboard", "project_config": ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir))}
+    acc = Accelerator(mixed_precision=recipe.train.mixed_precision, step_scheduler_with_optimizer=False, **kwargs)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if acc.num_processes != world:
+        raise RuntimeError(
+            f"accelerate sees {acc.num_processes} process(es) but WORLD_SIZE is {world}: on CPU launch with "
+            "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N (see README)."
+        )
+    return acc
+
+
+def eval_loader(split, batch_size: int, num_workers: int = 0):
+    from train.data import batch_collate
+
+    return torch.utils.data.DataLoader(split.dataset(), batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=batch_collate)
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader, data, num_classes: int) -> dict:
+    """Top-1 and loss over the whole eval split, exact under any number of processes
+    (``gather_for_metrics`` drops the padding that evens out the last batch)."""
+    from torchmetrics.classification import MulticlassAccuracy
+
+    was_training = model.training
+    model.eval()
+    metric = MulticlassAccuracy(num_classes=num_classes, average="micro", sync_on_compute=False).to(accelerator.device)
+    loss_sum, n = 0.0, 0
+    for x, y in loader:
+        logits = model(data.normalize(x)).float()
+        logits, y = accelerator.gather_for_metrics((logits, y))
+        metric.update(logits, y)
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+        n += len(y)
+    model.train(was_training)
+    return {"top1": float(metric.compute()), "loss": loss_sum / max(n, 1), "n": n}
+
+
+def _write_hparams(writer, recipe: Recipe, extra: dict) -> None:
+    """HParams into the run's own events file (SummaryWriter.add_hparams would open a second folder)."""
+    from torch.utils.tensorboard.summary import hparams
+
+    hp = flatten({**recipe.to_dict(), **extra})
+    exp, ssi, sei = hparams(hp, {"eval/top1": 0.0})
+    for s in (exp, ssi, sei):
+        writer.file_writer.add_summary(s)
+
+
+def prepare_run(recipe: Recipe, overrides=(), resume: bool | str = False) -> tuple[Path, Path | None, dict]:
+    """Decide the run folder and the checkpoint to resume from, before anything is written.
+
+    Raises RunExists (checkpoints there, no --resume), RecipeError (resume with a different recipe),
+    CheckpointError (a corrupted checkpoint)."""
+    run_dir = Path(recipe.run.root) / run_name(recipe, overrides)
+    ckpt_root = run_dir / "checkpoints"
+    start, meta = None, {}
+    if not resume:
+        if list_checkpoints(ckpt_root, warn=False):
+            last = list_checkpoints(ckpt_root, warn=False)[-1].name
+            raise RunExists(f"run folder {run_dir} already holds checkpoints (latest {last}): pass --resume to continue it, or --name NEW to start another run.")
+    else:
+        start = resolve_resume(ckpt_root, resume if isinstance(resume, str) else None)
+        if start is not None:
+            meta = verify_checkpoint(start)
+            if meta.get("recipe_hash") != recipe.hash():
+                saved = run_dir / "recipe.yaml"
+                diff = ""
+                if saved.is_file():
+                    import yaml
+
+                    old, new = flatten(yaml.safe_load(saved.read_text())), flatten(recipe.to_dict())
+                    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and not k.startswith(("run.", "callbacks")))
+                    diff = f" (keys that differ: {', '.join(keys[:6])})" if keys else ""
+                raise RecipeError(f"cannot resume {start}: it was trained with a different recipe{diff}; resume with the same recipe and overrides, or start a new run with --name.")
+    return run_dir, start, meta
+
+
+def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bool = True) -> dict:
+    """Train ``recipe``; return a summary dict (final step, eval top-1, wall time, run folder)."""
+    from accelerate.utils import set_seed
+
+    from interventions import describe
+    from train.callbacks import TrainContext, build_callbacks
+    from train.data import EpochBatchSampler, augment, batch_collate, build_data
+    from train.models import build_model
+
+    t_start = time.perf_counter()
+    run_dir, start_ckpt, start_meta = prepare_run(recipe, overrides, resume)
+    if start_meta.get("final"):
+        return {"run_dir": str(run_dir), "step": start_meta["step"], "top1": start_meta.get("eval", {}).get("top1"), "already_finished": True}
+    callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
+    acc = make_accelerator(recipe, run_dir)
+    main = acc.is_main_process
+    t = recipe.train
+
+    set_seed(recipe.seed)
+    data = build_data(recipe)
+    model = build_model(recipe, data.num_classes)
+    import timm.optim
+
+    opt = timm.optim.create_optimizer_v2(model, opt="adamw", lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
+    sampler = EpochBatchSampler(len(data.train), t.batch_size, recipe.seed, acc.process_index, acc.num_processes)
+    train_loader = torch.utils.data.DataLoader(
+        data.train.dataset(), batch_sampler=sampler, num_workers=recipe.data.num_workers, collate_fn=batch_collate,
+        pin_memory=acc.device.type == "cuda", persistent_workers=False,
+    )
+    ev_loader = eval_loader(data.eval, t.eval_batch_size, recipe.data.num_workers)
+    model, opt, ev_loader = acc.prepare(model, opt, ev_loader)
+
+    step = 0
+    if start_ckpt is not None:
+        try:
+            acc.load_state(str(start_ckpt))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint {start_ckpt} cannot be loaded into this model ({type(e).__name__}: {str(e)[:160]}).") from None
+        step = int(start_meta["step"])
+
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "recipe.yaml").write_text(dump(recipe))
+    acc.wait_for_everyone()
+    acc.init_trackers("tb", init_kwargs={"tensorboard": {"purge_step": step + 1}} if step else {})  # drop events after the checkpoint
+    writer = acc.get_tracker("tensorboard", unwrap=True) if main else None
+    global_batch = t.batch_size * t.grad_accum * acc.num_processes
+    run_info = {
+        "recipe_hash": recipe.hash(), "interventions": describe(recipe), "data": data.meta,
+        "num_processes": acc.num_processes, "global_batch": global_batch, "num_classes": data.num_classes,
+    }
+    if main and step == 0:
+        _write_hparams(writer, recipe, {"run": {k: v for k, v in run_info.items() if k != "interventions"}})
+
+    def log(values: dict, at: int) -> None:
+        acc.log({k: float(v) for k, v in values.items()}, step=at)
+
+    unwrapped = acc.unwrap_model(model)
+    ctx = TrainContext(acc, unwrapped, recipe, data, run_dir, step=step, writer=writer, log=log)
+    cb_time = callbacks.on_train_start(ctx)
+    if cb_time:
+        log({"time/callbacks_s": cb_time}, step)
+
+    G, bpe = t.grad_accum, sampler.batches_per_epoch()
+    aug = recipe.data.augment
+    last_eval: dict = {}
+    interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0}
+    bar = None
+    if progress and main:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=t.steps, initial=step, desc=run_dir.name, dynamic_ncols=True)
+
+    def checkpoint(final: bool) -> None:
+        nonlocal last_eval
+        t0 = time.perf_counter()
+        meta = {**run_info, "epoch": (step * G) // bpe, "final": final, "eval": last_eval, "time": time.time()}
+        path = save_checkpoint(acc, run_dir / "checkpoints", step, meta, t.keep_last)
+        log({"time/checkpoint_s": time.perf_counter() - t0}, step)
+        ctx.step, ctx.checkpoint_dir = step, path
+        dt = callbacks.on_checkpoint(ctx)
+        if dt:
+            log({"time/callbacks_s": dt}, step)
+
+    def run_eval() -> None:
+        nonlocal last_eval
+        t0 = time.perf_counter()
+        last_eval = evaluate(acc, model, ev_loader, data, data.num_classes)
+        log({"eval/top1": last_eval["top1"], "eval/loss": last_eval["loss"], "time/eval_s": time.perf_counter() - t0}, step)
+
+    model.train()
+    while step < t.steps:
+        micro = step * G
+        epoch, offset = divmod(micro, bpe)
+        sampler.set_epoch(epoch, offset)
+        it = iter(train_loader)
+        while step < t.steps:
+            t0 = time.perf_counter()
+            torch.manual_seed(step_seed(recipe.seed, step, acc.process_index))
+            lr = lr_at(step, t)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss_acc = 0.0
+            exhausted = False
+            for k in range(G):
+                try:
+                    x, y = next(it)
+                except StopIteration:  # epoch boundary inside an accumulation window
+                    epoch += 1
+                    sampler.set_epoch(epoch, 0)
+                    it = iter(train_loader)
+                    x, y = next(it)
+                    exhausted = True
+                x = x.to(acc.device, non_blocking=True)
+                y = y.to(acc.device, non_blocking=True)
+                x = data.normalize(augment(x, aug.shift, aug.hflip))
+                sync = contextlib.nullcontext() if k == G - 1 else acc.no_sync(model)
+                with sync:
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.float(), y, label_smoothing=t.label_smoothing)
+                    acc.backward(loss / G)
+                loss_acc += loss.detach()
+            max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+            grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+            if recipe.train.mixed_precision != "fp16" and not torch.isfinite(grad_norm):
+                opt.zero_grad(set_to_none=True)
+                done = list_checkpoints(run_dir / "checkpoints", warn=False)
+                keep = f"the last good checkpoint is {done[-1]}" if done else "no checkpoint had been written yet"
+                if bar is not None:
+                    bar.close()
+                acc.end_training()
+                raise TrainingDiverged(
+                    f"training diverged at step {step + 1}: the loss/gradient became {float(grad_norm)} ({keep}); "
+                    "lower train.lr, raise train.warmup_steps or set train.grad_clip, then resume or start again."
+                )
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            interval["loss"] += loss_acc / G
+            interval["n"] += 1
+            interval["time"] += time.perf_counter() - t0
+            interval["images"] += global_batch
+            if bar is not None:
+                bar.update(1)
+
+            if step % t.log_every == 0 or step == t.steps:
+                mean_loss = acc.reduce(interval["loss"] / interval["n"], reduction="mean")
+                if not torch.isfinite(mean_loss):
+                    raise TrainingDiverged(f"training diverged at step {step}: the mean loss is {float(mean_loss)}; lower train.lr and start again.")
+                ips = interval["images"] / max(interval["time"], 1e-9)
+                log({"train/loss": mean_loss, "train/lr": lr, "train/throughput_img_s": ips, "train/grad_norm": grad_norm,
+                     "train/epoch": step * G / bpe}, step)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{float(mean_loss):.3f}", lr=f"{lr:.2e}", img_s=f"{ips:.0f}", top1=last_eval.get("top1", float("nan")))
+                interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0}
+            ctx.step, ctx.epoch, ctx.checkpoint_dir = step, step * G // bpe, None
+            dt = callbacks.on_step_end(ctx)
+            if dt:
+                log({"time/callbacks_s": dt}, step)
+            final = step == t.steps
+            if final or (t.eval_every and step % t.eval_every == 0):
+                run_eval()
+            if final or (t.checkpoint_every and step % t.checkpoint_every == 0):
+                checkpoint(final)
+            if exhausted:
+                break  # restart the outer loop so the sampler position is recomputed from the step
+
+    ctx.step = step
+    dt = callbacks.on_train_end(ctx)
+    if dt:
+        log({"time/callbacks_s": dt}, step)
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - t_start
+    summary = {"run_dir": str(run_dir), "step": step, "top1": last_eval.get("top1"), "eval_loss": last_eval.get("loss"),
+               "wall_s": wall, "num_processes": acc.num_processes}
+    if main:
+        (run_dir / "result.json").write_text(json.dumps(summary, indent=1))
+    acc.wait_for_everyone()
+    acc.end_training()
+    return summary
