@@ -2,6 +2,7 @@
 # vitlab's one entry point.
 #   ./launch.sh [RECIPE.yaml] [--set key=value ...] [--resume]   set up, then train (default recipes/default.yaml)
 #   ./launch.sh test [pytest args]                                set up, then run the tests
+#   ./launch.sh sweep RECIPE --grid key=v1,v2 [--grid ...]        one run per combination (resumable)
 # Set-up (every command): create .venv if missing, install the project (pip install -e '.[dev]') when
 # pyproject.toml changed, install Debian's dataset-fashion-mnist if /usr/share/datasets/fashion-mnist is missing.
 # Multi-process on CPU: VITLAB_NPROC=2 ./launch.sh ...; on GPUs run 'accelerate config' once and it is used.
@@ -58,6 +59,11 @@ case "$cmd" in
         ;;
     setup)
         setup
+        ;;
+    sweep)
+        shift
+        setup
+        exec "$VENV/bin/python" -m train.sweep "$@"
         ;;
     *)
         setup

@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -55,7 +57,9 @@ def describe(recipe) -> dict:
 # ---------------------------------------------------------------- no skip connection at block i
 
 
+@functools.cache
 def _block_cls():
+    """(timm Block, NoSkipBlock), built once on first use so that importing this package stays torch-light."""
     from timm.models.vision_transformer import Block
 
     class NoSkipBlock(Block):

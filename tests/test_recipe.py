@@ -22,6 +22,8 @@ def test_every_shipped_recipe_validates():
 def test_base_inheritance_and_overrides(tmp_path):
     (tmp_path / "parent.yaml").write_text("model: {depth: 4, embed_dim: 64}\ntrain: {steps: 100, lr: 0.002}\n")
     (tmp_path / "child.yaml").write_text("base: parent.yaml\nmodel: {depth: 3}\n")
+    r = load_recipe(tmp_path / "child.yaml", ["train.steps=7", "model.head=gap", "train.betas=[0.9, 0.95]", "train.mixed_precision=no"])
+    assert r.train.mixed_precision == "no"  # YAML's boolean 'no' is read as the choice 'no'
     r = load_recipe(tmp_path / "child.yaml", ["train.steps=7", "model.head=gap", "train.betas=[0.9, 0.95]"])
     assert (r.model.depth, r.model.embed_dim, r.model.head) == (3, 64, "gap")
     assert (r.train.steps, r.train.lr, r.train.betas) == (7, 0.002, [0.9, 0.95])
@@ -69,6 +71,7 @@ MALFORMED = [
     ("{}\n", ["train.steps"], ["override", "key.sub=value"]),
     ("{}\n", ["train.steps.x=3"], ["key 'train.steps' must be int"]),
     ("{}\n", ["model.arch=transformer"], ["model.arch", "'vit'", "'resnet'"]),
+    ("model: {arch: resnet, resnet_layers: [1, 1]}\n", [], ["model.resnet_layers", "4"]),
 ]
 
 

@@ -97,17 +97,18 @@ class Callback:
 
 
 class CallbackList:
-    """Dispatches hooks with each callback's cadence and measures the seconds spent in them."""
+    """Dispatches hooks with each callback's cadence; each dispatch returns the seconds spent (0.0 if none ran)."""
 
     def __init__(self, callbacks: list[Callback]):
         self.callbacks = callbacks
 
     def _run(self, hook: str, ctx: TrainContext, due: Callable[[Callback], bool]) -> float:
-        t0 = time.perf_counter()
+        t0, ran = time.perf_counter(), False
         for cb in self.callbacks:
             if due(cb):
                 getattr(cb, hook)(ctx)
-        return time.perf_counter() - t0 if self.callbacks else 0.0
+                ran = True
+        return time.perf_counter() - t0 if ran else 0.0
 
     def on_train_start(self, ctx):
         return self._run("on_train_start", ctx, lambda cb: True)

@@ -52,10 +52,9 @@ def build_resnet(m, in_chans: int, num_classes: int) -> nn.Module:
         channels=tuple(m.resnet_channels),
         in_chans=in_chans,
         num_classes=num_classes,
-        stem_width=m.resnet_channels[0],
         drop_path_rate=m.drop_path,
     )
     if m.small_stem:
-        model.conv1 = nn.Conv2d(in_chans, m.resnet_channels[0], kernel_size=3, stride=1, padding=1, bias=False)
+        model.conv1 = nn.Conv2d(in_chans, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     return model

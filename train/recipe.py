@@ -145,6 +145,8 @@ class Recipe:
     callbacks: list[CallbackConfig] = field(default_factory=list)
     interventions: InterventionsConfig = field(default_factory=InterventionsConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # ./launch.sh sweep without --grid uses this grid: {dotted key: [value, ...]}, one run per combination
+    sweep: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -153,6 +155,7 @@ class Recipe:
         """sha256 (16 hex digits) of everything that changes what is trained (not the run folder's name)."""
         d = self.to_dict()
         d.pop("run")
+        d.pop("sweep")
         d["callbacks"] = []  # callbacks observe; they do not change the weights
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
@@ -251,7 +254,10 @@ def _convert(value: Any, tp, key: str):
                 pass
         raise bad
     if origin is Literal:
-        if value in typing.get_args(tp):
+        if isinstance(value, bool):  # YAML 1.1 reads no/off/yes/on as booleans
+            spelled = {"no", "off", "false"} if not value else {"yes", "on", "true"}
+            value = next((a for a in typing.get_args(tp) if str(a).lower() in spelled), value)
+        if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
         raise bad
     if origin is list:
@@ -332,8 +338,8 @@ def _cross_checks(r: Recipe) -> None:
         if m.embed_dim % m.num_heads:
             raise RecipeError(f"key 'model.num_heads' ({m.num_heads}) must divide 'model.embed_dim' ({m.embed_dim}).")
     if m.arch == "resnet":
-        if not m.resnet_layers or len(m.resnet_layers) != len(m.resnet_channels):
-            raise RecipeError("keys 'model.resnet_layers' and 'model.resnet_channels' must be non-empty lists of the same length.")
+        if len(m.resnet_layers) != 4 or len(m.resnet_channels) != 4:
+            raise RecipeError("keys 'model.resnet_layers' and 'model.resnet_channels' must each list 4 numbers (timm ResNets have 4 stages).")
         if any(v < 1 for v in m.resnet_layers + m.resnet_channels):
             raise RecipeError("keys 'model.resnet_layers' and 'model.resnet_channels' must hold positive integers.")
     if d.source == "hub" and not d.name:
@@ -350,6 +356,9 @@ def _cross_checks(r: Recipe) -> None:
     for i, cb in enumerate(r.callbacks):
         if cb.name not in known:
             raise RecipeError(f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback: choose one of {', '.join(sorted(known))}.")
+    for k, v in r.sweep.items():
+        if not isinstance(v, list) or not v:
+            raise RecipeError(f"key 'sweep.{k}' must be a non-empty list of values to try.")
     from interventions import validate_interventions
 
     validate_interventions(r)

@@ -201,16 +201,14 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
 
         bar = tqdm(total=t.steps, initial=step, desc=run_dir.name, dynamic_ncols=True)
 
-    def checkpoint(final: bool) -> None:
-        nonlocal last_eval
+    def checkpoint(final: bool) -> float:
+        """Save, then run the checkpoint callbacks; returns the seconds spent in callbacks."""
         t0 = time.perf_counter()
         meta = {**run_info, "epoch": (step * G) // bpe, "final": final, "eval": last_eval, "time": time.time()}
         path = save_checkpoint(acc, run_dir / "checkpoints", step, meta, t.keep_last)
         log({"time/checkpoint_s": time.perf_counter() - t0}, step)
         ctx.step, ctx.checkpoint_dir = step, path
-        dt = callbacks.on_checkpoint(ctx)
-        if dt:
-            log({"time/callbacks_s": dt}, step)
+        return callbacks.on_checkpoint(ctx)
 
     def run_eval() -> None:
         nonlocal last_eval
@@ -284,14 +282,14 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
                     bar.set_postfix(loss=f"{float(mean_loss):.3f}", lr=f"{lr:.2e}", img_s=f"{ips:.0f}", top1=last_eval.get("top1", float("nan")))
                 interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0}
             ctx.step, ctx.epoch, ctx.checkpoint_dir = step, step * G // bpe, None
-            dt = callbacks.on_step_end(ctx)
-            if dt:
-                log({"time/callbacks_s": dt}, step)
+            cb_dt = callbacks.on_step_end(ctx)
             final = step == t.steps
             if final or (t.eval_every and step % t.eval_every == 0):
                 run_eval()
             if final or (t.checkpoint_every and step % t.checkpoint_every == 0):
-                checkpoint(final)
+                cb_dt += checkpoint(final)
+            if cb_dt:
+                log({"time/callbacks_s": cb_dt}, step)
             if exhausted:
                 break  # restart the outer loop so the sampler position is recomputed from the step
 

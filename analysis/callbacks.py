@@ -1,0 +1,56 @@
+"""Training-time analysis callbacks (names for a recipe's ``callbacks:`` list).
+
+``analysis_suite`` runs CKA, norm ratios, attention distances and few-shot probes in one pass over the
+analysis split at each checkpoint (or every N steps); ``cka``, ``norm_ratio``, ``attention_distance`` and
+``fewshot_probe`` run one measurement each. Options: ``batch_size`` (analysis minibatch, >= 4), ``cka_repr``
+(flatten | cls | mean_spatial), ``shots``, ``seeds``. Results go to TensorBoard and to
+``runs/<name>/analysis/step_XXXXXXX/`` (npz arrays, summary.json, PNG figures); offline analysis
+(``python -m analysis``) calls the same :func:`analysis.suite.run_suite`.
+"""
+from __future__ import annotations
+
+from train.callbacks import Callback
+
+
+class AnalysisSuiteCallback(Callback):
+    measures: tuple = ("cka", "norm_ratio", "attention_distance", "fewshot_probe")
+
+    def __init__(self, every: int | None = None, batch_size: int = 256, cka_repr: str = "flatten", shots: int = 10,
+                 seeds: list | tuple = (0, 1, 2), figures: bool = True):
+        super().__init__(every)
+        from analysis.suite import SuiteOptions
+
+        if batch_size < 4:
+            raise TypeError("batch_size must be >= 4 for minibatch CKA")
+        self.opts = SuiteOptions(measures=self.measures, batch_size=batch_size, cka_repr=cka_repr, probe_shots=shots,
+                                 probe_seeds=tuple(seeds))
+        self.figures = figures
+
+    def _run(self, ctx) -> None:
+        from analysis.suite import publish, run_suite
+
+        res = run_suite(ctx.model, ctx.data, self.opts, ctx.accelerator)
+        if ctx.accelerator.is_main_process:
+            publish(res, ctx.run_dir / "analysis" / f"step_{ctx.step:07d}", ctx.writer, ctx.step, figures=self.figures)
+
+    def on_checkpoint(self, ctx) -> None:
+        self._run(ctx)
+
+    def on_step_end(self, ctx) -> None:
+        self._run(ctx)
+
+
+class CKACallback(AnalysisSuiteCallback):
+    measures = ("cka",)
+
+
+class NormRatioCallback(AnalysisSuiteCallback):
+    measures = ("norm_ratio",)
+
+
+class AttentionDistanceCallback(AnalysisSuiteCallback):
+    measures = ("attention_distance",)
+
+
+class FewShotProbeCallback(AnalysisSuiteCallback):
+    measures = ("fewshot_probe",)

@@ -1,0 +1,89 @@
+"""Figures of the analyses (matplotlib, Agg backend): each function returns a Figure for TensorBoard's
+``add_figure`` and for PNG files."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def cka_heatmap(m: np.ndarray, xlabels: list[str], ylabels: list[str] | None = None, title: str = "CKA",
+                xname: str = "layer", yname: str = "layer"):
+    """Raghu Fig. 1/2/8: CKA between every pair of layers (origin bottom-left, as in the paper)."""
+    fig, ax = plt.subplots(figsize=(5, 4.2))
+    im = ax.imshow(np.asarray(m), origin="lower", vmin=0, vmax=1, cmap="magma", aspect="auto")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    ylabels = ylabels if ylabels is not None else xlabels
+    step_x, step_y = max(1, len(xlabels) // 12), max(1, len(ylabels) // 12)
+    ax.set_xticks(range(0, len(xlabels), step_x), xlabels[::step_x], rotation=90, fontsize=6)
+    ax.set_yticks(range(0, len(ylabels), step_y), ylabels[::step_y], fontsize=6)
+    ax.set_xlabel(xname)
+    ax.set_ylabel(yname)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def norm_ratio_heatmap(ratio: np.ndarray, blocks: list[str], title: str, max_tokens: int = 16):
+    """Raghu Fig. 7 left / E.1: ||z|| / ||f(z)|| per token (rows; token 0 = CLS) and block (columns), log colour."""
+    r = np.asarray(ratio)[:, :max_tokens].T  # [tokens, blocks]
+    fig, ax = plt.subplots(figsize=(5, 4))
+    im = ax.imshow(np.log10(np.maximum(r, 1e-6)), origin="upper", aspect="auto", cmap="viridis")
+    cb = fig.colorbar(im, ax=ax, fraction=0.046)
+    cb.set_label("log10 norm ratio")
+    ax.set_xticks(range(len(blocks)), blocks, rotation=90, fontsize=6)
+    ax.set_ylabel("token (0 = CLS)" if title.endswith("cls") or "CLS" in title else "token")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def norm_ratio_lines(curves: dict[str, np.ndarray], title: str = "norm ratio ||z|| / ||f(z)||"):
+    """Raghu Fig. 7 right: norm ratio per block, e.g. {'attn CLS': [...], 'attn spatial': [...], ...}."""
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, v in curves.items():
+        ax.plot(range(len(v)), v, marker="o", ms=3, label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("block")
+    ax.set_ylabel("norm ratio")
+    ax.legend(fontsize=7)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def attention_distance_plot(dist: np.ndarray, title: str = "mean attention distance", unit: str = "pixels"):
+    """Raghu Fig. 3 / ViT Fig. 7 right: one dot per head at each block."""
+    d = np.asarray(dist)  # [blocks, heads]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for b in range(d.shape[0]):
+        ax.scatter(np.full(d.shape[1], b), d[b], s=12, c=np.arange(d.shape[1]), cmap="tab10", vmin=0, vmax=9)
+    ax.set_xlabel("block")
+    ax.set_ylabel(f"attention distance ({unit})")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def probe_plot(curves: dict[str, tuple[np.ndarray, np.ndarray]], title: str = "10-shot linear probe", chance: float | None = None):
+    """Raghu Fig. 11 right / 13: probe top-1 vs normalised depth; curves {name: (mean, std)}."""
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, (mean, std) in curves.items():
+        x = np.linspace(0, 1, len(mean)) if len(mean) > 1 else np.array([1.0])
+        ax.errorbar(x, mean, yerr=std, marker="o", ms=3, capsize=2, label=name)
+    if chance is not None:
+        ax.axhline(chance, color="grey", ls=":", lw=1, label="chance")
+    ax.set_xlabel("normalised depth")
+    ax.set_ylabel("top-1")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def save(fig, path) -> None:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

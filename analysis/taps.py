@@ -1,0 +1,164 @@
+"""Taps: named intermediate tensors of a timm ViT or ResNet, captured with forward hooks (no forks).
+
+ViT block i (``blocks.{i}.``), with z the residual stream and f the sublayer branches::
+
+    in           block input z_i                          (pre-hook on the block)
+    attn_branch  f_attn(norm1(z_i)), after ls1/drop_path1 (output of drop_path1)
+    attn_out     residual stream after the attention sublayer, z_i + f_attn (input of norm2)
+    mlp_hidden   MLP hidden activations                   (output of mlp.act)
+    mlp_branch   f_mlp(norm2(.)), after ls2/drop_path2    (output of drop_path2)
+    out          block output                             (output of the block)
+    attn_probs   attention probabilities [B, H, T, T]     (input of attn.attn_drop; fused attention is
+                 switched off on the probed blocks inside the context only)
+
+For a no-skip block (interventions.no_skip) ``attn_out`` is the branch alone, as the block computes it.
+ResNet residual block (``layer{s}.{j}.``): ``in`` (block input), ``branch`` (residual branch, output of its
+drop_path), ``shortcut`` (identity or downsample output) and ``out`` (block output, after the final act).
+
+Usage::
+
+    with Taps(model, ["blocks.0.out", "blocks.0.attn_probs"]) as cap:
+        model(x)
+    cap["blocks.0.out"]          # Tensor, detached
+
+Every requested tap must fire during the context, or TapError is raised at exit; hooks are always removed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+VIT_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "attn_probs")
+RESNET_KINDS = ("in", "branch", "shortcut", "out")
+
+
+class TapError(RuntimeError):
+    """A requested tap is unknown for this model or never fired."""
+
+
+def is_vit(model: nn.Module) -> bool:
+    return hasattr(model, "blocks") and hasattr(model, "patch_embed")
+
+
+def resnet_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """[("layer1.0", block), ...] in forward order."""
+    out = []
+    for s in range(1, 10):
+        layer = getattr(model, f"layer{s}", None)
+        if layer is None:
+            break
+        out += [(f"layer{s}.{j}", blk) for j, blk in enumerate(layer)]
+    return out
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The model's residual blocks in forward order: ``blocks.{i}`` (ViT) or ``layer{s}.{j}`` (ResNet)."""
+    if is_vit(model):
+        return [f"blocks.{i}" for i in range(len(model.blocks))]
+    blocks = resnet_blocks(model)
+    if not blocks:
+        raise TapError(f"taps understand timm VisionTransformer and ResNet models, not {type(model).__name__}.")
+    return [n for n, _ in blocks]
+
+
+def available_taps(model: nn.Module) -> list[str]:
+    kinds = VIT_KINDS if is_vit(model) else RESNET_KINDS
+    return [f"{b}.{k}" for b in block_names(model) for k in kinds]
+
+
+def grid_of(model: nn.Module) -> tuple[int, int]:
+    """Token grid (rows, cols) of a ViT."""
+    return tuple(model.patch_embed.grid_size)
+
+
+class Taps:
+    """Context manager capturing the named tensors (see the module docstring) of one or more forwards.
+
+    With ``accumulate=False`` (default) each tap keeps the tensor of the latest forward; with
+    ``accumulate=True`` it keeps a list of all of them. ``to`` moves captures (e.g. "cpu") as they arrive.
+    """
+
+    def __init__(self, model: nn.Module, names: list[str], accumulate: bool = False, to=None, dtype=None):
+        self.model, self.names, self.accumulate, self.to, self.dtype = model, list(names), accumulate, to, dtype
+        known = set(available_taps(model))
+        bad = [n for n in self.names if n not in known]
+        if bad:
+            raise TapError(f"unknown tap '{bad[0]}' for {type(model).__name__}: taps look like {sorted(known)[:3]} ... (see analysis/taps.py).")
+        self.captures: dict = {}
+        self._handles: list = []
+        self._fused: list = []
+
+    # -- storage
+    def _store(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach()
+        if self.dtype is not None:
+            t = t.to(self.dtype)
+        if self.to is not None:
+            t = t.to(self.to)
+        if self.accumulate:
+            self.captures.setdefault(name, []).append(t)
+        else:
+            self.captures[name] = t
+
+    def _out(self, name, clone: bool = False):
+        return lambda mod, args, out: self._store(name, out.clone() if clone else out)
+
+    def _in(self, name):
+        return lambda mod, args: self._store(name, args[0])
+
+    def __getitem__(self, name):
+        return self.captures[name]
+
+    # -- hooks
+    def __enter__(self) -> "Taps":
+        want: dict[str, set] = {}
+        for n in self.names:
+            blk, kind = n.rsplit(".", 1)
+            want.setdefault(blk, set()).add(kind)
+        modules = dict(self.model.named_modules())
+        reg = self._handles.append
+        for blk_name, kinds in want.items():
+            blk = modules[blk_name]
+            p = f"{blk_name}."
+            for kind in kinds:
+                name = p + kind
+                if kind == "in":
+                    reg(blk.register_forward_pre_hook(self._in(name)))
+                elif kind == "out":
+                    reg(blk.register_forward_hook(self._out(name)))
+                elif kind == "attn_branch":
+                    reg(blk.drop_path1.register_forward_hook(self._out(name)))
+                elif kind == "attn_out":
+                    reg(blk.norm2.register_forward_pre_hook(self._in(name)))
+                elif kind == "mlp_hidden":
+                    reg(blk.mlp.act.register_forward_hook(self._out(name)))
+                elif kind == "mlp_branch":
+                    reg(blk.drop_path2.register_forward_hook(self._out(name)))
+                elif kind == "attn_probs":
+                    attn = blk.attn
+                    self._fused.append((attn, attn.fused_attn))
+                    attn.fused_attn = False
+                    reg(attn.attn_drop.register_forward_pre_hook(self._in(name)))
+                elif kind == "branch":  # the branch's last module; cloned because the block adds the shortcut in place
+                    last = next(m for m in (getattr(blk, "drop_path", None), getattr(blk, "se", None), getattr(blk, "bn3", None),
+                                            getattr(blk, "bn2", None)) if isinstance(m, nn.Module))
+                    reg(last.register_forward_hook(self._out(name, clone=True)))
+                elif kind == "shortcut":
+                    if blk.downsample is not None:
+                        reg(blk.downsample.register_forward_hook(self._out(name)))
+                    else:
+                        reg(blk.register_forward_pre_hook(self._in(name)))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for attn, fused in self._fused:
+            attn.fused_attn = fused
+        self._fused.clear()
+        if exc_type is None:
+            missing = [n for n in self.names if n not in self.captures]
+            if missing:
+                raise TapError(f"tap '{missing[0]}' never fired during the forward pass: the model does not run that module "
+                               "(a changed block class, torch.compile, or no forward inside the context).")

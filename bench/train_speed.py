@@ -1,0 +1,107 @@
+"""Training-loop speed: vitlab's loop vs a bare timm + AdamW loop on the same model and batch, bf16 vs fp32.
+
+    .venv/bin/python bench/train_speed.py [--recipe recipes/default.yaml] [--steps 60] [--repeats 2]
+
+Both loops run the recipe's model at its batch size on Fashion-MNIST images in this one process, interleaved
+(bare, harness, bare, harness, ...) so that machine noise hits both alike; img/s excludes the first
+``warmup`` steps. Ratios are the figures to quote (this shared machine's absolute speed varies +-50%).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train.data import augment, build_data  # noqa: E402
+from train.models import build_model  # noqa: E402
+from train.recipe import load_recipe  # noqa: E402
+
+
+def bare_loop(recipe, data, steps: int, warmup: int, bf16: bool) -> float:
+    """timm model + AdamW + the same augmentation and loss, no Accelerate, no logging: img/s."""
+    import timm.optim
+
+    torch.manual_seed(0)
+    model = build_model(recipe, data.num_classes).train()
+    t = recipe.train
+    opt = timm.optim.create_optimizer_v2(model, opt="adamw", lr=t.lr, weight_decay=t.weight_decay)
+    bs, n = t.batch_size, len(data.train)
+    perm = torch.randperm(n)
+    t0 = None
+    for s in range(steps + warmup):
+        if s == warmup:
+            t0 = time.perf_counter()
+        idx = perm[(s * bs) % (n - bs):][:bs]
+        x = data.normalize(augment(data.train.images[idx], recipe.data.augment.shift, recipe.data.augment.hflip))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float(), data.train.labels[idx], label_smoothing=t.label_smoothing)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+    return steps * bs / (time.perf_counter() - t0)
+
+
+def harness_loop(recipe_path: str, steps: int, warmup: int, bf16: bool, root: str) -> float:
+    """vitlab's trainer for warmup+steps steps (no eval, one final checkpoint): the logged img/s after warm-up."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from train.trainer import train
+
+    log = steps
+    ov = [f"train.steps={warmup + steps}", f"train.log_every={warmup}", "train.eval_every=0", "train.checkpoint_every=0",
+          f"train.mixed_precision={'bf16' if bf16 else 'no'}", f"run.root={root}", f"run.name=h{time.time_ns()}", "data.eval_size=500"]
+    r = load_recipe(recipe_path, ov)
+    r.train.log_every = warmup if warmup and steps % warmup == 0 else log
+    out = train(r, progress=False)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(Path(out["run_dir"]) / "tb"), size_guidance={"scalars": 0})
+    ea.Reload()
+    vals = [e.value for e in ea.Scalars("train/throughput_img_s") if e.step > warmup]
+    return statistics.mean(vals)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--recipe", default="recipes/default.yaml")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    recipe = load_recipe(args.recipe)
+    data = build_data(recipe)
+    res = {k: [] for k in ("bare_bf16", "harness_bf16", "bare_fp32", "harness_fp32")}
+    with tempfile.TemporaryDirectory() as root:
+        for _ in range(args.repeats):
+            for bf16 in (True, False):
+                tag = "bf16" if bf16 else "fp32"
+                res[f"bare_{tag}"].append(bare_loop(recipe, data, args.steps, args.warmup, bf16))
+                res[f"harness_{tag}"].append(harness_loop(args.recipe, args.steps, args.warmup, bf16, root))
+                print({k: [round(v, 1) for v in vs] for k, vs in res.items()}, flush=True)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    summary = {
+        "img_s": {k: round(v, 1) for k, v in med.items()},
+        "harness_over_bare_bf16": round(med["harness_bf16"] / med["bare_bf16"], 3),
+        "harness_over_bare_fp32": round(med["harness_fp32"] / med["bare_fp32"], 3),
+        "bf16_over_fp32_harness": round(med["harness_bf16"] / med["harness_fp32"], 3),
+        "bf16_over_fp32_bare": round(med["bare_bf16"] / med["bare_fp32"], 3),
+        "threads": torch.get_num_threads(), "recipe": args.recipe, "batch": recipe.train.batch_size, "steps": args.steps,
+    }
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

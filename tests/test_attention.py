@@ -1,0 +1,185 @@
+"""Mean attention distance per head: known answers, prefix handling, units, accumulation and the sum-reduced sync."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from analysis.attention import AttentionDistance, attention_distance, grid_distances
+
+
+def _self_attention(batch, heads, grid, prefix):
+    n = grid[0] * grid[1]
+    attn = torch.zeros(batch, heads, prefix + n, prefix + n)
+    attn[:, :, :prefix, 0] = 1.0  # prefix rows: anything, they are dropped as queries
+    attn[:, :, prefix:, prefix:] = torch.eye(n)
+    return attn
+
+
+def _reference_mean_pairwise(grid, patch):
+    """Mean over all ordered (q, k) spatial pairs, self pairs included, of the Euclidean pixel distance."""
+    pos = [(r * patch, c * patch) for r, c in itertools.product(range(grid[0]), range(grid[1]))]
+    return sum(math.dist(p, q) for p, q in itertools.product(pos, pos)) / len(pos) ** 2
+
+
+def _softmax_attention(batch, heads, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (3 * torch.randn(batch, heads, tokens, tokens, generator=g)).softmax(-1)
+
+
+def test_grid_distances_are_exact():
+    d = grid_distances((2, 3), 4)
+    assert d.shape == (6, 6) and d.dtype == torch.float64
+    assert d.diagonal().eq(0).all() and d[0, 1] == 4 and d[0, 3] == 4 and d[0, 5] == pytest.approx(math.hypot(4, 8))
+    torch.testing.assert_close(grid_distances((2, 3), 4, unit="unit_square")[0, 5], torch.tensor(math.hypot(0.5, 2 / 3), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 5])
+def test_all_mass_on_self_gives_zero(prefix):
+    out = attention_distance(_self_attention(2, 3, (4, 4), prefix), (4, 4), 16, prefix)
+    assert out.dtype == torch.float64 and out.shape == (3,)
+    assert out.eq(0).all()
+
+
+@pytest.mark.parametrize("side", [3, 7])
+def test_uniform_attention_gives_mean_pairwise_distance(side):
+    grid, patch, prefix = (side, side), 4, 1
+    t = prefix + side * side
+    attn = torch.full((2, 2, t, t), 1.0 / t)  # the CLS column gets mass too: dropped, rows renormalised to uniform
+    out = attention_distance(attn, grid, patch, prefix)
+    ref = _reference_mean_pairwise(grid, patch)
+    torch.testing.assert_close(out, torch.full((2,), ref, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_cls_column_is_dropped_and_row_renormalised():
+    grid, patch = (3, 3), 16
+    attn = torch.zeros(1, 1, 10, 10)
+    attn[0, 0, 0, 0] = 1.0
+    for q in range(9):
+        r, c = divmod(q, 3)
+        neighbour = r * 3 + (c + 1 if c < 2 else c - 1)
+        attn[0, 0, 1 + q, 0] = 0.9  # most mass on CLS
+        attn[0, 0, 1 + q, 1 + neighbour] = 0.1  # the rest on a horizontal neighbour, 1 patch away
+    assert attention_distance(attn, grid, patch, 1).item() == pytest.approx(patch, rel=1e-12)
+
+
+def test_fixed_offset_one_row_down_gives_patch_size():
+    grid, patch, prefix = (4, 5), 8, 1
+    n = 20
+    attn = torch.zeros(1, 2, prefix + n, prefix + n)
+    attn[:, :, 0, 0] = 1.0
+    for q in range(n):
+        r, c = divmod(q, 5)
+        attn[0, 0, prefix + q, prefix + (q + 5 if r < 3 else q)] = 1.0  # head 0: one row down, self in the last row
+        attn[0, 1, prefix + q, prefix + (q + 5 if r < 3 else q - 5)] = 1.0  # head 1: one row down, else one row up
+    out = attention_distance(attn, grid, patch, prefix)
+    # head 0: the 15 queries with a row below are exactly patch_size away, the 5 in the last row are at 0
+    assert out.tolist() == [pytest.approx(patch * 15 / 20, rel=1e-12), pytest.approx(patch, rel=1e-12)]
+    # unit square on a non-square grid: vertical steps are divided by the image height grid[0] * patch
+    unit = attention_distance(attn, grid, patch, prefix, unit="unit_square")
+    torch.testing.assert_close(unit, out / (grid[0] * patch), rtol=1e-12, atol=0)
+
+
+def test_unit_square_is_pixels_over_image_side():
+    attn = _softmax_attention(3, 4, 1 + 36, seed=0)
+    px = attention_distance(attn, (6, 6), 16, 1)
+    unit = attention_distance(attn, (6, 6), 16, 1, unit="unit_square")
+    torch.testing.assert_close(unit, px / (6 * 16), rtol=1e-12, atol=0)
+    # non-square grid: horizontal steps are divided by the image width grid[1] * patch
+    n = 3 * 5
+    horiz = torch.zeros(1, 1, n, n)
+    for q in range(n):
+        horiz[0, 0, q, q + 1 if q % 5 < 4 else q - 1] = 1.0
+    assert attention_distance(horiz, (3, 5), 8, 0, unit="unit_square").item() == pytest.approx(1 / 5, rel=1e-12)
+    with pytest.raises(ValueError):
+        attention_distance(attn, (6, 6), 16, 1, unit="patches")
+
+
+def test_no_prefix_tokens_gap_model():
+    grid, patch = (3, 3), 4
+    attn = torch.full((2, 3, 9, 9), 1.0 / 9)
+    torch.testing.assert_close(attention_distance(attn, grid, patch, 0), torch.full((3,), _reference_mean_pairwise(grid, patch),
+                                                                                     dtype=torch.float64), rtol=1e-12, atol=0)
+    with pytest.raises(ValueError):
+        attention_distance(attn, grid, patch, 1)  # T does not match 1 + 3 * 3
+
+
+def test_different_heads_get_different_values():
+    grid, patch = (5, 5), 16
+    attn = _self_attention(2, 3, grid, 1)
+    attn[:, 1] = 1.0 / 26  # head 1 uniform
+    attn[:, 2] = _softmax_attention(2, 1, 26, seed=1)[:, 0]
+    out = attention_distance(attn, grid, patch, 1)
+    assert out[0] == 0 and out[1].item() == pytest.approx(_reference_mean_pairwise(grid, patch), rel=1e-12)
+    assert len(set(out.tolist())) == 3
+
+
+def test_accumulator_over_batches_equals_function_on_concatenation():
+    grid, patch, prefix = (4, 4), 16, 1
+    a1, a2 = _softmax_attention(2, 3, 17, seed=2), _softmax_attention(5, 3, 17, seed=3)
+    b1, b2 = _softmax_attention(2, 3, 17, seed=4), _softmax_attention(5, 3, 17, seed=5)
+    acc = AttentionDistance(grid, patch, prefix)
+    for blk, (x1, x2) in {0: (a1, a2), 3: (b1, b2)}.items():
+        acc.update(blk, x1)
+        acc.update(blk, x2)
+    px, unit = acc.compute(), acc.compute_unit_square()
+    assert list(px) == [0, 3] and all(v.dtype == torch.float64 for v in px.values())
+    assert acc.count[0].tolist() == [7 * 16] * 3 and acc.sum_pixels[0].dtype == torch.float64
+    for blk, whole in {0: torch.cat([a1, a2]), 3: torch.cat([b1, b2])}.items():
+        torch.testing.assert_close(px[blk], attention_distance(whole, grid, patch, prefix), rtol=1e-12, atol=0)
+        torch.testing.assert_close(unit[blk], attention_distance(whole, grid, patch, prefix, unit="unit_square"), rtol=1e-12, atol=0)
+    acc.reset()
+    assert acc.compute() == {}
+    with pytest.raises(ValueError):
+        acc.update(0, _softmax_attention(1, 3, 10, seed=0))
+
+
+def test_reduce_sums_state_like_two_processes():
+    grid, patch = (3, 3), 8
+    a1, a2 = _softmax_attention(3, 2, 10, seed=6), _softmax_attention(4, 2, 10, seed=7)
+    one, rank0, rank1 = (AttentionDistance(grid, patch, 1) for _ in range(3))
+    one.update(1, torch.cat([a1, a2]))
+    rank0.update(1, a1)
+    rank1.update(1, a2)
+    other = torch.cat([rank1.sum_pixels[1], rank1.sum_unit_square[1], rank1.count[1]])
+    rank0.reduce_(lambda flat: flat + other)  # what a SUM all_reduce does on rank 0
+    torch.testing.assert_close(rank0.compute()[1], one.compute()[1], rtol=1e-12, atol=0)
+    torch.testing.assert_close(rank0.compute_unit_square()[1], one.compute_unit_square()[1], rtol=1e-12, atol=0)
+    assert rank0.count[1].tolist() == one.count[1].tolist()
+    one.sync()  # no process group: nothing happens
+    one.sync(_AcceleratorLike())
+    assert one.count[1].tolist() == [7 * 9] * 2
+
+
+class _AcceleratorLike:
+    num_processes = 2
+    device = "cpu"
+
+
+def _sync_worker(rank, init_file, out_file):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        acc = AttentionDistance((3, 3), 8, 1)
+        acc.update(1, _softmax_attention(3 + rank, 2, 10, seed=10 + rank))
+        if rank == 1:
+            acc.update(4, _softmax_attention(2, 2, 10, seed=20))  # a block only rank 1 saw
+        acc.sync(None if rank == 0 else _AcceleratorLike())  # rank 1 passes an accelerator-like object (CPU device)
+        if rank == 0:
+            torch.save({"px": acc.compute(), "unit": acc.compute_unit_square()}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_sync_over_two_gloo_processes_equals_one_process(tmp_path):
+    torch.multiprocessing.spawn(_sync_worker, args=(str(tmp_path / "init"), str(tmp_path / "out.pt")), nprocs=2)
+    got = torch.load(tmp_path / "out.pt")
+    both = torch.cat([_softmax_attention(3, 2, 10, seed=10), _softmax_attention(4, 2, 10, seed=11)])
+    assert sorted(got["px"]) == [1, 4]
+    torch.testing.assert_close(got["px"][1], attention_distance(both, (3, 3), 8, 1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(got["unit"][4], attention_distance(_softmax_attention(2, 2, 10, seed=20), (3, 3), 8, 1, unit="unit_square"),
+                               rtol=1e-12, atol=0)

@@ -1,0 +1,142 @@
+"""CKA against a plain reference (full Gram matrices, explicit centring matrix H)."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from analysis.cka import MinibatchCKA, cka, represent
+
+
+def ref_cka(x, y, unbiased=True):
+    """Textbook formulas, no shortcuts: HSIC_1 (Song et al. 2012) or HSIC_0 with H = I - 11^T/n."""
+    x, y = x.double().reshape(len(x), -1), y.double().reshape(len(y), -1)
+    n = x.shape[0]
+    K, L = x @ x.T, y @ y.T
+    one = torch.ones(n, 1, dtype=torch.float64)
+
+    def hsic(K, L):
+        if not unbiased:
+            H = torch.eye(n, dtype=torch.float64) - one @ one.T / n
+            return torch.trace(K @ H @ L @ H) / (n - 1) ** 2
+        Kt, Lt = K - torch.diag(torch.diag(K)), L - torch.diag(torch.diag(L))
+        t1 = torch.trace(Kt @ Lt)
+        t2 = (one.T @ Kt @ one) * (one.T @ Lt @ one) / ((n - 1) * (n - 2))
+        t3 = 2.0 / (n - 2) * (one.T @ Kt @ Lt @ one)
+        return ((t1 + t2 - t3) / (n * (n - 3))).squeeze()
+
+    return float(hsic(K, L) / torch.sqrt(hsic(K, K) * hsic(L, L)))
+
+
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_cka_matches_the_reference(unbiased):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 30, generator=g)
+    y = x @ torch.randn(30, 20, generator=g) + 0.5 * torch.randn(40, 20, generator=g)
+    assert cka(x, y, unbiased) == pytest.approx(ref_cka(x, y, unbiased), abs=1e-12)
+
+
+def test_one_minibatch_equals_cka_and_all_pairs_match_pairwise():
+    g = torch.Generator().manual_seed(1)
+    layers = [torch.randn(64, d, generator=g) for d in (8, 16, 32)]
+    layers[1] = layers[0] @ torch.randn(8, 16, generator=g) + 0.1 * layers[1]
+    m = MinibatchCKA()
+    m.update(layers)
+    M = m.compute()
+    for i in range(3):
+        for j in range(3):
+            assert M[i, j].item() == pytest.approx(cka(layers[i], layers[j]), abs=1e-12)
+            assert M[i, j].item() == pytest.approx(ref_cka(layers[i], layers[j]), abs=1e-10)
+    assert torch.allclose(M, M.T, atol=1e-14)
+    assert torch.allclose(torch.diagonal(M), torch.ones(3, dtype=torch.float64))
+
+
+def test_minibatch_sums_hsic_over_minibatches():
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(96, 10, generator=g)]
+    ys = [xs[0] + torch.randn(96, 10, generator=g), torch.randn(96, 5, generator=g)]
+    m = MinibatchCKA()
+    for b in range(3):
+        m.update([x[b * 32:(b + 1) * 32] for x in xs], [y[b * 32:(b + 1) * 32] for y in ys])
+
+    def hs(a, b):
+        from analysis.cka import center_unbiased, gram
+
+        return float((center_unbiased(gram(a)) * center_unbiased(gram(b))).sum() / (32 * 29))
+
+    for j, y in enumerate(ys):
+        xy = sum(hs(xs[0][b * 32:(b + 1) * 32], y[b * 32:(b + 1) * 32]) for b in range(3))
+        xx = sum(hs(xs[0][b * 32:(b + 1) * 32], xs[0][b * 32:(b + 1) * 32]) for b in range(3))
+        yy = sum(hs(y[b * 32:(b + 1) * 32], y[b * 32:(b + 1) * 32]) for b in range(3))
+        assert m.compute()[0, j].item() == pytest.approx(xy / (xx * yy) ** 0.5, abs=1e-12)
+
+
+def test_invariances():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(100, 20, generator=g, dtype=torch.float64)
+    y = torch.randn(100, 20, generator=g, dtype=torch.float64) + x
+    q, _ = torch.linalg.qr(torch.randn(20, 20, generator=g, dtype=torch.float64))
+    base = cka(x, y)
+    assert cka(x, x) == pytest.approx(1.0, abs=1e-12)
+    assert cka(x @ q, y) == pytest.approx(base, abs=1e-10)  # orthogonal transform
+    assert cka(3.7 * x, y) == pytest.approx(base, abs=1e-10)  # isotropic scaling
+    a = torch.randn(20, 20, generator=g, dtype=torch.float64) * torch.linspace(0.05, 5, 20, dtype=torch.float64)  # a general invertible linear map
+    assert abs(cka(x @ a, y) - base) > 1e-2
+
+
+def test_unbiased_is_near_zero_on_independent_gaussians_where_biased_is_not():
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(512, 1000, generator=g), torch.randn(512, 1000, generator=g)
+    u, b = cka(x, y, unbiased=True), cka(x, y, unbiased=False)
+    assert abs(u) < 0.01
+    assert b > 0.3  # the biased estimator is dominated by the high dimension (p > n)
+
+
+def test_small_minibatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="at least 4"):
+        MinibatchCKA().update([torch.randn(3, 5)])
+
+
+def test_representations():
+    t = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)
+    assert represent(t, "flatten").shape == (2, 12)
+    assert torch.equal(represent(t, "cls", 1), t[:, 0])
+    assert torch.equal(represent(t, "mean_spatial", 1), t[:, 1:].mean(1))
+    with pytest.raises(ValueError, match="class token"):
+        represent(t, "cls", 0)
+    fm = torch.randn(2, 4, 3, 3)  # ResNet feature map: positions are tokens
+    assert torch.allclose(represent(fm, "mean_spatial"), fm.mean(dim=(2, 3)))
+
+
+def _worker(rank, world, init, path, q):
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(5)
+    batches = [[torch.randn(16, 12, generator=g), torch.randn(16, 7, generator=g)] for _ in range(6)]
+    m = MinibatchCKA()
+    for j in range(rank, len(batches), world):  # the suite's sharding: minibatch j on process j % world
+        m.update(batches[j])
+    m.sync()
+    if rank == 0:
+        q.put(m.compute())
+    torch.distributed.destroy_process_group()
+
+
+def test_two_processes_agree_with_one():
+    g = torch.Generator().manual_seed(5)
+    batches = [[torch.randn(16, 12, generator=g), torch.randn(16, 7, generator=g)] for _ in range(6)]
+    one = MinibatchCKA()
+    for b in batches:
+        one.update(b)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        init = f"file://{os.path.join(d, 'store')}"
+        procs = [ctx.Process(target=_worker, args=(r, 2, init, d, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        two = q.get(timeout=120)
+        for p in procs:
+            p.join(timeout=60)
+    assert torch.allclose(torch.diagonal(one.compute()), torch.ones(2, dtype=torch.float64))
+    assert torch.allclose(two, one.compute(), atol=1e-6, rtol=0)

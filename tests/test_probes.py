@@ -1,0 +1,157 @@
+"""Few-shot linear probes: closed-form dual ridge with bias onto {-1, 1}^K, shot sampling, token pooling, per-layer runner."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from analysis.probes import (
+    default_l2_grid,
+    fewshot_probe,
+    fewshot_probe_with_l2,
+    fit_ridge_dual,
+    holdout_split,
+    pool_tokens,
+    probe_layers,
+    sample_shots,
+    select_l2,
+    signed_one_hot,
+)
+
+
+def _gaussians(num_classes=10, per_class=10, dim=50, sep=10.0, noise=1.0, seed=0, means=None):
+    """Well separated Gaussian classes: means ~ sep * N(0, I), within-class noise ~ noise * N(0, I)."""
+    g = torch.Generator().manual_seed(seed)
+    if means is None:
+        means = sep * torch.randn(num_classes, dim, generator=torch.Generator().manual_seed(1234))
+    y = torch.arange(num_classes).repeat_interleave(per_class)
+    x = means[y] + noise * torch.randn(len(y), dim, generator=g)
+    return x, y
+
+
+def _separable(num_classes=10, shots=10, test_per_class=50, dim=50):
+    means = 10.0 * torch.randn(num_classes, dim, generator=torch.Generator().manual_seed(1234))
+    return (*_gaussians(num_classes, shots, dim, seed=0, means=means), *_gaussians(num_classes, test_per_class, dim, seed=1, means=means))
+
+
+def test_separable_gaussians_are_classified_perfectly():
+    tr_x, tr_y, te_x, te_y = _separable()
+    assert fewshot_probe(tr_x, tr_y, te_x, te_y) == 1.0
+
+
+def test_noise_features_with_random_labels_are_at_chance():
+    g = torch.Generator().manual_seed(0)
+    tr_x, te_x = torch.randn(100, 64, generator=g), torch.randn(3000, 64, generator=g)
+    tr_y = torch.arange(10).repeat_interleave(10)
+    te_y = torch.randint(0, 10, (3000,), generator=g)
+    acc = fewshot_probe(tr_x, tr_y, te_x, te_y)
+    assert 0.05 <= acc <= 0.2
+
+
+def _primal_scores(x, y, l2, k, x_eval):
+    """Independent primal ridge in numpy: W = (Xc^T Xc + l2 I_d)^-1 Xc^T Yc, b = mean(Y) - mean(X) W."""
+    x, x_eval = x.numpy().astype(np.float64), x_eval.numpy().astype(np.float64)
+    t = np.eye(k)[y.numpy()] * 2 - 1
+    xm, tm = x.mean(0), t.mean(0)
+    xc, tc = x - xm, t - tm
+    w = np.linalg.solve(xc.T @ xc + l2 * np.eye(x.shape[1]), xc.T @ tc)
+    return x_eval @ w + (tm - xm @ w)
+
+
+@pytest.mark.parametrize("n,d", [(24, 8), (12, 30)])
+def test_dual_solution_equals_primal_ridge(n, d):
+    g = torch.Generator().manual_seed(n + d)
+    x, x_eval = torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(7, d, generator=g, dtype=torch.float64)
+    y = torch.arange(n) % 4
+    for l2 in (0.01, 1.0, 30.0):
+        w, b = fit_ridge_dual(x, y, l2, 4)
+        assert w.dtype == torch.float64 and w.shape == (d, 4) and b.shape == (4,)
+        np.testing.assert_allclose((x_eval @ w + b).numpy(), _primal_scores(x, y, l2, 4, x_eval), rtol=0, atol=1e-8)
+
+
+def test_bias_handles_a_large_constant_offset():
+    tr_x, tr_y, te_x, te_y = _separable()
+    offset = 1000.0 * torch.ones(50)
+    assert fewshot_probe(tr_x + offset, tr_y, te_x + offset, te_y, l2_grid=[1.0]) == 1.0
+    assert fewshot_probe(tr_x + offset, tr_y, te_x + offset, te_y) == 1.0
+    # centring + bias make the fitted scores translation invariant (offset added in float64: float32 would round it)
+    tr64, te64, off64 = tr_x.double(), te_x.double(), offset.double()
+    w0, b0 = fit_ridge_dual(tr64, tr_y, 1.0, 10)
+    w1, b1 = fit_ridge_dual(tr64 + off64, tr_y, 1.0, 10)
+    torch.testing.assert_close(w0, w1, rtol=0, atol=1e-9)
+    torch.testing.assert_close(te64 @ w0 + b0, (te64 + off64) @ w1 + b1, rtol=0, atol=1e-8)
+    assert not torch.allclose(b0, b1)  # the bias absorbs the offset
+
+
+def test_targets_are_signed_one_hot():
+    t = signed_one_hot(torch.tensor([2, 0]), 3)
+    assert t.tolist() == [[-1, -1, 1], [1, -1, -1]]
+
+
+def test_default_grid_is_scaled_by_mean_squared_centred_norm():
+    x = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 2.0], [0.0, -2.0]]) + 5.0
+    grid = default_l2_grid(x)
+    assert grid.numel() == 11
+    torch.testing.assert_close(grid, 2.5 * 2.0 ** torch.arange(-10, 11, 2, dtype=torch.float64))
+    assert default_l2_grid(3 * x).div(grid).allclose(torch.full((11,), 9.0, dtype=torch.float64))
+
+
+def test_l2_is_picked_on_validation_when_given():
+    tr_x, tr_y, te_x, te_y = _separable()
+    # a huge l2 shrinks W to ~0 and scores to the bias (all classes tie): chance on validation, so the small one wins
+    acc, l2 = fewshot_probe_with_l2(tr_x, tr_y, te_x, te_y, l2_grid=[1e-3, 1e30], val_x=te_x, val_y=te_y)
+    assert (acc, l2) == (1.0, 1e-3)
+    assert select_l2(tr_x, tr_y, [1e-3, 1e30]) == 1e-3  # the held-out split agrees
+    assert select_l2(tr_x, tr_y, [7.0]) == 7.0  # a single value is used as is
+    with pytest.raises(ValueError):
+        select_l2(tr_x, tr_y, [1.0, 2.0], val_x=te_x)
+
+
+def test_holdout_split_is_per_class_fifth():
+    y = torch.tensor([0] * 10 + [1] * 5 + [2] * 2 + [3])
+    fit, hold = holdout_split(y)
+    assert torch.bincount(y[hold], minlength=4).tolist() == [2, 1, 1, 0]
+    assert sorted(fit.tolist() + hold.tolist()) == list(range(len(y)))
+
+
+def test_sample_shots_exact_per_class_deterministic_and_seeded():
+    y = torch.arange(5).repeat(40)[torch.randperm(200, generator=torch.Generator().manual_seed(0))]
+    a = sample_shots(y, 7, seed=3)
+    assert a.dtype == torch.long and len(a) == 35 and len(set(a.tolist())) == 35
+    assert torch.bincount(y[a], minlength=5).tolist() == [7] * 5
+    assert torch.equal(a, sample_shots(y, 7, seed=3))
+    assert not torch.equal(a, sample_shots(y, 7, seed=4))
+    with pytest.raises(ValueError):
+        sample_shots(y, 41, seed=0)
+
+
+def test_pool_tokens_on_a_hand_built_tensor():
+    tokens = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)  # B=2, T=4 (1 prefix + 3), D=3
+    assert pool_tokens(tokens, "cls", 1).tolist() == [[0, 1, 2], [12, 13, 14]]
+    assert pool_tokens(tokens, "mean", 1).tolist() == [[4.5, 5.5, 6.5], [16.5, 17.5, 18.5]]
+    assert pool_tokens(tokens, "mean_spatial", 1).tolist() == [[6, 7, 8], [18, 19, 20]]
+    assert pool_tokens(tokens, "mean_spatial", 2).tolist() == [[7.5, 8.5, 9.5], [19.5, 20.5, 21.5]]
+    assert pool_tokens(tokens, "mean_spatial", 0).tolist() == pool_tokens(tokens, "mean", 0).tolist()
+    assert pool_tokens(tokens, "token:2", 1).tolist() == [[6, 7, 8], [18, 19, 20]]
+    for how, prefix in [("cls", 0), ("max", 1), ("token:4", 1), ("mean_spatial", 4)]:
+        with pytest.raises(ValueError):
+            pool_tokens(tokens, how, prefix)
+
+
+def test_probe_layers_mean_and_std_over_seeds():
+    means = 10.0 * torch.randn(10, 50, generator=torch.Generator().manual_seed(1234))
+    tr_x, tr_y = _gaussians(per_class=20, means=means, seed=0)
+    te_x, te_y = _gaussians(per_class=30, means=means, seed=1)
+    g = torch.Generator().manual_seed(5)
+    train = {"sep": tr_x, "shifted": tr_x + 100.0, "noise": torch.randn(200, 32, generator=g)}
+    test = {"sep": te_x, "shifted": te_x + 100.0, "noise": torch.randn(300, 32, generator=g)}
+    out = probe_layers(train, tr_y, test, te_y, shots=5, seeds=(0, 1, 2))
+    assert set(out) == {"sep", "shifted", "noise"}
+    assert out["sep"] == (1.0, 0.0) and out["shifted"] == (1.0, 0.0)
+    mean, std = out["noise"]
+    assert 0.0 <= mean <= 0.3 and std > 0.0
+    # the runner is the per-seed probe on the seed's shots, averaged; std is the sample (n - 1) std
+    accs = [fewshot_probe(train["noise"][i], tr_y[i], test["noise"], te_y, num_classes=10) for i in (sample_shots(tr_y, 5, s) for s in (0, 1, 2))]
+    assert mean == pytest.approx(float(np.mean(accs))) and std == pytest.approx(float(np.std(accs, ddof=1)))
+    val = probe_layers(train, tr_y, test, te_y, shots=5, seeds=(0,), val_feats=test, val_y=te_y)
+    assert val["sep"] == (1.0, 0.0)

@@ -1,0 +1,68 @@
+"""The analysis suite in one pass, its callbacks at training time, on every model variant."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_scalars
+
+from analysis.suite import SuiteOptions, run_suite
+from train.data import build_data
+from train.models import build_model
+from train.recipe import from_dict, load_recipe
+from train.trainer import train
+
+DATA = {"train_size": 256, "eval_size": 128, "probe_train_size": 200, "analysis_size": 64}
+
+
+def _setup(model_cfg=None, interventions=None):
+    r = from_dict({"data": DATA, "model": {"depth": 3, "embed_dim": 32, "num_heads": 2, **(model_cfg or {})},
+                   "interventions": interventions or {}})
+    torch.manual_seed(0)
+    return build_model(r, 10), build_data(r)
+
+
+@pytest.mark.parametrize("variant", ["cls", "gap", "noskip", "resnet"])
+def test_suite_on_every_variant(variant):
+    cfg = {"cls": ({}, None), "gap": ({"head": "gap"}, None), "noskip": ({}, {"no_skip": {"blocks": [1]}}),
+           "resnet": ({"arch": "resnet", "resnet_layers": [1, 1, 1, 1], "resnet_channels": [8, 8, 16, 16]}, None)}[variant]
+    model, data = _setup(*cfg)
+    res = run_suite(model, data, SuiteOptions(batch_size=32, probe_seeds=(0, 1)))
+    m = res["cka"]["matrix"]
+    L = 6 if variant != "resnet" else 4
+    assert m.shape == (L, L) and np.allclose(np.diag(m), 1.0) and np.allclose(m, m.T)
+    assert np.isfinite(res["norm_ratio"]["ratio"]).all()
+    fp = res["fewshot_probe"]
+    assert fp["mean"].shape[1] == (3 if variant != "resnet" else 4) and ((0 <= fp["mean"]) & (fp["mean"] <= 1)).all()
+    if variant == "resnet":
+        assert "attention_distance" not in res and fp["pools"] == ["mean"]
+    else:
+        ad = res["attention_distance"]["pixels"]
+        assert ad.shape == (3, 2) and (ad > 0).all() and (ad < 28 * 1.5).all()
+        assert fp["pools"] == (["mean", "mean_spatial"] if variant == "gap" else ["cls", "mean", "mean_spatial"])
+        assert res["norm_ratio"]["ratio"].shape == (2, 3, 49 + (0 if variant == "gap" else 1))
+
+
+def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, tmp_path):
+    p = write_recipe(callbacks=[{"name": "analysis_suite", "batch_size": 32, "seeds": [0]}], train={"log_every": 4},
+                     data={"probe_train_size": 200})
+    out = train(load_recipe(p), progress=False)
+    run = Path(out["run_dir"])
+    for step in (4, 8):
+        d = run / "analysis" / f"step_{step:07d}"
+        for f in ("cka.npz", "norm_ratio.npz", "attention_distance.npz", "probes.npz", "summary.json", "cka_self.png", "probe_10shot.png"):
+            assert (d / f).is_file(), (d, f)
+        s = json.loads((d / "summary.json").read_text())
+        assert s["step"] == step and len(s["fewshot_probe"]["cls"]) == 2
+    sc = read_scalars(run)
+    for tag in ("cka/mean_offdiag", "norm_ratio/attn/cls/block00", "norm_ratio/mlp/spatial/block01", "attn_dist/block01/head01",
+                "probe/10shot/cls/block01"):
+        assert tag in sc and [s for s, _ in sc[tag]] == [4, 8], tag
+    cb = dict(sc["time/callbacks_s"])
+    assert cb[4] > 0.05 and {4, 8} <= set(cb)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run / "tb"), size_guidance={"images": 0})
+    ea.Reload()
+    assert {"cka/self", "norm_ratio/lines", "attn_dist/heads", "probe/10shot"} <= set(ea.Tags()["images"])

@@ -1,0 +1,117 @@
+"""``./launch.sh sweep RECIPE --grid key=v1,v2 [--grid key2=...] [--set key=value ...]``: one run per combination.
+
+Each run's folder is named after its overrides (``runs/<recipe>-<key>_<value>...``). Finished runs (their
+final checkpoint exists) are skipped without starting anything; interrupted ones resume from their latest
+complete checkpoint, so a sweep can be stopped and started again safely. Every combination is validated
+before the first run starts. Values are YAML: ``--grid interventions.no_skip.blocks=[0],[3],[5]``. Without --grid, the recipe's
+``sweep:`` section ({key: [values]}) is the grid (recipes/studies/ use this).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def split_values(text: str) -> list[str]:
+    """Split on commas that are not inside brackets or braces: '[0],[3],[5]' -> ['[0]', '[3]', '[5]']."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [v.strip() for v in out if v.strip()]
+
+
+def combinations(grids: list[str]) -> list[list[str]]:
+    from train.recipe import RecipeError
+
+    axes = []
+    for g in grids:
+        if "=" not in g:
+            raise RecipeError(f"--grid '{g}' must look like key=value1,value2 (e.g. train.lr=0.001,0.002).")
+        key, vals = g.split("=", 1)
+        values = split_values(vals)
+        if not values:
+            raise RecipeError(f"--grid '{g}' lists no values.")
+        axes.append([f"{key.strip()}={v}" for v in values])
+    return [list(c) for c in itertools.product(*axes)] if axes else [[]]
+
+
+def is_finished(run_dir: Path) -> bool:
+    from train.checkpoint import list_checkpoints, read_meta
+
+    ckpts = list_checkpoints(Path(run_dir) / "checkpoints", warn=False)
+    return bool(ckpts) and bool(read_meta(ckpts[-1]).get("final"))
+
+
+def main(argv=None) -> int:
+    from train.recipe import RecipeError, load_recipe, run_name
+
+    p = argparse.ArgumentParser(prog="./launch.sh sweep", description=__doc__.split("\n")[0])
+    p.add_argument("recipe")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="one axis of the grid (repeatable)")
+    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="overrides shared by every run")
+    p.add_argument("--dry-run", action="store_true", help="list the runs and their state, start nothing")
+    args = p.parse_args(argv)
+
+    plan = []
+    try:
+        grids = args.grid
+        if not grids:  # the recipe's own sweep: section
+            import json
+
+            base = load_recipe(args.recipe, args.overrides)
+            grids = [f"{k}={','.join(json.dumps(v) for v in vals)}" for k, vals in base.sweep.items()]
+            if not grids:
+                raise RecipeError(f"recipe '{args.recipe}' has no sweep: section and no --grid was given: add --grid key=v1,v2.")
+        for combo in combinations(grids):
+            overrides = list(args.overrides) + combo
+            recipe = load_recipe(args.recipe, overrides)
+            run_dir = Path(recipe.run.root) / run_name(recipe, combo)
+            plan.append((combo, run_dir))
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    names = [d for _, d in plan]
+    if len(set(names)) != len(names):
+        print("error: two grid points map to the same run folder: make the grid values distinct.", file=sys.stderr)
+        return 2
+
+    launcher = [str(ROOT / "launch.sh")] if (ROOT / "launch.sh").is_file() else [sys.executable, "-m", "train"]
+    failed, started, skipped = [], 0, 0
+    for i, (combo, run_dir) in enumerate(plan, 1):
+        label = f"[{i}/{len(plan)}] {run_dir.name}"
+        if is_finished(run_dir):
+            print(f"{label}: finished, skipped", flush=True)
+            skipped += 1
+            continue
+        state = "resuming" if (run_dir / "checkpoints").is_dir() else "starting"
+        print(f"{label}: {state}", flush=True)
+        if args.dry_run:
+            continue
+        cmd = launcher + [args.recipe, "--set", *args.overrides, *combo, f"run.name={run_dir.name}", "--resume"]
+        started += 1
+        rc = subprocess.run(cmd, env=os.environ.copy()).returncode
+        if rc != 0 or not is_finished(run_dir):
+            failed.append((run_dir.name, rc))
+            print(f"{label}: failed with exit code {rc}; the sweep goes on (rerun it to resume this run)", flush=True)
+    print(f"sweep: {len(plan)} runs, {skipped} already finished, {started} started, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
