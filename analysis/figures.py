@@ -26,7 +26,7 @@ def cka_heatmap(m: np.ndarray, xlabels: list[str], ylabels: list[str] | None = N
     return fig
 
 
-def norm_ratio_heatmap(ratio: np.ndarray, blocks: list[str], title: str, max_tokens: int = 16):
+def norm_ratio_heatmap(ratio: np.ndarray, blocks: list[str], title: str, max_tokens: int = 16, has_cls: bool = True):
     """Raghu Fig. 7 left / E.1: ||z|| / ||f(z)|| per token (rows; token 0 = CLS) and block (columns), log colour."""
     r = np.asarray(ratio)[:, :max_tokens].T  # [tokens, blocks]
     fig, ax = plt.subplots(figsize=(5, 4))
@@ -34,7 +34,8 @@ def norm_ratio_heatmap(ratio: np.ndarray, blocks: list[str], title: str, max_tok
     cb = fig.colorbar(im, ax=ax, fraction=0.046)
     cb.set_label("log10 norm ratio")
     ax.set_xticks(range(len(blocks)), blocks, rotation=90, fontsize=6)
-    ax.set_ylabel("token (0 = CLS)" if title.endswith("cls") or "CLS" in title else "token")
+    ax.set_ylabel("token (0 = CLS)" if has_cls else "token")
+    ax.set_xlabel("block")
     ax.set_title(title)
     fig.tight_layout()
     return fig

@@ -297,7 +297,7 @@ def make_figures(res: dict, step: int | None = None) -> dict:
         nr, p, blocks = res["norm_ratio"], res["num_prefix_tokens"], [b.split(".", 1)[-1] for b in res["blocks"]]
         curves = {}
         for si, sub in enumerate(nr["sublayers"]):
-            figs[f"norm_ratio/{sub}"] = F.norm_ratio_heatmap(nr["ratio"][si], blocks, title=f"norm ratio, {sub}{at}")
+            figs[f"norm_ratio/{sub}"] = F.norm_ratio_heatmap(nr["ratio"][si], blocks, title=f"norm ratio, {sub}{at}", has_cls=p > 0)
             if p:
                 curves[f"{sub} CLS"] = nr["ratio"][si, :, 0]
             curves[f"{sub} spatial"] = nr["ratio"][si, :, p:].mean(-1)

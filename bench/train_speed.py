@@ -1,6 +1,6 @@
 """Training-loop speed: vitlab's loop vs a bare timm + AdamW loop on the same model and batch, bf16 vs fp32.
 
-    .venv/bin/python bench/train_speed.py [--recipe recipes/default.yaml] [--steps 60] [--repeats 2]
+    .venv/bin/python bench/train_speed.py [--recipe recipes/default.yaml] [--set model.embed_dim=192 ...] [--steps 60] [--repeats 2]
 
 Both loops run the recipe's model at its batch size on Fashion-MNIST images in this one process, interleaved
 (bare, harness, bare, harness, ...) so that machine noise hits both alike; img/s excludes the first
@@ -52,17 +52,16 @@ def bare_loop(recipe, data, steps: int, warmup: int, bf16: bool) -> float:
     return steps * bs / (time.perf_counter() - t0)
 
 
-def harness_loop(recipe_path: str, steps: int, warmup: int, bf16: bool, root: str) -> float:
+def harness_loop(recipe_path: str, steps: int, warmup: int, bf16: bool, root: str, extra=()) -> float:
     """vitlab's trainer for warmup+steps steps (no eval, one final checkpoint): the logged img/s after warm-up."""
     from accelerate.state import AcceleratorState, GradientState
 
     from train.trainer import train
 
-    log = steps
     ov = [f"train.steps={warmup + steps}", f"train.log_every={warmup}", "train.eval_every=0", "train.checkpoint_every=0",
-          f"train.mixed_precision={'bf16' if bf16 else 'no'}", f"run.root={root}", f"run.name=h{time.time_ns()}", "data.eval_size=500"]
+          f"train.mixed_precision={'bf16' if bf16 else 'no'}", f"run.root={root}", f"run.name=h{time.time_ns()}", "data.eval_size=500",
+          "callbacks=[]", *extra]
     r = load_recipe(recipe_path, ov)
-    r.train.log_every = warmup if warmup and steps % warmup == 0 else log
     out = train(r, progress=False)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -80,8 +79,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, args.overrides)
     data = build_data(recipe)
     res = {k: [] for k in ("bare_bf16", "harness_bf16", "bare_fp32", "harness_fp32")}
     with tempfile.TemporaryDirectory() as root:
@@ -89,7 +89,7 @@ def main() -> None:
             for bf16 in (True, False):
                 tag = "bf16" if bf16 else "fp32"
                 res[f"bare_{tag}"].append(bare_loop(recipe, data, args.steps, args.warmup, bf16))
-                res[f"harness_{tag}"].append(harness_loop(args.recipe, args.steps, args.warmup, bf16, root))
+                res[f"harness_{tag}"].append(harness_loop(args.recipe, args.steps, args.warmup, bf16, root, args.overrides))
                 print({k: [round(v, 1) for v in vs] for k, vs in res.items()}, flush=True)
     med = {k: statistics.median(v) for k, v in res.items()}
     summary = {
@@ -98,7 +98,8 @@ def main() -> None:
         "harness_over_bare_fp32": round(med["harness_fp32"] / med["bare_fp32"], 3),
         "bf16_over_fp32_harness": round(med["harness_bf16"] / med["harness_fp32"], 3),
         "bf16_over_fp32_bare": round(med["bare_bf16"] / med["bare_fp32"], 3),
-        "threads": torch.get_num_threads(), "recipe": args.recipe, "batch": recipe.train.batch_size, "steps": args.steps,
+        "threads": torch.get_num_threads(), "recipe": args.recipe, "overrides": args.overrides, "batch": recipe.train.batch_size,
+        "steps": args.steps,
     }
     print(json.dumps(summary, indent=1))
 

@@ -32,6 +32,7 @@ def test_two_process_eval_top1_equals_one_process(write_recipe, tmp_path):
     assert ckpts and ckpts[-1].name == "step_0000004", out.stderr[-3000:]
     meta = json.loads((ckpts[-1] / "meta.json").read_text())
     assert meta["num_processes"] == 2 and meta["global_batch"] == 64
+    assert meta["torch_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
     assert meta["eval"]["n"] == 250, "every eval image counted exactly once"
     two_proc_top1 = meta["eval"]["top1"]
     assert len(list((run / "tb").rglob("events.out.tfevents*"))) == 1, "only the main process writes TensorBoard"

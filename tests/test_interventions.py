@@ -2,9 +2,7 @@
 import json
 import os
 import subprocess
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from conftest import ROOT
@@ -146,7 +144,7 @@ def test_data_subsets_balanced_seeded_nested_and_recorded():
 
 
 TINY_SET = ["train.steps=2", "train.batch_size=16", "train.warmup_steps=1", "train.eval_every=0", "train.checkpoint_every=0",
-            "data.train_size=128", "data.eval_size=64", "data.probe_train_size=20", "data.analysis_size=20"]
+            "data.train_size=640", "data.eval_size=64", "data.probe_train_size=200", "data.analysis_size=32"]
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(ROOT) for p in (ROOT / "recipes").rglob("*.yaml")), ids=str)

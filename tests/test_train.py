@@ -93,6 +93,7 @@ def test_smoke_run_through_launch_sh(write_recipe, tmp_path):
         meta = verify_checkpoint(c)
         assert {"model.safetensors", "optimizer.bin"} <= set(meta["files"]) and meta["recipe_hash"]
         assert meta["step"] == int(c.name[5:]) and "epoch" in meta
+        assert meta["torch_threads"] == len(os.sched_getaffinity(0)), "accelerate launch's OMP_NUM_THREADS=1 was undone"
     assert json.loads((run / "checkpoints/step_0000008/meta.json").read_text())["final"] is True
     resolved = load_recipe(run / "recipe.yaml")
     assert resolved.hash() == load_recipe(p).hash()

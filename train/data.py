@@ -284,7 +284,7 @@ class EpochBatchSampler(torch.utils.data.Sampler):
         self.n, self.batch_size, self.seed, self.rank, self.world = n, batch_size, seed, rank, world
         self.epoch, self.start_batch = 0, 0
         if self.batches_per_epoch() == 0:
-            raise ValueError(f"the train split ({n} images) is smaller than one batch ({batch_size} x {world} processes): lower train.batch_size.")
+            raise DataError(f"the train split ({n} images) is smaller than one batch ({batch_size} x {world} processes): lower train.batch_size.")
 
     def batches_per_epoch(self) -> int:
         return (self.n // self.world) // self.batch_size
