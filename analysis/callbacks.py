@@ -13,6 +13,7 @@ from train.callbacks import Callback
 
 
 class AnalysisSuiteCallback(Callback):
+    name = "analysis_suite"
     measures: tuple = ("cka", "norm_ratio", "attention_distance", "fewshot_probe")
 
     def __init__(self, every: int | None = None, batch_size: int = 256, cka_repr: str = "flatten", shots: int = 10,
@@ -25,6 +26,21 @@ class AnalysisSuiteCallback(Callback):
         self.opts = SuiteOptions(measures=self.measures, batch_size=batch_size, cka_repr=cka_repr, probe_shots=shots,
                                  probe_seeds=tuple(seeds))
         self.figures = figures
+
+    def validate(self, recipe, data) -> None:
+        from train.recipe import RecipeError
+
+        if len(data.analysis) < 4:
+            raise RecipeError(f"callback '{self.name}' needs at least 4 analysis images: raise data.analysis_size (now {len(data.analysis)}).")
+        if "fewshot_probe" in self.measures:
+            import torch
+
+            counts = torch.bincount(data.probe_train.labels, minlength=data.num_classes)
+            shots = self.opts.probe_shots
+            if int(counts.min()) // 2 < shots:
+                raise RecipeError(f"callback '{self.name}' draws {shots} shots per class from half of the probe-train split, which holds "
+                                  f"{int(counts.min())} images of its rarest class: raise data.probe_train_size to at least "
+                                  f"{2 * shots * data.num_classes} or lower the callback's shots.")
 
     def _run(self, ctx) -> None:
         from analysis.suite import publish, run_suite
@@ -41,16 +57,20 @@ class AnalysisSuiteCallback(Callback):
 
 
 class CKACallback(AnalysisSuiteCallback):
+    name = "cka"
     measures = ("cka",)
 
 
 class NormRatioCallback(AnalysisSuiteCallback):
+    name = "norm_ratio"
     measures = ("norm_ratio",)
 
 
 class AttentionDistanceCallback(AnalysisSuiteCallback):
+    name = "attention_distance"
     measures = ("attention_distance",)
 
 
 class FewShotProbeCallback(AnalysisSuiteCallback):
+    name = "fewshot_probe"
     measures = ("fewshot_probe",)

@@ -66,3 +66,13 @@ def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, t
     ea = EventAccumulator(str(run / "tb"), size_guidance={"images": 0})
     ea.Reload()
     assert {"cka/self", "norm_ratio/lines", "attn_dist/heads", "probe/10shot"} <= set(ea.Tags()["images"])
+
+
+def test_probe_split_too_small_is_a_recipe_error_before_the_run_folder(write_recipe, tmp_path, capsys):
+    from train.cli import main
+
+    p = write_recipe(callbacks=["analysis_suite"], data={"probe_train_size": 100})
+    assert main([str(p), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "data.probe_train_size to at least 200" in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()

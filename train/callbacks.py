@@ -87,6 +87,10 @@ class Callback:
         if options:
             raise TypeError(f"callback {type(self).__name__} takes no options {sorted(options)}")
 
+    def validate(self, recipe, data) -> None:
+        """Raise RecipeError (one sentence) if this callback cannot run on this recipe's data; called before
+        the run folder is written."""
+
     def on_train_start(self, ctx: TrainContext) -> None: ...
 
     def on_step_end(self, ctx: TrainContext) -> None: ...
@@ -109,6 +113,10 @@ class CallbackList:
                 getattr(cb, hook)(ctx)
                 ran = True
         return time.perf_counter() - t0 if ran else 0.0
+
+    def validate(self, recipe, data) -> None:
+        for cb in self.callbacks:
+            cb.validate(recipe, data)
 
     def on_train_start(self, ctx):
         return self._run("on_train_start", ctx, lambda cb: True)

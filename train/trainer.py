@@ -165,6 +165,7 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
 
     set_seed(recipe.seed)
     data = build_data(recipe)
+    callbacks.validate(recipe, data)
     model = build_model(recipe, data.num_classes)
     import timm.optim
 
