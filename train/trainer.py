@@ -190,7 +190,9 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(dump(recipe))
     acc.wait_for_everyone()
-    acc.init_trackers("tb", init_kwargs={"tensorboard": {"purge_step": step + 1}} if step else {})  # drop events after the checkpoint
+    # flush every 10 s so a crash loses little; on resume, drop events logged after the checkpoint
+    tb_kwargs = {"flush_secs": 10, **({"purge_step": step + 1} if step else {})}
+    acc.init_trackers("tb", init_kwargs={"tensorboard": tb_kwargs})
     writer = acc.get_tracker("tensorboard", unwrap=True) if main else None
     global_batch = t.batch_size * t.grad_accum * acc.num_processes
     run_info = {
