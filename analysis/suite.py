@@ -6,8 +6,8 @@ checkpoints. Minibatch j of the analysis split always holds the same images; wit
 process r takes the minibatches j = r (mod world) and every accumulator's sums are added over processes, so
 1 and N processes give the same numbers.
 
-Outputs (:func:`write_results`): ``analysis/step_XXXXXXX/{cka,norm_ratio,attention_distance,probes}.npz``,
-``summary.json``, PNG figures; TensorBoard scalars and images (:func:`log_results`).
+Outputs (:func:`publish`): ``analysis/step_XXXXXXX/{cka,norm_ratio,attention_distance,probes}.npz``,
+``summary.json``, PNG figures, and the same figures plus scalars in TensorBoard.
 """
 from __future__ import annotations
 
@@ -243,8 +243,8 @@ def summary_of(res: dict) -> dict:
     return s
 
 
-def write_results(res: dict, out_dir: Path, step: int | None = None, figures: bool = True) -> Path:
-    """Arrays (npz), summary.json and PNG figures into ``out_dir``; returns it."""
+def write_results(res: dict, out_dir: Path, step: int | None = None) -> Path:
+    """Arrays (npz) and summary.json into ``out_dir``; returns it."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if "cka" in res:
@@ -261,18 +261,13 @@ def write_results(res: dict, out_dir: Path, step: int | None = None, figures: bo
     tmp = out_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1))
     tmp.replace(out_dir / "summary.json")
-    if figures:
-        from analysis.figures import save
-
-        for name, fig in make_figures(res, step).items():
-            save(fig, out_dir / f"{name.replace('/', '_')}.png")
     return out_dir
 
 
 def publish(res: dict, out_dir: Path, writer=None, step: int | None = None, figures: bool = True) -> Path:
     """Write arrays + summary.json, log scalars, and draw each figure once for both PNG and TensorBoard."""
-    write_results(res, out_dir, step, figures=False)
-    log_results(res, writer, step, figures=False)
+    write_results(res, out_dir, step)
+    log_results(res, writer, step)
     if figures:
         import matplotlib.pyplot as plt
 
@@ -311,8 +306,8 @@ def make_figures(res: dict, step: int | None = None) -> dict:
     return figs
 
 
-def log_results(res: dict, writer, step: int, figures: bool = True) -> None:
-    """TensorBoard scalars (tags as in DESIGN.md) and figures, through the raw SummaryWriter."""
+def log_results(res: dict, writer, step: int) -> None:
+    """TensorBoard scalars (tags as in DESIGN.md), through the raw SummaryWriter."""
     if writer is None:
         return
     blocks = res["blocks"]
@@ -339,9 +334,3 @@ def log_results(res: dict, writer, step: int, figures: bool = True) -> None:
         for pi, pool in enumerate(fp["pools"]):
             for i in range(len(fp["layers"])):
                 writer.add_scalar(f"probe/{fp['shots']}shot/{pool}/{tag(i)}", float(fp["mean"][pi, i]), step)
-    if figures:
-        import matplotlib.pyplot as plt
-
-        for name, fig in make_figures(res, step).items():
-            writer.add_figure(name, fig, step)
-            plt.close(fig)
