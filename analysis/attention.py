@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from analysis.reduce import all_reduce_sum
+
 UNITS = ("pixels", "unit_square")
 _CHUNK_ELEMENTS = 1 << 22  # float64 elements of attention converted at a time (32 MiB)
 
@@ -179,8 +181,7 @@ class AttentionDistance:
     def sync(self, accelerator=None) -> None:
         """Sum the state over processes with ``torch.distributed.all_reduce`` (SUM) when a process group with more
         than one process is initialised (otherwise nothing). Blocks seen only by some processes are added as zeros
-        elsewhere first. The packed state travels on ``accelerator.device`` when an Accelerator is given, else on the
-        current CUDA device for NCCL and on CPU otherwise. Call it once, after the last ``update`` and before
+        elsewhere first. The packed state is summed by :func:`analysis.reduce.all_reduce_sum`. Call it once, after the last ``update`` and before
         ``compute``: calling it twice sums twice."""
         import torch.distributed as dist
 
@@ -196,16 +197,4 @@ class AttentionDistance:
                     self._zeros(b, h)
                 elif self.count[b].numel() != h:
                     raise ValueError(f"block {b}: {self.count[b].numel()} heads here, {h} on another process")
-        if accelerator is not None:
-            device = torch.device(accelerator.device)
-        elif dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device("cpu")
-
-        def all_reduce(flat: Tensor) -> Tensor:
-            flat = flat.to(device)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            return flat
-
-        self.reduce_(all_reduce)
+        self.reduce_(lambda flat: all_reduce_sum(flat, accelerator))

@@ -33,14 +33,11 @@ class AnalysisSuiteCallback(Callback):
         if len(data.analysis) < 4:
             raise RecipeError(f"callback '{self.name}' needs at least 4 analysis images: raise data.analysis_size (now {len(data.analysis)}).")
         if "fewshot_probe" in self.measures:
-            import torch
+            from analysis.suite import probe_split_problem
 
-            counts = torch.bincount(data.probe_train.labels, minlength=data.num_classes)
-            shots = self.opts.probe_shots
-            if int(counts.min()) // 2 < shots:
-                raise RecipeError(f"callback '{self.name}' draws {shots} shots per class from half of the probe-train split, which holds "
-                                  f"{int(counts.min())} images of its rarest class: raise data.probe_train_size to at least "
-                                  f"{2 * shots * data.num_classes} or lower the callback's shots.")
+            problem = probe_split_problem(data, self.opts.probe_shots)
+            if problem:
+                raise RecipeError(f"callback '{self.name}': {problem}")
 
     def _run(self, ctx) -> None:
         from analysis.suite import publish, run_suite

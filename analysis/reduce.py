@@ -11,7 +11,10 @@ def all_reduce_sum(t: torch.Tensor, accelerator=None) -> torch.Tensor:
         if accelerator.num_processes == 1:
             return t
         return accelerator.reduce(t.to(accelerator.device), reduction="sum").to(t.device)
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        t = t.clone()
-        torch.distributed.all_reduce(t)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
+        out = t.to(device, copy=True)
+        dist.all_reduce(out)
+        return out.to(t.device)
     return t

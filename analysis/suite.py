@@ -12,7 +12,7 @@ Outputs (:func:`publish`): ``analysis/step_XXXXXXX/{cka,norm_ratio,attention_dis
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,6 @@ class SuiteOptions:
     probe_shots: int = 10
     probe_seeds: tuple = (0, 1, 2)
     probe_pools: tuple = ("cls", "mean", "mean_spatial")
-    extra: dict = field(default_factory=dict)
 
 
 def cka_layers(model) -> list[tuple[str, str]]:
@@ -176,6 +175,16 @@ def _collect(parts: list, accelerator) -> tuple[dict, torch.Tensor]:
     return {k: torch.cat([p[1][k] for p in parts]) for k in keys}, torch.cat([p[2] for p in parts])
 
 
+def probe_split_problem(data, shots: int) -> str | None:
+    """One sentence if the probe-train split cannot give ``shots`` per class from its shot half, else None."""
+    counts = torch.bincount(data.probe_train.labels, minlength=data.num_classes)
+    if len(counts) and int(counts.min()) // 2 >= shots:
+        return None
+    return (f"few-shot probes draw {shots} shots per class from half of the probe-train split, whose rarest class has "
+            f"{int(counts.min()) if len(counts) else 0} images: raise data.probe_train_size to at least {2 * shots * data.num_classes} "
+            "or lower the callback's shots.")
+
+
 def _probes(model, data, opts, accelerator, test_parts, probe_taps, pools, prefix, device) -> dict:
     """10-shot probes per layer and pooling: shots from the first half of probe_train (seeded, per seed), the
     regulariser picked on the second half, top-1 on the analysis images."""
@@ -191,23 +200,20 @@ def _probes(model, data, opts, accelerator, test_parts, probe_taps, pools, prefi
     pool_x, pool_y = _collect(train_parts, accelerator)
     from train.data import balanced_indices
 
-    per_class = int(torch.bincount(pool_y).min()) // 2 if len(pool_y) else 0
-    if per_class < opts.probe_shots:
-        need = 2 * opts.probe_shots * data.num_classes
-        raise ValueError(f"few-shot probes need {opts.probe_shots} shots per class from half of the probe-train split, which has only "
-                         f"{per_class} per class: raise data.probe_train_size to at least {need} or lower the callback's shots.")
+    problem = probe_split_problem(data, opts.probe_shots)
+    if problem:
+        raise ValueError(problem)
     half = balanced_indices(pool_y.numpy(), len(pool_y) // 2, seed=12345)
     rest = np.setdiff1d(np.arange(len(pool_y)), half)
     shot_idx, val_idx = torch.as_tensor(half), torch.as_tensor(rest)
     res = {}
     for p in pools:
-        names = [f"{t}" for t in probe_taps]
         tr = {t: pool_x[(t, p)][shot_idx] for t in probe_taps}
         va = {t: pool_x[(t, p)][val_idx] for t in probe_taps}
         te = {t: test_x[(t, p)] for t in probe_taps}
         r = probe_layers(tr, pool_y[shot_idx], te, test_y, shots=opts.probe_shots, seeds=tuple(opts.probe_seeds),
                          val_feats=va, val_y=pool_y[val_idx])
-        res[p] = {"mean": np.array([r[t][0] for t in names]), "std": np.array([r[t][1] for t in names])}
+        res[p] = {"mean": np.array([r[t][0] for t in probe_taps]), "std": np.array([r[t][1] for t in probe_taps])}
     return {"pools": list(pools), "layers": probe_taps, "shots": opts.probe_shots, "seeds": list(opts.probe_seeds),
             "mean": np.stack([res[p]["mean"] for p in pools]), "std": np.stack([res[p]["std"] for p in pools]),
             "chance": 1.0 / data.num_classes}

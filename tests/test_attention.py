@@ -154,8 +154,19 @@ def test_reduce_sums_state_like_two_processes():
 
 
 class _AcceleratorLike:
+    """The part of accelerate.Accelerator that sync uses: a device and a collective sum."""
+
     num_processes = 2
     device = "cpu"
+
+    @staticmethod
+    def reduce(t, reduction="sum"):
+        import torch.distributed as dist
+
+        assert reduction == "sum"
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
 
 
 def _sync_worker(rank, init_file, out_file):

@@ -237,6 +237,17 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
         last_eval = evaluate(acc, model, ev_loader, data, data.num_classes)
         log({"eval/top1": last_eval["top1"], "eval/loss": last_eval["loss"], "time/eval_s": time.perf_counter() - t0}, step)
 
+    def diverged(at: int, what: str) -> None:
+        """Stop without writing a checkpoint; name the last good one. Every rank sees the same value (grad
+        norm / reduced loss), so every rank stops here together."""
+        done = list_checkpoints(run_dir / "checkpoints", warn=False)
+        keep = f"the last good checkpoint is {done[-1]}" if done else "no checkpoint had been written yet"
+        if bar is not None:
+            bar.close()
+        acc.end_training()
+        raise TrainingDiverged(f"training diverged at step {at}: {what} ({keep}); lower train.lr, raise train.warmup_steps "
+                               "or set train.grad_clip, then resume or start again.")
+
     model.train()
     while step < t.steps:
         micro = step * G
@@ -272,16 +283,7 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
             grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
             if recipe.train.mixed_precision != "fp16" and not torch.isfinite(grad_norm):
-                opt.zero_grad(set_to_none=True)
-                done = list_checkpoints(run_dir / "checkpoints", warn=False)
-                keep = f"the last good checkpoint is {done[-1]}" if done else "no checkpoint had been written yet"
-                if bar is not None:
-                    bar.close()
-                acc.end_training()
-                raise TrainingDiverged(
-                    f"training diverged at step {step + 1}: the loss/gradient became {float(grad_norm)} ({keep}); "
-                    "lower train.lr, raise train.warmup_steps or set train.grad_clip, then resume or start again."
-                )
+                diverged(step + 1, f"the loss/gradient became {float(grad_norm)}")
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
@@ -295,7 +297,7 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
             if step % t.log_every == 0 or step == t.steps:
                 mean_loss = acc.reduce(interval["loss"] / interval["n"], reduction="mean")
                 if not torch.isfinite(mean_loss):
-                    raise TrainingDiverged(f"training diverged at step {step}: the mean loss is {float(mean_loss)}; lower train.lr and start again.")
+                    diverged(step, f"the mean loss became {float(mean_loss)}")
                 ips = interval["images"] / max(interval["time"], 1e-9)
                 log({"train/loss": mean_loss, "train/lr": lr, "train/throughput_img_s": ips, "train/grad_norm": grad_norm,
                      "train/epoch": step * G / bpe}, step)
