@@ -198,3 +198,59 @@ class AttentionDistance:
                 elif self.count[b].numel() != h:
                     raise ValueError(f"block {b}: {self.count[b].numel()} heads here, {h} on another process")
         self.reduce_(lambda flat: all_reduce_sum(flat, accelerator))
+
+
+# ---------------------------------------------------------------- the suite's measure
+
+from analysis.measure import Measure, register  # noqa: E402
+
+
+@register
+class AttentionDistanceMeasure(Measure):
+    """Raghu et al. 2021 Fig. 3 / ViT paper Fig. 7 right / Walmer §4.3: mean attention distance per head and
+    block (definition in this module's docstring). Result: ``pixels`` and ``unit_square`` [L, H], ``blocks``."""
+
+    name = "attention_distance"
+
+    @classmethod
+    def applies(cls, ctx):
+        return ctx.arch == "vit"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.acc = AttentionDistance(ctx.grid, ctx.patch_size, ctx.prefix)
+
+    def taps(self):
+        return {f"{b}.attn_probs" for b in self.ctx.blocks}
+
+    def update(self, j, cap, x, y):
+        for i, b in enumerate(self.ctx.blocks):
+            self.acc.update(i, cap[f"{b}.attn_probs"])
+
+    def finish(self):
+        self.acc.sync(self.ctx.accelerator)
+        px, unit = self.acc.compute(), self.acc.compute_unit_square()
+        n = len(self.ctx.blocks)
+        return {"pixels": torch.stack([px[i] for i in range(n)]).numpy(), "unit_square": torch.stack([unit[i] for i in range(n)]).numpy(),
+                "blocks": list(self.ctx.blocks)}
+
+    @staticmethod
+    def summary(r):
+        import numpy as np
+
+        px = np.asarray(r["pixels"])
+        return {"mean_px": [float(v) for v in px.mean(1)], "min_px": [float(v) for v in px.min(1)], "max_px": [float(v) for v in px.max(1)]}
+
+    @staticmethod
+    def scalars(r):
+        import numpy as np
+
+        px = np.asarray(r["pixels"])
+        return {f"attn_dist/block{i:02d}/head{h:02d}": float(px[i, h]) for i in range(px.shape[0]) for h in range(px.shape[1])}
+
+    @staticmethod
+    def figures(r, step=None):
+        from analysis.figures import attention_distance_plot
+
+        at = f" (step {step})" if step is not None else ""
+        return {"attn_dist/heads": attention_distance_plot(r["pixels"], title=f"attention distance{at}")}

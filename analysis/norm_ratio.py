@@ -66,3 +66,80 @@ class NormRatio:
     def compute(self) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
         """{(block, sublayer): (ratio [T], cosine [T])}."""
         return {k: (self.ratio[k] / self.count[k], self.cos[k] / self.count[k]) for k in self.ratio}
+
+
+# ---------------------------------------------------------------- the suite's measure
+
+from analysis.measure import Measure, as_list, register  # noqa: E402
+
+
+@register
+class NormRatioMeasure(Measure):
+    """Raghu et al. 2021 Fig. 7 (left: per token and block; right: CLS vs spatial tokens) and E.2 (cosine).
+    ViT: sublayers attn (z = block input, f = attention branch) and mlp (z = stream after attention, f = MLP
+    branch); Mixer: token and channel mixing likewise; ResNet: one "block" sublayer (shortcut vs branch),
+    positions averaged since stages differ in size. Result: ``ratio`` and ``cosine`` [S, L, T] (ResNet
+    [1, L, 1]), ``sublayers``, ``blocks``, ``num_prefix_tokens``."""
+
+    name = "norm_ratio"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.acc = NormRatio()
+        self.tokens = ctx.arch in ("vit", "mixer")
+        self.pairs = ({"attn": ("in", "attn_branch"), "mlp": ("attn_out", "mlp_branch")} if self.tokens
+                      else {"block": ("shortcut", "branch")})
+
+    def taps(self):
+        return {f"{b}.{k}" for b in self.ctx.blocks for pair in self.pairs.values() for k in pair}
+
+    def update(self, j, cap, x, y):
+        for b in self.ctx.blocks:
+            for sub, (z, f) in self.pairs.items():
+                self.acc.update(b, sub, cap[f"{b}.{z}"], cap[f"{b}.{f}"])
+
+    def finish(self):
+        import numpy as np
+
+        self.acc.sync(self.ctx.accelerator)
+        res = self.acc.compute()
+        per = (lambda v: v.numpy()) if self.tokens else (lambda v: v.mean(0, keepdim=True).numpy())
+        subs, blocks = list(self.pairs), list(self.ctx.blocks)
+        return {"ratio": np.stack([np.stack([per(res[(b, s)][0]) for b in blocks]) for s in subs]),
+                "cosine": np.stack([np.stack([per(res[(b, s)][1]) for b in blocks]) for s in subs]),
+                "sublayers": subs, "blocks": blocks, "num_prefix_tokens": int(self.ctx.prefix)}
+
+    @staticmethod
+    def curves(r) -> dict:
+        """{"<sublayer>/cls": [L], "<sublayer>/spatial": [L]}: the CLS token's ratio and the spatial tokens' mean."""
+        import numpy as np
+
+        ratio, p = np.asarray(r["ratio"]), int(r["num_prefix_tokens"])
+        out = {}
+        for si, sub in enumerate(as_list(r["sublayers"])):
+            if p:
+                out[f"{sub}/cls"] = ratio[si, :, 0]
+            out[f"{sub}/spatial"] = ratio[si, :, p:].mean(-1)
+        return out
+
+    @staticmethod
+    def summary(r):
+        return {k: [float(v) for v in c] for k, c in NormRatioMeasure.curves(r).items()}
+
+    @staticmethod
+    def scalars(r):
+        return {f"norm_ratio/{k}/block{i:02d}": float(v) for k, c in NormRatioMeasure.curves(r).items() for i, v in enumerate(c)}
+
+    @staticmethod
+    def figures(r, step=None):
+        import numpy as np
+
+        from analysis.figures import norm_ratio_heatmap, norm_ratio_lines
+
+        at = f" (step {step})" if step is not None else ""
+        p, blocks = int(r["num_prefix_tokens"]), [b.split(".", 1)[-1] for b in as_list(r["blocks"])]
+        figs = {f"norm_ratio/{sub}": norm_ratio_heatmap(np.asarray(r["ratio"])[si], blocks, title=f"norm ratio, {sub}{at}", has_cls=p > 0)
+                for si, sub in enumerate(as_list(r["sublayers"]))}
+        curves = {k.replace("/", " ").replace("cls", "CLS"): v for k, v in NormRatioMeasure.curves(r).items()}
+        figs["norm_ratio/lines"] = norm_ratio_lines(curves, title=f"norm ratio ||z||/||f(z)||{at}")
+        return figs

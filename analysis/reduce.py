@@ -18,3 +18,20 @@ def all_reduce_sum(t: torch.Tensor, accelerator=None) -> torch.Tensor:
         dist.all_reduce(out)
         return out.to(t.device)
     return t
+
+
+def gather_objects(items: list, accelerator=None) -> list:
+    """Every process's ``items`` concatenated, on every process (``items`` itself with one process)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return items
+    from accelerate.utils import gather_object
+
+    return gather_object(items)
+
+
+def collect(parts: list, accelerator=None) -> tuple[dict, torch.Tensor]:
+    """Per-minibatch parts ``(j, {key: Tensor [b, ...]}, labels [b])`` from every process, put in minibatch
+    order j and concatenated: ({key: Tensor [N, ...]}, labels [N]) -- the same on 1 and N processes."""
+    parts = sorted(gather_objects(parts, accelerator), key=lambda p: p[0])
+    keys = parts[0][1].keys()
+    return {k: torch.cat([p[1][k] for p in parts]) for k in keys}, torch.cat([p[2] for p in parts])

@@ -1,47 +1,90 @@
-"""The analysis suite: CKA, norm ratios, attention distances and few-shot probes in ONE pass over the
-analysis split (plus one pass over the probe-train split for the probes' training features).
+"""The analysis suite: every requested measurement (analysis/measure.py) in ONE pass over the analysis split,
+plus one pass over the probe-train split when a measure needs training features (probes, k-NN).
 
 The same function serves the training-time callbacks (analysis/callbacks.py) and offline analysis of saved
-checkpoints. Minibatch j of the analysis split always holds the same images; with several processes,
-process r takes the minibatches j = r (mod world) and every accumulator's sums are added over processes, so
-1 and N processes give the same numbers.
+checkpoints (``python -m analysis``). Minibatch j of the analysis split always holds the same images; with
+several processes, process r takes the minibatches j = r (mod world) and every measure reduces its state over
+processes, so 1 and N processes give the same numbers.
 
-Outputs (:func:`publish`): ``analysis/step_XXXXXXX/{cka,norm_ratio,attention_distance,probes}.npz``,
-``summary.json``, PNG figures, and the same figures plus scalars in TensorBoard.
+On disk (:func:`publish`), ``analysis/step_XXXXXXX/`` holds ``<measure>.npz`` per measure, ``summary.json``
+(key numbers and the model's block layout) and ``cache.json`` (the cache key of each result: weights, analysis
+images and settings, see :func:`cache_key`); PNG figures go to ``figures/step_XXXXXXX/``; the same figures
+and scalars go to TensorBoard.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from analysis.cka import MinibatchCKA, represent
-from analysis.norm_ratio import NormRatio
-from analysis.taps import Taps, block_names, grid_of, is_vit
+from analysis.measure import REGISTRY, Context, load_result, save_result
+from analysis.taps import Taps, arch_of, block_names, grid_of, num_prefix_tokens
 
-ALL = ("cka", "norm_ratio", "attention_distance", "fewshot_probe")
+# modules that define (register) measures; imported on first use
+MODULES = ("analysis.cka", "analysis.norm_ratio", "analysis.attention", "analysis.probes", "analysis.localization",
+           "analysis.token_probes", "analysis.receptive_field", "analysis.residual_cka", "analysis.attention_maps",
+           "analysis.knn", "analysis.clustering")
+DEFAULT = ("cka", "norm_ratio", "attention_distance", "fewshot_probe")  # what the training-time suite runs
+ALL = DEFAULT  # kept for callers that name the core four
 
 
 @dataclass
 class SuiteOptions:
-    measures: tuple = ALL
+    """What the suite measures and how. Every field but ``measures`` is part of the results' cache key."""
+
+    measures: tuple = DEFAULT
     batch_size: int = 256  # analysis minibatch = the CKA minibatch (>= 4)
     cka_repr: str = "flatten"  # flatten | cls | mean_spatial
     cka_unbiased: bool = True
     probe_shots: int = 10
     probe_seeds: tuple = (0, 1, 2)
     probe_pools: tuple = ("cls", "mean", "mean_spatial")
+    token_probe_stride: int = 1
+    erf_images: int = 32
+    knn_k: int = 20
+    knn_temperature: float = 0.07
+    extra: dict = field(default_factory=dict)  # options of measures registered outside this package
+
+    def settings(self) -> dict:
+        d = asdict(self)
+        d.pop("measures")
+        return json.loads(json.dumps(d))  # tuples -> lists, as they are read back
 
 
-def cka_layers(model) -> list[tuple[str, str]]:
-    """(tap name, label) of the layers compared by CKA: after each sublayer of a ViT block (Raghu Fig. 1 marks
-    attention and MLP layers), each residual block's output in a ResNet."""
-    if is_vit(model):
-        return [(f"{b}.{k}", f"{b.split('.')[1]}.{s}") for b in block_names(model) for k, s in (("attn_out", "attn"), ("out", "mlp"))]
-    return [(f"{b}.out", b) for b in block_names(model)]
+def registry() -> dict:
+    """Every known measure, {name: class} (importing the modules that define them)."""
+    for m in MODULES:
+        try:
+            importlib.import_module(m)
+        except ModuleNotFoundError as e:
+            if e.name != m:
+                raise
+    return REGISTRY
+
+
+def check_measures(names) -> None:
+    """Raise ValueError (one sentence) for an unknown measure name."""
+    known = registry()
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"unknown measure '{bad[0]}': choose from {', '.join(sorted(known))}.")
+
+
+def make_context(model, data, opts: SuiteOptions, accelerator=None) -> Context:
+    arch = arch_of(model)
+    tokens = arch in ("vit", "mixer")
+    patch = None
+    if tokens:
+        pe = model.patch_embed if arch == "vit" else model.stem
+        patch = int(pe.patch_size[0])
+    return Context(model=model, data=data, opts=opts, device=next(model.parameters()).device, accelerator=accelerator,
+                   arch=arch, blocks=tuple(block_names(model)), prefix=num_prefix_tokens(model),
+                   grid=tuple(grid_of(model)) if tokens else None, patch_size=patch)
 
 
 def _shard(n_batches: int, accelerator) -> range:
@@ -50,265 +93,170 @@ def _shard(n_batches: int, accelerator) -> range:
     return range(accelerator.process_index, n_batches, accelerator.num_processes)
 
 
-def _gather_objects(items: list, accelerator) -> list:
-    if accelerator is None or accelerator.num_processes == 1:
-        return items
-    from accelerate.utils import gather_object
-
-    return gather_object(items)
-
-
 @torch.no_grad()
-def _features(model, data, split, taps: list[str], batch_size: int, device, accelerator, on_batch=None):
-    """Run ``split`` through ``model`` in fixed minibatches (sharded over processes), calling
-    ``on_batch(j, captures, labels)`` for each; returns nothing (accumulators live in the callback)."""
-    n = len(split)
-    n_batches = (n + batch_size - 1) // batch_size
-    for j in _shard(n_batches, accelerator):
-        x = split.images[j * batch_size:(j + 1) * batch_size].to(device)
-        y = split.labels[j * batch_size:(j + 1) * batch_size]
-        with Taps(model, taps) as cap:
-            model(data.normalize(x))
-        on_batch(j, cap.captures, y)
+def _pass(ctx: Context, split, taps: list[str], on_batch) -> None:
+    """Run ``split`` through the model in fixed minibatches (sharded over processes), calling
+    ``on_batch(j, captures, normalised inputs, labels)`` for each."""
+    bs = ctx.opts.batch_size
+    for j in _shard((len(split) + bs - 1) // bs, ctx.accelerator):
+        x = ctx.data.normalize(split.images[j * bs:(j + 1) * bs].to(ctx.device))
+        y = split.labels[j * bs:(j + 1) * bs]
+        with Taps(ctx.model, taps) as cap:
+            ctx.model(x)
+        on_batch(j, cap.captures, x, y)
 
 
-def _pool(t: torch.Tensor, how: str, num_prefix: int) -> torch.Tensor:
-    if t.ndim == 4:  # ResNet: mean over positions for every pooling
-        return t.mean(dim=(2, 3))
-    from analysis.probes import pool_tokens
+@contextmanager
+def float32_forward(model):
+    """Measure in float32 whatever the training precision: Accelerate's mixed precision replaces ``model.forward``
+    by an autocast wrapper (kept on the unwrapped model, which callbacks see); inside this context the model's
+    own forward runs, with autocast off, so training-time and offline analyses of a checkpoint agree exactly."""
+    patched, original = model.__dict__.get("forward"), model.__dict__.get("_original_forward")
+    if patched is not None and original is not None:
+        model.forward = original
+    try:
+        with torch.autocast(next(model.parameters()).device.type, enabled=False):
+            yield
+    finally:
+        if patched is not None and original is not None:
+            model.forward = patched
 
-    return pool_tokens(t, how, num_prefix)
 
-
-def probe_pools(model, opts: SuiteOptions) -> list[str]:
-    if not is_vit(model):
-        return ["mean"]
-    return [p for p in opts.probe_pools if not (p == "cls" and model.num_prefix_tokens == 0)]
-
-
-@torch.no_grad()
-def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None) -> dict:
-    """All requested measurements of ``model`` on ``data.analysis`` (and ``data.probe_train``); returns numpy
-    arrays and labels (see :func:`write_results`)."""
-    from analysis.attention import AttentionDistance
-
+def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, measures=None) -> dict:
+    """The requested measures (``measures`` or ``opts.measures``; those that do not apply to the model, e.g.
+    attention measures on a ResNet, are left out) of ``model`` on ``data.analysis`` (and ``data.probe_train``).
+    Returns ``{"meta": {...}, <measure>: result}`` (results as in analysis/measure.py)."""
     opts = opts or SuiteOptions()
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    vit = is_vit(model)
-    blocks = block_names(model)
-    prefix = model.num_prefix_tokens if vit else 0
-    want = set(opts.measures)
-    if not vit:
-        want.discard("attention_distance")
-
-    taps: set[str] = set()
-    layers = cka_layers(model)
-    if "cka" in want:
-        taps |= {t for t, _ in layers}
-    if "norm_ratio" in want:
-        taps |= ({f"{b}.{k}" for b in blocks for k in ("in", "attn_branch", "attn_out", "mlp_branch")} if vit
-                 else {f"{b}.{k}" for b in blocks for k in ("shortcut", "branch")})
-    if "attention_distance" in want:
-        taps |= {f"{b}.attn_probs" for b in blocks}
-    probe_taps = [f"{b}.out" for b in blocks]
-    if "fewshot_probe" in want:
-        taps |= set(probe_taps)
-    taps = sorted(taps)
-
-    cka = MinibatchCKA(unbiased=opts.cka_unbiased)
-    nr = NormRatio()
-    ad = AttentionDistance(grid_of(model), model.patch_embed.patch_size[0], prefix) if vit else None
-    pools = probe_pools(model, opts)
-    test_feats: list = []
-
-    def on_batch(j, cap, y):
-        if "cka" in want:
-            cka.update([represent(cap[t], opts.cka_repr, prefix) for t, _ in layers])
-        if "norm_ratio" in want:
-            for b in blocks:
-                if vit:
-                    nr.update(b, "attn", cap[f"{b}.in"], cap[f"{b}.attn_branch"])
-                    nr.update(b, "mlp", cap[f"{b}.attn_out"], cap[f"{b}.mlp_branch"])
-                else:
-                    nr.update(b, "block", cap[f"{b}.shortcut"], cap[f"{b}.branch"])
-        if "attention_distance" in want:
-            for i, b in enumerate(blocks):
-                ad.update(i, cap[f"{b}.attn_probs"])
-        if "fewshot_probe" in want:
-            test_feats.append((j, {(t, p): _pool(cap[t], p, prefix).float().cpu() for t in probe_taps for p in pools}, y))
-
+    names = list(measures if measures is not None else opts.measures)
+    check_measures(names)
     if len(data.analysis) < 4:
         raise ValueError(f"the analysis split has {len(data.analysis)} images; the suite needs at least 4 (data.analysis_size).")
-    _features(model, data, data.analysis, taps, opts.batch_size, device, accelerator, on_batch)
-    out: dict = {"blocks": blocks, "num_prefix_tokens": prefix, "n_images": len(data.analysis)}
+    ctx = make_context(model, data, opts, accelerator)
+    was_training = model.training
+    model.eval()
+    with float32_forward(model):
+        return _run(model, data, opts, accelerator, names, ctx, was_training)
 
-    if "cka" in want:
-        cka.sync(accelerator)
-        out["cka"] = {"matrix": cka.compute().numpy(), "labels": [lab for _, lab in layers], "repr": opts.cka_repr}
-    if "norm_ratio" in want:
-        nr.sync(accelerator)
-        res = nr.compute()
-        subs = ["attn", "mlp"] if vit else ["block"]
-        # ViT: [sublayer, block, token]; ResNet stages differ in size, so positions are averaged: [1, block, 1]
-        per_token = (lambda v: v.numpy()) if vit else (lambda v: v.mean(0, keepdim=True).numpy())
-        out["norm_ratio"] = {
-            "ratio": np.stack([np.stack([per_token(res[(b, s)][0]) for b in blocks]) for s in subs]),
-            "cosine": np.stack([np.stack([per_token(res[(b, s)][1]) for b in blocks]) for s in subs]),
-            "sublayers": subs,
-        }
-    if "attention_distance" in want:
-        ad.sync(accelerator)
-        px, unit = ad.compute(), ad.compute_unit_square()
-        out["attention_distance"] = {"pixels": np.stack([px[i].double().numpy() for i in range(len(blocks))]),
-                                     "unit_square": np.stack([unit[i].double().numpy() for i in range(len(blocks))])}
-    if "fewshot_probe" in want:
-        out["fewshot_probe"] = _probes(model, data, opts, accelerator, test_feats, probe_taps, pools, prefix, device)
-    model.train(was_training)
+
+def _run(model, data, opts, accelerator, names, ctx, was_training) -> dict:
+    try:
+        ms = [REGISTRY[n](ctx) for n in names if REGISTRY[n].applies(ctx)]
+        taps = sorted(set().union(*(m.taps() for m in ms))) if ms else []
+        if taps:
+            _pass(ctx, data.analysis, taps, lambda j, cap, x, y: [m.update(j, cap, x, y) for m in ms])
+        ptaps = sorted(set().union(*(m.probe_taps() for m in ms))) if ms else []
+        if ptaps:
+            _pass(ctx, data.probe_train, ptaps, lambda j, cap, x, y: [m.update_probe(j, cap, x, y) for m in ms if m.probe_taps()])
+        out: dict = {"meta": {"arch": ctx.arch, "blocks": list(ctx.blocks), "num_prefix_tokens": ctx.prefix, "n_images": len(data.analysis)}}
+        for m in ms:
+            with torch.no_grad():
+                out[m.name] = m.finish()
+    finally:
+        model.train(was_training)
     return out
 
 
-def _collect(parts: list, accelerator) -> tuple[dict, torch.Tensor]:
-    parts = sorted(_gather_objects(parts, accelerator), key=lambda p: p[0])
-    keys = parts[0][1].keys()
-    return {k: torch.cat([p[1][k] for p in parts]) for k in keys}, torch.cat([p[2] for p in parts])
+# ---------------------------------------------------------------- cache keys
 
 
-def probe_split_problem(data, shots: int) -> str | None:
-    """One sentence if the probe-train split cannot give ``shots`` per class from its shot half, else None."""
-    counts = torch.bincount(data.probe_train.labels, minlength=data.num_classes)
-    if len(counts) and int(counts.min()) // 2 >= shots:
+def data_fingerprint(data) -> str:
+    """sha256 of the analysis and probe-train images and labels and the normalisation: two runs analysed on the
+    same images have the same fingerprint."""
+    h = hashlib.sha256()
+    for split in (data.analysis, data.probe_train):
+        for t in (split.images, split.labels):
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.contiguous().cpu().numpy().tobytes())
+    for t in (data.mean, data.std):
+        h.update(torch.as_tensor(t).double().numpy().tobytes())
+    return h.hexdigest()
+
+
+def weights_id(checkpoint_dir: Path) -> str | None:
+    """The recorded sha256 of a checkpoint's model.safetensors (from its meta.json), or None."""
+    try:
+        return json.loads((Path(checkpoint_dir) / "meta.json").read_text())["files"]["model.safetensors"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return (f"few-shot probes draw {shots} shots per class from half of the probe-train split, whose rarest class has "
-            f"{int(counts.min()) if len(counts) else 0} images: raise data.probe_train_size to at least {2 * shots * data.num_classes} "
-            "or lower the callback's shots.")
 
 
-def _probes(model, data, opts, accelerator, test_parts, probe_taps, pools, prefix, device) -> dict:
-    """10-shot probes per layer and pooling: shots from the first half of probe_train (seeded, per seed), the
-    regulariser picked on the second half, top-1 on the analysis images."""
-    from analysis.probes import probe_layers
-
-    train_parts: list = []
-
-    def on_batch(j, cap, y):
-        train_parts.append((j, {(t, p): _pool(cap[t], p, prefix).float().cpu() for t in probe_taps for p in pools}, y))
-
-    _features(model, data, data.probe_train, probe_taps, opts.batch_size, device, accelerator, on_batch)
-    test_x, test_y = _collect(test_parts, accelerator)
-    pool_x, pool_y = _collect(train_parts, accelerator)
-    from train.data import balanced_indices
-
-    problem = probe_split_problem(data, opts.probe_shots)
-    if problem:
-        raise ValueError(problem)
-    half = balanced_indices(pool_y.numpy(), len(pool_y) // 2, seed=12345)
-    rest = np.setdiff1d(np.arange(len(pool_y)), half)
-    shot_idx, val_idx = torch.as_tensor(half), torch.as_tensor(rest)
-    res = {}
-    for p in pools:
-        tr = {t: pool_x[(t, p)][shot_idx] for t in probe_taps}
-        va = {t: pool_x[(t, p)][val_idx] for t in probe_taps}
-        te = {t: test_x[(t, p)] for t in probe_taps}
-        r = probe_layers(tr, pool_y[shot_idx], te, test_y, shots=opts.probe_shots, seeds=tuple(opts.probe_seeds),
-                         val_feats=va, val_y=pool_y[val_idx])
-        res[p] = {"mean": np.array([r[t][0] for t in probe_taps]), "std": np.array([r[t][1] for t in probe_taps])}
-    return {"pools": list(pools), "layers": probe_taps, "shots": opts.probe_shots, "seeds": list(opts.probe_seeds),
-            "mean": np.stack([res[p]["mean"] for p in pools]), "std": np.stack([res[p]["std"] for p in pools]),
-            "chance": 1.0 / data.num_classes}
+def cache_key(weights: str, data_fp: str, opts: SuiteOptions, measure: str) -> str:
+    """What a saved result depends on: the weights, the analysis images, the settings and the measure."""
+    blob = json.dumps({"weights": weights, "data": data_fp, "settings": opts.settings(), "measure": measure}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-# ---------------------------------------------------------------- writing and logging
+def cached_keys(out_dir: Path) -> dict:
+    try:
+        return json.loads((Path(out_dir) / "cache.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# ---------------------------------------------------------------- writing, reading, logging
 
 
 def summary_of(res: dict) -> dict:
-    """Key numbers of a suite result (what summary.json and report tables show)."""
-    s: dict = {"n_images": res["n_images"], "blocks": len(res["blocks"])}
-    if "cka" in res:
-        m = res["cka"]["matrix"]
-        off = m[~np.eye(len(m), dtype=bool)]
-        s["cka"] = {"mean_offdiag": float(off.mean()) if off.size else 1.0, "first_last": float(m[0, -1]),
-                    "adjacent_mean": float(np.mean([m[i, i + 1] for i in range(len(m) - 1)])) if len(m) > 1 else 1.0}
-    if "norm_ratio" in res:
-        r = res["norm_ratio"]["ratio"]
-        p = res["num_prefix_tokens"]
-        d = {}
-        for si, sub in enumerate(res["norm_ratio"]["sublayers"]):
-            if p:
-                d[f"{sub}/cls"] = [float(v) for v in r[si, :, 0]]
-            d[f"{sub}/spatial"] = [float(v) for v in r[si, :, p:].mean(-1)]
-        s["norm_ratio"] = d
-    if "attention_distance" in res:
-        px = res["attention_distance"]["pixels"]
-        s["attention_distance"] = {"mean_px": [float(v) for v in px.mean(1)], "min_px": [float(v) for v in px.min(1)],
-                                   "max_px": [float(v) for v in px.max(1)]}
-    if "fewshot_probe" in res:
-        fp = res["fewshot_probe"]
-        s["fewshot_probe"] = {p: [float(v) for v in fp["mean"][i]] for i, p in enumerate(fp["pools"])}
-    return s
+    """Key numbers of a suite result (summary.json, reports): {"meta": ..., <measure>: summary}."""
+    reg = registry()
+    return {"meta": res.get("meta", {}), **{k: reg[k].summary(v) for k, v in res.items() if k in reg}}
 
 
-def write_results(res: dict, out_dir: Path, step: int | None = None) -> Path:
-    """Arrays (npz) and summary.json into ``out_dir``; returns it."""
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_results(res: dict, out_dir: Path, step: int | None = None, keys: dict | None = None) -> Path:
+    """``<measure>.npz`` per measure, then summary.json and cache.json (merged with what is there: results of
+    other measures already in the folder stay valid), each written atomically."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if "cka" in res:
-        np.savez(out_dir / "cka.npz", matrix=res["cka"]["matrix"], labels=np.array(res["cka"]["labels"]))
-    if "norm_ratio" in res:
-        np.savez(out_dir / "norm_ratio.npz", ratio=res["norm_ratio"]["ratio"], cosine=res["norm_ratio"]["cosine"],
-                 sublayers=np.array(res["norm_ratio"]["sublayers"]), blocks=np.array(res["blocks"]))
-    if "attention_distance" in res:
-        np.savez(out_dir / "attention_distance.npz", **res["attention_distance"])
-    if "fewshot_probe" in res:
-        fp = res["fewshot_probe"]
-        np.savez(out_dir / "probes.npz", mean=fp["mean"], std=fp["std"], pools=np.array(fp["pools"]), layers=np.array(fp["layers"]))
-    summary = {"step": step, **summary_of(res)}
-    tmp = out_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(out_dir / "summary.json")
+    reg = registry()
+    for name, r in res.items():
+        if name in reg:
+            tmp = out_dir / f"{name}.tmp.npz"
+            save_result(r, tmp)
+            tmp.replace(out_dir / f"{name}.npz")
+    old = {}
+    if (out_dir / "summary.json").is_file():
+        try:
+            old = json.loads((out_dir / "summary.json").read_text())
+        except ValueError:
+            old = {}
+    summary = {**old, "step": step, **summary_of(res)}
+    _atomic_text(out_dir / "summary.json", json.dumps(summary, indent=1))
+    cache = cached_keys(out_dir)
+    for name in res:
+        if name in reg:
+            if keys and keys.get(name):
+                cache[name] = keys[name]
+            else:
+                cache.pop(name, None)
+    _atomic_text(out_dir / "cache.json", json.dumps(cache, indent=1))
     return out_dir
 
 
-def publish(res: dict, out_dir: Path, writer=None, step: int | None = None, figures: bool = True) -> Path:
-    """Write arrays + summary.json, log scalars, and draw each figure once for both PNG and TensorBoard."""
-    write_results(res, out_dir, step)
-    log_results(res, writer, step)
-    if figures:
-        import matplotlib.pyplot as plt
-
-        from analysis.figures import save
-
-        for name, fig in make_figures(res, step).items():
-            if writer is not None:
-                writer.add_figure(name, fig, step, close=False)
-            save(fig, Path(out_dir) / f"{name.replace('/', '_')}.png")
-            plt.close(fig)
-    return Path(out_dir)
+def load_results(out_dir: Path, measures=None) -> dict:
+    """A suite result read back from ``out_dir`` (the measures present there, or those named)."""
+    out_dir = Path(out_dir)
+    reg = registry()
+    meta = json.loads((out_dir / "summary.json").read_text()).get("meta", {}) if (out_dir / "summary.json").is_file() else {}
+    res = {"meta": meta}
+    for name in measures or sorted(reg):
+        f = out_dir / f"{name}.npz"
+        if f.is_file():
+            res[name] = load_result(f)
+    return res
 
 
 def make_figures(res: dict, step: int | None = None) -> dict:
-    from analysis import figures as F
-
-    at = f" (step {step})" if step is not None else ""
+    reg = registry()
     figs = {}
-    if "cka" in res:
-        figs["cka/self"] = F.cka_heatmap(res["cka"]["matrix"], res["cka"]["labels"], title=f"CKA{at}")
-    if "norm_ratio" in res:
-        nr, p, blocks = res["norm_ratio"], res["num_prefix_tokens"], [b.split(".", 1)[-1] for b in res["blocks"]]
-        curves = {}
-        for si, sub in enumerate(nr["sublayers"]):
-            figs[f"norm_ratio/{sub}"] = F.norm_ratio_heatmap(nr["ratio"][si], blocks, title=f"norm ratio, {sub}{at}", has_cls=p > 0)
-            if p:
-                curves[f"{sub} CLS"] = nr["ratio"][si, :, 0]
-            curves[f"{sub} spatial"] = nr["ratio"][si, :, p:].mean(-1)
-        figs["norm_ratio/lines"] = F.norm_ratio_lines(curves, title=f"norm ratio ||z||/||f(z)||{at}")
-    if "attention_distance" in res:
-        figs["attn_dist/heads"] = F.attention_distance_plot(res["attention_distance"]["pixels"], title=f"attention distance{at}")
-    if "fewshot_probe" in res:
-        fp = res["fewshot_probe"]
-        curves = {p: (fp["mean"][i], fp["std"][i]) for i, p in enumerate(fp["pools"])}
-        figs["probe/10shot"] = F.probe_plot(curves, title=f"{fp['shots']}-shot linear probe{at}", chance=fp["chance"])
+    for name, r in res.items():
+        if name in reg:
+            figs.update(reg[name].figures(r, step))
     return figs
 
 
@@ -316,27 +264,35 @@ def log_results(res: dict, writer, step: int) -> None:
     """TensorBoard scalars (tags as in DESIGN.md), through the raw SummaryWriter."""
     if writer is None:
         return
-    blocks = res["blocks"]
-    p = res["num_prefix_tokens"]
-    tag = lambda i: f"block{i:02d}"  # noqa: E731
-    if "cka" in res:
-        s = summary_of({"cka": res["cka"], "n_images": 0, "blocks": blocks})["cka"]
-        for k, v in s.items():
-            writer.add_scalar(f"cka/{k}", v, step)
-    if "norm_ratio" in res:
-        nr = res["norm_ratio"]
-        for si, sub in enumerate(nr["sublayers"]):
-            for i in range(len(blocks)):
-                if p:
-                    writer.add_scalar(f"norm_ratio/{sub}/cls/{tag(i)}", float(nr["ratio"][si, i, 0]), step)
-                writer.add_scalar(f"norm_ratio/{sub}/spatial/{tag(i)}", float(nr["ratio"][si, i, p:].mean()), step)
-    if "attention_distance" in res:
-        px = res["attention_distance"]["pixels"]
-        for i in range(px.shape[0]):
-            for h in range(px.shape[1]):
-                writer.add_scalar(f"attn_dist/{tag(i)}/head{h:02d}", float(px[i, h]), step)
-    if "fewshot_probe" in res:
-        fp = res["fewshot_probe"]
-        for pi, pool in enumerate(fp["pools"]):
-            for i in range(len(fp["layers"])):
-                writer.add_scalar(f"probe/{fp['shots']}shot/{pool}/{tag(i)}", float(fp["mean"][pi, i]), step)
+    reg = registry()
+    for name, r in res.items():
+        if name in reg:
+            for tag, v in reg[name].scalars(r).items():
+                writer.add_scalar(tag, v, step)
+
+
+def publish(res: dict, out_dir: Path, writer=None, step: int | None = None, figures: bool = True, keys: dict | None = None,
+            figure_dir: Path | None = None) -> Path:
+    """Write arrays + summary.json (+ cache keys) to ``out_dir``, log scalars, and draw each figure once for
+    PNG (into ``figure_dir``, default ``out_dir``) and TensorBoard."""
+    write_results(res, out_dir, step, keys)
+    log_results(res, writer, step)
+    if figures:
+        import matplotlib.pyplot as plt
+
+        from analysis.figures import save
+
+        fig_dir = Path(figure_dir or out_dir)
+        fig_dir.mkdir(parents=True, exist_ok=True)
+        for name, fig in make_figures(res, step).items():
+            if writer is not None:
+                writer.add_figure(name, fig, step, close=False)
+            save(fig, fig_dir / f"{name.replace('/', '_')}.png")
+            plt.close(fig)
+    return Path(out_dir)
+
+
+def probe_split_problem(data, shots: int) -> str | None:
+    from analysis.probes import probe_split_problem as problem
+
+    return problem(data, shots)

@@ -35,6 +35,7 @@ def test_suite_on_every_variant(variant):
     assert np.isfinite(res["norm_ratio"]["ratio"]).all()
     fp = res["fewshot_probe"]
     assert fp["mean"].shape[1] == (3 if variant != "resnet" else 4) and ((0 <= fp["mean"]) & (fp["mean"] <= 1)).all()
+    assert fp["baseline"].shape == fp["mean"].shape and fp["baseline"].mean() < 0.3  # Gaussian features: near chance (0.1)
     if variant == "resnet":
         assert "attention_distance" not in res and fp["pools"] == ["mean"]
     else:
@@ -51,8 +52,10 @@ def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, t
     run = Path(out["run_dir"])
     for step in (4, 8):
         d = run / "analysis" / f"step_{step:07d}"
-        for f in ("cka.npz", "norm_ratio.npz", "attention_distance.npz", "probes.npz", "summary.json", "cka_self.png", "probe_10shot.png"):
+        for f in ("cka.npz", "norm_ratio.npz", "attention_distance.npz", "fewshot_probe.npz", "summary.json", "cache.json"):
             assert (d / f).is_file(), (d, f)
+        for f in ("cka_self.png", "probe_10shot.png"):
+            assert (run / "figures" / d.name / f).is_file(), (d, f)
         s = json.loads((d / "summary.json").read_text())
         assert s["step"] == step and len(s["fewshot_probe"]["cls"]) == 2
     sc = read_scalars(run)
