@@ -1,0 +1,181 @@
+"""ViT attention heads, sorted from local to global, compared with a ResNet's lower layers by CKA
+(Raghu et al. 2021 §4, "Does access to global information result in different features?", Fig. 5).
+
+A cross-model function (not a single-model Measure): :func:`head_subset_cka`.
+
+Definitions. ViT block ``block`` (default 0, the first encoder block) has H heads of width dh.
+
+- Head distance: the mean attention distance of each head (:func:`analysis.attention.attention_distance`: spatial
+  queries and keys, rows renormalised over spatial keys, pixels by default) over ALL the given images. Heads are
+  ordered by it, ascending (most local first; stable sort, ties by head index): ``head_order``.
+- Head representation: the head's attention output BEFORE the output projection, ``(A_h V_h)`` [T, dh] per image,
+  spatial tokens only (prefix/CLS rows dropped), flattened to [N * dh]. It is read from the input of ``attn.norm``
+  (timm's Attention computes ``x = (attn @ v).transpose(1, 2).reshape(B, T, H * dh)``, so channels
+  ``h*dh:(h+1)*dh`` are head h; then ``norm`` -- Identity unless scale_norm --, an optional gate, and ``proj``; for
+  the default Attention this is the input of ``proj``), through a forward pre-hook.
+- Subsets (Raghu's "subsets of ViT attention heads ... from the most locally attending heads to the most global"):
+  the k most local heads (``head_order[:k]``) and the k most global (``head_order[-k:]``), k = H // 2 by default,
+  their spatial head outputs concatenated along the channel axis, flattened per image.
+- ResNet layers: by default the outputs of the residual blocks of the first two stages (taps ``layer{s}.{j}.out``,
+  s = 1, 2), flattened per image.
+- CKA: minibatch linear CKA (:class:`analysis.cka.MinibatchCKA` with ``ys``, unbiased HSIC by default) over the same
+  fixed minibatches of ``batch_size`` images for both models; every minibatch needs >= 4 images.
+
+Two passes over the images: attention distances first (they fix the order and the subsets), then features.
+With an ``accelerator`` (N processes), minibatch j goes to process j mod N and all sums are added over processes,
+so 1 and N processes agree.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from analysis.attention import AttentionDistance
+from analysis.cka import MinibatchCKA, represent
+from analysis.taps import Taps, grid_of, is_vit, resnet_blocks
+
+SUBSETS = ("local", "global")
+
+
+def default_resnet_layers(resnet, stages: tuple[int, ...] = (1, 2)) -> list[str]:
+    """Taps ``layer{s}.{j}.out`` of every residual block of the given stages (Raghu Fig. 5: 'lower layers')."""
+    names = [n for n, _ in resnet_blocks(resnet) if int(n.split(".")[0][len("layer"):]) in stages]
+    if not names:
+        raise ValueError(f"{type(resnet).__name__} has no residual blocks in stages {stages}")
+    return [f"{n}.out" for n in names]
+
+
+@contextmanager
+def capture_head_outputs(vit, block: int):
+    """Context yielding a dict whose ``"x"`` becomes the per-head attention output [B, T, H * dh] of ``vit.blocks[block]``
+    (input of ``attn.norm``, or of ``attn.proj`` when the attention has no ``norm``) at each forward."""
+    attn = vit.blocks[block].attn
+    target = attn.norm if isinstance(getattr(attn, "norm", None), torch.nn.Module) else attn.proj
+    store: dict[str, Tensor] = {}
+
+    def hook(mod, args):
+        store["x"] = args[0].detach()
+
+    handle = target.register_forward_pre_hook(hook)
+    try:
+        yield store
+    finally:
+        handle.remove()
+
+
+def split_heads(x: Tensor, num_heads: int, num_prefix_tokens: int) -> Tensor:
+    """[B, T, H * dh] (heads contiguous) -> [B, H, N, dh], spatial tokens only."""
+    b, t, c = x.shape
+    if c % num_heads:
+        raise ValueError(f"{c} channels do not split into {num_heads} heads")
+    return x[:, num_prefix_tokens:].reshape(b, t - num_prefix_tokens, num_heads, c // num_heads).transpose(1, 2)
+
+
+def _batches(n: int, batch_size: int, accelerator) -> range:
+    n_batches = (n + batch_size - 1) // batch_size
+    if accelerator is None or accelerator.num_processes == 1:
+        return range(n_batches)
+    return range(accelerator.process_index, n_batches, accelerator.num_processes)
+
+
+@torch.no_grad()
+def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 256, block: int = 0,
+                    resnet_layers: list[str] | None = None, k: int | None = None, unit: str = "pixels",
+                    unbiased: bool = True, accelerator=None) -> dict:
+    """Raghu et al. 2021 Fig. 5: CKA between single ViT attention heads (sorted local -> global) / local and global
+    head subsets, and the ResNet's lower layers (module docstring for the definitions).
+
+    ``images`` [N, C, H, W] (e.g. uint8), ``normalize`` maps a minibatch to model inputs; both models see the same
+    minibatches. Returns a flat dict: ``head_order`` [H] int (heads by ascending mean attention distance),
+    ``head_distance`` [H] (distance of head ``head_order[i]``, in ``unit``), ``cka`` [H, R] (row i: head
+    ``head_order[i]``; column r: ``resnet_layers[r]``), ``subset_cka`` [2, R] (rows ``subsets`` = local, global),
+    ``subset_heads`` [2, k], ``subset_distance`` [2] (mean distance of the subset's heads), ``resnet_layers`` [R],
+    ``subsets``, ``block``, ``unit``, ``n_images``.
+    """
+    if not is_vit(vit):
+        raise ValueError(f"head_subset_cka needs a timm VisionTransformer first, got {type(vit).__name__}")
+    if unit not in ("pixels", "unit_square"):
+        raise ValueError(f"unit must be 'pixels' or 'unit_square', got {unit!r}")
+    n = len(images)
+    tail = n % batch_size
+    if n < 4 or 0 < tail < 4:
+        raise ValueError(f"{n} images in minibatches of {batch_size} leave a minibatch of {tail or n} < 4 images; "
+                         "unbiased CKA needs >= 4 per minibatch: change batch_size or the number of images.")
+    layers = list(resnet_layers) if resnet_layers is not None else default_resnet_layers(resnet)
+    heads = vit.blocks[block].attn.num_heads
+    k = heads // 2 if k is None else int(k)
+    if not 1 <= k <= heads:
+        raise ValueError(f"subset size k={k} must be in 1..{heads}")
+    prefix = vit.num_prefix_tokens
+    grid = grid_of(vit)
+    vdev, rdev = next(vit.parameters()).device, next(resnet.parameters()).device
+    modes = vit.training, resnet.training
+    vit.eval()
+    resnet.eval()
+    try:
+        # pass 1: attention distances of the block's heads over all images
+        ad = AttentionDistance(grid, vit.patch_embed.patch_size[0], prefix)
+        tap = f"blocks.{block}.attn_probs"
+        for j in _batches(n, batch_size, accelerator):
+            x = images[j * batch_size:(j + 1) * batch_size]
+            with Taps(vit, [tap]) as cap:
+                vit(normalize(x.to(vdev)))
+            ad.update(block, cap[tap])
+        ad.sync(accelerator)
+        dist = (ad.compute() if unit == "pixels" else ad.compute_unit_square())[block].numpy()
+        order = np.argsort(dist, kind="stable")
+        subsets = np.stack([order[:k], order[heads - k:]])
+
+        # pass 2: head outputs and ResNet features, minibatch CKA
+        cka = MinibatchCKA(unbiased=unbiased)
+        sel = [torch.as_tensor(s, dtype=torch.long) for s in subsets]
+        for j in _batches(n, batch_size, accelerator):
+            x = images[j * batch_size:(j + 1) * batch_size]
+            with capture_head_outputs(vit, block) as store:
+                vit(normalize(x.to(vdev)))
+            hs = split_heads(store["x"], heads, prefix)  # [b, H, N, dh]
+            xs = [hs[:, h].reshape(len(x), -1) for h in order.tolist()]
+            xs += [hs[:, s.to(hs.device)].transpose(1, 2).reshape(len(x), -1) for s in sel]  # [b, N, k, dh] flattened
+            with Taps(resnet, layers) as cap:
+                resnet(normalize(x.to(rdev)))
+            ys = [represent(cap[t], "flatten").to(hs.device) for t in layers]
+            cka.update(xs, ys)
+        cka.sync(accelerator)
+        m = cka.compute().cpu().numpy()
+    finally:
+        vit.train(modes[0])
+        resnet.train(modes[1])
+    return {"head_order": order.astype(np.int64), "head_distance": dist[order], "cka": m[:heads], "subset_cka": m[heads:],
+            "subset_heads": subsets.astype(np.int64), "subset_distance": np.array([dist[s].mean() for s in subsets]),
+            "subsets": list(SUBSETS), "resnet_layers": layers, "block": int(block), "unit": unit, "n_images": int(n)}
+
+
+def head_subset_figure(r: dict, title: str | None = None):
+    """Raghu Fig. 5 style: x = the block's heads sorted by mean attention distance (tick labels: head index and
+    distance), one line per ResNet layer with its CKA to each head alone; the local / global subsets' CKA drawn as
+    large markers at the subsets' mean distance positions (left: local, right: global)."""
+    from analysis.figures import plt  # pyplot with the Agg backend set
+    from analysis.measure import as_list
+
+    cka, sub = np.asarray(r["cka"]), np.asarray(r["subset_cka"])
+    order, dist = np.asarray(r["head_order"]), np.asarray(r["head_distance"])
+    layers, unit = as_list(r["resnet_layers"]), str(np.asarray(r["unit"]))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * len(order) + 2.5), 3.8))
+    x = np.arange(len(order))
+    colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(1, len(layers))))
+    for i, name in enumerate(layers):
+        ax.plot(x, cka[:, i], marker="o", ms=3, color=colors[i], label=name)
+        ax.scatter([-1, len(order)], sub[:, i], marker="*", s=80, color=colors[i], edgecolors="k", linewidths=0.4, zorder=3)
+    ax.set_xticks([-1, *x, len(order)], ["local\nsubset", *[f"h{h}\n{d:.3g}" for h, d in zip(order, dist)], "global\nsubset"], fontsize=6)
+    ax.axvline(-0.5, color="grey", lw=0.5, ls=":")
+    ax.axvline(len(order) - 0.5, color="grey", lw=0.5, ls=":")
+    ax.set_xlabel(f"block {int(r['block'])} heads, sorted by mean attention distance ({unit})")
+    ax.set_ylabel("CKA to ResNet layer")
+    ax.set_ylim(min(0.0, float(np.nanmin(cka)), float(np.nanmin(sub))), 1)  # unbiased CKA can dip below 0
+    ax.legend(fontsize=6, loc="best")
+    ax.set_title(title or "ViT heads (local -> global) vs ResNet lower layers")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,262 @@
+"""Weighted k-NN classification per layer (Walmer et al. 2023 §6.1 / Fig. 9 left; DINO, Caron et al. 2021 §4.1, App.).
+
+The protocol is DINO's ``knn_classifier`` (eval_knn.py), which Walmer et al. apply to the features of every block.
+With a memory bank of training features ``B`` [n, d] with labels ``y_B`` and a query ``q`` [d]:
+
+    b_i  = B_i / ||B_i||,  q' = q / ||q||                     L2-normalised features
+    s_i  = <q', b_i>                                          cosine similarity to every bank entry
+    N(q) = the k entries with the largest s_i                 k = 20 (Walmer §6.1; DINO uses 20 for ImageNet)
+    w_i  = exp(s_i / T)                                       T = 0.07 (DINO)
+    S_c  = sum_{i in N(q), y_B[i] = c} w_i                     class score
+    pred = argmax_c S_c                                       (ties: the lowest class index, torch.argmax)
+
+and the reported number is top-1 accuracy (a fraction in [0, 1]) over the queries. When the bank has fewer than k
+entries, k is reduced to the bank size (all entries vote); the effective k is stored in the result.
+
+In the suite (:class:`KNNMeasure`, name ``"knn"``): the bank is the probe-train split, the queries are the analysis
+split; the features of every block's output (tap ``<block>.out``) are pooled per image to one vector: ``"cls"``
+(the CLS token, models with a prefix token only) and ``"mean_spatial"`` (mean of the tokens after the prefix;
+ResNet: the spatial mean over H, W). Walmer uses the CLS token; the spatial mean is the "average-pooled spatial
+tokens" variant of their §5.2 / Table 6. The random-chance baseline (Walmer App. B.3) is the same k-NN on
+standard Gaussian features of the same shapes (:func:`analysis.baselines.gaussian_like`), drawn for bank and queries
+together, with seed ``BASELINE_SEED + p * L + l`` for pool p and layer l (seed 0 for the first).
+
+Everything is computed in float64.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from analysis.baselines import gaussian_like
+from analysis.measure import Context, Measure, as_list, register
+from analysis.reduce import collect
+
+K = 20
+TEMPERATURE = 0.07
+BASELINE_SEED = 0
+_CHUNK = 1024  # queries per similarity chunk
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pooling and layers shared with analysis.clustering
+# ----------------------------------------------------------------------------------------------------------------
+
+def pool_features(t: Tensor, how: str, num_prefix_tokens: int) -> Tensor:
+    """One vector per image from a block output: tokens [B, T, D] via :func:`analysis.probes.pool_tokens`
+    (``"cls"`` or ``"mean_spatial"``), ResNet maps [B, C, H, W] by the spatial mean over (H, W) (only
+    ``"mean_spatial"``), already pooled [B, D] unchanged."""
+    if t.ndim == 4:
+        if how != "mean_spatial":
+            raise ValueError(f"a feature map [B, C, H, W] has no {how!r} pooling; use 'mean_spatial'")
+        return t.mean(dim=(2, 3))
+    if t.ndim == 3:
+        from analysis.probes import pool_tokens
+
+        return pool_tokens(t, how, num_prefix_tokens)
+    if t.ndim == 2:
+        return t
+    raise ValueError(f"cannot pool features of shape {tuple(t.shape)}")
+
+
+def pools_for(ctx: Context) -> list[str]:
+    """``["cls", "mean_spatial"]`` for token models with a prefix (CLS) token, else ``["mean_spatial"]``."""
+    return ["cls", "mean_spatial"] if ctx.arch != "resnet" and ctx.prefix > 0 else ["mean_spatial"]
+
+
+def blocks_of(ctx: Context) -> list[str]:
+    """The block names in forward order (``ctx.blocks``, else :func:`analysis.taps.block_names` of the model)."""
+    if ctx.blocks:
+        return list(ctx.blocks)
+    from analysis.taps import block_names
+
+    return block_names(ctx.model)
+
+
+def block_tag(i: int) -> str:
+    return f"block{i:02d}"
+
+
+class PooledFeatures:
+    """Per-minibatch pooled ``<block>.out`` features for several pools, gathered in minibatch order with
+    :func:`analysis.reduce.collect` (the same on 1 and N processes). Keys are ``"<pool>|<block>"``; float32 on CPU."""
+
+    def __init__(self, blocks: list[str], pools: list[str], prefix: int) -> None:
+        self.blocks, self.pools, self.prefix = blocks, pools, prefix
+        self.parts: list = []
+
+    def taps(self) -> set[str]:
+        return {f"{b}.out" for b in self.blocks}
+
+    def add(self, j: int, cap: dict, y: Tensor) -> None:
+        feats = {f"{p}|{b}": pool_features(cap[f"{b}.out"].detach(), p, self.prefix).float().cpu()
+                 for p in self.pools for b in self.blocks}
+        self.parts.append((int(j), feats, y.detach().cpu().long()))
+
+    def gather(self, accelerator=None) -> tuple[dict[str, Tensor], Tensor]:
+        """({"<pool>|<block>": [N, D]}, labels [N]); raises if no minibatch was seen on any process."""
+        try:
+            return collect(self.parts, accelerator)
+        except IndexError:  # collect of no parts at all
+            raise ValueError("no minibatches were accumulated") from None
+
+
+def _num_classes(ctx: Context, *labels: Tensor) -> int:
+    k = getattr(ctx.data, "num_classes", None)
+    return int(k) if k else int(max(int(y.max()) for y in labels if y.numel())) + 1
+
+
+def _opt(ctx: Context, name: str, default):
+    return getattr(ctx.opts, name, default) if ctx.opts is not None else default
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the definition
+# ----------------------------------------------------------------------------------------------------------------
+
+def knn_predict(bank: Tensor, bank_labels: Tensor, queries: Tensor, k: int = K, temperature: float = TEMPERATURE,
+                num_classes: int | None = None) -> Tensor:
+    """Weighted k-NN predictions [Q] (DINO eval_knn; Walmer §6.1) of ``queries`` [Q, d] from ``bank`` [n, d].
+
+    Cosine similarity of L2-normalised features, the ``min(k, n)`` most similar bank entries vote for their label with
+    weight ``exp(sim / temperature)``, prediction = argmax of the per-class summed weights. float64 throughout,
+    on ``queries``' device, in chunks of queries.
+    """
+    if bank.ndim != 2 or queries.ndim != 2 or bank.shape[1] != queries.shape[1]:
+        raise ValueError(f"bank [n, d] and queries [Q, d] must share d, got {tuple(bank.shape)} and {tuple(queries.shape)}")
+    if bank.shape[0] == 0:
+        raise ValueError("the memory bank is empty")
+    if bank_labels.shape != (bank.shape[0],):
+        raise ValueError(f"bank_labels must be [{bank.shape[0]}], got {tuple(bank_labels.shape)}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    dev = queries.device
+    labels = bank_labels.to(dev).long()
+    c = int(num_classes) if num_classes else int(labels.max()) + 1
+    k = min(int(k), bank.shape[0])
+    b = torch.nn.functional.normalize(bank.to(dev, torch.float64), dim=1)
+    out = []
+    for q in queries.split(_CHUNK):
+        q = torch.nn.functional.normalize(q.to(torch.float64), dim=1)
+        sim, idx = (q @ b.T).topk(k, dim=1)
+        scores = torch.zeros(q.shape[0], c, dtype=torch.float64, device=dev)
+        scores.scatter_add_(1, labels[idx], (sim / temperature).exp())
+        out.append(scores.argmax(1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=dev)
+
+
+def knn_accuracy(bank: Tensor, bank_labels: Tensor, queries: Tensor, query_labels: Tensor, k: int = K,
+                 temperature: float = TEMPERATURE, num_classes: int | None = None) -> float:
+    """Top-1 accuracy (fraction in [0, 1]) of :func:`knn_predict` on ``queries`` with labels ``query_labels``."""
+    if queries.shape[0] == 0:
+        raise ValueError("no queries")
+    pred = knn_predict(bank, bank_labels, queries, k, temperature, num_classes)
+    return (pred.cpu() == query_labels.cpu().long()).double().mean().item()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the measure
+# ----------------------------------------------------------------------------------------------------------------
+
+@register
+class KNNMeasure(Measure):
+    """k-NN top-1 per layer and pool (Walmer et al. 2023 §6.1, Fig. 9 left; protocol of DINO), with the Gaussian
+    random-chance baseline (Walmer App. B.3). Definition in the module docstring: bank = probe-train features,
+    queries = analysis features, every block's output pooled by ``"cls"`` (CLS models) and ``"mean_spatial"``;
+    k = ``opts.knn_k`` (default 20), T = ``opts.knn_temperature`` (default 0.07).
+
+    Result: ``acc`` [P, L], ``baseline`` [P, L] (float64 fractions), ``pools`` [P], ``layers`` [L] (block names),
+    ``k`` (effective k = min(k, bank size)), ``temperature``, ``num_classes``, ``n_bank``, ``n_query``.
+    """
+
+    name: ClassVar[str] = "knn"
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self.blocks = blocks_of(ctx)
+        self.pools = pools_for(ctx)
+        self.k = int(_opt(ctx, "knn_k", K))
+        self.temperature = float(_opt(ctx, "knn_temperature", TEMPERATURE))
+        self.queries = PooledFeatures(self.blocks, self.pools, ctx.prefix)
+        self.bank = PooledFeatures(self.blocks, self.pools, ctx.prefix)
+
+    def taps(self) -> set[str]:
+        return self.queries.taps()
+
+    def update(self, j, cap, x, y) -> None:
+        self.queries.add(j, cap, y)
+
+    def probe_taps(self) -> set[str]:
+        return self.bank.taps()
+
+    def update_probe(self, j, cap, x, y) -> None:
+        self.bank.add(j, cap, y)
+
+    def finish(self) -> dict:
+        acc = self.ctx.accelerator
+        q_feats, q_y = self.queries.gather(acc)
+        b_feats, b_y = self.bank.gather(acc)
+        c = _num_classes(self.ctx, q_y, b_y)
+        dev = self.ctx.device
+        n_layers = len(self.blocks)
+        res = np.zeros((2, len(self.pools), n_layers))
+        for p, pool in enumerate(self.pools):
+            for l_, blk in enumerate(self.blocks):
+                key = f"{pool}|{blk}"
+                bank, queries = b_feats[key].to(dev), q_feats[key].to(dev)
+                res[0, p, l_] = knn_accuracy(bank, b_y, queries, q_y, self.k, self.temperature, c)
+                noise = gaussian_like(torch.cat([bank, queries]).double(), BASELINE_SEED + p * n_layers + l_)
+                res[1, p, l_] = knn_accuracy(noise[:len(bank)], b_y, noise[len(bank):], q_y, self.k, self.temperature, c)
+        return {"acc": res[0], "baseline": res[1], "pools": list(self.pools), "layers": list(self.blocks),
+                "k": min(self.k, len(b_y)), "temperature": self.temperature, "num_classes": c,
+                "n_bank": len(b_y), "n_query": len(q_y)}
+
+    @staticmethod
+    def summary(r: dict) -> dict:
+        acc, base, layers = np.asarray(r["acc"]), np.asarray(r["baseline"]), as_list(r["layers"])
+        out: dict = {"k": int(r["k"])}
+        for p, pool in enumerate(as_list(r["pools"])):
+            i = int(np.argmax(acc[p]))
+            out[pool] = {"last": float(acc[p, -1]), "best": float(acc[p, i]), "best_layer": layers[i],
+                         "baseline_mean": float(base[p].mean()), "per_layer": [float(v) for v in acc[p]]}
+        return out
+
+    @staticmethod
+    def scalars(r: dict) -> dict[str, float]:
+        acc = np.asarray(r["acc"])
+        return {f"knn/{pool}/{block_tag(i)}": float(acc[p, i]) for p, pool in enumerate(as_list(r["pools"]))
+                for i in range(acc.shape[1])}
+
+    @staticmethod
+    def figures(r: dict, step: int | None = None) -> dict:
+        at = f" (step {step})" if step is not None else ""
+        fig = depth_plot({"top-1": (np.asarray(r["acc"]), np.asarray(r["baseline"]))}, as_list(r["pools"]),
+                         f"k-NN (k={int(r['k'])}, T={float(r['temperature']):g}){at}", ylim=(0, 1))
+        return {"knn/accuracy": fig}
+
+
+def depth_plot(panels: dict[str, tuple[np.ndarray, np.ndarray]], pools: list[str], title: str, ylim=None):
+    """One panel per metric: value [P, L] vs normalised depth per pool (solid), the Gaussian baseline dashed in the
+    same colour (Walmer Fig. 7 / Fig. 9 style). Shared with analysis.clustering."""
+    from analysis.figures import plt  # pyplot with the Agg backend set
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (metric, (vals, base)) in zip(axes[0], panels.items()):
+        for p, pool in enumerate(pools):
+            n = vals.shape[1]
+            x = np.linspace(0, 1, n) if n > 1 else np.array([1.0])
+            line, = ax.plot(x, vals[p], marker="o", ms=3, label=pool)
+            ax.plot(x, base[p], ls="--", lw=1, color=line.get_color(), label=f"{pool} (Gaussian)")
+        ax.set_xlabel("normalised depth")
+        ax.set_ylabel(metric)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,269 @@
+"""Per-token few-shot linear probes (Raghu et al. 2021 §7 "Localization and Linear Probe Classification", Fig. 11 left
+and Fig. D.4).
+
+Definition. For every layer (block output) and every SPATIAL token t of it (its grid position; a ResNet "token" is the
+channel vector at one position of the block's feature map, maps larger than ``resnet_max_side`` -- default 7 --
+average-pooled to it, as Raghu App. A pools ResNet maps to the last stage's size for probes), a 10-shot linear probe
+is trained on that single token's features alone and scored on the analysis images:
+
+    acc[l, t] = mean over seeds s of fewshot_probe(F_l,t[shots_s], y[shots_s], F_l,t[analysis], y[analysis])
+    std[l, t] = sample std over seeds (0 for one seed)
+
+with the probe of analysis.probes (closed-form ridge onto {-1, 1}^K targets, ViT paper §4.1) run through
+:func:`analysis.probes.probe_layers`, under exactly the conventions of the suite's per-layer probes
+(analysis/suite.py ``_probes``): the probe-train split is halved class-balanced with
+``train.data.balanced_indices(labels, n // 2, seed=12345)``; the shots (``probe_shots`` per class, default 10) of
+seed s are drawn from that first half by ``sample_shots(labels, shots, s)`` (seeds ``probe_seeds``, default (0, 1, 2)),
+and the ridge regulariser is picked on the second half. ``mean_over_tokens[l]`` is the mean of ``acc[l]`` over the
+spatial tokens (Fig. 11 left: CLS excluded); a CLS model's class token (token 0) gets the same probe, ``cls_acc[l]``.
+With ``token_probe_stride`` s > 1 only the grid positions whose row and column are multiples of s are probed.
+
+Result (flat dict): ``layers`` [L] tap names, ``block_index`` [L], ``grid`` [L, 2] (gh, gw), ``token_index``
+[L, Tmax] (row-major grid index of each probed token, -1 padding), ``acc`` / ``std`` [L, Tmax] (NaN padding: a
+layer with fewer probed tokens, e.g. the last ResNet stage), ``mean_over_tokens`` [L], ``cls_acc`` / ``cls_std``
+[L] (CLS models only), ``shots``, ``seeds``, ``stride``, ``chance`` (1 / classes). Features are kept as float32 on
+the CPU; the probes themselves run in float64.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from analysis.localization import DEFAULT_MAX_SIDE, block_tag, spatial_tokens
+from analysis.measure import Context, Measure, as_list, register
+from analysis.probes import probe_layers
+from analysis.reduce import collect
+
+HALF_SEED = 12345  # the suite's probe-train half split (analysis/suite.py _probes)
+
+
+# ---------------------------------------------------------------- the definition, on tensors
+
+
+def strided_positions(grid: tuple[int, int], stride: int = 1) -> torch.Tensor:
+    """Row-major indices of the grid positions whose row and column are multiples of ``stride``."""
+    if stride < 1:
+        raise ValueError(f"token stride must be >= 1, got {stride}")
+    gh, gw = grid
+    return torch.tensor([r * gw + c for r in range(0, gh, stride) for c in range(0, gw, stride)], dtype=torch.long)
+
+
+def token_probe_accuracies(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
+                           shots: int = 10, seeds: Sequence[int] = (0, 1, 2), val_x: torch.Tensor | None = None,
+                           val_y: torch.Tensor | None = None, num_classes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(acc [T], std [T]): a few-shot probe per token of ``train_x`` [n, T, D] on that token's features only, scored
+    on ``test_x`` [m, T, D] (l2 picked on ``val_x`` [v, T, D] when given), via :func:`analysis.probes.probe_layers`
+    (shots drawn per seed from ``train_y``, the same images for every token)."""
+    tokens = range(train_x.shape[1])
+    tr = {str(t): train_x[:, t] for t in tokens}
+    te = {str(t): test_x[:, t] for t in tokens}
+    va = None if val_x is None else {str(t): val_x[:, t] for t in tokens}
+    r = probe_layers(tr, train_y, te, test_y, shots=shots, seeds=tuple(seeds), val_feats=va, val_y=val_y, num_classes=num_classes)
+    return np.array([r[str(t)][0] for t in tokens]), np.array([r[str(t)][1] for t in tokens])
+
+
+def probe_halves(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shot half, validation half) of the probe-train split, as the suite splits it."""
+    from train.data import balanced_indices
+
+    half = balanced_indices(labels.numpy(), len(labels) // 2, seed=HALF_SEED)
+    rest = np.setdiff1d(np.arange(len(labels)), half)
+    return torch.as_tensor(half, dtype=torch.long), torch.as_tensor(rest, dtype=torch.long)
+
+
+# ---------------------------------------------------------------- the measure
+
+
+@register
+class TokenProbes(Measure):
+    """10-shot linear probe per layer and per token (Raghu et al. 2021 Fig. 11 left: mean over spatial tokens vs depth;
+    Fig. D.4: accuracy of every token). ``acc[l, t]`` = top-1 on the analysis images of a probe trained on token t of
+    block l alone; exact definition and the shot / regulariser splits (the suite's) in the module docstring.
+    Options (``ctx.opts``, read with defaults): ``probe_shots`` (10), ``probe_seeds`` ((0, 1, 2)),
+    ``token_probe_stride`` (1), ``resnet_max_side`` (7)."""
+
+    name = "token_probes"
+
+    @classmethod
+    def applies(cls, ctx: Context) -> bool:
+        return ctx.arch in ("vit", "resnet")
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self.layers = [f"{b}.out" for b in ctx.blocks]
+        opts = ctx.opts
+        self.shots = int(getattr(opts, "probe_shots", 10))
+        self.seeds = tuple(int(s) for s in getattr(opts, "probe_seeds", (0, 1, 2)))
+        self.stride = int(getattr(opts, "token_probe_stride", 1))
+        self.max_side = int(getattr(opts, "resnet_max_side", DEFAULT_MAX_SIDE))
+        self.cls = ctx.arch == "vit" and ctx.prefix > 0
+        self.test_parts: list = []
+        self.train_parts: list = []
+
+    def taps(self) -> set[str]:
+        return set(self.layers)
+
+    def probe_taps(self) -> set[str]:
+        return set(self.layers)
+
+    def _features(self, cap: dict) -> dict:
+        feats = {}
+        for lay in self.layers:
+            t = cap[lay]
+            tokens, grid = spatial_tokens(t, self.ctx.prefix, self.ctx.grid, self.max_side)
+            feats[f"{lay}|grid"] = torch.tensor([grid], dtype=torch.long).expand(tokens.shape[0], 2)
+            feats[lay] = tokens[:, strided_positions(grid, self.stride).to(tokens.device)].float().cpu()
+            if self.cls:
+                feats[f"{lay}|cls"] = t[:, 0].float().cpu()
+        return feats
+
+    @torch.no_grad()
+    def update(self, j, cap, x, y) -> None:
+        self.test_parts.append((j, self._features(cap), y.cpu()))
+
+    @torch.no_grad()
+    def update_probe(self, j, cap, x, y) -> None:
+        self.train_parts.append((j, self._features(cap), y.cpu()))
+
+    def finish(self) -> dict:
+        acc = self.ctx.accelerator
+        test_x, test_y = collect(self.test_parts, acc)
+        pool_x, pool_y = collect(self.train_parts, acc)
+        k = int(self.ctx.data.num_classes)
+        counts = torch.bincount(pool_y, minlength=k)
+        if int(counts.min()) // 2 < self.shots:
+            raise ValueError(f"token probes draw {self.shots} shots per class from half of the probe-train split, whose rarest class has "
+                             f"{int(counts.min())} images: raise data.probe_train_size to at least {2 * self.shots * k} or lower probe_shots.")
+        shot_idx, val_idx = probe_halves(pool_y)
+        tr_y, va_y = pool_y[shot_idx], pool_y[val_idx]
+        accs, stds, cls_acc, cls_std, grids, index = [], [], [], [], [], []
+        for lay in self.layers:
+            x = pool_x[lay]
+            a, s = token_probe_accuracies(x[shot_idx], tr_y, test_x[lay], test_y, self.shots, self.seeds, x[val_idx], va_y, num_classes=k)
+            accs.append(a)
+            stds.append(s)
+            grid = tuple(int(v) for v in test_x[f"{lay}|grid"][0].tolist())
+            grids.append(grid)
+            index.append(strided_positions(grid, self.stride).numpy())
+            if self.cls:
+                c = pool_x[f"{lay}|cls"]
+                r = probe_layers({"cls": c[shot_idx]}, tr_y, {"cls": test_x[f"{lay}|cls"]}, test_y, shots=self.shots, seeds=self.seeds,
+                                 val_feats={"cls": c[val_idx]}, val_y=va_y, num_classes=k)["cls"]
+                cls_acc.append(r[0])
+                cls_std.append(r[1])
+        size = max(len(a) for a in accs)
+        pad = lambda vs, fill: np.stack([np.concatenate([v, np.full(size - len(v), fill, dtype=np.asarray(v).dtype)]) for v in vs])  # noqa: E731
+        blocks = list(self.ctx.blocks)
+        out = {"layers": list(self.layers), "block_index": np.array([blocks.index(lay.rsplit(".", 1)[0]) for lay in self.layers]),
+               "grid": np.array(grids, dtype=np.int64), "token_index": pad([i.astype(np.int64) for i in index], -1),
+               "acc": pad(accs, np.nan), "std": pad(stds, np.nan), "mean_over_tokens": np.array([float(np.mean(a)) for a in accs]),
+               "shots": self.shots, "seeds": np.array(self.seeds, dtype=np.int64), "stride": self.stride, "chance": 1.0 / k,
+               "n_images": len(test_y)}
+        if self.cls:
+            out["cls_acc"], out["cls_std"] = np.array(cls_acc), np.array(cls_std)
+        return out
+
+    @staticmethod
+    def summary(r: dict) -> dict:
+        s = {"layers": as_list(r["layers"]), "mean_over_tokens": [float(v) for v in np.asarray(r["mean_over_tokens"])],
+             "max_token": [float(np.nanmax(v)) for v in np.asarray(r["acc"])], "chance": float(r["chance"])}
+        if "cls_acc" in r:
+            s["cls_acc"] = [float(v) for v in np.asarray(r["cls_acc"])]
+        return s
+
+    @staticmethod
+    def scalars(r: dict) -> dict[str, float]:
+        out = {}
+        for i, (lay, bi) in enumerate(zip(as_list(r["layers"]), np.asarray(r["block_index"]))):
+            tag = block_tag(lay, bi)
+            out[f"token_probes/mean/{tag}"] = float(np.asarray(r["mean_over_tokens"])[i])
+            if "cls_acc" in r:
+                out[f"token_probes/cls/{tag}"] = float(np.asarray(r["cls_acc"])[i])
+        return out
+
+    @staticmethod
+    def figures(r: dict, step: int | None = None) -> dict:
+        at = f" (step {step})" if step is not None else ""
+        shots = int(r["shots"])
+        layers = as_list(r["layers"])
+        cls = np.asarray(r["cls_acc"]) if "cls_acc" in r else None
+        return {"token_probes/heatmap": layer_token_heatmap(np.asarray(r["acc"]), layers, title=f"{shots}-shot probe per token{at}"),
+                "token_probes/maps": token_maps(np.asarray(r["acc"]), np.asarray(r["grid"]), np.asarray(r["token_index"]), layers,
+                                                title=f"{shots}-shot probe per token position{at}"),
+                "token_probes/mean": mean_plot(np.asarray(r["mean_over_tokens"]), cls, float(r["chance"]),
+                                               title=f"{shots}-shot probe on single tokens{at}")}
+
+
+# ---------------------------------------------------------------- figures
+
+
+def _pyplot():
+    """matplotlib.pyplot, imported after analysis.figures has set the Agg backend."""
+    from analysis import figures
+
+    return figures.plt
+
+
+def layer_token_heatmap(acc: np.ndarray, layers: list[str], title: str = ""):
+    """Fig. D.4 as one matrix: probe top-1 per token (columns, probed tokens in row-major grid order) and layer (rows)."""
+    plt = _pyplot()
+
+    fig, ax = plt.subplots(figsize=(6, 0.35 * len(layers) + 1.5))
+    im = ax.imshow(np.ma.masked_invalid(acc), aspect="auto", origin="lower", cmap="viridis", vmin=0,
+                   vmax=max(float(np.nanmax(acc)), 1e-6) if np.isfinite(acc).any() else 1)
+    fig.colorbar(im, ax=ax, fraction=0.046).set_label("top-1")
+    ax.set_yticks(range(len(layers)), [lay.rsplit(".", 1)[0] for lay in layers], fontsize=6)
+    ax.set_xlabel("token (spatial, row-major)")
+    ax.set_ylabel("layer")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def token_maps(acc: np.ndarray, grids: np.ndarray, token_index: np.ndarray, layers: list[str], title: str = ""):
+    """Fig. D.4: per layer, the probe top-1 of every token at its grid position (unprobed positions blank)."""
+    plt = _pyplot()
+
+    n = len(layers)
+    cols = min(4, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.0 * cols + 0.8, 2.0 * rows + 0.5), squeeze=False)
+    vmax = max(float(np.nanmax(acc)), 1e-6) if np.isfinite(acc).any() else 1.0
+    im = None
+    for i, ax in enumerate(axes.flat):
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if i >= n:
+            ax.axis("off")
+            continue
+        gh, gw = (int(v) for v in grids[i])
+        m = np.full(gh * gw, np.nan)
+        ok = token_index[i] >= 0
+        m[token_index[i][ok]] = acc[i][ok]
+        im = ax.imshow(np.ma.masked_invalid(m.reshape(gh, gw)), vmin=0, vmax=vmax, cmap="viridis")
+        ax.set_title(layers[i].rsplit(".", 1)[0], fontsize=7)
+    if im is not None:
+        fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.03)
+    fig.suptitle(title, fontsize=8)
+    return fig
+
+
+def mean_plot(mean: np.ndarray, cls_acc: np.ndarray | None, chance: float, title: str = ""):
+    """Fig. 11 left: single-token probe top-1 averaged over spatial tokens vs normalised depth (and the CLS token's)."""
+    plt = _pyplot()
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    x = np.linspace(0, 1, len(mean)) if len(mean) > 1 else np.array([1.0])
+    ax.plot(x, mean, marker="o", ms=3, label="mean over spatial tokens")
+    if cls_acc is not None:
+        ax.plot(x, cls_acc, marker="s", ms=3, label="CLS token")
+    ax.axhline(chance, color="grey", ls=":", lw=1, label="chance")
+    ax.set_xlabel("normalised depth")
+    ax.set_ylabel("top-1")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
