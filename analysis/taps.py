@@ -1,4 +1,4 @@
-"""Taps: named intermediate tensors of a timm ViT or ResNet, captured with forward hooks (no forks).
+"""Taps: named intermediate tensors of a timm ViT, ResNet or MLP-Mixer, captured with forward hooks (no forks).
 
 ViT block i (``blocks.{i}.``), with z the residual stream and f the sublayer branches::
 
@@ -15,6 +15,22 @@ For a no-skip block (interventions.no_skip) ``attn_out`` is the branch alone, as
 ResNet residual block (``layer{s}.{j}.``): ``in`` (block input), ``branch`` (residual branch, output of its
 drop_path), ``shortcut`` (identity or downsample output) and ``out`` (block output, after the final act).
 
+MLP-Mixer block i (``blocks.{i}.``, timm MixerBlock: z' = z + dp(T(mlp_tokens(T(norm1(z))))),
+out = z' + dp(mlp_channels(norm2(z'))), T = transpose of tokens and channels) has the ViT tap names with
+token mixing in the place of attention, so measures written for ViT blocks read the same positions::
+
+    in           block input z_i                          (pre-hook on the block)
+    attn_branch  token-mixing branch, after drop_path     (1st call of the block's drop_path)
+    attn_out     stream after token mixing, z_i + branch  (input of norm2)
+    mlp_hidden   channel-mixing MLP hidden activations    (output of mlp_channels.act)
+    mlp_branch   channel-mixing branch, after drop_path   (2nd call of the block's drop_path)
+    out          block output                             (output of the block)
+
+MixerBlock applies ONE drop_path module to both branches, so its forward hook fires twice per forward; a
+pre-hook on the block resets a per-block call counter so call 0 is the token branch and call 1 the channel
+branch. There is no ``attn_probs`` and no prefix token (see :func:`num_prefix_tokens`); the token grid is
+``model.stem.grid_size`` (:func:`grid_of`). :func:`arch_of` tells the three apart.
+
 Usage::
 
     with Taps(model, ["blocks.0.out", "blocks.0.attn_probs"]) as cap:
@@ -30,6 +46,7 @@ import torch.nn as nn
 
 VIT_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "attn_probs")
 RESNET_KINDS = ("in", "branch", "shortcut", "out")
+MIXER_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out")
 
 
 class TapError(RuntimeError):
@@ -37,7 +54,33 @@ class TapError(RuntimeError):
 
 
 def is_vit(model: nn.Module) -> bool:
+    """A timm VisionTransformer (not an MLP-Mixer, whose patch embedding is ``stem``)."""
     return hasattr(model, "blocks") and hasattr(model, "patch_embed")
+
+
+def is_mixer(model: nn.Module) -> bool:
+    """A timm MlpMixer made of MixerBlocks (timm's ResMLP/gMLP variants use other blocks and are not tapped)."""
+    from timm.models.mlp_mixer import MixerBlock
+
+    blocks = getattr(model, "blocks", None)
+    return (hasattr(model, "stem") and isinstance(blocks, nn.Sequential) and len(blocks) > 0
+            and all(isinstance(b, MixerBlock) for b in blocks))
+
+
+def arch_of(model: nn.Module) -> str:
+    """``"vit"``, ``"mixer"`` or ``"resnet"``; TapError for any other model."""
+    if is_vit(model):
+        return "vit"
+    if is_mixer(model):
+        return "mixer"
+    if resnet_blocks(model):
+        return "resnet"
+    raise TapError(f"taps understand timm VisionTransformer, MlpMixer and ResNet models, not {type(model).__name__}.")
+
+
+def num_prefix_tokens(model: nn.Module) -> int:
+    """Prefix (CLS/register) tokens before the spatial tokens: ``model.num_prefix_tokens`` for a ViT, else 0."""
+    return int(model.num_prefix_tokens) if is_vit(model) else 0
 
 
 def resnet_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -52,23 +95,23 @@ def resnet_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def block_names(model: nn.Module) -> list[str]:
-    """The model's residual blocks in forward order: ``blocks.{i}`` (ViT) or ``layer{s}.{j}`` (ResNet)."""
-    if is_vit(model):
+    """The model's residual blocks in forward order: ``blocks.{i}`` (ViT, Mixer) or ``layer{s}.{j}`` (ResNet)."""
+    if arch_of(model) in ("vit", "mixer"):
         return [f"blocks.{i}" for i in range(len(model.blocks))]
-    blocks = resnet_blocks(model)
-    if not blocks:
-        raise TapError(f"taps understand timm VisionTransformer and ResNet models, not {type(model).__name__}.")
-    return [n for n, _ in blocks]
+    return [n for n, _ in resnet_blocks(model)]
 
 
 def available_taps(model: nn.Module) -> list[str]:
-    kinds = VIT_KINDS if is_vit(model) else RESNET_KINDS
+    kinds = {"vit": VIT_KINDS, "mixer": MIXER_KINDS, "resnet": RESNET_KINDS}[arch_of(model)]
     return [f"{b}.{k}" for b in block_names(model) for k in kinds]
 
 
 def grid_of(model: nn.Module) -> tuple[int, int]:
-    """Token grid (rows, cols) of a ViT."""
-    return tuple(model.patch_embed.grid_size)
+    """Token grid (rows, cols) of a ViT (``patch_embed.grid_size``) or Mixer (``stem.grid_size``)."""
+    arch = arch_of(model)
+    if arch == "resnet":
+        raise TapError("a ResNet has no token grid: grid_of applies to ViTs and Mixers.")
+    return tuple(model.patch_embed.grid_size if arch == "vit" else model.stem.grid_size)
 
 
 class Taps:
@@ -117,9 +160,13 @@ class Taps:
             want.setdefault(blk, set()).add(kind)
         modules = dict(self.model.named_modules())
         reg = self._handles.append
+        mixer = arch_of(self.model) == "mixer"
         for blk_name, kinds in want.items():
             blk = modules[blk_name]
             p = f"{blk_name}."
+            if mixer:
+                self._hook_mixer_block(blk, p, kinds)
+                continue
             for kind in kinds:
                 name = p + kind
                 if kind == "in":
@@ -149,6 +196,32 @@ class Taps:
                     else:
                         reg(blk.register_forward_pre_hook(self._in(name)))
         return self
+
+    def _hook_mixer_block(self, blk: nn.Module, p: str, kinds: set) -> None:
+        reg = self._handles.append
+        if "in" in kinds:
+            reg(blk.register_forward_pre_hook(self._in(p + "in")))
+        if "out" in kinds:
+            reg(blk.register_forward_hook(self._out(p + "out")))
+        if "attn_out" in kinds:
+            reg(blk.norm2.register_forward_pre_hook(self._in(p + "attn_out")))
+        if "mlp_hidden" in kinds:
+            reg(blk.mlp_channels.act.register_forward_hook(self._out(p + "mlp_hidden")))
+        branches = [(i, p + k) for i, k in enumerate(("attn_branch", "mlp_branch")) if k in kinds]
+        if branches:  # one drop_path module serves both branches: count its calls within each block forward
+            calls = [0]
+
+            def reset(mod, args):
+                calls[0] = 0
+
+            def on_drop_path(mod, args, out):
+                for i, name in branches:
+                    if calls[0] == i:
+                        self._store(name, out)
+                calls[0] += 1
+
+            reg(blk.register_forward_pre_hook(reset))
+            reg(blk.drop_path.register_forward_hook(on_drop_path))
 
     def __exit__(self, exc_type, exc, tb) -> None:
         for h in self._handles:

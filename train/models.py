@@ -1,4 +1,5 @@
-"""Models from a recipe: timm VisionTransformer (CLS or GAP head) and a timm ResNet baseline for small images."""
+"""Models from a recipe: timm VisionTransformer (CLS or GAP head), a timm ResNet baseline for small images, and a
+timm MLP-Mixer (Raghu et al. 2021 App. H: a third, attention-free token architecture)."""
 from __future__ import annotations
 
 import torch.nn as nn
@@ -9,8 +10,15 @@ def build_model(recipe, num_classes: int) -> nn.Module:
     m, d = recipe.model, recipe.data
     if m.arch == "vit":
         model = build_vit(m, d.img_size, d.in_chans, num_classes, recipe.interventions)
-    else:
+    elif m.arch == "mixer":
+        iv = recipe.interventions
+        if (iv.no_skip is not None and iv.no_skip.blocks) or iv.head_mask:  # validate_interventions says so first
+            raise ValueError("interventions no_skip and head_mask apply to ViTs only, not to model.arch 'mixer'.")
+        model = build_mixer(m, d.img_size, d.in_chans, num_classes)
+    elif m.arch == "resnet":
         model = build_resnet(m, d.in_chans, num_classes)
+    else:
+        raise ValueError(f"unknown model.arch {m.arch!r}: choose vit, resnet or mixer.")
     from interventions import apply_model_interventions
 
     apply_model_interventions(model, recipe)
@@ -38,6 +46,27 @@ def build_vit(m, img_size: int, in_chans: int, num_classes: int, interventions=N
         global_pool="token" if cls else "avg",
         drop_path_rate=m.drop_path,
         block_fn=block_fn_for(interventions),
+    )
+
+
+def build_mixer(m, img_size: int, in_chans: int, num_classes: int) -> nn.Module:
+    """timm MlpMixer of ``depth`` MixerBlocks at width ``embed_dim`` on a (img_size/patch_size)^2 token grid, no
+    class token, classifying the token mean (global_pool='avg'). Hidden widths, both counted in units of
+    embed_dim as timm does: token-mixing MLP ``int(mixer_token_ratio * embed_dim)``, channel-mixing MLP
+    ``int(mlp_ratio * embed_dim)``. ``drop_path`` is the same in every block (timm's MlpMixer rule)."""
+    from timm.models.mlp_mixer import MixerBlock, MlpMixer
+
+    return MlpMixer(
+        img_size=img_size,
+        patch_size=m.patch_size,
+        in_chans=in_chans,
+        num_classes=num_classes,
+        embed_dim=m.embed_dim,
+        num_blocks=m.depth,
+        mlp_ratio=(m.mixer_token_ratio, m.mlp_ratio),
+        block_layer=MixerBlock,
+        global_pool="avg",
+        drop_path_rate=m.drop_path,
     )
 
 

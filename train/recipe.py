@@ -55,13 +55,23 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    arch: Literal["vit", "resnet"] = "vit"
-    patch_size: int = field(default=4, metadata=_range(1, 64))
-    depth: int = field(default=6, metadata=_range(1, 64))
-    embed_dim: int = field(default=96, metadata=_range(8, 8192))
-    num_heads: int = field(default=4, metadata=_range(1, 128))
-    mlp_ratio: float = field(default=2.0, metadata=_range(0.0, 64.0, lo_open=True))
-    head: Literal["cls", "gap"] = "cls"
+    """``arch``: ``vit`` (timm VisionTransformer), ``resnet`` (timm ResNet) or ``mixer`` (timm MlpMixer, Raghu App. H).
+
+    A mixer uses ``patch_size``, ``depth`` (number of MixerBlocks), ``embed_dim`` (channels), ``mlp_ratio``
+    (channel-mixing MLP hidden = mlp_ratio * embed_dim; timm's default is 4.0) and ``mixer_token_ratio``
+    (token-mixing MLP hidden = mixer_token_ratio * embed_dim, as timm counts it; timm's default is 0.5), and
+    ``drop_path`` (timm gives every MixerBlock the same rate; a ViT's rate rises linearly with depth). It has no
+    class token and always classifies the token mean, so ``head`` and ``num_heads`` do not apply to it.
+    """
+
+    arch: Literal["vit", "resnet", "mixer"] = "vit"
+    patch_size: int = field(default=4, metadata=_range(1, 64))  # vit, mixer
+    depth: int = field(default=6, metadata=_range(1, 64))  # vit, mixer: number of blocks
+    embed_dim: int = field(default=96, metadata=_range(8, 8192))  # vit, mixer: token width
+    num_heads: int = field(default=4, metadata=_range(1, 128))  # vit
+    mlp_ratio: float = field(default=2.0, metadata=_range(0.0, 64.0, lo_open=True))  # vit MLP; mixer channel-mixing MLP
+    mixer_token_ratio: float = field(default=0.5, metadata=_range(0.0, 64.0, lo_open=True))  # mixer token-mixing MLP, x embed_dim
+    head: Literal["cls", "gap"] = "cls"  # vit only (a mixer always averages its tokens; a resnet pools its map)
     drop_path: float = field(default=0.0, metadata=_range(0.0, 1.0))
     # ResNet baseline (timm ResNet, BasicBlock): blocks per stage and the widths of the stages
     resnet_layers: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
@@ -157,6 +167,8 @@ class Recipe:
         d.pop("run")
         d.pop("sweep")
         d["callbacks"] = []  # callbacks observe; they do not change the weights
+        if d["model"]["arch"] != "mixer":  # a later, mixer-only field: keeps earlier runs' hashes (and resume) valid
+            d["model"].pop("mixer_token_ratio", None)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -332,9 +344,16 @@ def _build(cls, data: dict, prefix: str = ""):
 
 def _cross_checks(r: Recipe) -> None:
     m, d, t = r.model, r.data, r.train
-    if m.arch == "vit":
+    if m.arch in ("vit", "mixer"):
         if d.img_size % m.patch_size:
             raise RecipeError(f"key 'model.patch_size' ({m.patch_size}) must divide 'data.img_size' ({d.img_size}).")
+    if m.arch == "mixer" and int(m.mixer_token_ratio * m.embed_dim) < 1:
+        raise RecipeError(f"key 'model.mixer_token_ratio' ({m.mixer_token_ratio}) times 'model.embed_dim' ({m.embed_dim}) "
+                          "must give at least 1 hidden unit for the token-mixing MLP.")
+    if m.arch == "mixer" and int(m.mlp_ratio * m.embed_dim) < 1:
+        raise RecipeError(f"key 'model.mlp_ratio' ({m.mlp_ratio}) times 'model.embed_dim' ({m.embed_dim}) "
+                          "must give at least 1 hidden unit for the channel-mixing MLP.")
+    if m.arch == "vit":
         if m.embed_dim % m.num_heads:
             raise RecipeError(f"key 'model.num_heads' ({m.num_heads}) must divide 'model.embed_dim' ({m.embed_dim}).")
     if m.arch == "resnet":
