@@ -3,6 +3,8 @@
 #   ./launch.sh [RECIPE.yaml] [--set key=value ...] [--resume]   set up, then train (default recipes/default.yaml)
 #   ./launch.sh test [pytest args]                                set up, then run the tests
 #   ./launch.sh sweep RECIPE --grid key=v1,v2 [--grid ...]        one run per combination (resumable)
+#   ./launch.sh analyze RUN_DIR [--against OTHER[:STEP]] [...]    offline analysis of saved checkpoints (cached)
+#   ./launch.sh study recipes/studies/raghu2021.yaml              train + analyse a study, write its report
 # Set-up (every command): create .venv if missing, install the project (pip install -e '.[dev]') when
 # pyproject.toml changed, install Debian's dataset-fashion-mnist if /usr/share/datasets/fashion-mnist is missing.
 # Multi-process on CPU: VITLAB_NPROC=2 ./launch.sh ...; on GPUs run 'accelerate config' once and it is used.
@@ -64,6 +66,16 @@ case "$cmd" in
         shift
         setup
         exec "$VENV/bin/python" -m train.sweep "$@"
+        ;;
+    study)
+        shift
+        setup
+        exec "$VENV/bin/python" -m train.study "$@"
+        ;;
+    analyze)
+        shift
+        setup
+        exec "$VENV/bin/python" -m analysis "$@"
         ;;
     *)
         setup

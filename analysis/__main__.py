@@ -1,0 +1,115 @@
+"""``python -m analysis RUN_DIR`` (also ``./launch.sh analyze RUN_DIR``): the analysis suite on a run's saved
+checkpoints, cached, with figures, TensorBoard and report.md.
+
+    python -m analysis runs/default                          every checkpoint, the core four measures
+    python -m analysis runs/default --steps 600,1800 --measures all
+    python -m analysis runs/vit --against runs/resnet        cross-model CKA (Raghu Fig. 2) at the last checkpoints
+    python -m analysis runs/subset --against runs/full:1800  + per-layer CKA of same-index layers (Fig. 12)
+    python -m analysis --model timm:vit_tiny_patch16_224 --weights vit.safetensors --recipe recipes/my_data.yaml
+
+Exit codes: 0 done; 2 bad input (one sentence on stderr naming the problem; nothing is written).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+
+def options(args) -> "object":
+    from analysis.suite import DEFAULT, SuiteOptions, registry
+
+    names = [m.strip() for m in args.measures.split(",") if m.strip()] if args.measures else list(DEFAULT)
+    if names == ["all"]:
+        names = sorted(registry())
+    return SuiteOptions(measures=tuple(names), batch_size=args.batch_size, cka_repr=args.cka_repr, probe_shots=args.shots,
+                        probe_seeds=tuple(int(s) for s in args.seeds.split(",")))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.split("\n")[2:]))
+    p.add_argument("run", nargs="?", help="run folder (runs/<name>)")
+    p.add_argument("--steps", help="comma-separated checkpoint steps, or 'last' (default: every checkpoint)")
+    p.add_argument("--measures", help="comma-separated measure names, or 'all' (default: cka,norm_ratio,attention_distance,fewshot_probe)")
+    p.add_argument("--against", action="append", default=[], metavar="OTHER_RUN[:STEP]",
+                   help="cross-run CKA against another run's checkpoint (default its last); repeatable")
+    p.add_argument("--model", help="analyse a model not trained here: timm:<architecture>")
+    p.add_argument("--weights", help="with --model: a .safetensors file ('pretrained' downloads timm's weights)")
+    p.add_argument("--recipe", default="recipes/default.yaml", help="with --model: the recipe whose data section to use")
+    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="with --model: recipe overrides, e.g. data.img_size=224 data.in_chans=3")
+    p.add_argument("--out", help="with --model: the output folder (default runs/external-<architecture>)")
+    p.add_argument("--batch-size", type=int, default=256, help="analysis minibatch (also the CKA minibatch, >= 4)")
+    p.add_argument("--cka-repr", default="flatten", choices=("flatten", "cls", "mean_spatial"))
+    p.add_argument("--shots", type=int, default=10)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--force", action="store_true", help="recompute even when cached results exist")
+    p.add_argument("--no-tensorboard", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--list", action="store_true", help="list the measures and exit")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    from analysis import offline as O
+    from analysis.report import write_run_report
+    from analysis.suite import registry
+
+    if args.list:
+        for name, cls in sorted(registry().items()):
+            print(f"{name:20s} {(cls.__doc__ or '').strip().splitlines()[0]}")
+        return 0
+    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    try:
+        if args.batch_size < 4:
+            raise O.AnalysisError(f"--batch-size {args.batch_size} is too small: minibatch CKA needs at least 4.")
+        opts = options(args)
+        from analysis.suite import check_measures
+
+        try:
+            check_measures(opts.measures)
+        except ValueError as e:
+            raise O.AnalysisError(str(e)) from None
+        if args.model:
+            if not args.weights:
+                raise O.AnalysisError("--model needs --weights FILE.safetensors (or --weights pretrained with a network).")
+            run = O.external_run(args.model, args.weights, args.recipe, args.overrides, args.out)
+        elif args.run:
+            run = O.open_run(args.run)
+        else:
+            raise O.AnalysisError("no run given: pass a run folder (python -m analysis runs/default) or --model timm:<arch> --weights FILE.")
+        steps = [s.strip() for s in args.steps.split(",")] if args.steps else None
+        if steps:
+            [run.step(s) for s in steps]  # check them all before any work
+        others = [O.parse_against(a) for a in args.against]
+        for other, _ in others:
+            O.check_same_images(run, other)
+        if run.external:  # check that the weights fit before anything is written
+            O.load_model(run, 0, O.load_data(run))
+        if any(m in opts.measures for m in ("fewshot_probe", "token_probes")):
+            from analysis.probes import probe_split_problem
+
+            problem = probe_split_problem(O.load_data(run), opts.probe_shots)
+            if problem:
+                raise O.AnalysisError(problem)
+        stats = O.analyze_run(run, steps, opts, force=args.force, tensorboard=not args.no_tensorboard, progress=not args.no_progress)
+        for other, ostep in others:
+            a = O.against(run, other, ostep, steps[-1:] if steps else None, opts, force=args.force, progress=not args.no_progress)
+            for step, res in a["results"].items():
+                line = f"{run.name}@{step} vs {other.name}@{ostep}: mean CKA {res['matrix'].mean():.3f}"
+                if "same_index" in res:
+                    line += ", same-index layers " + " ".join(f"{v:.2f}" for v in res["same_index"])
+                print(line)
+    except O.AnalysisError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = write_run_report(run)
+    print(f"{run.name}: {len(stats['computed'])} results computed, {len(stats['reused'])} reused from cache "
+          f"(steps {', '.join(map(str, stats['steps']))}); report: {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

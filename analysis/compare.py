@@ -1,0 +1,236 @@
+"""``python -m analysis.compare RUN_DIR RUN_DIR ... [--reference RUN[:STEP]]``: runs side by side.
+
+Each run is analysed at one checkpoint (``--step``, default its last; cached results are reused, missing ones
+computed with the offline suite), then the comparison draws into ``--out`` (default runs/compare-<names>/):
+
+- ``cka_grid.png``        every run's CKA heatmap in one grid (Raghu Fig. 8: the no-skip sweep; Fig. 1 ViT vs ResNet)
+- ``probes.png``          few-shot probe top-1 vs normalised depth, one line per run (Fig. 11 right, 13)
+- ``attention_distance.png``  attention distance per head and block, one panel per ViT (Fig. 3 vs 4)
+- ``norm_ratio.png``      CLS and spatial-token norm ratios per run (Fig. 7)
+- ``similarity_to_reference.png``  with --reference: CKA of same-index layers to the reference run (Fig. 12)
+- ``report.md``           a table of each run's top-1 and key numbers, and the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from analysis import offline as O
+from analysis import suite as S
+from analysis.measure import as_list
+
+
+def _grid(n: int) -> tuple[int, int]:
+    cols = min(n, 4)
+    return (n + cols - 1) // cols, cols
+
+
+def cka_grid(results: dict, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    from analysis.figures import save
+
+    items = [(k, r["cka"]) for k, r in results.items() if "cka" in r]
+    rows, cols = _grid(len(items))
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    for ax in axes.flat[len(items):]:
+        ax.axis("off")
+    for ax, (name, r) in zip(axes.flat, items):
+        ax.imshow(np.asarray(r["matrix"]), origin="lower", vmin=0, vmax=1, cmap="magma")
+        labels = as_list(r["labels"])
+        step = max(1, len(labels) // 6)
+        ax.set_xticks(range(0, len(labels), step), labels[::step], rotation=90, fontsize=5)
+        ax.set_yticks(range(0, len(labels), step), labels[::step], fontsize=5)
+        ax.set_title(name, fontsize=8)
+    fig.suptitle("CKA between layers")
+    fig.tight_layout()
+    save(fig, path)
+    return path
+
+
+def probe_lines(results: dict, path: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    from analysis.figures import save
+
+    items = [(k, r["fewshot_probe"]) for k, r in results.items() if "fewshot_probe" in r]
+    if not items:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for name, r in items:
+        pools = as_list(r["pools"])
+        pool = "cls" if "cls" in pools else "mean_spatial" if "mean_spatial" in pools else pools[0]
+        m = np.asarray(r["mean"])[pools.index(pool)]
+        ax.plot(np.linspace(0, 1, len(m)), m, marker="o", ms=3, label=f"{name} ({pool})")
+    ax.axhline(float(items[0][1]["chance"]), color="grey", ls=":", lw=1, label="chance")
+    ax.set_xlabel("normalised depth")
+    ax.set_ylabel(f"{int(items[0][1]['shots'])}-shot top-1")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    save(fig, path)
+    return path
+
+
+def attention_panels(results: dict, path: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    from analysis.figures import save
+
+    items = [(k, np.asarray(r["attention_distance"]["pixels"])) for k, r in results.items() if "attention_distance" in r]
+    if not items:
+        return None
+    rows, cols = _grid(len(items))
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False, sharey=True)
+    for ax in axes.flat[len(items):]:
+        ax.axis("off")
+    for ax, (name, d) in zip(axes.flat, items):
+        for b in range(d.shape[0]):
+            ax.scatter(np.full(d.shape[1], b), d[b], s=10)
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("block", fontsize=7)
+    axes[0, 0].set_ylabel("attention distance (px)")
+    fig.tight_layout()
+    save(fig, path)
+    return path
+
+
+def norm_ratio_panels(results: dict, path: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    from analysis.figures import save
+    from analysis.norm_ratio import NormRatioMeasure
+
+    items = [(k, NormRatioMeasure.curves(r["norm_ratio"])) for k, r in results.items() if "norm_ratio" in r]
+    if not items:
+        return None
+    rows, cols = _grid(len(items))
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False, sharey=True)
+    for ax in axes.flat[len(items):]:
+        ax.axis("off")
+    for ax, (name, curves) in zip(axes.flat, items):
+        for k, v in curves.items():
+            ax.plot(range(len(v)), v, marker="o", ms=2, label=k)
+        ax.set_yscale("log")
+        ax.set_title(name, fontsize=8)
+        ax.legend(fontsize=5)
+    fig.tight_layout()
+    save(fig, path)
+    return path
+
+
+def reference_lines(same: dict, ref_name: str, path: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    from analysis.figures import save
+
+    if not same:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for name, v in same.items():
+        ax.plot(np.linspace(0, 1, len(v)), v, marker="o", ms=3, label=name)
+    ax.set_xlabel("normalised depth")
+    ax.set_ylabel(f"CKA to {ref_name}, same layer")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    save(fig, path)
+    return path
+
+
+def compare(runs: list, step: str | None = None, reference=None, out: Path | None = None, opts: S.SuiteOptions | None = None,
+            progress: bool = True) -> dict:
+    """Analyse (cached) and draw ``runs`` side by side; ``reference`` is (Run, step) or None. Returns
+    {"results": {name: suite result}, "same_index": {name: [L]}, "top1": {name: float}, "figures": [paths], "out": Path}."""
+    from train.checkpoint import read_meta
+
+    opts = opts or S.SuiteOptions()
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise O.AnalysisError(f"two runs have the same folder name ({names}): copy or rename one to compare them.")
+    out = Path(out) if out else runs[0].path.parent / ("compare-" + "-".join(names))[:120]
+    results, top1, same = {}, {}, {}
+    for run in runs:
+        s = run.step(step)
+        O.analyze_run(run, [s], opts, progress=progress)
+        results[run.name] = S.load_results(O.step_dir(run, s), opts.measures)
+        if run.external is None:
+            v = read_meta(run.checkpoints[s]).get("eval", {}).get("top1")
+            if v is not None:
+                top1[run.name] = float(v)
+    if reference is not None:
+        ref, ref_step = reference
+        for run in runs:
+            if run.path.resolve() == ref.path.resolve() and run.step(step) == ref_step:
+                continue
+            a = O.against(run, ref, ref_step, [step] if step else None, opts, progress=progress)
+            r = next(iter(a["results"].values()))
+            if "same_index" in r:
+                same[run.name] = np.asarray(r["same_index"])
+    out.mkdir(parents=True, exist_ok=True)
+    figs = [cka_grid(results, out / "cka_grid.png"), probe_lines(results, out / "probes.png"),
+            attention_panels(results, out / "attention_distance.png"), norm_ratio_panels(results, out / "norm_ratio.png")]
+    if reference is not None:
+        figs.append(reference_lines(same, reference[0].name, out / "similarity_to_reference.png"))
+    figs = [f for f in figs if f is not None]
+    res = {"results": results, "same_index": same, "top1": top1, "figures": figs, "out": out}
+    write_compare_report(res, reference)
+    return res
+
+
+def write_compare_report(res: dict, reference=None) -> Path:
+    from analysis.report import fmt
+
+    out = res["out"]
+    lines = ["# Comparison", "", "| run | top-1 | CKA mean off-diag | probe, last block | mean attention distance (px) |", "| --- | --- | --- | --- | --- |"]
+    for name, r in res["results"].items():
+        summ = S.summary_of(r)
+        probe = summ.get("fewshot_probe", {})
+        pool = next((p for p in ("cls", "mean_spatial", "mean") if p in probe), None)
+        ad = summ.get("attention_distance", {}).get("mean_px")
+        lines.append(f"| {name} | {fmt(res['top1'].get(name, float('nan')))} | {fmt(summ.get('cka', {}).get('mean_offdiag', float('nan')))} | "
+                     f"{fmt(probe[pool][-1]) if pool else 'n/a'} | {fmt(np.mean(ad)) if ad else 'n/a'} |")
+    if res["same_index"]:
+        lines += ["", f"CKA of same-index layers to {reference[0].name} (step {reference[1]}):", ""]
+        lines += [f"- {k}: {fmt(v)}" for k, v in res["same_index"].items()]
+    lines += [""] + [f"![{p.stem}]({p.name})" for p in res["figures"]]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.compare", description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", help="run folders")
+    p.add_argument("--step", help="checkpoint step of every run (default: each run's last)")
+    p.add_argument("--reference", metavar="RUN[:STEP]", help="per-layer similarity of every run to this one (Fig. 12)")
+    p.add_argument("--out", help="output folder (default runs/compare-<names>)")
+    p.add_argument("--measures", help="comma-separated measures (default: the core four)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        runs = [O.open_run(r) for r in args.runs]
+        if args.step:
+            [r.step(args.step) for r in runs]
+        reference = O.parse_against(args.reference) if args.reference else None
+        if reference:
+            for r in runs:
+                O.check_same_images(r, reference[0])
+        opts = S.SuiteOptions(measures=tuple(args.measures.split(","))) if args.measures else S.SuiteOptions()
+        try:
+            S.check_measures(opts.measures)
+        except ValueError as e:
+            raise O.AnalysisError(str(e)) from None
+        res = compare(runs, args.step, reference, args.out, opts, progress=not args.no_progress)
+    except O.AnalysisError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"comparison of {len(runs)} runs: {res['out'] / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,355 @@
+"""Offline analysis of saved runs: the training-time suite (analysis/suite.py) on any checkpoint, cached, and
+cross-run comparisons on the same analysis images.
+
+- :func:`open_run` reads a run folder (its resolved ``recipe.yaml`` and complete checkpoints).
+- :func:`analyze_run` runs the suite on chosen checkpoints. A measure whose saved result carries the same
+  cache key (checkpoint weights' sha256, analysis images, settings: :func:`analysis.suite.cache_key`) is not
+  recomputed; results go to ``analysis/step_XXXXXXX/``, figures to ``figures/step_XXXXXXX/`` and scalars and
+  images to the run's TensorBoard at the checkpoint's step.
+- :func:`against` computes cross-model CKA between a run's checkpoint and another run's (or the same run's
+  earlier) checkpoint on the same images: the full layer-by-layer matrix (Raghu Fig. 2: ViT vs ResNet) and,
+  when both models have the same layers, the per-layer CKA of same-index layers (Fig. 12: subset vs full data;
+  App. G: a fine-tuned model vs its start).
+- :func:`model_from_timm` loads a model that was not trained here (``timm:<arch>`` + a safetensors file).
+
+Every user error raises :class:`AnalysisError` with one sentence, before anything is written.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from analysis import suite as S
+from analysis.measure import load_result, save_result
+from analysis.taps import arch_of
+
+
+class AnalysisError(ValueError):
+    """Bad input to offline analysis; the message is one sentence for the user."""
+
+
+@dataclass
+class Run:
+    """A run folder, or a model from elsewhere (``checkpoints`` then maps step 0 to the weights file)."""
+
+    path: Path
+    name: str
+    recipe: object
+    checkpoints: dict[int, Path] = field(default_factory=dict)
+    external: dict | None = None  # {"arch": "timm:...", "weights": FILE or "pretrained"} for models not trained here
+
+    def step(self, spec: str | int | None) -> int:
+        """A checkpoint step from ``None``/"last" (the latest), or a number that must exist."""
+        if spec in (None, "", "last"):
+            return max(self.checkpoints)
+        try:
+            s = int(spec)
+        except ValueError:
+            raise AnalysisError(f"step '{spec}' is not a number: pass e.g. {max(self.checkpoints)} or 'last'.") from None
+        if s not in self.checkpoints:
+            raise AnalysisError(f"run {self.path} has no checkpoint at step {s}: it has {sorted(self.checkpoints)}.")
+        return s
+
+
+def open_run(path: str | Path) -> Run:
+    """A trained run folder (``runs/<name>``); raise AnalysisError when it is missing or has no checkpoints."""
+    from train.checkpoint import STEP_RE, list_checkpoints
+    from train.recipe import RecipeError, load_recipe
+
+    p = Path(path)
+    if not p.is_dir():
+        raise AnalysisError(f"run folder '{p}' does not exist: pass a folder such as runs/default.")
+    if not (p / "recipe.yaml").is_file():
+        raise AnalysisError(f"'{p}' is not a vitlab run folder (no recipe.yaml): pass a folder written by ./launch.sh.")
+    try:
+        recipe = load_recipe(p / "recipe.yaml")
+    except RecipeError as e:
+        raise AnalysisError(f"the recipe of run {p} cannot be read: {e}") from None
+    ckpts = list_checkpoints(p / "checkpoints", warn=False)
+    if not ckpts:
+        raise AnalysisError(f"run {p} has no complete checkpoint: train it first (./launch.sh RECIPE --resume), or pass another run.")
+    return Run(p, p.name, recipe, {int(STEP_RE.match(c.name).group(1)): c for c in ckpts})
+
+
+def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: list[str], out: str | Path | None) -> Run:
+    """A model not trained here: ``arch`` = "timm:<name>", ``weights`` a local .safetensors file (or "pretrained"
+    for timm's own weights, which needs a network), analysed on the data of ``recipe_path`` (+ overrides);
+    results go to ``out`` (default runs/external-<name>)."""
+    from train.recipe import RecipeError, load_recipe
+
+    if not arch.startswith("timm:") or len(arch) <= 5:
+        raise AnalysisError(f"--model '{arch}' must look like timm:<architecture>, e.g. timm:vit_tiny_patch16_224.")
+    if weights != "pretrained" and not Path(weights).is_file():
+        raise AnalysisError(f"weights file '{weights}' does not exist: pass a .safetensors file (or 'pretrained' with a network).")
+    try:
+        recipe = load_recipe(recipe_path, overrides)
+    except RecipeError as e:
+        raise AnalysisError(str(e)) from None
+    name = arch[5:].replace("/", "_")
+    path = Path(out) if out else Path(recipe.run.root) / f"external-{name}"
+    return Run(path, path.name, recipe, {0: Path(weights)}, external={"arch": arch, "weights": weights})
+
+
+def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, img_size: int) -> torch.nn.Module:
+    """timm.create_model(arch) for the data's shape, with weights from a safetensors file (or timm's pretrained)."""
+    import timm
+
+    from train.checkpoint import CheckpointError, load_weights
+
+    name = arch[5:]
+    kw = {"num_classes": num_classes, "in_chans": in_chans}
+    try:
+        model = timm.create_model(name, pretrained=weights == "pretrained", img_size=img_size, **kw)
+    except TypeError:  # models without an img_size argument (ResNets)
+        model = timm.create_model(name, pretrained=weights == "pretrained", **kw)
+    except RuntimeError as e:
+        if "Unknown model" in str(e):
+            raise AnalysisError(f"timm has no architecture '{name}': see timm.list_models().") from None
+        raise
+    except OSError as e:
+        raise AnalysisError(f"timm could not download the pretrained weights of '{name}' ({type(e).__name__}): pass a local "
+                            "--weights FILE.safetensors when offline.") from None
+    if weights != "pretrained":
+        try:
+            load_weights(model, Path(weights))
+        except CheckpointError as e:
+            raise AnalysisError(str(e)) from None
+    return model
+
+
+def load_model(run: Run, step: int, data) -> torch.nn.Module:
+    """The run's model with the weights of checkpoint ``step`` (checksums verified first)."""
+    from train.checkpoint import CheckpointError, load_weights, verify_checkpoint
+    from train.models import build_model
+
+    if run.external:
+        r = run.recipe.data
+        return model_from_timm(run.external["arch"], run.external["weights"], data.num_classes, r.in_chans, r.img_size).eval()
+    model = build_model(run.recipe, data.num_classes)
+    try:
+        verify_checkpoint(run.checkpoints[step])
+        load_weights(model, run.checkpoints[step])
+    except CheckpointError as e:
+        raise AnalysisError(str(e)) from None
+    return model.eval()
+
+
+def weights_key(run: Run, step: int) -> str:
+    if run.external:
+        w = run.external["weights"]
+        if w == "pretrained":
+            return f"{run.external['arch']}:pretrained"
+        from train.checkpoint import _sha256
+
+        return _sha256(Path(w))
+    wid = S.weights_id(run.checkpoints[step])
+    if wid is None:
+        raise AnalysisError(f"checkpoint {run.checkpoints[step]} records no model.safetensors checksum: it was not written by vitlab.")
+    return wid
+
+
+def load_data(run: Run):
+    from train.data import DataError, build_data
+
+    try:
+        return build_data(run.recipe, quiet=True)
+    except DataError as e:
+        raise AnalysisError(str(e)) from None
+
+
+def step_dir(run: Run, step: int, kind: str = "analysis") -> Path:
+    return run.path / kind / f"step_{step:07d}"
+
+
+class _Writer:
+    """The run's TensorBoard writer, opened on first use (nothing is created when everything is cached)."""
+
+    def __init__(self, run: Run, enabled: bool):
+        self.run, self.enabled, self.w = run, enabled, None
+
+    def get(self):
+        if self.enabled and self.w is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.w = SummaryWriter(str(self.run.path / "tb"), flush_secs=10)
+        return self.w
+
+    def close(self):
+        if self.w is not None:
+            self.w.close()
+
+
+def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force: bool = False, tensorboard: bool = True,
+                progress: bool = True, data=None) -> dict:
+    """Run the suite on ``steps`` (default: every checkpoint) of ``run``, reusing cached results.
+    Returns {"computed": [(step, measure)], "reused": [(step, measure)], "steps": [...]}."""
+    from tqdm.auto import tqdm
+
+    opts = opts or S.SuiteOptions()
+    S.check_measures(opts.measures)
+    steps = sorted(run.step(s) for s in (steps or sorted(run.checkpoints)))
+    data = data if data is not None else load_data(run)
+    fp = S.data_fingerprint(data)
+    stats: dict = {"computed": [], "reused": [], "steps": steps}
+    writer = _Writer(run, tensorboard)
+    try:
+        for step in tqdm(steps, desc=f"analyse {run.name}", disable=not progress, unit="ckpt"):
+            wk = weights_key(run, step)
+            out = step_dir(run, step)
+            have = S.cached_keys(out)
+            keys = {n: S.cache_key(wk, fp, opts, n) for n in opts.measures}
+            todo = [n for n in opts.measures if force or have.get(n) != keys[n] or not (out / f"{n}.npz").is_file()]
+            stats["reused"] += [(step, n) for n in opts.measures if n not in todo]
+            if not todo:
+                continue
+            model = load_model(run, step, data)
+            res = S.run_suite(model, data, opts, measures=todo)
+            stats["computed"] += [(step, n) for n in res if n != "meta"]
+            publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
+    finally:
+        writer.close()
+    return stats
+
+
+def publish_step(run: Run, step: int, res: dict, writer, keys: dict) -> None:
+    """Arrays and cache keys to analysis/step_X/, PNGs to figures/step_X/, scalars and images to TensorBoard."""
+    S.publish(res, step_dir(run, step), writer, step, keys=keys, figure_dir=step_dir(run, step, "figures"))
+
+
+# ---------------------------------------------------------------- cross-run comparisons
+
+
+def parse_against(spec: str) -> tuple[Run, int]:
+    """``OTHER_RUN[:STEP]`` -> (run, step)."""
+    path, step = spec, None
+    head, sep, tail = spec.rpartition(":")
+    if sep and (tail.isdigit() or tail == "last"):
+        path, step = head, tail
+    run = open_run(path)
+    return run, run.step(step)
+
+
+def _cross_layers(ctx):
+    from analysis.cka import cka_layers
+
+    return cka_layers(ctx)
+
+
+@torch.no_grad()
+def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
+    """Minibatch CKA between every layer of ``model_a`` and every layer of ``model_b`` on the analysis images
+    (same minibatches for both; unbiased HSIC_1 as in analysis/cka.py). Result: ``matrix`` [La, Lb],
+    ``labels_a``, ``labels_b`` and, when both have the same layer labels, ``same_index`` [L] = the diagonal."""
+    from analysis.cka import MinibatchCKA, represent
+    from analysis.taps import Taps
+
+    ca, cb = S.make_context(model_a, data, opts), S.make_context(model_b, data, opts)
+    la, lb = _cross_layers(ca), _cross_layers(cb)
+    acc = MinibatchCKA(unbiased=opts.cka_unbiased)
+    bs = opts.batch_size
+    split = data.analysis
+    for j in range((len(split) + bs - 1) // bs):
+        x = data.normalize(split.images[j * bs:(j + 1) * bs])
+        if len(x) < 4:
+            continue
+        with Taps(model_a, [t for t, _ in la]) as capa:
+            model_a(x.to(ca.device))
+        with Taps(model_b, [t for t, _ in lb]) as capb:
+            model_b(x.to(cb.device))
+        acc.update([represent(capa[t], opts.cka_repr, ca.prefix) for t, _ in la],
+                   [represent(capb[t], opts.cka_repr, cb.prefix) for t, _ in lb])
+    m = acc.compute().numpy()
+    out = {"matrix": m, "labels_a": [lab for _, lab in la], "labels_b": [lab for _, lab in lb], "repr": opts.cka_repr}
+    if out["labels_a"] == out["labels_b"]:
+        out["same_index"] = np.diag(m).copy()
+    return out
+
+
+def check_same_images(run: Run, other: Run) -> tuple:
+    """Both runs' data; raise AnalysisError unless they analyse the same images."""
+    data, odata = load_data(run), load_data(other)
+    if S.data_fingerprint(data) != S.data_fingerprint(odata):
+        raise AnalysisError(f"runs {run.path} and {other.path} analyse different images (their data sections differ): "
+                            "cross-run CKA needs the same analysis images, so compare runs made with the same data settings.")
+    return data, odata
+
+
+def against_dir(run: Run, step: int, other: Run, other_step: int) -> Path:
+    return run.path / "analysis" / "against" / f"{other.name}_step_{other_step:07d}" / f"step_{step:07d}"
+
+
+def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOptions | None = None, force: bool = False,
+            progress: bool = True) -> dict:
+    """Cross-run CKA of ``run``'s checkpoints (default: the last) against ``other`` at ``other_step``; cached like
+    :func:`analyze_run`. Returns {"results": {step: result}, "computed": [...], "reused": [...]}."""
+    from tqdm.auto import tqdm
+
+    opts = opts or S.SuiteOptions()
+    steps = sorted(run.step(s) for s in (steps or [None]))
+    data, odata = check_same_images(run, other)
+    fp = S.data_fingerprint(data)
+    stats: dict = {"results": {}, "computed": [], "reused": []}
+    omodel = None
+    for step in tqdm(steps, desc=f"{run.name} vs {other.name}", disable=not progress, unit="ckpt"):
+        out = against_dir(run, step, other, other_step)
+        key = S.cache_key(weights_key(run, step) + ":" + weights_key(other, other_step), fp, opts, "cross_cka")
+        f = out / "cross_cka.npz"
+        if not force and f.is_file() and S.cached_keys(out).get("cross_cka") == key:
+            stats["results"][step] = load_result(f)
+            stats["reused"].append(step)
+            continue
+        omodel = omodel if omodel is not None else load_model(other, other_step, odata)
+        model = load_model(run, step, data)
+        res = cross_cka(model, omodel, data, opts)
+        heads = None
+        if arch_of(model) == "vit" and arch_of(omodel) == "resnet":  # Raghu Fig. 5: heads sorted by distance vs ResNet layers
+            from analysis.head_subsets import head_subset_cka
+
+            heads = head_subset_cka(model, omodel, data.analysis.images, data.normalize, batch_size=opts.batch_size,
+                                    unbiased=opts.cka_unbiased)
+        out.mkdir(parents=True, exist_ok=True)
+        save_result(res, out / "cross_cka.npz")
+        if heads is not None:
+            save_result(heads, out / "head_subsets.npz")
+        (out / "cache.json").write_text(json.dumps({"cross_cka": key}))
+        fig_dir = run.path / "figures" / "against" / f"{other.name}_step_{other_step:07d}" / f"step_{step:07d}"
+        draw_cross(res, fig_dir, f"{run.name}@{step}", f"{other.name}@{other_step}", heads)
+        stats["results"][step] = load_result(out / "cross_cka.npz")
+        stats["computed"].append(step)
+    return stats
+
+
+def draw_cross(res: dict, fig_dir: Path, name_a: str, name_b: str, heads: dict | None = None) -> list[Path]:
+    """Raghu Fig. 2 (heatmap of A's layers vs B's), with same-index layers Fig. 12 (CKA per layer), and for a ViT
+    against a ResNet Fig. 5 (the first block's heads, sorted by attention distance, vs the ResNet's lower layers)."""
+    from analysis.figures import cka_heatmap, save
+    from analysis.measure import as_list
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    paths = [fig_dir / "cross_cka.png"]
+    fig = cka_heatmap(np.asarray(res["matrix"]).T, as_list(res["labels_a"]), as_list(res["labels_b"]),
+                      title=f"CKA: {name_a} vs {name_b}", xname=name_a, yname=name_b)
+    save(fig, paths[0])
+    if "same_index" in res:
+        import matplotlib.pyplot as plt
+
+        v = np.asarray(res["same_index"])
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.plot(range(len(v)), v, marker="o", ms=3)
+        ax.set_xticks(range(len(v)), as_list(res["labels_a"]), rotation=90, fontsize=6)
+        ax.set_ylim(0, 1.02)
+        ax.set_ylabel("CKA, same layer")
+        ax.set_title(f"{name_a} vs {name_b}, layer by layer")
+        fig.tight_layout()
+        paths.append(fig_dir / "same_index.png")
+        save(fig, paths[-1])
+    if heads is not None:
+        from analysis.head_subsets import head_subset_figure
+
+        paths.append(fig_dir / "head_subsets.png")
+        save(head_subset_figure(heads, title=f"{name_a} block-0 heads vs {name_b}"), paths[-1])
+    return paths

@@ -1,0 +1,133 @@
+"""``report.md``: a run (or a comparison) at a glance — what was trained, each checkpoint's key numbers and its
+figures, how the numbers moved across checkpoints, and the cross-run results. Written from what is on disk
+(summary.json, npz, PNG), so it can be regenerated at any time without recomputing anything."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from analysis.measure import as_list, load_result
+
+
+def fmt(v, digits: int = 3) -> str:
+    """Numbers for tables: floats rounded, lists of floats joined."""
+    if isinstance(v, (list, tuple, np.ndarray)):
+        v = list(np.asarray(v).reshape(-1))
+        return " ".join(fmt(x, digits) for x in v)
+    if isinstance(v, (float, np.floating)):
+        return f"{float(v):.{digits}f}"
+    return str(v)
+
+
+def _rel(path: Path, base: Path) -> str:
+    return path.resolve().relative_to(base.resolve()).as_posix()
+
+
+def _summary_rows(summary: dict) -> list[str]:
+    rows = ["| measure | key | value (per layer where a list) |", "| --- | --- | --- |"]
+    for name, s in summary.items():
+        if name in ("meta", "step") or not isinstance(s, dict):
+            continue
+        for k, v in s.items():
+            if isinstance(v, dict):
+                for k2, v2 in v.items():
+                    rows.append(f"| {name} | {k}/{k2} | {fmt(v2)} |")
+            else:
+                rows.append(f"| {name} | {k} | {fmt(v)} |")
+    return rows
+
+
+def _images(fig_dir: Path, base: Path) -> list[str]:
+    return [f"![{p.stem}]({_rel(p, base)})" for p in sorted(fig_dir.glob("*.png"))] if fig_dir.is_dir() else []
+
+
+def evolution(run_path: Path, steps: list[int], evals: dict) -> Path | None:
+    """figures/evolution.png: eval top-1, mean off-diagonal CKA and the last block's probe accuracy vs step."""
+    import matplotlib.pyplot as plt
+
+    from analysis.figures import save
+
+    series: dict[str, list] = {}
+    for s in steps:
+        f = run_path / "analysis" / f"step_{s:07d}" / "summary.json"
+        summ = json.loads(f.read_text()) if f.is_file() else {}
+        if s in evals:
+            series.setdefault("eval top-1", []).append((s, evals[s]))
+        if "cka" in summ:
+            series.setdefault("CKA mean off-diagonal", []).append((s, summ["cka"]["mean_offdiag"]))
+        for pool, v in (summ.get("fewshot_probe") or {}).items():
+            if isinstance(v, list):
+                series.setdefault(f"probe {pool}, last block", []).append((s, v[-1]))
+    if not series or max(len(v) for v in series.values()) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for name, pts in series.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=7)
+    ax.set_title("across checkpoints")
+    fig.tight_layout()
+    out = run_path / "figures" / "evolution.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save(fig, out)
+    return out
+
+
+def write_run_report(run) -> Path:
+    """runs/<name>/report.md from the run's saved analyses (every step with a summary.json)."""
+    from train.checkpoint import read_meta
+
+    base = run.path
+    steps = sorted(int(p.name.split("_")[1]) for p in (base / "analysis").glob("step_*") if (p / "summary.json").is_file())
+    evals = {}
+    for s, c in run.checkpoints.items():
+        if run.external is None:
+            top1 = read_meta(c).get("eval", {}).get("top1")
+            if top1 is not None:
+                evals[s] = float(top1)
+    r = run.recipe
+    lines = [f"# {run.name}", ""]
+    if run.external:
+        lines += [f"Model `{run.external['arch']}` with weights `{run.external['weights']}`, analysed on `{r.data.source}` data.", ""]
+    else:
+        m = r.model
+        desc = f"{m.arch}" + (f", {m.depth} blocks x {m.embed_dim}, {m.num_heads} heads, patch {m.patch_size}, head {m.head}"
+                              if m.arch != "resnet" else f", layers {m.resnet_layers}, channels {m.resnet_channels}")
+        iv = {k: v for k, v in r.to_dict().get("interventions", {}).items() if v}
+        lines += [f"- model: {desc}", f"- data: {r.data.source}, {r.train.steps} steps x batch {r.train.batch_size}, lr {r.train.lr}",
+                  f"- interventions: {json.dumps(iv) if iv else 'none'}",
+                  f"- eval top-1 by checkpoint: {', '.join(f'{s}: {v:.4f}' for s, v in sorted(evals.items())) or 'n/a'}", ""]
+    ev = evolution(base, steps, evals)
+    if ev is not None:
+        lines += ["## Across checkpoints", "", f"![evolution]({_rel(ev, base)})", ""]
+    for s in reversed(steps):
+        summ = json.loads((base / "analysis" / f"step_{s:07d}" / "summary.json").read_text())
+        lines += [f"## Step {s}", ""] + _summary_rows(summ) + [""] + _images(base / "figures" / f"step_{s:07d}", base) + [""]
+    against_root = base / "analysis" / "against"
+    if against_root.is_dir():
+        lines += ["## Against other runs", ""]
+        for other in sorted(p for p in against_root.iterdir() if p.is_dir()):
+            for sd in sorted(p for p in other.iterdir() if (p / "cross_cka.npz").is_file()):
+                res = load_result(sd / "cross_cka.npz")
+                lines += [f"### step {int(sd.name.split('_')[1])} vs {other.name}", ""]
+                m = np.asarray(res["matrix"])
+                lines.append(f"- mean CKA over all layer pairs: {m.mean():.3f}")
+                if "same_index" in res:
+                    lines.append(f"- CKA of same-index layers ({', '.join(as_list(res['labels_a']))}): {fmt(res['same_index'])}")
+                lines += [""] + _images(base / "figures" / "against" / other.name / sd.name, base) + [""]
+    out = base / "report.md"
+    tmp = out.with_name("report.md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(out)
+    return out
+
+
+def check_report(path: Path) -> list[str]:
+    """Images referenced by a report.md that do not exist (empty when the report is whole)."""
+    import re
+
+    path = Path(path)
+    return [m for m in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", path.read_text()) if not (path.parent / m).is_file()]

@@ -1,0 +1,166 @@
+"""Offline analysis (python -m analysis, analysis.compare): same numbers as at training time, cached, cross-run
+CKA, reports, and one sentence + exit 2 for every bad input."""
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import TINY, _merge
+
+from analysis import offline as O
+from analysis import suite as S
+from analysis.__main__ import main
+from analysis.report import check_report
+from train.recipe import load_recipe
+from train.trainer import train
+
+CB = {"name": "analysis_suite", "batch_size": 32, "seeds": [0]}
+ARGS = ["--batch-size", "32", "--seeds", "0", "--no-progress", "--no-tensorboard"]
+
+
+def _train(root: Path, name: str, **sections) -> Path:
+    data = _merge(_merge(TINY, {"data": {"probe_train_size": 200}, "callbacks": [CB], "run": {"root": str(root)}}), sections)
+    p = root / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return Path(train(load_recipe(p), progress=False)["run_dir"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    return {"vit": _train(root, "vit"), "resnet": _train(root, "resnet", model={"arch": "resnet", "resnet_layers": [1, 1, 1, 1],
+                                                                               "resnet_channels": [8, 8, 16, 16]})}
+
+
+def _tree(path: Path) -> dict:
+    return {str(p): p.stat().st_mtime_ns for p in Path(path).rglob("*")}
+
+
+def test_offline_reproduces_training_time_arrays_exactly(runs, tmp_path):
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    before = {f.name: dict(np.load(f)) for f in (run / "analysis" / "step_0000008").glob("*.npz")}
+    assert set(before) == {"cka.npz", "norm_ratio.npz", "attention_distance.npz", "fewshot_probe.npz"}
+    assert main([str(run), "--steps", "8", "--force", *ARGS]) == 0
+    for name, arrays in before.items():
+        after = dict(np.load(run / "analysis" / "step_0000008" / name))
+        assert set(after) == set(arrays)
+        for k in arrays:
+            assert np.array_equal(arrays[k], after[k]), (name, k)
+
+
+def test_second_invocation_recomputes_nothing(runs, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    calls = []
+    real = S.run_suite
+    monkeypatch.setattr(S, "run_suite", lambda *a, **k: calls.append(k.get("measures")) or real(*a, **k))
+    # the training-time callback keyed its results by the checkpoints' weights: same settings -> all reused
+    assert main([str(run), *ARGS]) == 0
+    assert calls == [] and "0 results computed, 8 reused" in capsys.readouterr().out
+    # other settings: computed once (both checkpoints), then reused; arrays on disk untouched the second time
+    assert main([str(run), "--shots", "5", *ARGS]) == 0
+    assert len(calls) == 2
+    tree = _tree(run / "analysis")
+    assert main([str(run), "--shots", "5", *ARGS]) == 0
+    assert len(calls) == 2 and _tree(run / "analysis") == tree
+    assert "0 results computed, 8 reused" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_against_itself_gives_a_cka_diagonal_of_one_and_a_whole_report(runs, tmp_path):
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    assert main([str(run), "--against", f"{run}:8", *ARGS]) == 0
+    res = np.load(O.against_dir(O.open_run(run), 8, O.open_run(run), 8) / "cross_cka.npz")
+    assert np.allclose(np.diag(res["matrix"]), 1.0, atol=1e-6) and np.allclose(res["same_index"], 1.0, atol=1e-6)
+    assert (run / "figures" / "against" / "vit_step_0000008" / "step_0000008" / "cross_cka.png").is_file()
+    report = run / "report.md"
+    text = report.read_text()
+    assert "## Step 8" in text and "## Step 4" in text and "Against other runs" in text and text.count("![") >= 10
+    assert check_report(report) == []
+
+
+def test_against_a_resnet_gives_the_cross_architecture_map(runs, tmp_path):
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    a = O.against(O.open_run(run), O.open_run(runs["resnet"]), 8, opts=S.SuiteOptions(batch_size=32), progress=False)
+    m = a["results"][8]["matrix"]
+    assert m.shape == (4, 4) and np.isfinite(m).all() and "same_index" not in a["results"][8]  # 2 ViT blocks x 2 sublayers vs 4 stages
+    d = O.against_dir(O.open_run(run), 8, O.open_run(runs["resnet"]), 8)
+    heads = np.load(d / "head_subsets.npz")
+    assert sorted(heads["head_order"].tolist()) == [0, 1] and np.all(np.diff(heads["head_distance"]) >= 0)  # Raghu Fig. 5
+    assert (run / "figures" / "against" / "resnet_step_0000008" / "step_0000008" / "head_subsets.png").is_file()
+
+
+def test_compare_draws_runs_side_by_side(runs, tmp_path):
+    from analysis.compare import main as compare_main
+
+    vit, resnet = tmp_path / "vit", tmp_path / "resnet"
+    shutil.copytree(runs["vit"], vit)
+    shutil.copytree(runs["resnet"], resnet)
+    out = tmp_path / "cmp"
+    assert compare_main([str(vit), str(resnet), "--reference", f"{vit}:4", "--out", str(out), "--no-progress"]) == 0
+    for f in ("cka_grid.png", "probes.png", "attention_distance.png", "norm_ratio.png", "similarity_to_reference.png", "report.md"):
+        assert (out / f).is_file(), f
+    assert check_report(out / "report.md") == []
+    assert "| vit |" in (out / "report.md").read_text()
+
+
+def test_a_model_not_trained_here(tmp_path, write_recipe):
+    import timm
+    from safetensors.torch import save_file
+
+    model = timm.create_model("resnet10t", num_classes=10, in_chans=1)
+    save_file(model.state_dict(), tmp_path / "r.safetensors")
+    p = write_recipe(data={"probe_train_size": 200})
+    out = tmp_path / "ext"
+    assert main(["--model", "timm:resnet10t", "--weights", str(tmp_path / "r.safetensors"), "--recipe", str(p), "--out", str(out),
+                 "--measures", "cka,norm_ratio", *ARGS]) == 0
+    assert (out / "analysis" / "step_0000000" / "cka.npz").is_file() and check_report(out / "report.md") == []
+
+
+def _bad(capsys, argv, text, watch: Path):
+    before = _tree(watch)
+    assert main(argv + ARGS) == 2
+    err = capsys.readouterr().err
+    assert text in err and err.count("\n") == 1, err
+    assert _tree(watch) == before
+
+
+def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path, capsys, write_recipe):
+    import timm
+    from safetensors.torch import save_file
+
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    _bad(capsys, [str(tmp_path / "nope")], "does not exist", tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(run / "recipe.yaml", empty / "recipe.yaml")
+    _bad(capsys, [str(empty)], "has no complete checkpoint", tmp_path)
+    _bad(capsys, [str(run), "--steps", "5"], "no checkpoint at step 5", tmp_path)
+    _bad(capsys, [str(run), "--measures", "cka,nope"], "unknown measure 'nope'", tmp_path)
+    # a run analysed on other images
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    r = yaml.safe_load((other / "recipe.yaml").read_text())
+    r["data"]["analysis_size"] = 48
+    (other / "recipe.yaml").write_text(yaml.safe_dump(r))
+    _bad(capsys, [str(run), "--against", str(other)], "analyse different images", tmp_path)
+    # weights that do not fit the architecture
+    save_file(timm.create_model("resnet10t", num_classes=3, in_chans=1).state_dict(), tmp_path / "w.safetensors")
+    p = write_recipe(data={"probe_train_size": 200})
+    _bad(capsys, ["--model", "timm:resnet10t", "--weights", str(tmp_path / "w.safetensors"), "--recipe", str(p), "--out",
+                  str(tmp_path / "ext")], "do not fit this model", tmp_path)
+    assert not (tmp_path / "ext").exists()
+    # a corrupted checkpoint
+    w = run / "checkpoints" / "step_0000008" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-10] + b"0" * 10)
+    _bad(capsys, [str(run), "--steps", "8", "--force"], "corrupted", run / "analysis")
+
+
+def test_launch_sh_analyze_is_wired():
+    text = (Path(__file__).resolve().parents[1] / "launch.sh").read_text()
+    assert "analyze)" in text and "-m analysis" in text and os.access(Path(__file__).resolve().parents[1] / "launch.sh", os.X_OK)
