@@ -59,3 +59,16 @@ def read_scalars(run_dir: Path) -> dict:
     ea = EventAccumulator(str(Path(run_dir) / "tb"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     ea.Reload()
     return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+
+def shipped_recipes(include_paper: bool = True) -> list[Path]:
+    """Every recipe YAML under recipes/ (study files, which list runs, are not recipes); recipes/paper/ needs
+    ImageNet / CIFAR from the hub, so smoke runs here leave it out."""
+    out = []
+    for p in sorted((ROOT / "recipes").rglob("*.yaml")):
+        if "study" in (yaml.safe_load(p.read_text()) or {}):
+            continue
+        if not include_paper and "paper" in p.relative_to(ROOT / "recipes").parts:
+            continue
+        out.append(p)
+    return out

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, shipped_recipes
 
 from interventions import _block_cls
 from train.data import build_data
@@ -147,7 +147,7 @@ TINY_SET = ["train.steps=2", "train.batch_size=16", "train.warmup_steps=1", "tra
             "data.train_size=640", "data.eval_size=64", "data.probe_train_size=200", "data.analysis_size=32"]
 
 
-@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT) for p in (ROOT / "recipes").rglob("*.yaml")), ids=str)
+@pytest.mark.parametrize("path", [p.relative_to(ROOT) for p in shipped_recipes(include_paper=False)], ids=str)
 def test_every_recipe_trains_a_few_steps(path, tmp_path):
     r = load_recipe(ROOT / path, TINY_SET + [f"run.root={tmp_path}"])
     if r.interventions.data_subset is not None and r.interventions.data_subset.count:

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import yaml
+from conftest import shipped_recipes
 
 from train.cli import main
 from train.recipe import Recipe, RecipeError, load_recipe, run_name
@@ -12,7 +13,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def test_every_shipped_recipe_validates():
-    recipes = sorted((ROOT / "recipes").rglob("*.yaml"))
+    recipes = shipped_recipes()
     assert len(recipes) >= 5
     for p in recipes:
         r = load_recipe(p)

@@ -57,6 +57,32 @@ def is_finished(run_dir: Path) -> bool:
     return bool(ckpts) and bool(read_meta(ckpts[-1]).get("final"))
 
 
+def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False) -> tuple[list, int, int]:
+    """Train each (recipe, overrides, run_dir) of ``plan`` in its own ``./launch.sh`` process, one after the
+    other: finished runs are skipped, interrupted ones resume, a failed run is reported and the rest go on.
+    Returns (failed [(name, exit code)], started, skipped)."""
+    launcher = [str(ROOT / "launch.sh")] if (ROOT / "launch.sh").is_file() else [sys.executable, "-m", "train"]
+    failed, started, skipped = [], 0, 0
+    for i, (recipe, overrides, run_dir) in enumerate(plan, 1):
+        run_dir = Path(run_dir)
+        label = f"[{i}/{len(plan)}] {run_dir.name}"
+        if is_finished(run_dir):
+            print(f"{label}: finished, skipped", flush=True)
+            skipped += 1
+            continue
+        state = "resuming" if (run_dir / "checkpoints").is_dir() else "starting"
+        print(f"{label}: {state}", flush=True)
+        if dry_run:
+            continue
+        cmd = launcher + [str(recipe), "--set", *overrides, f"run.root={run_dir.resolve().parent}", f"run.name={run_dir.name}", "--resume"]
+        started += 1
+        rc = subprocess.run(cmd, env=os.environ.copy()).returncode
+        if rc != 0 or not is_finished(run_dir):
+            failed.append((run_dir.name, rc))
+            print(f"{label}: failed with exit code {rc}; the rest go on (run this again to resume it)", flush=True)
+    return failed, started, skipped
+
+
 def main(argv=None) -> int:
     from train.recipe import RecipeError, load_recipe, run_name
 
@@ -91,24 +117,7 @@ def main(argv=None) -> int:
         print("error: two grid points map to the same run folder: make the grid values distinct.", file=sys.stderr)
         return 2
 
-    launcher = [str(ROOT / "launch.sh")] if (ROOT / "launch.sh").is_file() else [sys.executable, "-m", "train"]
-    failed, started, skipped = [], 0, 0
-    for i, (combo, run_dir) in enumerate(plan, 1):
-        label = f"[{i}/{len(plan)}] {run_dir.name}"
-        if is_finished(run_dir):
-            print(f"{label}: finished, skipped", flush=True)
-            skipped += 1
-            continue
-        state = "resuming" if (run_dir / "checkpoints").is_dir() else "starting"
-        print(f"{label}: {state}", flush=True)
-        if args.dry_run:
-            continue
-        cmd = launcher + [args.recipe, "--set", *args.overrides, *combo, f"run.name={run_dir.name}", "--resume"]
-        started += 1
-        rc = subprocess.run(cmd, env=os.environ.copy()).returncode
-        if rc != 0 or not is_finished(run_dir):
-            failed.append((run_dir.name, rc))
-            print(f"{label}: failed with exit code {rc}; the sweep goes on (rerun it to resume this run)", flush=True)
+    failed, started, skipped = launch_runs([(args.recipe, list(args.overrides) + combo, d) for combo, d in plan], args.dry_run)
     print(f"sweep: {len(plan)} runs, {skipped} already finished, {started} started, {len(failed)} failed")
     return 1 if failed else 0
 
