@@ -23,22 +23,25 @@ from analysis import suite as S
 from analysis.measure import as_list
 
 
-def _grid(n: int) -> tuple[int, int]:
+def _panels(n: int, w: float = 3.2, h: float = 2.8, **kw):
+    """A figure with n panels, up to 4 a row; unused axes hidden. Returns (fig, the n axes)."""
+    import matplotlib.pyplot as plt
+
     cols = min(n, 4)
-    return (n + cols - 1) // cols, cols
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(w * cols, h * rows), squeeze=False, **kw)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    return fig, list(axes.flat[:n])
 
 
 def cka_grid(results: dict, path: Path) -> Path:
-    import matplotlib.pyplot as plt
 
     from analysis.figures import save
 
     items = [(k, r["cka"]) for k, r in results.items() if "cka" in r]
-    rows, cols = _grid(len(items))
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
-    for ax in axes.flat[len(items):]:
-        ax.axis("off")
-    for ax, (name, r) in zip(axes.flat, items):
+    fig, axes = _panels(len(items), h=3.0)
+    for ax, (name, r) in zip(axes, items):
         ax.imshow(np.asarray(r["matrix"]), origin="lower", vmin=0, vmax=1, cmap="magma")
         labels = as_list(r["labels"])
         step = max(1, len(labels) // 6)
@@ -76,30 +79,25 @@ def probe_lines(results: dict, path: Path) -> Path | None:
 
 
 def attention_panels(results: dict, path: Path) -> Path | None:
-    import matplotlib.pyplot as plt
 
     from analysis.figures import save
 
     items = [(k, np.asarray(r["attention_distance"]["pixels"])) for k, r in results.items() if "attention_distance" in r]
     if not items:
         return None
-    rows, cols = _grid(len(items))
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False, sharey=True)
-    for ax in axes.flat[len(items):]:
-        ax.axis("off")
-    for ax, (name, d) in zip(axes.flat, items):
+    fig, axes = _panels(len(items), sharey=True)
+    for ax, (name, d) in zip(axes, items):
         for b in range(d.shape[0]):
             ax.scatter(np.full(d.shape[1], b), d[b], s=10)
         ax.set_title(name, fontsize=8)
         ax.set_xlabel("block", fontsize=7)
-    axes[0, 0].set_ylabel("attention distance (px)")
+    axes[0].set_ylabel("attention distance (px)")
     fig.tight_layout()
     save(fig, path)
     return path
 
 
 def norm_ratio_panels(results: dict, path: Path) -> Path | None:
-    import matplotlib.pyplot as plt
 
     from analysis.figures import save
     from analysis.norm_ratio import NormRatioMeasure
@@ -107,11 +105,8 @@ def norm_ratio_panels(results: dict, path: Path) -> Path | None:
     items = [(k, NormRatioMeasure.curves(r["norm_ratio"])) for k, r in results.items() if "norm_ratio" in r]
     if not items:
         return None
-    rows, cols = _grid(len(items))
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False, sharey=True)
-    for ax in axes.flat[len(items):]:
-        ax.axis("off")
-    for ax, (name, curves) in zip(axes.flat, items):
+    fig, axes = _panels(len(items), sharey=True)
+    for ax, (name, curves) in zip(axes, items):
         for k, v in curves.items():
             ax.plot(range(len(v)), v, marker="o", ms=2, label=k)
         ax.set_yscale("log")

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from analysis.baselines import gaussian_like
 from analysis.measure import Context, Measure, as_list, register
+from analysis.probes import pool_features  # noqa: F401 - re-exported for analysis.clustering
 from analysis.reduce import collect
 
 K = 20
@@ -42,25 +43,8 @@ _CHUNK = 1024  # queries per similarity chunk
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# pooling and layers shared with analysis.clustering
+# pooling (analysis.probes.pool_features) and layers shared with analysis.clustering
 # ----------------------------------------------------------------------------------------------------------------
-
-def pool_features(t: Tensor, how: str, num_prefix_tokens: int) -> Tensor:
-    """One vector per image from a block output: tokens [B, T, D] via :func:`analysis.probes.pool_tokens`
-    (``"cls"`` or ``"mean_spatial"``), ResNet maps [B, C, H, W] by the spatial mean over (H, W) (only
-    ``"mean_spatial"``), already pooled [B, D] unchanged."""
-    if t.ndim == 4:
-        if how != "mean_spatial":
-            raise ValueError(f"a feature map [B, C, H, W] has no {how!r} pooling; use 'mean_spatial'")
-        return t.mean(dim=(2, 3))
-    if t.ndim == 3:
-        from analysis.probes import pool_tokens
-
-        return pool_tokens(t, how, num_prefix_tokens)
-    if t.ndim == 2:
-        return t
-    raise ValueError(f"cannot pool features of shape {tuple(t.shape)}")
-
 
 def pools_for(ctx: Context) -> list[str]:
     """``["cls", "mean_spatial"]`` for token models with a prefix (CLS) token, else ``["mean_spatial"]``."""

@@ -254,10 +254,14 @@ PROBE_SPLIT_SEED = 12345
 
 
 def pool_features(t: Tensor, how: str, num_prefix_tokens: int) -> Tensor:
-    """:func:`pool_tokens` for token tensors [B, T, D]; a ResNet feature map [B, C, H, W] is averaged over
-    positions whatever ``how`` says (it has no CLS token)."""
+    """One vector per image: :func:`pool_tokens` for token tensors [B, T, D]; a ResNet feature map [B, C, H, W]
+    is averaged over positions (only ``"mean"`` / ``"mean_spatial"``: it has no CLS token); [B, D] unchanged."""
     if t.ndim == 4:
+        if how not in ("mean", "mean_spatial"):
+            raise ValueError(f"a feature map [B, C, H, W] has no {how!r} pooling; use 'mean_spatial'")
         return t.mean(dim=(2, 3))
+    if t.ndim == 2:
+        return t
     return pool_tokens(t, how, num_prefix_tokens)
 
 
@@ -280,12 +284,6 @@ def probe_split_problem(data, shots: int) -> str | None:
     return (f"few-shot probes draw {shots} shots per class from half of the probe-train split, whose rarest class has "
             f"{int(counts.min()) if len(counts) else 0} images: raise data.probe_train_size to at least {2 * shots * data.num_classes} "
             "or lower the callback's shots.")
-
-
-def gaussian_like(x: Tensor, seed: int) -> Tensor:
-    """Random-chance baseline features (Walmer et al. 2023 App. B.3): i.i.d. standard Gaussian of ``x``'s shape."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(x.shape, generator=g, dtype=torch.float32)
 
 
 @register
@@ -341,6 +339,8 @@ class FewShotProbeMeasure(Measure):
             te = {t: test_x[(t, p)] for t in self.layers}
             kw = dict(shots=o.probe_shots, seeds=tuple(o.probe_seeds), val_y=pool_y[val_idx], num_classes=self.ctx.data.num_classes)
             r = probe_layers(tr, pool_y[shot_idx], te, test_y, val_feats=va, **kw)
+            from analysis.baselines import gaussian_like
+
             rnd = [{t: gaussian_like(d[t], seed=i) for t in self.layers} for i, d in enumerate((tr, va, te))]
             b = probe_layers(rnd[0], pool_y[shot_idx], rnd[2], test_y, val_feats=rnd[1], **kw)
             mean.append([r[t][0] for t in self.layers])

@@ -27,6 +27,18 @@ def _merge(a, b):
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread is much faster than two contending ones on a busy 2-core machine
+    (restored afterwards). Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def write_recipe(tmp_path):
     """write_recipe(name, **sections) -> path of a tiny recipe YAML with run.root under tmp_path."""
 

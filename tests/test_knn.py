@@ -14,14 +14,7 @@ from analysis.knn import KNNMeasure, knn_accuracy, knn_predict, pool_features
 from analysis.measure import REGISTRY, Context, load_result, save_result
 from analysis.taps import Taps, block_names
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is much faster than two on a busy machine (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _blobs(n_per, classes, dim, sep, seed):

@@ -13,14 +13,7 @@ from analysis.localization import Localization, input_patches, localization_cka,
 from analysis.measure import REGISTRY, Context, load_result, save_result
 from analysis.taps import Taps, block_names, grid_of
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster than two contending ones on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _vit(class_token=True, embed_dim=32):

@@ -23,14 +23,7 @@ from analysis.receptive_field import (
 )
 from analysis.taps import block_names
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a busy 2-core machine, spinning worker threads make these small graphs 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _vit(class_token=True, depth=2):

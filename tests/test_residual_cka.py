@@ -16,14 +16,7 @@ from analysis.measure import REGISTRY, Context, load_result, save_result
 from analysis.residual_cka import ResidualCKA, residual_cka
 from analysis.taps import Taps, block_names
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a busy 2-core machine, spinning worker threads make small ops much slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ctx(model=None, arch="vit", blocks=("blocks.0", "blocks.1"), accelerator=None, unbiased=True, n=16):

@@ -15,14 +15,7 @@ from analysis.probes import probe_layers
 from analysis.taps import Taps, block_names, grid_of
 from analysis.token_probes import TokenProbes, probe_halves, strided_positions, token_probe_accuracies
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster than two contending ones on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _vit(class_token=True):
