@@ -136,7 +136,8 @@ def test_resume_is_exact_with_a_lazy_cropped_split(write_recipe):
                     "augment": {"random_resized_crop": True, "shift": 0, "hflip": True}},
               model={"dropout": 0.1},
               train={"steps": 4, "checkpoint_every": 2, "eval_every": 0, "batch_size": 48})  # 3 batches/epoch: crosses one
-    straight = train(load_recipe(write_recipe("lazy_s", **kw)), progress=False)
+    # sample_images decodes (and crops) lazy images itself; as any callback, it must not disturb the run
+    straight = train(load_recipe(write_recipe("lazy_s", callbacks=[{"name": "sample_images", "every": 2, "n": 8}], **kw)), progress=False)
     p = write_recipe("lazy_r", callbacks=[{"name": "test_crash_at", "step": 2}], **kw)
     with pytest.raises(test_train.Crash):
         train(load_recipe(p), progress=False)
@@ -145,3 +146,8 @@ def test_resume_is_exact_with_a_lazy_cropped_split(write_recipe):
     assert [s for s, _ in b["train/loss"]] == list(range(1, 5)) and a["train/loss"] == b["train/loss"]
     wa, wb = _final_weights(Path(straight["run_dir"])), _final_weights(Path(resumed["run_dir"]))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(Path(straight["run_dir"]) / "tb"), size_guidance={"images": 0})
+    ea.Reload()
+    assert [e.step for e in ea.Images("data/train_samples")] == [0, 2, 4]
