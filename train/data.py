@@ -11,6 +11,9 @@ set by name (``cifar10``), a local image folder, or parquet files. Roles:
 
 Images are held as uint8 tensors [N, C, H, W] at the recipe's size; augmentation (random shift, flip) and
 normalisation run on whole batches on the training device (:func:`augment`, :meth:`DataBundle.normalize`).
+A train split too big for memory (``data.in_memory``: auto / false) stays a memory-mapped ``datasets.Dataset``
+(:class:`LazySplit`) whose batches are decoded, and random-resized-cropped from (seed, epoch, index), in the
+DataLoader workers, to the same uint8 batches.
 """
 from __future__ import annotations
 
