@@ -164,7 +164,8 @@ class SampleImages(Callback):
         aug = ctx.recipe.data.augment
         g = torch.Generator().manual_seed(ctx.recipe.seed + ctx.step)
         idx = torch.randperm(len(ctx.data.train), generator=g)[: self.n]
-        x = augment(ctx.data.train.images[idx], aug.shift, aug.hflip)
+        train = ctx.data.train  # in memory, or lazy (decoded here, cropped as in the current epoch)
+        x = augment(train.take(idx, getattr(ctx, "epoch", 0)), aug.shift, aug.hflip, aug.random_resized_crop and not train.lazy)
         ctx.writer.add_image("data/train_samples", vutils.make_grid(x, nrow=8, pad_value=255), ctx.step)
 
     on_train_start = _log

@@ -11,6 +11,9 @@ set by name (``cifar10``), a local image folder, or parquet files. Roles:
 
 Images are held as uint8 tensors [N, C, H, W] at the recipe's size; augmentation (random shift, flip) and
 normalisation run on whole batches on the training device (:func:`augment`, :meth:`DataBundle.normalize`).
+A train split too big for memory (``data.in_memory``: auto / false) stays a memory-mapped ``datasets.Dataset``
+(:class:`LazySplit`) whose batches are decoded, and random-resized-cropped from (seed, epoch, index), in the
+DataLoader workers, to the same uint8 batches.
 """
 from __future__ import annotations
 
@@ -151,19 +154,168 @@ def to_tensors(ds, cfg, desc: str = "") -> tuple[torch.Tensor, torch.Tensor]:
         elif x.shape[-1] in (1, 3, 4) and x.shape[1] not in (1, 3, 4):
             x = x.permute(0, 3, 1, 2)
         return _fit(x, c, s), labels
-    mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(c, "RGB")
     out = torch.empty((n, c, s, s), dtype=torch.uint8)
+    for i, im in enumerate(ds[img_col] if n < 1000 else (ds[j][img_col] for j in range(n))):
+        out[i] = _pil_chw(im, c, s)
+    return out, labels
+
+
+def _pil_chw(im, c: int, s: int, box=None) -> torch.Tensor:
+    """One image (PIL or array) -> uint8 [c, s, s]: converted to c channels, the crop ``box`` (left, top, right,
+    bottom; None: the whole image) resized to s x s with PIL's bicubic filter (no resize when already s x s)."""
     from PIL import Image
 
-    for i, im in enumerate(ds[img_col] if n < 1000 else (ds[j][img_col] for j in range(n))):
-        if not isinstance(im, Image.Image):
-            im = Image.fromarray(np.asarray(im, dtype=np.uint8))
-        im = im.convert(mode)
-        if im.size != (s, s):
-            im = im.resize((s, s), Image.BICUBIC)
-        a = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy())
-        out[i] = a[None] if a.ndim == 2 else a.permute(2, 0, 1)[:c]
-    return out, labels
+    if not isinstance(im, Image.Image):
+        im = Image.fromarray(np.asarray(im, dtype=np.uint8))
+    im = im.convert({1: "L", 3: "RGB", 4: "RGBA"}.get(c, "RGB"))
+    if box is not None:
+        im = im.resize((s, s), Image.BICUBIC, box=box)
+    elif im.size != (s, s):
+        im = im.resize((s, s), Image.BICUBIC)
+    a = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy())
+    return a[None] if a.ndim == 2 else a.permute(2, 0, 1)[:c]
+
+
+# ---------------------------------------------------------------- lazy (memory-mapped) splits
+
+
+RRC_SCALE, RRC_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
+
+
+def rrc_box(w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
+    """Inception-style random-resized-crop box (left, top, right, bottom) of a w x h image: area a uniform
+    fraction of RRC_SCALE, aspect ratio log-uniform in RRC_RATIO, 10 tries, then the central crop at the nearest
+    allowed ratio (torchvision's RandomResizedCrop.get_params, drawn from ``rng``)."""
+    area = w * h
+    lo, hi = np.log(RRC_RATIO[0]), np.log(RRC_RATIO[1])
+    for _ in range(10):
+        target = area * rng.uniform(*RRC_SCALE)
+        ratio = float(np.exp(rng.uniform(lo, hi)))
+        cw, ch = int(round(np.sqrt(target * ratio))), int(round(np.sqrt(target / ratio)))
+        if 0 < cw <= w and 0 < ch <= h:
+            x0, y0 = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+            return x0, y0, x0 + cw, y0 + ch
+    r = w / h
+    if r < RRC_RATIO[0]:
+        cw, ch = w, int(round(w / RRC_RATIO[0]))
+    elif r > RRC_RATIO[1]:
+        cw, ch = int(round(h * RRC_RATIO[1])), h
+    else:
+        cw, ch = w, h
+    x0, y0 = (w - cw) // 2, (h - ch) // 2
+    return x0, y0, x0 + cw, y0 + ch
+
+
+def crop_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The generator of one image's crop: a function of (seed, epoch, index in the train split) only, so any
+    worker, batch order or resumed run draws the same crop for it."""
+    return np.random.default_rng([int(seed), int(epoch), int(index)])
+
+
+def _label_array(ds, lab_col: str) -> np.ndarray:
+    if ds._indices is not None:
+        return np.asarray(ds[lab_col], dtype=np.int64)
+    return _arrow_numpy(ds, lab_col).astype(np.int64)
+
+
+def decode_rows(ds, rows, cfg, boxes_from=None) -> torch.Tensor:
+    """uint8 [len(rows), C, S, S] for these rows of ``ds`` (any order), decoded exactly as :func:`to_tensors`
+    decodes them. ``boxes_from(i, w, h)`` (optional) gives the crop box of the i-th row (image formats only)."""
+    import datasets
+
+    img_col, _ = _columns(ds, cfg)
+    c, s = cfg.in_chans, cfg.img_size
+    rows = np.asarray(rows, dtype=np.int64)
+    feat = ds.features[img_col]
+    if isinstance(feat, (datasets.Array2D, datasets.Array3D)):
+        if ds._indices is not None:
+            rows = ds._indices.column(0).to_numpy()[rows]
+        import pyarrow as pa
+
+        col = ds.data.table.column(img_col).take(pa.array(rows))
+        arr = col.combine_chunks()
+        if isinstance(arr.type, pa.ExtensionType):
+            arr = arr.storage
+        while pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type):
+            arr = arr.flatten()
+        x = torch.from_numpy(arr.to_numpy(zero_copy_only=False).astype(np.uint8).reshape(len(rows), *feat.shape))
+        if x.ndim == 3:
+            x = x[:, None]
+        elif x.shape[-1] in (1, 3, 4) and x.shape[1] not in (1, 3, 4):
+            x = x.permute(0, 3, 1, 2)
+        x = _fit(x, c, s)
+        if boxes_from is not None:  # array data (already at s x s) is cropped like an in-memory batch
+            x = torch.stack([_pil_chw(_chw_pil(im), c, s, boxes_from(i, s, s)) for i, im in enumerate(x)])
+        return x
+    images = ds[rows.tolist()][img_col] if len(rows) else []
+    out = torch.empty((len(rows), c, s, s), dtype=torch.uint8)
+    for i, im in enumerate(images):
+        box = None
+        if boxes_from is not None:
+            size = im.size if hasattr(im, "size") and not isinstance(im, np.ndarray) else np.asarray(im).shape[1::-1]
+            box = boxes_from(i, *size)
+        out[i] = _pil_chw(im, c, s, box)
+    return out
+
+
+def _chw_pil(x: torch.Tensor):
+    from PIL import Image
+
+    a = x.numpy()
+    return Image.fromarray(a[0] if a.shape[0] == 1 else a.transpose(1, 2, 0))
+
+
+class LazySplit:
+    """A split that stays a (memory-mapped) ``datasets.Dataset``: ``rows`` are its rows in this split's order,
+    ``labels`` [N] are in memory, images are decoded a batch at a time (:class:`LazyBatches`), in the DataLoader
+    workers. ``crop_seed`` set: every image gets a random-resized crop from :func:`crop_rng` (seed, epoch, index)."""
+
+    lazy = True
+
+    def __init__(self, ds, rows, labels: torch.Tensor, cfg, crop_seed: int | None = None):
+        self.ds, self.rows, self.labels, self.cfg, self.crop_seed = ds, np.asarray(rows, dtype=np.int64), labels, cfg, crop_seed
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def dataset(self) -> "LazyBatches":
+        return LazyBatches(self)
+
+    def subset(self, idx) -> "LazySplit":
+        idx = np.asarray(idx, dtype=np.int64)
+        return LazySplit(self.ds, self.rows[idx], self.labels[torch.as_tensor(idx)], self.cfg, self.crop_seed)
+
+    def take(self, idx, epoch: int = 0) -> torch.Tensor:
+        """uint8 images [len(idx), C, S, S] of these split indices (cropped as in ``epoch`` when cropping)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        boxes = None
+        if self.crop_seed is not None:
+            def boxes(i, w, h):
+                return rrc_box(w, h, crop_rng(self.crop_seed, epoch, idx[i]))
+        return decode_rows(self.ds, self.rows[idx], self.cfg, boxes)
+
+    def in_memory(self) -> "Split":
+        """Every image decoded (no crop): a :class:`Split`."""
+        return Split(decode_rows(self.ds, self.rows, self.cfg), self.labels)
+
+
+class LazyBatches(torch.utils.data.Dataset):
+    """A :class:`LazySplit` indexed a whole batch at a time: ``__getitems__(idx)`` decodes those images (with
+    the crops of ``idx.epoch``, an :class:`EpochBatch` attribute) and returns (uint8 [B, C, S, S], labels [B]),
+    as :class:`TensorBatches` does."""
+
+    def __init__(self, split: LazySplit):
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i):
+        return self.split.take([i])[0], self.split.labels[i]
+
+    def __getitems__(self, idx):
+        epoch = getattr(idx, "epoch", 0)
+        return self.split.take(list(idx), epoch), self.split.labels[torch.as_tensor(list(idx), dtype=torch.int64)]
 
 
 def _arrow_numpy(ds, col: str) -> np.ndarray:
@@ -244,8 +396,13 @@ class Split:
     def __len__(self) -> int:
         return len(self.labels)
 
+    lazy = False
+
     def dataset(self) -> "TensorBatches":
         return TensorBatches(self.images, self.labels)
+
+    def take(self, idx, epoch: int = 0) -> torch.Tensor:
+        return self.images[torch.as_tensor(np.asarray(idx), dtype=torch.int64)]
 
 
 class TensorBatches(torch.utils.data.Dataset):
@@ -270,6 +427,17 @@ def batch_collate(batch):
     if isinstance(batch, tuple):
         return batch
     return torch.utils.data.default_collate(batch)
+
+
+class EpochBatch(list):
+    """A batch of split indices that knows its epoch (lazy splits seed their crops by (seed, epoch, index))."""
+
+    def __init__(self, idx, epoch: int):
+        super().__init__(idx)
+        self.epoch = epoch
+
+    def __reduce__(self):  # to DataLoader workers and back, epoch included
+        return (EpochBatch, (list(self), self.epoch))
 
 
 class EpochBatchSampler(torch.utils.data.Sampler):
@@ -300,12 +468,12 @@ class EpochBatchSampler(torch.utils.data.Sampler):
         mine = torch.randperm(self.n, generator=g)[self.rank:: self.world]
         b = self.batch_size
         for i in range(self.start_batch, self.batches_per_epoch()):
-            yield mine[i * b: (i + 1) * b].tolist()
+            yield EpochBatch(mine[i * b: (i + 1) * b].tolist(), self.epoch)
 
 
 @dataclass
 class DataBundle:
-    train: Split
+    train: "Split | LazySplit"  # LazySplit when data.in_memory resolves to false (see build_data)
     eval: Split
     probe_train: Split
     analysis: Split
@@ -322,11 +490,14 @@ class DataBundle:
         return (x.float() / 255.0 - m) / s
 
 
-def augment(x: torch.Tensor, shift: int, hflip: bool) -> torch.Tensor:
-    """Per-image random translation by up to +-shift pixels (zero padding) and random horizontal flip.
+def augment(x: torch.Tensor, shift: int, hflip: bool, rrc: bool = False) -> torch.Tensor:
+    """Per-image random-resized crop (``rrc``, see :func:`batch_rrc`), random translation by up to +-shift pixels
+    (zero padding) and random horizontal flip, in that order.
 
     Draws from torch's global RNG on x's device (the trainer reseeds it every step for exact resume).
     """
+    if rrc:
+        x = batch_rrc(x)
     b, c, h, w = x.shape
     if shift > 0:
         p = F.pad(x, (shift, shift, shift, shift))
@@ -343,27 +514,75 @@ def augment(x: torch.Tensor, shift: int, hflip: bool) -> torch.Tensor:
     return x
 
 
-def _subset(split: Split, idx) -> Split:
+def batch_rrc(x: torch.Tensor) -> torch.Tensor:
+    """Inception-style random-resized crop of every image of a uint8 batch [B, C, H, W] on its device: box area a
+    uniform fraction of RRC_SCALE of the image, aspect ratio log-uniform in RRC_RATIO (first of 10 tries that fits,
+    else the whole image), resampled bilinearly back to H x W. Torch's global RNG (reseeded every step)."""
+    b, c, h, w = x.shape
+    dev, tries = x.device, 10
+    area = torch.empty(b, tries, device=dev).uniform_(*RRC_SCALE) * (h * w)
+    ratio = torch.exp(torch.empty(b, tries, device=dev).uniform_(float(np.log(RRC_RATIO[0])), float(np.log(RRC_RATIO[1]))))
+    cw, ch = torch.sqrt(area * ratio).round(), torch.sqrt(area / ratio).round()
+    ok = (cw >= 1) & (cw <= w) & (ch >= 1) & (ch <= h)
+    first = torch.where(ok.any(1), ok.float().argmax(1), torch.full((b,), -1, device=dev))
+    pick = first.clamp_min(0)[:, None]
+    cw = torch.where(first >= 0, cw.gather(1, pick)[:, 0], torch.full((b,), float(w), device=dev))
+    ch = torch.where(first >= 0, ch.gather(1, pick)[:, 0], torch.full((b,), float(h), device=dev))
+    x0 = torch.floor(torch.rand(b, device=dev) * (w - cw + 1))
+    y0 = torch.floor(torch.rand(b, device=dev) * (h - ch + 1))
+    theta = torch.zeros(b, 2, 3, device=dev)
+    theta[:, 0, 0], theta[:, 0, 2] = cw / w, (2 * x0 + cw) / w - 1
+    theta[:, 1, 1], theta[:, 1, 2] = ch / h, (2 * y0 + ch) / h - 1
+    grid = F.affine_grid(theta, (b, c, h, w), align_corners=False)
+    out = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return out.round().clamp(0, 255).to(torch.uint8)
+
+
+def _subset(split, idx):
+    if isinstance(split, LazySplit):
+        return split.subset(idx)
     idx = torch.as_tensor(np.asarray(idx), dtype=torch.int64)
     return Split(split.images[idx], split.labels[idx])
 
 
+STATS_IMAGES = 10000  # mean / std come from the first this many train images (no crop, no augmentation)
+
+
+def train_is_lazy(cfg, ds) -> bool:
+    """data.in_memory: 'true' / 'false' as said; 'auto': lazy when the decoded split would exceed MAX_IN_MEMORY_BYTES."""
+    if cfg.in_memory != "auto":
+        return cfg.in_memory == "false"
+    return len(ds) * cfg.in_chans * cfg.img_size ** 2 > MAX_IN_MEMORY_BYTES
+
+
 def build_data(recipe, quiet: bool = False) -> DataBundle:
-    """Load the recipe's data set and cut it into the four split roles (see the module docstring)."""
+    """Load the recipe's data set and cut it into the four split roles (see the module docstring).
+
+    The train split is decoded into memory, or (data.in_memory false, or auto and too big) kept as a
+    :class:`LazySplit` decoded in the DataLoader workers; eval / probe_train / analysis are always in memory,
+    and only the rows they use are decoded when eval_size is set."""
     cfg = recipe.data
     dsd = load_source(cfg)
     for role, name in (("train_split", cfg.train_split), ("eval_split", cfg.eval_split)):
         if name not in dsd:
             raise DataError(f"data.{role} '{name}' is not a split of this data set: choose one of {', '.join(dsd)}.")
-    train_full = Split(*to_tensors(dsd[cfg.train_split], cfg, "train"))
-    eval_full = Split(*to_tensors(dsd[cfg.eval_split], cfg, "eval"))
-    _, lab_col = _columns(dsd[cfg.train_split], cfg)
-    feat = dsd[cfg.train_split].features[lab_col]
+    train_ds, eval_ds = dsd[cfg.train_split], dsd[cfg.eval_split]
+    _, lab_col = _columns(train_ds, cfg)
+    _, eval_lab_col = _columns(eval_ds, cfg)
+    lazy = train_is_lazy(cfg, train_ds)
+    if lazy:
+        labels = torch.as_tensor(_label_array(train_ds, lab_col))
+        crop_seed = recipe.seed if cfg.augment.random_resized_crop else None
+        train_full = LazySplit(train_ds, np.arange(len(train_ds)), labels, cfg, crop_seed)
+    else:
+        train_full = Split(*to_tensors(train_ds, cfg, "train"))
+    eval_labels = torch.as_tensor(_label_array(eval_ds, eval_lab_col))
+    feat = train_ds.features[lab_col]
     names = list(getattr(feat, "names", []) or [])
-    num_classes = len(names) or int(max(train_full.labels.max(), eval_full.labels.max())) + 1
+    num_classes = len(names) or int(max(train_full.labels.max(), eval_labels.max())) + 1
     names = names or [str(i) for i in range(num_classes)]
 
-    meta = {}
+    meta = {"train_in_memory": not lazy}
     train = train_full
     if cfg.train_size is not None and cfg.train_size < len(train_full):
         train = _subset(train_full, balanced_indices(train_full.labels, cfg.train_size, recipe.seed))
@@ -375,15 +594,39 @@ def build_data(recipe, quiet: bool = False) -> DataBundle:
         idx = balanced_indices(train.labels, n, sub.seed)
         meta["data_subset"] = {"size": int(len(idx)), "hash": indices_hash(idx), "of": len(train)}
         train = _subset(train, idx)
-    eval_ = eval_full
-    if cfg.eval_size is not None and cfg.eval_size < len(eval_full):
-        eval_ = _subset(eval_full, balanced_indices(eval_full.labels, cfg.eval_size, recipe.seed))
-    probe = _subset(train_full, balanced_indices(train_full.labels, cfg.probe_train_size, recipe.seed + 1))
-    analysis = _subset(eval_full, balanced_indices(eval_full.labels, cfg.analysis_size, recipe.seed + 2))
 
-    stats = train_full.images[: 10000].double() / 255.0
+    eval_idx = None
+    if cfg.eval_size is not None and cfg.eval_size < len(eval_labels):
+        eval_idx = balanced_indices(eval_labels, cfg.eval_size, recipe.seed)
+    analysis_idx = balanced_indices(eval_labels, cfg.analysis_size, recipe.seed + 2)
+    if eval_idx is None:  # the whole eval split in memory, as before
+        eval_full = Split(*to_tensors(eval_ds, cfg, "eval"))
+        eval_, analysis = eval_full, _subset(eval_full, analysis_idx)
+    else:  # decode only the rows eval and analysis use (ImageNet's 50k validation images need not all be held)
+        needed = np.union1d(eval_idx, analysis_idx)
+        n, c, s = len(needed), cfg.in_chans, cfg.img_size
+        if n * c * s * s > MAX_IN_MEMORY_BYTES:
+            raise DataError(f"split 'eval' would take {n * c * s * s / 2**30:.0f} GiB in memory: lower data.eval_size, data.analysis_size or data.img_size.")
+        held = Split(decode_rows(eval_ds, needed, cfg), eval_labels[torch.as_tensor(needed)])
+        eval_ = _subset(held, np.searchsorted(needed, eval_idx))
+        analysis = _subset(held, np.searchsorted(needed, analysis_idx))
+    probe = _subset(train_full, balanced_indices(train_full.labels, cfg.probe_train_size, recipe.seed + 1))
+    if isinstance(probe, LazySplit):
+        probe = Split(decode_rows(probe.ds, probe.rows, cfg), probe.labels)
+
+    if isinstance(train_full, LazySplit):
+        first = LazySplit(train_ds, np.arange(min(STATS_IMAGES, len(train_full))), train_full.labels[:STATS_IMAGES], cfg)
+        stats = _decode_in_workers(first, cfg.num_workers).double() / 255.0
+    else:
+        stats = train_full.images[:STATS_IMAGES].double() / 255.0
     mean = stats.mean(dim=(0, 2, 3)).float()
     std = stats.std(dim=(0, 2, 3)).clamp_min(1e-3).float()
-    meta.update({"train_size": len(train), "eval_size": len(eval_), "analysis_hash": indices_hash(
-        balanced_indices(eval_full.labels, cfg.analysis_size, recipe.seed + 2))})
+    meta.update({"train_size": len(train), "eval_size": len(eval_), "analysis_hash": indices_hash(analysis_idx)})
     return DataBundle(train, eval_, probe, analysis, num_classes, names, mean, std, meta)
+
+
+def _decode_in_workers(split: LazySplit, num_workers: int, batch: int = 256) -> torch.Tensor:
+    """Every image of a (small) lazy split, decoded by ``num_workers`` DataLoader workers, in order."""
+    batches = [EpochBatch(list(range(i, min(i + batch, len(split)))), 0) for i in range(0, len(split), batch)]
+    loader = torch.utils.data.DataLoader(split.dataset(), batch_sampler=batches, num_workers=num_workers, collate_fn=batch_collate)
+    return torch.cat([x for x, _ in loader]) if batches else torch.empty(0, split.cfg.in_chans, split.cfg.img_size, split.cfg.img_size, dtype=torch.uint8)

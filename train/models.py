@@ -45,6 +45,8 @@ def build_vit(m, img_size: int, in_chans: int, num_classes: int, interventions=N
         class_token=cls,
         global_pool="token" if cls else "avg",
         drop_path_rate=m.drop_path,
+        drop_rate=m.dropout,  # after the position embedding (and before the head)
+        proj_drop_rate=m.dropout,  # after the attention output projection and each MLP layer
         block_fn=block_fn_for(interventions),
     )
 
@@ -66,17 +68,21 @@ def build_mixer(m, img_size: int, in_chans: int, num_classes: int) -> nn.Module:
         mlp_ratio=(m.mixer_token_ratio, m.mlp_ratio),
         block_layer=MixerBlock,
         global_pool="avg",
+        drop_rate=m.dropout,
+        proj_drop_rate=m.dropout,
         drop_path_rate=m.drop_path,
     )
 
 
 def build_resnet(m, in_chans: int, num_classes: int) -> nn.Module:
-    """timm ResNet with BasicBlocks; ``small_stem`` swaps the 7x7/2 stem and max-pool for one 3x3/1 conv,
-    so 28-32 px images keep their resolution into the first stage (as CIFAR ResNets do)."""
-    from timm.models.resnet import BasicBlock, ResNet
+    """timm ResNet with BasicBlocks or (``resnet_block: bottleneck``) Bottlenecks: ResNet-50 is bottleneck blocks
+    with layers [3, 4, 6, 3] and channels [64, 128, 256, 512] (x4 expansion), the 7x7/2 stem and max-pool
+    (``small_stem: false``). ``small_stem`` swaps that stem for one 3x3/1 conv, so 28-32 px images keep their
+    resolution into the first stage (as CIFAR ResNets do)."""
+    from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 
     model = ResNet(
-        block=BasicBlock,
+        block=Bottleneck if m.resnet_block == "bottleneck" else BasicBlock,
         layers=tuple(m.resnet_layers),
         channels=tuple(m.resnet_channels),
         in_chans=in_chans,

@@ -32,6 +32,10 @@ def _range(lo=None, hi=None, lo_open=False):
 class AugmentConfig:
     shift: int = field(default=2, metadata=_range(0, 64))  # random translation by up to +-shift pixels (zero pad)
     hflip: bool = True  # random horizontal flip with probability 1/2
+    # Inception-style crop (scale (0.08, 1), ratio (3/4, 4/3)) resized to img_size, as in the ViT paper's ImageNet
+    # training: per image in the DataLoader workers for a lazy train split (seeded by (seed, epoch, index)), on the
+    # whole batch on the device for an in-memory one (torch's per-step RNG, like shift and flip)
+    random_resized_crop: bool = False
 
 
 @dataclass
@@ -50,6 +54,9 @@ class DataConfig:
     eval_size: Optional[int] = field(default=None, metadata=_range(1))  # None: the whole eval split
     train_size: Optional[int] = field(default=None, metadata=_range(1))  # None: the whole train split
     num_workers: int = field(default=0, metadata=_range(0, 64))
+    # auto: the train split is decoded into memory when it fits under train.data.MAX_IN_MEMORY_BYTES, else it stays
+    # a memory-mapped datasets.Dataset decoded batch by batch in the DataLoader workers (ImageNet-scale data)
+    in_memory: Literal["auto", "true", "false"] = "auto"
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -77,6 +84,10 @@ class ModelConfig:
     resnet_layers: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
     resnet_channels: list[int] = field(default_factory=lambda: [32, 64, 128, 256])
     small_stem: bool = True  # 3x3 stride-1 stem without max-pool, for 28-32 px images
+    resnet_block: Literal["basic", "bottleneck"] = "basic"  # bottleneck + layers [3,4,6,3] + channels [64,128,256,512]: ResNet-50
+    # vit / mixer: dropout after every dense layer but the qkv projection and after adding the position embedding
+    # (ViT paper App. B.1: 0.1 on ImageNet); timm's drop_rate and proj_drop_rate
+    dropout: float = field(default=0.0, metadata=_range(0.0, 1.0))
 
 
 @dataclass
@@ -145,6 +156,16 @@ class RunConfig:
     name: Optional[str] = None  # default: recipe file name plus the overrides
 
 
+# Fields added after runs had been trained, with the value that reproduces the earlier behaviour. Recipe.hash()
+# leaves such a field out while it holds that value, so runs trained before the field existed still resume.
+ADDED_FIELDS: dict[tuple[str, ...], Any] = {
+    ("data", "in_memory"): "auto",
+    ("data", "augment", "random_resized_crop"): False,
+    ("model", "resnet_block"): "basic",
+    ("model", "dropout"): 0.0,
+}
+
+
 @dataclass
 class Recipe:
     name: str = "recipe"
@@ -169,6 +190,13 @@ class Recipe:
         d["callbacks"] = []  # callbacks observe; they do not change the weights
         if d["model"]["arch"] != "mixer":  # a later, mixer-only field: keeps earlier runs' hashes (and resume) valid
             d["model"].pop("mixer_token_ratio", None)
+        for path, default in ADDED_FIELDS.items():
+            *parents, leaf = path
+            sec = d
+            for p in parents:
+                sec = sec.get(p, {})
+            if leaf in sec and sec[leaf] == default and type(sec[leaf]) is type(default):
+                sec.pop(leaf)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -356,6 +384,8 @@ def _cross_checks(r: Recipe) -> None:
     if m.arch == "vit":
         if m.embed_dim % m.num_heads:
             raise RecipeError(f"key 'model.num_heads' ({m.num_heads}) must divide 'model.embed_dim' ({m.embed_dim}).")
+    if m.arch == "resnet" and m.dropout > 0:
+        raise RecipeError(f"key 'model.dropout' ({m.dropout}) applies to model.arch vit and mixer only: set it to 0 for a resnet (use model.drop_path).")
     if m.arch == "resnet":
         if len(m.resnet_layers) != 4 or len(m.resnet_channels) != 4:
             raise RecipeError("keys 'model.resnet_layers' and 'model.resnet_channels' must each list 4 numbers (timm ResNets have 4 stages).")

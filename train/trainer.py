@@ -171,9 +171,12 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
 
     opt = timm.optim.create_optimizer_v2(model, opt="adamw", lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
     sampler = EpochBatchSampler(len(data.train), t.batch_size, recipe.seed, acc.process_index, acc.num_processes)
+    # a lazy train split decodes (and random-resized-crops, seeded by (seed, epoch, index)) in the workers; the
+    # sampler's EpochBatch carries the epoch there, so order and crops are functions of (seed, epoch) alone
     train_loader = torch.utils.data.DataLoader(
         data.train.dataset(), batch_sampler=sampler, num_workers=recipe.data.num_workers, collate_fn=batch_collate,
         pin_memory=acc.device.type == "cuda", persistent_workers=False,
+        prefetch_factor=4 if data.train.lazy and recipe.data.num_workers > 0 else None,
     )
     ev_loader = eval_loader(data.eval, t.eval_batch_size, recipe.data.num_workers)
     model, opt, ev_loader = acc.prepare(model, opt, ev_loader)
@@ -214,6 +217,7 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
 
     G, bpe = t.grad_accum, sampler.batches_per_epoch()
     aug = recipe.data.augment
+    batch_rrc = aug.random_resized_crop and not data.train.lazy  # lazy splits were cropped per image in the workers
     last_eval: dict = {}
     interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0}
     bar = None
@@ -273,7 +277,7 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
                     exhausted = True
                 x = x.to(acc.device, non_blocking=True)
                 y = y.to(acc.device, non_blocking=True)
-                x = data.normalize(augment(x, aug.shift, aug.hflip))
+                x = data.normalize(augment(x, aug.shift, aug.hflip, batch_rrc))
                 sync = contextlib.nullcontext() if k == G - 1 else acc.no_sync(model)
                 with sync:
                     logits = model(x)
