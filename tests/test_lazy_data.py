@@ -4,8 +4,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import test_train  # registers the test_crash_at callback
+import torch
 from conftest import read_scalars
 from safetensors.torch import load_file
 
