@@ -23,10 +23,11 @@ def _setup(model_cfg=None, interventions=None):
     return build_model(r, 10), build_data(r)
 
 
-@pytest.mark.parametrize("variant", ["cls", "gap", "noskip", "resnet"])
+@pytest.mark.parametrize("variant", ["cls", "gap", "noskip", "resnet", "mixer"])
 def test_suite_on_every_variant(variant):
     cfg = {"cls": ({}, None), "gap": ({"head": "gap"}, None), "noskip": ({}, {"no_skip": {"blocks": [1]}}),
-           "resnet": ({"arch": "resnet", "resnet_layers": [1, 1, 1, 1], "resnet_channels": [8, 8, 16, 16]}, None)}[variant]
+           "resnet": ({"arch": "resnet", "resnet_layers": [1, 1, 1, 1], "resnet_channels": [8, 8, 16, 16]}, None),
+           "mixer": ({"arch": "mixer"}, None)}[variant]
     model, data = _setup(*cfg)
     res = run_suite(model, data, SuiteOptions(batch_size=32, probe_seeds=(0, 1)))
     m = res["cka"]["matrix"]
@@ -36,7 +37,10 @@ def test_suite_on_every_variant(variant):
     fp = res["fewshot_probe"]
     assert fp["mean"].shape[1] == (3 if variant != "resnet" else 4) and ((0 <= fp["mean"]) & (fp["mean"] <= 1)).all()
     assert fp["baseline"].shape == fp["mean"].shape and fp["baseline"].mean() < 0.3  # Gaussian features: near chance (0.1)
-    if variant == "resnet":
+    if variant == "mixer":  # Raghu App. H: token mixing in place of attention, in the CKA analyses
+        assert res["cka"]["labels"][:2] == ["0.token", "0.channel"] and "attention_distance" not in res
+        assert res["norm_ratio"]["ratio"].shape == (2, 3, 49) and fp["pools"] == ["mean", "mean_spatial"]
+    elif variant == "resnet":
         assert "attention_distance" not in res and fp["pools"] == ["mean"]
     else:
         ad = res["attention_distance"]["pixels"]
