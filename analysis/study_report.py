@@ -149,8 +149,9 @@ def _report(study, runs: dict) -> str:
     for n, r in runs.items():
         doc.add(f"| {n} | {' '.join(study.runs[n].overrides) or '-'} | {_top1(r):.4f} | {train_wall[n]:.0f} |")
     total_train = np.nansum(list(train_wall.values()))
-    doc.add("", f"Wall time on this machine: training {total_train / 60:.0f} min in all; offline analysis "
-            f"{times.get('analyze_s', float('nan')) / 60:.1f} min; comparisons and this report {{REPORT_S}} s.", "")
+    doc.add("", f"Wall time on this machine: training {total_train / 60:.0f} min in all (each run's own wall time, other jobs "
+            f"included); the last invocation's analysis stage {times.get('analyze_s', float('nan')) / 60:.1f} min (results "
+            "cached by earlier invocations are not recomputed); comparisons and this report {REPORT_S} s.", "")
     claims = _raghu2021(study, runs, doc, compare) if {"vit_cls", "resnet"} <= set(runs) else []
     if claims:
         table = ["## Claims at a glance", "", "| # | claim | figure | measured | verdict |", "| --- | --- | --- | --- | --- |"]
