@@ -134,8 +134,54 @@ def _cls_finish(s: dict[str, Tensor], grid: tuple[int, int]) -> dict[str, Tensor
             "prefix_mass": s["prefix"] / images, "entropy": s["entropy"] / count, "map_entropy": entropy(maps)}
 
 
+class _BlockSums(Measure):
+    """Shared state of the attention-map measures: per block a dict of float64 sums over images (from ``_sums``
+    on each block's ``attn_probs``), added per minibatch and summed over processes in one packed all-reduce."""
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self.blocks = list(ctx.blocks)
+        self.grid = tuple(int(g) for g in ctx.grid)
+        self.prefix = int(ctx.prefix)
+        self.sums: list[dict[str, Tensor]] | None = None
+
+    def taps(self) -> set[str]:
+        return {f"{b}.attn_probs" for b in self.blocks}
+
+    def _sums(self, attn: Tensor) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def update(self, j: int, cap: dict[str, Tensor], x: Tensor, y: Tensor) -> None:
+        new = []
+        for b in self.blocks:
+            a = cap[f"{b}.attn_probs"]
+            _check(a, self.grid, self.prefix)
+            new.append(self._sums(a))
+        if self.sums is None:
+            self.sums = new
+        else:
+            for acc, s in zip(self.sums, new):
+                for k in acc:
+                    acc[k] += s[k]
+
+    def _reduced(self) -> dict[str, Tensor]:
+        """{key: [L, ...]} summed over minibatches and processes."""
+        if self.sums is None:
+            raise RuntimeError(f"{self.name}: finish() before any update()")
+        keys = list(self.sums[0])
+        stacked = {k: torch.stack([s[k] for s in self.sums]) for k in keys}
+        flat = all_reduce_sum(torch.cat([stacked[k].reshape(-1) for k in keys]), self.ctx.accelerator).cpu()
+        out, off = {}, 0
+        for k in keys:
+            n = stacked[k].numel()
+            out[k] = flat[off:off + n].reshape(stacked[k].shape)
+            off += n
+        return out
+
+
 @register
-class ClsAttention(Measure):
+class ClsAttention(_BlockSums):
     """Average CLS attention map of every head of every block (Walmer et al. 2023 §4.1, Fig. 2 and 17).
 
     ``maps`` [L, H, gh, gw]: mean over images of the CLS query's attention over the spatial keys, prefix (CLS,
@@ -147,46 +193,15 @@ class ClsAttention(Measure):
 
     name = "cls_attention"
 
-    def __init__(self, ctx: Context):
-        super().__init__(ctx)
-        self.blocks = list(ctx.blocks)
-        self.grid = tuple(int(g) for g in ctx.grid)
-        self.prefix = int(ctx.prefix)
-        self.sums: list[dict[str, Tensor]] | None = None
-
     @classmethod
     def applies(cls, ctx: Context) -> bool:
         return ctx.arch == "vit" and ctx.prefix >= 1 and ctx.grid is not None and bool(getattr(ctx.model, "has_class_token", True))
 
-    def taps(self) -> set[str]:
-        return {f"{b}.attn_probs" for b in self.blocks}
-
-    @torch.no_grad()
-    def update(self, j: int, cap: dict[str, Tensor], x: Tensor, y: Tensor) -> None:
-        new = []
-        for b in self.blocks:
-            a = cap[f"{b}.attn_probs"]
-            _check(a, self.grid, self.prefix)
-            new.append(cls_attention_sums(a, self.prefix))
-        if self.sums is None:
-            self.sums = new
-        else:
-            for acc, s in zip(self.sums, new):
-                for k in acc:
-                    acc[k] += s[k]
+    def _sums(self, attn: Tensor) -> dict[str, Tensor]:
+        return cls_attention_sums(attn, self.prefix)
 
     def finish(self) -> dict:
-        if self.sums is None:
-            raise RuntimeError("cls_attention: finish() before any update()")
-        keys = list(self.sums[0])
-        stacked = {k: torch.stack([s[k] for s in self.sums]) for k in keys}
-        flat = torch.cat([stacked[k].reshape(-1) for k in keys])
-        flat = all_reduce_sum(flat, self.ctx.accelerator).cpu()
-        out, off = {}, 0
-        for k in keys:
-            n = stacked[k].numel()
-            out[k] = flat[off:off + n].reshape(stacked[k].shape)
-            off += n
+        out = self._reduced()
         res = _cls_finish(out, self.grid)
         r = {k: v.numpy() for k, v in res.items()}
         r.update(max_entropy=float(math.log(self.grid[0] * self.grid[1])), blocks=list(self.blocks),
@@ -323,7 +338,7 @@ def offset_local_heads(maps: np.ndarray, mass_maps: np.ndarray, max_offset: int 
 
 
 @register
-class AlignedAttention(Measure):
+class AlignedAttention(_BlockSums):
     """Aligned Aggregated Attention Maps and offset local heads (Walmer et al. 2023 §4.2, Fig. 3, 14, 18), any ViT.
 
     Result: ``maps`` [L, H, 2gh-1, 2gw-1] (canvas sums over spatial queries and images divided by the (query, image)
@@ -340,46 +355,19 @@ class AlignedAttention(Measure):
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
-        self.blocks = list(ctx.blocks)
-        self.grid = tuple(int(g) for g in ctx.grid)
-        self.prefix = int(ctx.prefix)
-        self.sums: list[dict[str, Tensor]] | None = None
         self._index: dict = {}
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
         return ctx.arch == "vit" and ctx.grid is not None
 
-    def taps(self) -> set[str]:
-        return {f"{b}.attn_probs" for b in self.blocks}
-
-    @torch.no_grad()
-    def update(self, j: int, cap: dict[str, Tensor], x: Tensor, y: Tensor) -> None:
-        new = []
-        for b in self.blocks:
-            a = cap[f"{b}.attn_probs"]
-            _check(a, self.grid, self.prefix)
-            if a.device not in self._index:
-                self._index[a.device] = canvas_index(self.grid).to(a.device)
-            new.append(aligned_sums(a, self.grid, self.prefix, self._index[a.device]))
-        if self.sums is None:
-            self.sums = new
-        else:
-            for acc, s in zip(self.sums, new):
-                for k in acc:
-                    acc[k] += s[k]
+    def _sums(self, attn: Tensor) -> dict[str, Tensor]:
+        if attn.device not in self._index:
+            self._index[attn.device] = canvas_index(self.grid).to(attn.device)
+        return aligned_sums(attn, self.grid, self.prefix, self._index[attn.device])
 
     def finish(self) -> dict:
-        if self.sums is None:
-            raise RuntimeError("aligned_attention: finish() before any update()")
-        keys = list(self.sums[0])
-        stacked = {k: torch.stack([s[k] for s in self.sums]) for k in keys}
-        flat = all_reduce_sum(torch.cat([stacked[k].reshape(-1) for k in keys]), self.ctx.accelerator).cpu()
-        out, off = {}, 0
-        for k in keys:
-            n = stacked[k].numel()
-            out[k] = flat[off:off + n].reshape(stacked[k].shape)
-            off += n
+        out = self._reduced()
         maps, mass = _aligned_finish(out, self.grid)
         r = {"maps": maps.numpy(), "mass_maps": mass.numpy(), "coverage": coverage(self.grid)}
         r.update(offset_local_heads(r["maps"], r["mass_maps"], self.max_offset, self.min_mass, self.window))

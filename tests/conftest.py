@@ -84,3 +84,59 @@ def shipped_recipes(include_paper: bool = True) -> list[Path]:
             continue
         out.append(p)
     return out
+
+
+# ---------------------------------------------------------------- tiny models and labelled images for measure tests
+
+
+def tiny_vit(class_token: bool = True):
+    """A 2-block, 32-wide timm ViT on 28x28x1 (7x7 tokens), seeded, in eval mode."""
+    import torch
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    kw = {} if class_token else {"class_token": False, "global_pool": "avg"}
+    return VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2,
+                             mlp_ratio=2.0, **kw).eval()
+
+
+def tiny_resnet():
+    """A 4-BasicBlock timm ResNet (8-16 channels) on 28x28x1, seeded, in eval mode."""
+    import torch
+    from timm.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    return ResNet(block=BasicBlock, layers=(1, 1, 1, 1), channels=(8, 8, 16, 16), in_chans=1, num_classes=10).eval()
+
+
+def class_split(n: int, seed: int):
+    """n labelled 28x28x1 uint8 images (labels i mod 10) whose class is a bright square at a class-dependent place
+    on seeded noise, as a split namespace (.images, .labels): features of any model carry the label."""
+    import types
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 10
+    images = (torch.rand(n, 1, 28, 28, generator=g) * 20).to(torch.uint8)
+    for c in range(10):
+        images[y == c, :, 2 * c:2 * c + 10, 2 * c:2 * c + 10] = 250
+    return types.SimpleNamespace(images=images, labels=y)
+
+
+class TwoProcessReplay:
+    """An Accelerator stand-in for two processes played one after the other (rank 1 first): rank 1 records what it
+    reduces, rank 0 adds it, so a measure's finish() on rank 0 sees the two-process sums."""
+
+    num_processes = 2
+    device = "cpu"
+
+    def __init__(self, rank, log):
+        self.process_index, self.log = rank, log
+
+    def reduce(self, t, reduction="sum"):
+        assert reduction == "sum"
+        if self.process_index == 1:
+            self.log.append(t.clone())
+            return t
+        return t + self.log.pop(0)

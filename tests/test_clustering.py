@@ -8,6 +8,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import class_split, tiny_resnet, tiny_vit
 
 from analysis.baselines import gaussian_like
 from analysis.clustering import ClusteringMeasure, cluster_scores, kmeans, purity
@@ -121,33 +122,8 @@ def test_deterministic_per_seed_and_handles_duplicate_init():
 # the Measure, end to end
 # --------------------------------------------------------------------------------------------------------------
 
-def _tiny_vit(class_token=True):
-    from timm.models.vision_transformer import VisionTransformer
-
-    torch.manual_seed(0)
-    kw = {} if class_token else {"class_token": False, "global_pool": "avg"}
-    return VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2,
-                             mlp_ratio=2.0, **kw).eval()
-
-
-def _tiny_resnet():
-    from timm.models.resnet import BasicBlock, ResNet
-
-    torch.manual_seed(0)
-    return ResNet(block=BasicBlock, layers=(1, 1, 1, 1), channels=(8, 8, 16, 16), in_chans=1, num_classes=10).eval()
-
-
-def _split(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.arange(n) % 10
-    images = (torch.rand(n, 1, 28, 28, generator=g) * 20).to(torch.uint8)
-    for c in range(10):  # a class-dependent bright square
-        images[y == c, :, 2 * c:2 * c + 10, 2 * c:2 * c + 10] = 250
-    return types.SimpleNamespace(images=images, labels=y)
-
-
 def _ctx(model, arch, prefix):
-    data = types.SimpleNamespace(analysis=_split(60, 1), probe_train=_split(20, 2), normalize=lambda x: x.float() / 255, num_classes=10)
+    data = types.SimpleNamespace(analysis=class_split(60, 1), probe_train=class_split(20, 2), normalize=lambda x: x.float() / 255, num_classes=10)
     return Context(model=model, data=data, opts=types.SimpleNamespace(), device=torch.device("cpu"), arch=arch,
                    blocks=tuple(block_names(model)), prefix=prefix)
 
@@ -175,7 +151,7 @@ def _features_at_once(model, split, tap, pool, prefix):
 
 
 def test_measure_end_to_end_cls_vit(tmp_path):
-    model = _tiny_vit()
+    model = tiny_vit()
     ctx = _ctx(model, "vit", 1)
     assert REGISTRY["clustering"] is ClusteringMeasure
     m = ClusteringMeasure(ctx)
@@ -222,7 +198,7 @@ def test_measure_end_to_end_cls_vit(tmp_path):
 
 
 def test_measure_gap_vit_and_resnet():
-    for model, arch, n_layers in ((_tiny_vit(class_token=False), "vit", 2), (_tiny_resnet(), "resnet", 4)):
+    for model, arch, n_layers in ((tiny_vit(class_token=False), "vit", 2), (tiny_resnet(), "resnet", 4)):
         ctx = _ctx(model, arch, 0)
         m = ClusteringMeasure(ctx)
         _drive(m, ctx, batch=32)

@@ -8,6 +8,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import class_split, tiny_resnet, tiny_vit
 
 from analysis.baselines import gaussian_like, gaussian_like_layers
 from analysis.knn import KNNMeasure, knn_accuracy, knn_predict, pool_features
@@ -134,33 +135,8 @@ def test_pool_features():
 # the Measure, end to end
 # --------------------------------------------------------------------------------------------------------------
 
-def _tiny_vit(class_token=True):
-    from timm.models.vision_transformer import VisionTransformer
-
-    torch.manual_seed(0)
-    kw = {} if class_token else {"class_token": False, "global_pool": "avg"}
-    return VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2,
-                             mlp_ratio=2.0, **kw).eval()
-
-
-def _tiny_resnet():
-    from timm.models.resnet import BasicBlock, ResNet
-
-    torch.manual_seed(0)
-    return ResNet(block=BasicBlock, layers=(1, 1, 1, 1), channels=(8, 8, 16, 16), in_chans=1, num_classes=10).eval()
-
-
-def _split(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.arange(n) % 10
-    images = (torch.rand(n, 1, 28, 28, generator=g) * 20).to(torch.uint8)
-    for c in range(10):  # a class-dependent bright square, so the features carry the label
-        images[y == c, :, 2 * c:2 * c + 10, 2 * c:2 * c + 10] = 250
-    return types.SimpleNamespace(images=images, labels=y)
-
-
 def _ctx(model, arch, prefix):
-    data = types.SimpleNamespace(analysis=_split(40, 1), probe_train=_split(60, 2), normalize=lambda x: x.float() / 255, num_classes=10)
+    data = types.SimpleNamespace(analysis=class_split(40, 1), probe_train=class_split(60, 2), normalize=lambda x: x.float() / 255, num_classes=10)
     return Context(model=model, data=data, opts=types.SimpleNamespace(), device=torch.device("cpu"), arch=arch,
                    blocks=tuple(block_names(model)), prefix=prefix)
 
@@ -190,7 +166,7 @@ def _features_at_once(model, split, tap, pool, prefix):
 
 
 def test_measure_end_to_end_cls_vit(tmp_path):
-    model = _tiny_vit()
+    model = tiny_vit()
     ctx = _ctx(model, "vit", 1)
     assert REGISTRY["knn"] is KNNMeasure
     m = KNNMeasure(ctx)
@@ -238,8 +214,8 @@ def test_measure_end_to_end_cls_vit(tmp_path):
 
 
 def test_measure_gap_vit_and_resnet_pools():
-    for model, arch, prefix, layers in ((_tiny_vit(class_token=False), "vit", 0, ["blocks.0", "blocks.1"]),
-                                        (_tiny_resnet(), "resnet", 0, ["layer1.0", "layer2.0", "layer3.0", "layer4.0"])):
+    for model, arch, prefix, layers in ((tiny_vit(class_token=False), "vit", 0, ["blocks.0", "blocks.1"]),
+                                        (tiny_resnet(), "resnet", 0, ["layer1.0", "layer2.0", "layer3.0", "layer4.0"])):
         ctx = _ctx(model, arch, prefix)
         m = KNNMeasure(ctx)
         _drive(m, ctx, batch=32)
@@ -251,9 +227,9 @@ def test_measure_gap_vit_and_resnet_pools():
 
 
 def test_small_bank_reports_effective_k():
-    model = _tiny_vit()
+    model = tiny_vit()
     ctx = _ctx(model, "vit", 1)
-    ctx.data.probe_train = _split(12, 4)
+    ctx.data.probe_train = class_split(12, 4)
     m = KNNMeasure(ctx)
     _drive(m, ctx)
     assert m.finish()["k"] == 12

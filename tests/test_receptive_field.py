@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from conftest import TwoProcessReplay
 from timm.models.resnet import BasicBlock, ResNet
 from timm.models.vision_transformer import VisionTransformer
 
@@ -254,21 +255,6 @@ def test_protocol_round_trip_and_state(tmp_path):
     assert EffectiveReceptiveField.scalars(back) == EffectiveReceptiveField.scalars(r)
 
 
-class _FakeAccelerator:
-    """Two processes played one after the other: rank 1 records what it reduces, rank 0 adds it."""
-
-    num_processes = 2
-    device = "cpu"
-
-    def __init__(self, rank, log):
-        self.process_index, self.log = rank, log
-
-    def reduce(self, t, reduction="sum"):
-        assert reduction == "sum"
-        if self.process_index == 1:
-            self.log.append(t.clone())
-            return t
-        return t + self.log.pop(0)
 
 
 def test_two_processes_give_the_one_process_answer():
@@ -276,8 +262,8 @@ def test_two_processes_give_the_one_process_answer():
     with torch.no_grad():
         one = EffectiveReceptiveField(_ctx(model, n=5, erf_batch=2)).finish()
         log = []
-        EffectiveReceptiveField(_ctx(model, n=5, erf_batch=2, accelerator=_FakeAccelerator(1, log))).finish()  # chunk 1
-        two = EffectiveReceptiveField(_ctx(model, n=5, erf_batch=2, accelerator=_FakeAccelerator(0, log))).finish()  # chunks 0, 2
+        EffectiveReceptiveField(_ctx(model, n=5, erf_batch=2, accelerator=TwoProcessReplay(1, log))).finish()  # chunk 1
+        two = EffectiveReceptiveField(_ctx(model, n=5, erf_batch=2, accelerator=TwoProcessReplay(0, log))).finish()  # chunks 0, 2
     assert two["images"] == 5
     for k in ("erf", "attn_erf", "concentration", "mean_distance"):
         np.testing.assert_allclose(two[k], one[k], rtol=1e-10, atol=1e-14)

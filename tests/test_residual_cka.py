@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from conftest import TwoProcessReplay
 from timm.models.resnet import BasicBlock, ResNet
 from timm.models.vision_transformer import VisionTransformer
 
@@ -203,21 +204,6 @@ def _check_round_trip(r, tmp_path, n_sub, n_blocks):
     assert ResidualCKA.scalars(back) == ResidualCKA.scalars(r)
 
 
-class _FakeAccelerator:
-    """Two processes played one after the other: rank 1 records what it reduces, rank 0 adds it."""
-
-    num_processes = 2
-    device = "cpu"
-
-    def __init__(self, rank, log):
-        self.process_index, self.log = rank, log
-
-    def reduce(self, t, reduction="sum"):
-        assert reduction == "sum"
-        if self.process_index == 1:
-            self.log.append(t.clone())
-            return t
-        return t + self.log.pop(0)
 
 
 @pytest.mark.parametrize("rank1_batches", [((8, 16),), ()])
@@ -225,8 +211,8 @@ def test_two_processes_give_the_one_process_answer(rank1_batches):
     model = _vit()
     one = _run(model, _ctx(model), batches=((0, 8),) + rank1_batches).finish()
     log = []
-    _run(model, _ctx(model, accelerator=_FakeAccelerator(1, log)), batches=rank1_batches).finish()  # may hold no minibatch
-    two = _run(model, _ctx(model, accelerator=_FakeAccelerator(0, log)), batches=((0, 8),)).finish()
+    _run(model, _ctx(model, accelerator=TwoProcessReplay(1, log)), batches=rank1_batches).finish()  # may hold no minibatch
+    two = _run(model, _ctx(model, accelerator=TwoProcessReplay(0, log)), batches=((0, 8),)).finish()
     assert not log
     for k in ("skip_branch", "skip_out", "skip_branch_matrix"):
         np.testing.assert_allclose(two[k], one[k], rtol=1e-12, atol=1e-12)
