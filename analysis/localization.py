@@ -165,7 +165,7 @@ class Localization(Measure):
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
-        return ctx.arch in ("vit", "resnet")
+        return ctx.arch in ("vit", "mixer", "resnet")
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)

@@ -37,7 +37,7 @@ RESNET_SUBLAYERS = {"block": ("shortcut", "branch", "out")}
 
 def sublayer_taps(arch: str) -> dict[str, tuple[str, str, str]]:
     """{sublayer: (skip z, branch f(z), output) tap kinds}."""
-    return VIT_SUBLAYERS if arch == "vit" else RESNET_SUBLAYERS
+    return VIT_SUBLAYERS if arch in ("vit", "mixer") else RESNET_SUBLAYERS
 
 
 def residual_cka(skip: torch.Tensor, branch: torch.Tensor, unbiased: bool = True) -> float:
@@ -56,7 +56,7 @@ class ResidualCKA(Measure):
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
-        return ctx.arch in ("vit", "resnet")
+        return ctx.arch in ("vit", "mixer", "resnet")
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)

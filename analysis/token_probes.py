@@ -88,7 +88,7 @@ class TokenProbes(Measure):
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
-        return ctx.arch in ("vit", "resnet")
+        return ctx.arch in ("vit", "mixer", "resnet")
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)

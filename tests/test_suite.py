@@ -40,6 +40,10 @@ def test_suite_on_every_variant(variant):
     if variant == "mixer":  # Raghu App. H: token mixing in place of attention, in the CKA analyses
         assert res["cka"]["labels"][:2] == ["0.token", "0.channel"] and "attention_distance" not in res
         assert res["norm_ratio"]["ratio"].shape == (2, 3, 49) and fp["pools"] == ["mean", "mean_spatial"]
+        more = run_suite(model, data, SuiteOptions(batch_size=32, probe_seeds=(0,)), measures=["localization", "token_probes", "residual_cka"])
+        assert more["localization"]["own_share"].shape == (3,) and more["localization"]["own_share"][0] > 0.5  # tokens start as their patch
+        assert more["token_probes"]["acc"].shape == (3, 49) and "cls_acc" not in more["token_probes"]
+        assert more["residual_cka"]["skip_branch"].shape == (2, 3)
     elif variant == "resnet":
         assert "attention_distance" not in res and fp["pools"] == ["mean"]
     else:
