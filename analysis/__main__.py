@@ -63,8 +63,6 @@ def main(argv=None) -> int:
         return 0
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     try:
-        if args.batch_size < 4:
-            raise O.AnalysisError(f"--batch-size {args.batch_size} is too small: minibatch CKA needs at least 4.")
         opts = options(args)
         from analysis.suite import check_measures
 
@@ -86,6 +84,11 @@ def main(argv=None) -> int:
         others = [O.parse_against(a) for a in args.against]
         for other, _ in others:
             O.check_same_images(run, other)
+        from analysis.suite import batch_problem
+
+        problem = batch_problem(len(O.load_data(run).analysis), opts.batch_size)
+        if problem:
+            raise O.AnalysisError(problem)
         if run.external:  # check that the weights fit before anything is written
             O.load_model(run, 0, O.load_data(run))
         if any(m in opts.measures for m in ("fewshot_probe", "token_probes")):

@@ -33,12 +33,15 @@ class AnalysisSuiteCallback(Callback):
         self.opts = SuiteOptions(measures=self.measures, batch_size=batch_size, cka_repr=cka_repr, probe_shots=shots,
                                  probe_seeds=tuple(seeds))
         self.figures = figures
+        self._fingerprint: str | None = None
 
     def validate(self, recipe, data) -> None:
+        from analysis.suite import batch_problem
         from train.recipe import RecipeError
 
-        if len(data.analysis) < 4:
-            raise RecipeError(f"callback '{self.name}' needs at least 4 analysis images: raise data.analysis_size (now {len(data.analysis)}).")
+        problem = batch_problem(len(data.analysis), self.opts.batch_size)
+        if problem:
+            raise RecipeError(f"callback '{self.name}': {problem}")
         if {"fewshot_probe", "token_probes"} & set(self.measures):
             from analysis.probes import probe_split_problem
 
@@ -55,7 +58,9 @@ class AnalysisSuiteCallback(Callback):
             wid = weights_id(ctx.checkpoint_dir) if ctx.checkpoint_dir is not None else None
             keys = None
             if wid:
-                fp = data_fingerprint(ctx.data)
+                if self._fingerprint is None:  # the analysis images do not change during a run: hash them once
+                    self._fingerprint = data_fingerprint(ctx.data)
+                fp = self._fingerprint
                 keys = {n: cache_key(wid, fp, self.opts, n) for n in res if n != "meta"}
             d = f"step_{ctx.step:07d}"
             publish(res, ctx.run_dir / "analysis" / d, ctx.writer, ctx.step, figures=self.figures, keys=keys,

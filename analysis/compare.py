@@ -54,28 +54,38 @@ def cka_grid(results: dict, path: Path) -> Path:
     return path
 
 
-def probe_lines(results: dict, path: Path) -> Path | None:
+def depth_lines(curves: dict, ylabel: str, path: Path, ylim: float = 1.0, chance: float | None = None) -> Path | None:
+    """One line per run against normalised depth (Raghu Fig. 11 right, 12, 13); ``curves`` {label: [L]}."""
     import matplotlib.pyplot as plt
 
     from analysis.figures import save
 
-    items = [(k, r["fewshot_probe"]) for k, r in results.items() if "fewshot_probe" in r]
-    if not items:
+    if not curves:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for name, r in items:
-        pools = as_list(r["pools"])
-        pool = "cls" if "cls" in pools else "mean_spatial" if "mean_spatial" in pools else pools[0]
-        m = np.asarray(r["mean"])[pools.index(pool)]
-        ax.plot(np.linspace(0, 1, len(m)), m, marker="o", ms=3, label=f"{name} ({pool})")
-    ax.axhline(float(items[0][1]["chance"]), color="grey", ls=":", lw=1, label="chance")
+    for name, v in curves.items():
+        ax.plot(np.linspace(0, 1, len(v)), v, marker="o", ms=3, label=name)
+    if chance is not None:
+        ax.axhline(chance, color="grey", ls=":", lw=1, label="chance")
     ax.set_xlabel("normalised depth")
-    ax.set_ylabel(f"{int(items[0][1]['shots'])}-shot top-1")
-    ax.set_ylim(0, 1)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, ylim)
     ax.legend(fontsize=6)
     fig.tight_layout()
     save(fig, path)
     return path
+
+
+def probe_lines(results: dict, path: Path) -> Path | None:
+    items = [(k, r["fewshot_probe"]) for k, r in results.items() if "fewshot_probe" in r]
+    if not items:
+        return None
+    curves = {}
+    for name, r in items:
+        pools = as_list(r["pools"])
+        pool = "cls" if "cls" in pools else "mean_spatial" if "mean_spatial" in pools else pools[0]
+        curves[f"{name} ({pool})"] = np.asarray(r["mean"])[pools.index(pool)]
+    return depth_lines(curves, f"{int(items[0][1]['shots'])}-shot top-1", path, chance=float(items[0][1]["chance"]))
 
 
 def attention_panels(results: dict, path: Path) -> Path | None:
@@ -118,22 +128,7 @@ def norm_ratio_panels(results: dict, path: Path) -> Path | None:
 
 
 def reference_lines(same: dict, ref_name: str, path: Path) -> Path | None:
-    import matplotlib.pyplot as plt
-
-    from analysis.figures import save
-
-    if not same:
-        return None
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for name, v in same.items():
-        ax.plot(np.linspace(0, 1, len(v)), v, marker="o", ms=3, label=name)
-    ax.set_xlabel("normalised depth")
-    ax.set_ylabel(f"CKA to {ref_name}, same layer")
-    ax.set_ylim(0, 1.02)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    save(fig, path)
-    return path
+    return depth_lines(same, f"CKA to {ref_name}, same layer", path, ylim=1.02)
 
 
 def compare(runs: list, step: str | None = None, reference=None, out: Path | None = None, opts: S.SuiteOptions | None = None,

@@ -41,6 +41,8 @@ class Run:
     recipe: object
     checkpoints: dict[int, Path] = field(default_factory=dict)
     external: dict | None = None  # {"arch": "timm:...", "weights": FILE or "pretrained"} for models not trained here
+    _data: object = field(default=None, repr=False)  # the data bundle and its fingerprint, built once (load_data)
+    _fingerprint: str | None = field(default=None, repr=False)
 
     def step(self, spec: str | int | None) -> int:
         """A checkpoint step from ``None``/"last" (the latest), or a number that must exist."""
@@ -153,12 +155,22 @@ def weights_key(run: Run, step: int) -> str:
 
 
 def load_data(run: Run):
+    """The run's data bundle, built on first use and kept on the Run (building it decodes the eval-side splits)."""
     from train.data import DataError, build_data
 
-    try:
-        return build_data(run.recipe, quiet=True)
-    except DataError as e:
-        raise AnalysisError(str(e)) from None
+    if run._data is None:
+        try:
+            run._data = build_data(run.recipe, quiet=True)
+        except DataError as e:
+            raise AnalysisError(str(e)) from None
+    return run._data
+
+
+def fingerprint(run: Run) -> str:
+    """:func:`analysis.suite.data_fingerprint` of the run's data, computed once."""
+    if run._fingerprint is None:
+        run._fingerprint = S.data_fingerprint(load_data(run))
+    return run._fingerprint
 
 
 def step_dir(run: Run, step: int, kind: str = "analysis") -> Path:
@@ -184,7 +196,7 @@ class _Writer:
 
 
 def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force: bool = False, tensorboard: bool = True,
-                progress: bool = True, data=None) -> dict:
+                progress: bool = True) -> dict:
     """Run the suite on ``steps`` (default: every checkpoint) of ``run``, reusing cached results.
     Returns {"computed": [(step, measure)], "reused": [(step, measure)], "steps": [...]}."""
     from tqdm.auto import tqdm
@@ -192,8 +204,7 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
     opts = opts or S.SuiteOptions()
     S.check_measures(opts.measures)
     steps = sorted(run.step(s) for s in (steps or sorted(run.checkpoints)))
-    data = data if data is not None else load_data(run)
-    fp = S.data_fingerprint(data)
+    data, fp = load_data(run), fingerprint(run)
     stats: dict = {"computed": [], "reused": [], "steps": steps}
     writer = _Writer(run, tensorboard)
     try:
@@ -233,29 +244,21 @@ def parse_against(spec: str) -> tuple[Run, int]:
     return run, run.step(step)
 
 
-def _cross_layers(ctx):
-    from analysis.cka import cka_layers
-
-    return cka_layers(ctx)
-
-
 @torch.no_grad()
 def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
     """Minibatch CKA between every layer of ``model_a`` and every layer of ``model_b`` on the analysis images
     (same minibatches for both; unbiased HSIC_1 as in analysis/cka.py). Result: ``matrix`` [La, Lb],
     ``labels_a``, ``labels_b`` and, when both have the same layer labels, ``same_index`` [L] = the diagonal."""
-    from analysis.cka import MinibatchCKA, represent
+    from analysis.cka import MinibatchCKA, cka_layers, represent
     from analysis.taps import Taps
 
     ca, cb = S.make_context(model_a, data, opts), S.make_context(model_b, data, opts)
-    la, lb = _cross_layers(ca), _cross_layers(cb)
+    la, lb = cka_layers(ca), cka_layers(cb)
     acc = MinibatchCKA(unbiased=opts.cka_unbiased)
     bs = opts.batch_size
     split = data.analysis
     for j in range((len(split) + bs - 1) // bs):
         x = data.normalize(split.images[j * bs:(j + 1) * bs])
-        if len(x) < 4:
-            continue
         with Taps(model_a, [t for t, _ in la]) as capa:
             model_a(x.to(ca.device))
         with Taps(model_b, [t for t, _ in lb]) as capb:
@@ -272,7 +275,7 @@ def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
 def check_same_images(run: Run, other: Run) -> tuple:
     """Both runs' data; raise AnalysisError unless they analyse the same images."""
     data, odata = load_data(run), load_data(other)
-    if S.data_fingerprint(data) != S.data_fingerprint(odata):
+    if fingerprint(run) != fingerprint(other):
         raise AnalysisError(f"runs {run.path} and {other.path} analyse different images (their data sections differ): "
                             "cross-run CKA needs the same analysis images, so compare runs made with the same data settings.")
     return data, odata
@@ -291,7 +294,7 @@ def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOpti
     opts = opts or S.SuiteOptions()
     steps = sorted(run.step(s) for s in (steps or [None]))
     data, odata = check_same_images(run, other)
-    fp = S.data_fingerprint(data)
+    fp = fingerprint(run)
     stats: dict = {"results": {}, "computed": [], "reused": []}
     omodel = None
     for step in tqdm(steps, desc=f"{run.name} vs {other.name}", disable=not progress, unit="ckpt"):

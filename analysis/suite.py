@@ -30,7 +30,6 @@ MODULES = ("analysis.cka", "analysis.norm_ratio", "analysis.attention", "analysi
            "analysis.token_probes", "analysis.receptive_field", "analysis.residual_cka", "analysis.attention_maps",
            "analysis.knn", "analysis.clustering")
 DEFAULT = ("cka", "norm_ratio", "attention_distance", "fewshot_probe")  # what the training-time suite runs
-ALL = DEFAULT  # kept for callers that name the core four
 
 
 @dataclass
@@ -73,6 +72,16 @@ def check_measures(names) -> None:
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"unknown measure '{bad[0]}': choose from {', '.join(sorted(known))}.")
+
+
+def batch_problem(n_images: int, batch_size: int) -> str | None:
+    """One sentence if minibatch CKA cannot use these sizes (every minibatch, the last included, needs >= 4 images)."""
+    if batch_size < 4:
+        return f"the analysis batch size is {batch_size}; minibatch CKA needs at least 4."
+    if n_images < 4 or 0 < n_images % batch_size < 4:
+        return (f"{n_images} analysis images in minibatches of {batch_size} leave a last minibatch of {n_images % batch_size or n_images} "
+                "images; minibatch CKA needs at least 4: change data.analysis_size or the analysis batch size.")
+    return None
 
 
 def make_context(model, data, opts: SuiteOptions, accelerator=None) -> Context:
@@ -129,8 +138,9 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
     opts = opts or SuiteOptions()
     names = list(measures if measures is not None else opts.measures)
     check_measures(names)
-    if len(data.analysis) < 4:
-        raise ValueError(f"the analysis split has {len(data.analysis)} images; the suite needs at least 4 (data.analysis_size).")
+    problem = batch_problem(len(data.analysis), opts.batch_size)
+    if problem:
+        raise ValueError(problem)
     ctx = make_context(model, data, opts, accelerator)
     was_training = model.training
     model.eval()
@@ -290,9 +300,3 @@ def publish(res: dict, out_dir: Path, writer=None, step: int | None = None, figu
             save(fig, fig_dir / f"{name.replace('/', '_')}.png")
             plt.close(fig)
     return Path(out_dir)
-
-
-def probe_split_problem(data, shots: int) -> str | None:
-    from analysis.probes import probe_split_problem as problem
-
-    return problem(data, shots)

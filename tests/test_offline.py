@@ -142,6 +142,9 @@ def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path
     _bad(capsys, [str(empty)], "has no complete checkpoint", tmp_path)
     _bad(capsys, [str(run), "--steps", "5"], "no checkpoint at step 5", tmp_path)
     _bad(capsys, [str(run), "--measures", "cka,nope"], "unknown measure 'nope'", tmp_path)
+    argv = [str(run), "--batch-size", "62"]  # 64 images: a last minibatch of 2, too few for minibatch CKA
+    before = _tree(tmp_path)
+    assert main(argv + ARGS[2:]) == 2 and "leave a last minibatch of 2" in capsys.readouterr().err and _tree(tmp_path) == before
     # a run analysed on other images
     other = tmp_path / "other"
     shutil.copytree(run, other)

@@ -15,11 +15,13 @@ def test_default_recipe_hash_is_unchanged_by_the_new_fields():
     r = load_recipe(ROOT / "recipes/default.yaml")
     assert r.hash() == "82a396f18b71fd7d"
     spelled = load_recipe(ROOT / "recipes/default.yaml", ["data.in_memory=auto", "data.augment.random_resized_crop=false",
-                                                          "model.resnet_block=basic", "model.dropout=0.0"])
+                                                          "model.resnet_block=basic", "model.dropout=0.0",
+                                                          "model.mixer_token_ratio=0.5"])
     assert spelled.hash() == r.hash()  # written out at their defaults: still the old hash
-    for o in ("data.in_memory=false", "data.augment.random_resized_crop=true", "model.resnet_block=bottleneck", "model.dropout=0.1"):
+    for o in ("data.in_memory=false", "data.augment.random_resized_crop=true", "model.resnet_block=bottleneck", "model.dropout=0.1",
+              "model.mixer_token_ratio=0.25"):
         assert load_recipe(ROOT / "recipes/default.yaml", [o]).hash() != r.hash(), o
-    assert {k[-1] for k in ADDED_FIELDS} == {"in_memory", "random_resized_crop", "resnet_block", "dropout"}
+    assert {k[-1] for k in ADDED_FIELDS} == {"in_memory", "random_resized_crop", "resnet_block", "dropout", "mixer_token_ratio"}
 
 
 def test_paper_recipes_are_the_papers_hyper_parameters():

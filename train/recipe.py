@@ -163,6 +163,7 @@ ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("data", "augment", "random_resized_crop"): False,
     ("model", "resnet_block"): "basic",
     ("model", "dropout"): 0.0,
+    ("model", "mixer_token_ratio"): 0.5,
 }
 
 
@@ -188,8 +189,6 @@ class Recipe:
         d.pop("run")
         d.pop("sweep")
         d["callbacks"] = []  # callbacks observe; they do not change the weights
-        if d["model"]["arch"] != "mixer":  # a later, mixer-only field: keeps earlier runs' hashes (and resume) valid
-            d["model"].pop("mixer_token_ratio", None)
         for path, default in ADDED_FIELDS.items():
             *parents, leaf = path
             sec = d
