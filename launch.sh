@@ -70,7 +70,7 @@ case "$cmd" in
     study)
         shift
         setup
-        exec "$VENV/bin/python" -m train.study "$@"
+        exec "$VENV/bin/python" -m analysis.reports.study "$@"
         ;;
     analyze)
         shift

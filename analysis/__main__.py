@@ -3,6 +3,7 @@ checkpoints, cached, with figures, TensorBoard and report.md.
 
     python -m analysis runs/default                          every checkpoint, the core four measures
     python -m analysis runs/default --steps 600,1800 --measures all
+    python -m analysis runs/default --measures knn,clustering --opt knn.k=10 --opt fewshot_probe.shots=5
     python -m analysis runs/vit --against runs/resnet        cross-model CKA (Raghu Fig. 2) at the last checkpoints
     python -m analysis runs/subset --against runs/full:1800  + per-layer CKA of same-index layers (Fig. 12)
     python -m analysis --model timm:vit_tiny_patch16_224 --weights vit.safetensors --recipe recipes/my_data.yaml
@@ -15,15 +16,16 @@ import argparse
 import sys
 import warnings
 
+from analysis import offline as O
+from analysis import suite as S
+from analysis.measure import MeasureError, options_dict, registry
+from analysis.reports.run_report import write_run_report
 
-def options(args) -> "object":
-    from analysis.suite import DEFAULT, SuiteOptions, registry
 
-    names = [m.strip() for m in args.measures.split(",") if m.strip()] if args.measures else list(DEFAULT)
-    if names == ["all"]:
-        names = sorted(registry())
-    return SuiteOptions(measures=tuple(names), batch_size=args.batch_size, cka_repr=args.cka_repr, probe_shots=args.shots,
-                        probe_seeds=tuple(int(s) for s in args.seeds.split(",")))
+def options(args) -> S.SuiteOptions:
+    """SuiteOptions from the command line (MeasureError, one sentence, for an unknown measure or option)."""
+    names = [m.strip() for m in args.measures.split(",") if m.strip()] if args.measures else None
+    return S.suite_options(names, args.batch_size, S.parse_opt_args(args.opt))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,9 +43,8 @@ def parser() -> argparse.ArgumentParser:
                    help="with --model: recipe overrides, e.g. data.img_size=224 data.in_chans=3")
     p.add_argument("--out", help="with --model: the output folder (default runs/external-<architecture>)")
     p.add_argument("--batch-size", type=int, default=256, help="analysis minibatch (also the CKA minibatch, >= 4)")
-    p.add_argument("--cka-repr", default="flatten", choices=("flatten", "cls", "mean_spatial"))
-    p.add_argument("--shots", type=int, default=10)
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--opt", action="append", default=[], metavar="MEASURE.OPTION=VALUE",
+                   help="a measure's option, e.g. --opt knn.k=10 --opt cka.repr=cls (python -m analysis --list shows them); repeatable")
     p.add_argument("--force", action="store_true", help="recompute even when cached results exist")
     p.add_argument("--no-tensorboard", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -53,22 +54,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from analysis import offline as O
-    from analysis.report import write_run_report
-    from analysis.suite import registry
-
     if args.list:
         for name, cls in sorted(registry().items()):
-            print(f"{name:20s} {(cls.__doc__ or '').strip().splitlines()[0]}")
+            opts = ", ".join(f"{k}={v!r}" for k, v in options_dict(cls.Options()).items()) or "no options"
+            print(f"{name:20s} {(cls.__doc__ or '').strip().splitlines()[0]}\n{'':20s} options: {opts}")
         return 0
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     try:
-        opts = options(args)
-        from analysis.suite import check_measures
-
         try:
-            check_measures(opts.measures)
-        except ValueError as e:
+            opts = options(args)
+        except MeasureError as e:
             raise O.AnalysisError(str(e)) from None
         if args.model:
             if not args.weights:
@@ -84,19 +79,11 @@ def main(argv=None) -> int:
         others = [O.parse_against(a) for a in args.against]
         for other, _ in others:
             O.check_same_images(run, other)
-        from analysis.suite import batch_problem
-
-        problem = batch_problem(len(O.load_data(run).analysis), opts.batch_size)
+        problem = S.problem(O.load_data(run), opts)
         if problem:
             raise O.AnalysisError(problem)
         if run.external:  # check that the weights fit before anything is written
             O.load_model(run, 0, O.load_data(run))
-        if any(m in opts.measures for m in ("fewshot_probe", "token_probes")):
-            from analysis.probes import probe_split_problem
-
-            problem = probe_split_problem(O.load_data(run), opts.probe_shots)
-            if problem:
-                raise O.AnalysisError(problem)
         stats = O.analyze_run(run, steps, opts, force=args.force, tensorboard=not args.no_tensorboard, progress=not args.no_progress)
         for other, ostep in others:
             a = O.against(run, other, ostep, steps[-1:] if steps else None, opts, force=args.force, progress=not args.no_progress)

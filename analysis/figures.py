@@ -85,6 +85,47 @@ def probe_plot(curves: dict[str, tuple[np.ndarray, np.ndarray]], title: str = "1
     return fig
 
 
+def depth_plot(panels: dict[str, tuple[np.ndarray, np.ndarray]], pools: list[str], title: str, ylim=None):
+    """One panel per metric: value [P, L] vs normalised depth per pool (solid), the Gaussian baseline dashed in the
+    same colour (Walmer Fig. 7 / Fig. 9 style). Used by k-NN and clustering."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (metric, (vals, base)) in zip(axes[0], panels.items()):
+        for p, pool in enumerate(pools):
+            n = vals.shape[1]
+            x = np.linspace(0, 1, n) if n > 1 else np.array([1.0])
+            line, = ax.plot(x, vals[p], marker="o", ms=3, label=pool)
+            ax.plot(x, base[p], ls="--", lw=1, color=line.get_color(), label=f"{pool} (Gaussian)")
+        ax.set_xlabel("normalised depth")
+        ax.set_ylabel(metric)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def save(fig, path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def render(fig, dpi: int = 110) -> np.ndarray:
+    """The figure drawn ONCE into an RGB uint8 array [H, W, 3] (for both the PNG file and TensorBoard), then closed."""
+    fig.set_dpi(dpi)
+    fig.canvas.draw()
+    rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+    plt.close(fig)
+    return rgb
+
+
+def write_png(rgb: np.ndarray, path) -> None:
+    """An RGB array (from :func:`render`) as a PNG file, written atomically."""
+    import matplotlib.image
+
+    path = str(path)
+    tmp = path[:-4] + ".tmp.png"
+    matplotlib.image.imsave(tmp, rgb)
+    import os
+
+    os.replace(tmp, path)

@@ -5,20 +5,20 @@ A cross-model function (not a single-model Measure): :func:`head_subset_cka`.
 
 Definitions. ViT block ``block`` (default 0, the first encoder block) has H heads of width dh.
 
-- Head distance: the mean attention distance of each head (:func:`analysis.attention.attention_distance`: spatial
+- Head distance: the mean attention distance of each head (:func:`analysis.measures.attention_distance.attention_distance`: spatial
   queries and keys, rows renormalised over spatial keys, pixels by default) over ALL the given images. Heads are
   ordered by it, ascending (most local first; stable sort, ties by head index): ``head_order``.
 - Head representation: the head's attention output BEFORE the output projection, ``(A_h V_h)`` [T, dh] per image,
   spatial tokens only (prefix/CLS rows dropped), flattened to [N * dh]. It is read from the input of ``attn.norm``
   (timm's Attention computes ``x = (attn @ v).transpose(1, 2).reshape(B, T, H * dh)``, so channels
   ``h*dh:(h+1)*dh`` are head h; then ``norm`` -- Identity unless scale_norm --, an optional gate, and ``proj``; for
-  the default Attention this is the input of ``proj``), through a forward pre-hook.
+  the default Attention this is the input of ``proj``), through the ``heads`` tap (analysis/taps.py).
 - Subsets (Raghu's "subsets of ViT attention heads ... from the most locally attending heads to the most global"):
   the k most local heads (``head_order[:k]``) and the k most global (``head_order[-k:]``), k = H // 2 by default,
   their spatial head outputs concatenated along the channel axis, flattened per image.
 - ResNet layers: by default the outputs of the residual blocks of the first two stages (taps ``layer{s}.{j}.out``,
   s = 1, 2), flattened per image.
-- CKA: minibatch linear CKA (:class:`analysis.cka.MinibatchCKA` with ``ys``, unbiased HSIC by default) over the same
+- CKA: minibatch linear CKA (:class:`analysis.similarity.MinibatchCKA` with ``ys``, unbiased HSIC by default) over the same
   fixed minibatches of ``batch_size`` images for both models; every minibatch needs >= 4 images.
 
 Two passes over the images: attention distances first (they fix the order and the subsets), then features.
@@ -27,14 +27,13 @@ so 1 and N processes agree.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.attention import AttentionDistance
-from analysis.cka import MinibatchCKA, represent
+from analysis.measures.attention_distance import AttentionDistance
+from analysis.reduce import shard
+from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, grid_of, is_vit, resnet_blocks
 
 SUBSETS = ("local", "global")
@@ -48,37 +47,12 @@ def default_resnet_layers(resnet, stages: tuple[int, ...] = (1, 2)) -> list[str]
     return [f"{n}.out" for n in names]
 
 
-@contextmanager
-def capture_head_outputs(vit, block: int):
-    """Context yielding a dict whose ``"x"`` becomes the per-head attention output [B, T, H * dh] of ``vit.blocks[block]``
-    (input of ``attn.norm``, or of ``attn.proj`` when the attention has no ``norm``) at each forward."""
-    attn = vit.blocks[block].attn
-    target = attn.norm if isinstance(getattr(attn, "norm", None), torch.nn.Module) else attn.proj
-    store: dict[str, Tensor] = {}
-
-    def hook(mod, args):
-        store["x"] = args[0].detach()
-
-    handle = target.register_forward_pre_hook(hook)
-    try:
-        yield store
-    finally:
-        handle.remove()
-
-
 def split_heads(x: Tensor, num_heads: int, num_prefix_tokens: int) -> Tensor:
     """[B, T, H * dh] (heads contiguous) -> [B, H, N, dh], spatial tokens only."""
     b, t, c = x.shape
     if c % num_heads:
         raise ValueError(f"{c} channels do not split into {num_heads} heads")
     return x[:, num_prefix_tokens:].reshape(b, t - num_prefix_tokens, num_heads, c // num_heads).transpose(1, 2)
-
-
-def _batches(n: int, batch_size: int, accelerator) -> range:
-    n_batches = (n + batch_size - 1) // batch_size
-    if accelerator is None or accelerator.num_processes == 1:
-        return range(n_batches)
-    return range(accelerator.process_index, n_batches, accelerator.num_processes)
 
 
 @torch.no_grad()
@@ -119,7 +93,7 @@ def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 25
         # pass 1: attention distances of the block's heads over all images
         ad = AttentionDistance(grid, vit.patch_embed.patch_size[0], prefix)
         tap = f"blocks.{block}.attn_probs"
-        for j in _batches(n, batch_size, accelerator):
+        for j in shard((n + batch_size - 1) // batch_size, accelerator):
             x = images[j * batch_size:(j + 1) * batch_size]
             with Taps(vit, [tap]) as cap:
                 vit(normalize(x.to(vdev)))
@@ -132,11 +106,11 @@ def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 25
         # pass 2: head outputs and ResNet features, minibatch CKA
         cka = MinibatchCKA(unbiased=unbiased)
         sel = [torch.as_tensor(s, dtype=torch.long) for s in subsets]
-        for j in _batches(n, batch_size, accelerator):
+        for j in shard((n + batch_size - 1) // batch_size, accelerator):
             x = images[j * batch_size:(j + 1) * batch_size]
-            with capture_head_outputs(vit, block) as store:
+            with Taps(vit, [f"blocks.{block}.heads"]) as hcap:
                 vit(normalize(x.to(vdev)))
-            hs = split_heads(store["x"], heads, prefix)  # [b, H, N, dh]
+            hs = split_heads(hcap[f"blocks.{block}.heads"], heads, prefix)  # [b, H, N, dh]
             xs = [hs[:, h].reshape(len(x), -1) for h in order.tolist()]
             xs += [hs[:, s.to(hs.device)].transpose(1, 2).reshape(len(x), -1) for s in sel]  # [b, N, k, dh] flattened
             with Taps(resnet, layers) as cap:

@@ -3,7 +3,7 @@ cross-run comparisons on the same analysis images.
 
 - :func:`open_run` reads a run folder (its resolved ``recipe.yaml`` and complete checkpoints).
 - :func:`analyze_run` runs the suite on chosen checkpoints. A measure whose saved result carries the same
-  cache key (checkpoint weights' sha256, analysis images, settings: :func:`analysis.suite.cache_key`) is not
+  cache key (checkpoint weights' sha256, analysis images, batch size and its own options: :func:`analysis.storage.cache_key`) is not
   recomputed; results go to ``analysis/step_XXXXXXX/``, figures to ``figures/step_XXXXXXX/`` and scalars and
   images to the run's TensorBoard at the checkpoint's step.
 - :func:`against` computes cross-model CKA between a run's checkpoint and another run's (or the same run's
@@ -22,10 +22,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+from analysis import storage
 from analysis import suite as S
-from analysis.measure import load_result, save_result
-from analysis.taps import arch_of
+from analysis.figures import cka_heatmap, plt, save
+from analysis.head_subsets import head_subset_cka, head_subset_figure
+from analysis.measure import as_list, load_result, save_result
+from analysis.measures.cka import cka_layers
+from analysis.similarity import MinibatchCKA, represent
+from analysis.taps import Taps, arch_of
+from train.checkpoint import STEP_RE, CheckpointError, list_checkpoints, load_weights, sha256_file, verify_checkpoint
+from train.data import DataError, build_data
+from train.models import build_model
+from train.recipe import RecipeError, load_recipe
 
 
 class AnalysisError(ValueError):
@@ -59,9 +69,6 @@ class Run:
 
 def open_run(path: str | Path) -> Run:
     """A trained run folder (``runs/<name>``); raise AnalysisError when it is missing or has no checkpoints."""
-    from train.checkpoint import STEP_RE, list_checkpoints
-    from train.recipe import RecipeError, load_recipe
-
     p = Path(path)
     if not p.is_dir():
         raise AnalysisError(f"run folder '{p}' does not exist: pass a folder such as runs/default.")
@@ -81,8 +88,6 @@ def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: li
     """A model not trained here: ``arch`` = "timm:<name>", ``weights`` a local .safetensors file (or "pretrained"
     for timm's own weights, which needs a network), analysed on the data of ``recipe_path`` (+ overrides);
     results go to ``out`` (default runs/external-<name>)."""
-    from train.recipe import RecipeError, load_recipe
-
     if not arch.startswith("timm:") or len(arch) <= 5:
         raise AnalysisError(f"--model '{arch}' must look like timm:<architecture>, e.g. timm:vit_tiny_patch16_224.")
     if weights != "pretrained" and not Path(weights).is_file():
@@ -99,8 +104,6 @@ def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: li
 def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, img_size: int) -> torch.nn.Module:
     """timm.create_model(arch) for the data's shape, with weights from a safetensors file (or timm's pretrained)."""
     import timm
-
-    from train.checkpoint import CheckpointError, load_weights
 
     name = arch[5:]
     kw = {"num_classes": num_classes, "in_chans": in_chans}
@@ -125,9 +128,6 @@ def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, im
 
 def load_model(run: Run, step: int, data) -> torch.nn.Module:
     """The run's model with the weights of checkpoint ``step`` (checksums verified first)."""
-    from train.checkpoint import CheckpointError, load_weights, verify_checkpoint
-    from train.models import build_model
-
     if run.external:
         r = run.recipe.data
         return model_from_timm(run.external["arch"], run.external["weights"], data.num_classes, r.in_chans, r.img_size).eval()
@@ -145,10 +145,8 @@ def weights_key(run: Run, step: int) -> str:
         w = run.external["weights"]
         if w == "pretrained":
             return f"{run.external['arch']}:pretrained"
-        from train.checkpoint import _sha256
-
-        return _sha256(Path(w))
-    wid = S.weights_id(run.checkpoints[step])
+        return sha256_file(Path(w))
+    wid = storage.weights_id(run.checkpoints[step])
     if wid is None:
         raise AnalysisError(f"checkpoint {run.checkpoints[step]} records no model.safetensors checksum: it was not written by vitlab.")
     return wid
@@ -156,8 +154,6 @@ def weights_key(run: Run, step: int) -> str:
 
 def load_data(run: Run):
     """The run's data bundle, built on first use and kept on the Run (building it decodes the eval-side splits)."""
-    from train.data import DataError, build_data
-
     if run._data is None:
         try:
             run._data = build_data(run.recipe, quiet=True)
@@ -167,14 +163,14 @@ def load_data(run: Run):
 
 
 def fingerprint(run: Run) -> str:
-    """:func:`analysis.suite.data_fingerprint` of the run's data, computed once."""
+    """:func:`analysis.storage.data_fingerprint` of the run's data, computed once."""
     if run._fingerprint is None:
-        run._fingerprint = S.data_fingerprint(load_data(run))
+        run._fingerprint = storage.data_fingerprint(load_data(run))
     return run._fingerprint
 
 
 def step_dir(run: Run, step: int, kind: str = "analysis") -> Path:
-    return run.path / kind / f"step_{step:07d}"
+    return storage.step_dir(run.path, step, kind)
 
 
 class _Writer:
@@ -185,7 +181,7 @@ class _Writer:
 
     def get(self):
         if self.enabled and self.w is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # deferred: importing tensorboard costs ~1 s
 
             self.w = SummaryWriter(str(self.run.path / "tb"), flush_secs=10)
         return self.w
@@ -199,21 +195,24 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
                 progress: bool = True) -> dict:
     """Run the suite on ``steps`` (default: every checkpoint) of ``run``, reusing cached results.
     Returns {"computed": [(step, measure)], "reused": [(step, measure)], "steps": [...]}."""
-    from tqdm.auto import tqdm
-
     opts = opts or S.SuiteOptions()
-    S.check_measures(opts.measures)
     steps = sorted(run.step(s) for s in (steps or sorted(run.checkpoints)))
     data, fp = load_data(run), fingerprint(run)
     stats: dict = {"computed": [], "reused": [], "steps": steps}
+    # every checkpoint is checked before any result is written (a corrupted one stops the run here, not midway)
+    wkeys = {step: weights_key(run, step) for step in steps}
+    if not run.external:
+        for step in steps:
+            try:
+                verify_checkpoint(run.checkpoints[step])
+            except CheckpointError as e:
+                raise AnalysisError(str(e)) from None
     writer = _Writer(run, tensorboard)
     try:
         for step in tqdm(steps, desc=f"analyse {run.name}", disable=not progress, unit="ckpt"):
-            wk = weights_key(run, step)
             out = step_dir(run, step)
-            have = S.cached_keys(out)
-            keys = {n: S.cache_key(wk, fp, opts, n) for n in opts.measures}
-            todo = [n for n in opts.measures if force or have.get(n) != keys[n] or not (out / f"{n}.npz").is_file()]
+            keys = {n: storage.cache_key(wkeys[step], fp, opts.settings(n), n) for n in opts.measures}
+            todo = [n for n in opts.measures if force or not storage.is_cached(out, n, keys[n])]
             stats["reused"] += [(step, n) for n in opts.measures if n not in todo]
             if not todo:
                 continue
@@ -228,7 +227,7 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
 
 def publish_step(run: Run, step: int, res: dict, writer, keys: dict) -> None:
     """Arrays and cache keys to analysis/step_X/, PNGs to figures/step_X/, scalars and images to TensorBoard."""
-    S.publish(res, step_dir(run, step), writer, step, keys=keys, figure_dir=step_dir(run, step, "figures"))
+    storage.publish(res, step_dir(run, step), writer, step, keys=keys, figure_dir=step_dir(run, step, "figures"))
 
 
 # ---------------------------------------------------------------- cross-run comparisons
@@ -247,14 +246,13 @@ def parse_against(spec: str) -> tuple[Run, int]:
 @torch.no_grad()
 def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
     """Minibatch CKA between every layer of ``model_a`` and every layer of ``model_b`` on the analysis images
-    (same minibatches for both; unbiased HSIC_1 as in analysis/cka.py). Result: ``matrix`` [La, Lb],
-    ``labels_a``, ``labels_b`` and, when both have the same layer labels, ``same_index`` [L] = the diagonal."""
-    from analysis.cka import MinibatchCKA, cka_layers, represent
-    from analysis.taps import Taps
-
-    ca, cb = S.make_context(model_a, data, opts), S.make_context(model_b, data, opts)
+    (same minibatches for both; the ``cka`` measure's options -- representation and estimator, as in
+    analysis/similarity.py). Result: ``matrix`` [La, Lb], ``labels_a``, ``labels_b`` and, when both have the same
+    layer labels, ``same_index`` [L] = the diagonal."""
+    co = opts.of("cka")
+    ca, cb = S.make_context(model_a, data, opts.batch_size), S.make_context(model_b, data, opts.batch_size)
     la, lb = cka_layers(ca), cka_layers(cb)
-    acc = MinibatchCKA(unbiased=opts.cka_unbiased)
+    acc = MinibatchCKA(unbiased=co.unbiased)
     bs = opts.batch_size
     split = data.analysis
     for j in range((len(split) + bs - 1) // bs):
@@ -263,10 +261,10 @@ def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
             model_a(x.to(ca.device))
         with Taps(model_b, [t for t, _ in lb]) as capb:
             model_b(x.to(cb.device))
-        acc.update([represent(capa[t], opts.cka_repr, ca.prefix) for t, _ in la],
-                   [represent(capb[t], opts.cka_repr, cb.prefix) for t, _ in lb])
+        acc.update([represent(capa[t], co.repr, ca.prefix) for t, _ in la],
+                   [represent(capb[t], co.repr, cb.prefix) for t, _ in lb])
     m = acc.compute().numpy()
-    out = {"matrix": m, "labels_a": [lab for _, lab in la], "labels_b": [lab for _, lab in lb], "repr": opts.cka_repr}
+    out = {"matrix": m, "labels_a": [lab for _, lab in la], "labels_b": [lab for _, lab in lb], "repr": co.repr}
     if out["labels_a"] == out["labels_b"]:
         out["same_index"] = np.diag(m).copy()
     return out
@@ -281,16 +279,14 @@ def check_same_images(run: Run, other: Run) -> tuple:
     return data, odata
 
 
-def against_dir(run: Run, step: int, other: Run, other_step: int) -> Path:
-    return run.path / "analysis" / "against" / f"{other.name}_step_{other_step:07d}" / f"step_{step:07d}"
+def against_dir(run: Run, step: int, other: Run, other_step: int, kind: str = "analysis") -> Path:
+    return storage.against_dir(run.path, step, other.name, other_step, kind)
 
 
 def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOptions | None = None, force: bool = False,
             progress: bool = True) -> dict:
     """Cross-run CKA of ``run``'s checkpoints (default: the last) against ``other`` at ``other_step``; cached like
     :func:`analyze_run`. Returns {"results": {step: result}, "computed": [...], "reused": [...]}."""
-    from tqdm.auto import tqdm
-
     opts = opts or S.SuiteOptions()
     steps = sorted(run.step(s) for s in (steps or [None]))
     data, odata = check_same_images(run, other)
@@ -299,9 +295,9 @@ def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOpti
     omodel = None
     for step in tqdm(steps, desc=f"{run.name} vs {other.name}", disable=not progress, unit="ckpt"):
         out = against_dir(run, step, other, other_step)
-        key = S.cache_key(weights_key(run, step) + ":" + weights_key(other, other_step), fp, opts, "cross_cka")
+        key = storage.cache_key(weights_key(run, step) + ":" + weights_key(other, other_step), fp, opts.settings("cka"), "cross_cka")
         f = out / "cross_cka.npz"
-        if not force and f.is_file() and S.cached_keys(out).get("cross_cka") == key:
+        if not force and storage.is_cached(out, "cross_cka", key):
             stats["results"][step] = load_result(f)
             stats["reused"].append(step)
             continue
@@ -310,16 +306,14 @@ def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOpti
         res = cross_cka(model, omodel, data, opts)
         heads = None
         if arch_of(model) == "vit" and arch_of(omodel) == "resnet":  # Raghu Fig. 5: heads sorted by distance vs ResNet layers
-            from analysis.head_subsets import head_subset_cka
-
             heads = head_subset_cka(model, omodel, data.analysis.images, data.normalize, batch_size=opts.batch_size,
-                                    unbiased=opts.cka_unbiased)
+                                    unbiased=opts.of("cka").unbiased)
         out.mkdir(parents=True, exist_ok=True)
         save_result(res, out / "cross_cka.npz")
         if heads is not None:
             save_result(heads, out / "head_subsets.npz")
         (out / "cache.json").write_text(json.dumps({"cross_cka": key}))
-        fig_dir = run.path / "figures" / "against" / f"{other.name}_step_{other_step:07d}" / f"step_{step:07d}"
+        fig_dir = against_dir(run, step, other, other_step, "figures")
         draw_cross(res, fig_dir, f"{run.name}@{step}", f"{other.name}@{other_step}", heads)
         stats["results"][step] = load_result(out / "cross_cka.npz")
         stats["computed"].append(step)
@@ -329,17 +323,12 @@ def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOpti
 def draw_cross(res: dict, fig_dir: Path, name_a: str, name_b: str, heads: dict | None = None) -> list[Path]:
     """Raghu Fig. 2 (heatmap of A's layers vs B's), with same-index layers Fig. 12 (CKA per layer), and for a ViT
     against a ResNet Fig. 5 (the first block's heads, sorted by attention distance, vs the ResNet's lower layers)."""
-    from analysis.figures import cka_heatmap, save
-    from analysis.measure import as_list
-
     fig_dir.mkdir(parents=True, exist_ok=True)
     paths = [fig_dir / "cross_cka.png"]
     fig = cka_heatmap(np.asarray(res["matrix"]).T, as_list(res["labels_a"]), as_list(res["labels_b"]),
                       title=f"CKA: {name_a} vs {name_b}", xname=name_a, yname=name_b)
     save(fig, paths[0])
     if "same_index" in res:
-        import matplotlib.pyplot as plt
-
         v = np.asarray(res["same_index"])
         fig, ax = plt.subplots(figsize=(5, 3.2))
         ax.plot(range(len(v)), v, marker="o", ms=3)
@@ -351,8 +340,6 @@ def draw_cross(res: dict, fig_dir: Path, name_a: str, name_b: str, heads: dict |
         paths.append(fig_dir / "same_index.png")
         save(fig, paths[-1])
     if heads is not None:
-        from analysis.head_subsets import head_subset_figure
-
         paths.append(fig_dir / "head_subsets.png")
         save(head_subset_figure(heads, title=f"{name_a} block-0 heads vs {name_b}"), paths[-1])
     return paths

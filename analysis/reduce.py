@@ -1,4 +1,4 @@
-"""Summing accumulator state over processes, whatever the backend (gloo on CPU, NCCL on GPUs)."""
+"""Reduction over processes and sharding of minibatches, in one place, whatever the backend (gloo on CPU, NCCL on GPUs)."""
 from __future__ import annotations
 
 import torch
@@ -35,3 +35,11 @@ def collect(parts: list, accelerator=None) -> tuple[dict, torch.Tensor]:
     parts = sorted(gather_objects(parts, accelerator), key=lambda p: p[0])
     keys = parts[0][1].keys()
     return {k: torch.cat([p[1][k] for p in parts]) for k in keys}, torch.cat([p[2] for p in parts])
+
+
+def shard(n_batches: int, accelerator=None) -> range:
+    """The minibatch indices this process takes: j = rank (mod world), all of them with one process. A process
+    may get none (fewer minibatches than processes); its accumulators then contribute zeros to every sum."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return range(n_batches)
+    return range(accelerator.process_index, n_batches, accelerator.num_processes)

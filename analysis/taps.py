@@ -10,6 +10,9 @@ ViT block i (``blocks.{i}.``), with z the residual stream and f the sublayer bra
     out          block output                             (output of the block)
     attn_probs   attention probabilities [B, H, T, T]     (input of attn.attn_drop; fused attention is
                  switched off on the probed blocks inside the context only)
+    heads        the heads' outputs before the output projection, (A_h V_h) of every head h concatenated,
+                 [B, T, H * dh], channels h*dh:(h+1)*dh = head h (input of attn.norm, or of attn.proj when the
+                 attention has no norm module; works with fused attention)
 
 For a no-skip block (interventions.no_skip) ``attn_out`` is the branch alone, as the block computes it.
 ResNet residual block (``layer{s}.{j}.``): ``in`` (block input), ``branch`` (residual branch, output of its
@@ -38,13 +41,15 @@ Usage::
     cap["blocks.0.out"]          # Tensor, detached
 
 Every requested tap must fire during the context, or TapError is raised at exit; hooks are always removed.
+This is the ONE map from tap names to timm modules: every measure, the receptive fields (``graph=True``: tensors
+keep their autograd graph) and the head-subset comparison read their tensors through it.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-VIT_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "attn_probs")
+VIT_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "attn_probs", "heads")
 RESNET_KINDS = ("in", "branch", "shortcut", "out")
 MIXER_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out")
 
@@ -119,10 +124,13 @@ class Taps:
 
     With ``accumulate=False`` (default) each tap keeps the tensor of the latest forward; with
     ``accumulate=True`` it keeps a list of all of them. ``to`` moves captures (e.g. "cpu") as they arrive.
+    With ``graph=True`` captures keep their autograd graph (for input gradients) and a module output that is
+    captured is passed on as a clone, so a later in-place op (a ResNet's ``x += shortcut``) leaves it intact.
     """
 
-    def __init__(self, model: nn.Module, names: list[str], accumulate: bool = False, to=None, dtype=None):
+    def __init__(self, model: nn.Module, names: list[str], accumulate: bool = False, to=None, dtype=None, graph: bool = False):
         self.model, self.names, self.accumulate, self.to, self.dtype = model, list(names), accumulate, to, dtype
+        self.graph = graph
         known = set(available_taps(model))
         bad = [n for n in self.names if n not in known]
         if bad:
@@ -133,7 +141,8 @@ class Taps:
 
     # -- storage
     def _store(self, name: str, t: torch.Tensor) -> None:
-        t = t.detach()
+        if not self.graph:
+            t = t.detach()
         if self.dtype is not None:
             t = t.to(self.dtype)
         if self.to is not None:
@@ -144,7 +153,14 @@ class Taps:
             self.captures[name] = t
 
     def _out(self, name, clone: bool = False):
-        return lambda mod, args, out: self._store(name, out.clone() if clone else out)
+        def hook(mod, args, out):
+            if self.graph:
+                self._store(name, out)
+                return out.clone()
+            self._store(name, out.clone() if clone else out)
+            return None
+
+        return hook
 
     def _in(self, name):
         return lambda mod, args: self._store(name, args[0])
@@ -186,6 +202,10 @@ class Taps:
                     self._fused.append((attn, attn.fused_attn))
                     attn.fused_attn = False
                     reg(attn.attn_drop.register_forward_pre_hook(self._in(name)))
+                elif kind == "heads":
+                    attn = blk.attn
+                    target = attn.norm if isinstance(getattr(attn, "norm", None), nn.Module) else attn.proj
+                    reg(target.register_forward_pre_hook(self._in(name)))
                 elif kind == "branch":  # the branch's last module; cloned because the block adds the shortcut in place
                     last = next(m for m in (getattr(blk, "drop_path", None), getattr(blk, "se", None), getattr(blk, "bn3", None),
                                             getattr(blk, "bn2", None)) if isinstance(m, nn.Module))

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.cka import MinibatchCKA, center_unbiased, gram, represent  # noqa: E402
+from analysis.similarity import MinibatchCKA, center_unbiased, gram, represent  # noqa: E402
 from analysis.suite import cka_layers  # noqa: E402
 from analysis.taps import Taps  # noqa: E402
 from train.data import build_data  # noqa: E402

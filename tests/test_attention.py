@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from analysis.attention import AttentionDistance, attention_distance, grid_distances
+from analysis.measures.attention_distance import AttentionDistance, attention_distance, grid_distances
 
 
 def _self_attention(batch, heads, grid, prefix):

@@ -9,17 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.attention_maps import (
+from analysis.measure import Context, load_result, save_result
+from analysis.measures.aligned_attention import (
     AlignedAttention,
-    ClsAttention,
     aligned_attention_maps,
     canvas_index,
-    cls_attention_maps,
     coverage,
     find_peaks,
     offset_local_heads,
 )
-from analysis.measure import Context, load_result, save_result
+from analysis.measures.cls_attention import ClsAttention, cls_attention_maps
 from analysis.taps import Taps, block_names, grid_of
 
 
@@ -211,7 +210,7 @@ def _ctx(model, accelerator=None):
     split = types.SimpleNamespace(images=torch.randint(0, 256, (12, 1, 28, 28), generator=g, dtype=torch.uint8),
                                   labels=torch.randint(0, 10, (12,), generator=g))
     data = types.SimpleNamespace(analysis=split, probe_train=split, normalize=lambda x: x.float() / 255, num_classes=10)
-    return Context(model=model, data=data, opts=None, device=torch.device("cpu"), accelerator=accelerator, arch="vit",
+    return Context(model=model, data=data, device=torch.device("cpu"), accelerator=accelerator, arch="vit",
                    blocks=tuple(block_names(model)), prefix=model.num_prefix_tokens, grid=grid_of(model), patch_size=4)
 
 
@@ -310,7 +309,7 @@ def test_applies():
                                        class_token=False, reg_tokens=2, global_pool="avg")
     ctx = _ctx(registers_only)
     assert ctx.prefix == 2 and not ClsAttention.applies(ctx) and AlignedAttention.applies(ctx)
-    resnet_ctx = Context(model=torch.nn.Linear(1, 1), data=None, opts=None, device=torch.device("cpu"), arch="resnet")
+    resnet_ctx = Context(model=torch.nn.Linear(1, 1), data=None, device=torch.device("cpu"), arch="resnet")
     assert not ClsAttention.applies(resnet_ctx) and not AlignedAttention.applies(resnet_ctx)
 
 

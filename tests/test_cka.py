@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from analysis.cka import MinibatchCKA, cka, represent
+from analysis.similarity import MinibatchCKA, cka, represent
 
 
 def ref_cka(x, y, unbiased=True):
@@ -61,7 +61,7 @@ def test_minibatch_sums_hsic_over_minibatches():
         m.update([x[b * 32:(b + 1) * 32] for x in xs], [y[b * 32:(b + 1) * 32] for y in ys])
 
     def hs(a, b):
-        from analysis.cka import center_unbiased, gram
+        from analysis.similarity import center_unbiased, gram
 
         return float((center_unbiased(gram(a)) * center_unbiased(gram(b))).sum() / (32 * 29))
 

@@ -11,8 +11,8 @@ import torch
 from conftest import class_split, tiny_resnet, tiny_vit
 
 from analysis.baselines import gaussian_like
-from analysis.clustering import ClusteringMeasure, cluster_scores, kmeans, purity
 from analysis.measure import REGISTRY, Context, load_result, save_result
+from analysis.measures.clustering import ClusteringMeasure, cluster_scores, kmeans, purity
 from analysis.taps import Taps, block_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -124,7 +124,7 @@ def test_deterministic_per_seed_and_handles_duplicate_init():
 
 def _ctx(model, arch, prefix):
     data = types.SimpleNamespace(analysis=class_split(60, 1), probe_train=class_split(20, 2), normalize=lambda x: x.float() / 255, num_classes=10)
-    return Context(model=model, data=data, opts=types.SimpleNamespace(), device=torch.device("cpu"), arch=arch,
+    return Context(model=model, data=data, device=torch.device("cpu"), arch=arch,
                    blocks=tuple(block_names(model)), prefix=prefix)
 
 

@@ -11,8 +11,9 @@ import torch
 from conftest import class_split, tiny_resnet, tiny_vit
 
 from analysis.baselines import gaussian_like, gaussian_like_layers
-from analysis.knn import KNNMeasure, knn_accuracy, knn_predict, pool_features
+from analysis.features import pool_features
 from analysis.measure import REGISTRY, Context, load_result, save_result
+from analysis.measures.knn import KNNMeasure, knn_accuracy, knn_predict
 from analysis.taps import Taps, block_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,7 +78,7 @@ def test_vectorised_equals_explicit_loop(k, temperature):
 
 
 def test_chunking_does_not_change_predictions(monkeypatch):
-    import analysis.knn as knn
+    import analysis.measures.knn as knn
 
     g = torch.Generator().manual_seed(5)
     bank, bank_y, q = torch.randn(50, 4, generator=g), torch.randint(3, (50,), generator=g), torch.randn(37, 4, generator=g)
@@ -137,7 +138,7 @@ def test_pool_features():
 
 def _ctx(model, arch, prefix):
     data = types.SimpleNamespace(analysis=class_split(40, 1), probe_train=class_split(60, 2), normalize=lambda x: x.float() / 255, num_classes=10)
-    return Context(model=model, data=data, opts=types.SimpleNamespace(), device=torch.device("cpu"), arch=arch,
+    return Context(model=model, data=data, device=torch.device("cpu"), arch=arch,
                    blocks=tuple(block_names(model)), prefix=prefix)
 
 

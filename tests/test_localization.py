@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.cka import cka
-from analysis.localization import Localization, input_patches, localization_cka, localization_scores, spatial_tokens
 from analysis.measure import REGISTRY, Context, load_result, save_result
+from analysis.measures.localization import (
+    Localization,
+    LocalizationOptions,
+    input_patches,
+    localization_cka,
+    localization_scores,
+    spatial_tokens,
+)
+from analysis.similarity import cka
 from analysis.taps import Taps, block_names, grid_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,10 +64,10 @@ def _data(n=40, seed=0):
     return types.SimpleNamespace(images=img, labels=torch.arange(n) % 10)
 
 
-def _ctx(model, opts=None, n=40):
+def _ctx(model, n=40):
     vit = hasattr(model, "patch_embed")
     data = types.SimpleNamespace(analysis=_data(n, 0), probe_train=_data(n, 1), normalize=lambda x: x.float() / 255, num_classes=10)
-    return Context(model=model, data=data, opts=opts or types.SimpleNamespace(), device=torch.device("cpu"),
+    return Context(model=model, data=data, device=torch.device("cpu"),
                    arch="vit" if vit else "resnet", blocks=tuple(block_names(model)), prefix=model.num_prefix_tokens if vit else 0,
                    grid=grid_of(model) if vit else None, patch_size=4 if vit else None)
 
@@ -125,19 +132,20 @@ def test_scores_on_a_hand_matrix():
 
 
 def test_values_match_cka_on_explicit_slices():
-    ctx = _ctx(_vit(), types.SimpleNamespace(localization_layers=["blocks.1.out", "blocks.0.attn_out"]), n=24)
-    r = _run(Localization(ctx), ctx, batch_size=24)  # one minibatch: minibatch CKA == cka on the whole set
+    ctx = _ctx(_vit(), n=24)
+    r = _run(Localization(ctx, LocalizationOptions(kinds=("attn_out", "out"))), ctx, batch_size=24)  # one minibatch: minibatch CKA == cka on the whole set
     x = ctx.data.normalize(ctx.data.analysis.images)
-    with Taps(ctx.model, ["blocks.1.out", "blocks.0.attn_out"]) as cap:
+    layers = ["blocks.0.attn_out", "blocks.0.out", "blocks.1.attn_out", "blocks.1.out"]
+    with Taps(ctx.model, layers) as cap:
         ctx.model(x)
-    assert r["layers"] == ["blocks.1.out", "blocks.0.attn_out"] and r["block_index"].tolist() == [1, 0]
+    assert r["layers"] == layers and r["block_index"].tolist() == [0, 0, 1, 1]
     for li, tap in enumerate(r["layers"]):
         tok = cap[tap][:, 1:]
         for t, q in [(0, 0), (3, 17), (24, 24), (48, 5)]:
             qr, qc = divmod(q, 7)
             ref = cka(tok[:, t], x[:, :, 4 * qr:4 * qr + 4, 4 * qc:4 * qc + 4].reshape(24, -1))
             assert r["cka"][li, t, q] == pytest.approx(ref, rel=1e-8, abs=1e-10)
-    assert set(Localization.scalars(r)) == {f"localization/{k}/{t}" for k in ("own_share", "contrast") for t in ("block01", "block00_attn_out")}
+    assert set(Localization.scalars(r)) == {f"localization/{k}/{t}" for k in ("own_share", "contrast") for t in ("block00", "block01", "block00_attn_out", "block01_attn_out")}
 
 
 def test_minibatches_accumulate_hsic():
@@ -147,7 +155,7 @@ def test_minibatches_accumulate_hsic():
     a = localization_cka(tokens, x, (2, 2), batch_size=10)
     assert a.shape == (4, 4) and a.dtype == torch.float64
     # explicit reference: per-batch unbiased HSIC sums from analysis.cka's centring
-    from analysis.cka import center_unbiased, gram
+    from analysis.similarity import center_unbiased, gram
 
     ref = torch.zeros(4, 4, dtype=torch.float64)
     for t in range(4):

@@ -1,4 +1,4 @@
-"""Offline analysis (python -m analysis, analysis.compare): same numbers as at training time, cached, cross-run
+"""Offline analysis (python -m analysis, analysis.reports.compare): same numbers as at training time, cached, cross-run
 CKA, reports, and one sentence + exit 2 for every bad input."""
 import os
 import shutil
@@ -12,12 +12,12 @@ from conftest import TINY, _merge
 from analysis import offline as O
 from analysis import suite as S
 from analysis.__main__ import main
-from analysis.report import check_report
+from analysis.reports.run_report import check_report
 from train.recipe import load_recipe
 from train.trainer import train
 
-CB = {"name": "analysis_suite", "batch_size": 32, "seeds": [0]}
-ARGS = ["--batch-size", "32", "--seeds", "0", "--no-progress", "--no-tensorboard"]
+CB = {"name": "analysis_suite", "batch_size": 32, "fewshot_probe": {"seeds": [0]}}
+ARGS = ["--batch-size", "32", "--opt", "fewshot_probe.seeds=[0]", "--no-progress", "--no-tensorboard"]
 
 
 def _train(root: Path, name: str, **sections) -> Path:
@@ -60,11 +60,13 @@ def test_second_invocation_recomputes_nothing(runs, tmp_path, monkeypatch, capsy
     # the training-time callback keyed its results by the checkpoints' weights: same settings -> all reused
     assert main([str(run), *ARGS]) == 0
     assert calls == [] and "0 results computed, 8 reused" in capsys.readouterr().out
-    # other settings: computed once (both checkpoints), then reused; arrays on disk untouched the second time
-    assert main([str(run), "--shots", "5", *ARGS]) == 0
-    assert len(calls) == 2
+    # other probe options: the probe alone is computed once (both checkpoints; CKA and the rest stay cached),
+    # then reused; arrays on disk untouched the second time
+    assert main([str(run), "--opt", "fewshot_probe.shots=5", *ARGS]) == 0
+    assert calls == [["fewshot_probe"], ["fewshot_probe"]]
+    assert "2 results computed, 6 reused" in capsys.readouterr().out.splitlines()[-1]
     tree = _tree(run / "analysis")
-    assert main([str(run), "--shots", "5", *ARGS]) == 0
+    assert main([str(run), "--opt", "fewshot_probe.shots=5", *ARGS]) == 0
     assert len(calls) == 2 and _tree(run / "analysis") == tree
     assert "0 results computed, 8 reused" in capsys.readouterr().out.splitlines()[-1]
 
@@ -95,7 +97,7 @@ def test_against_a_resnet_gives_the_cross_architecture_map(runs, tmp_path):
 
 
 def test_compare_draws_runs_side_by_side(runs, tmp_path):
-    from analysis.compare import main as compare_main
+    from analysis.reports.compare import main as compare_main
 
     vit, resnet = tmp_path / "vit", tmp_path / "resnet"
     shutil.copytree(runs["vit"], vit)

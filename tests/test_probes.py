@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.probes import (
+from analysis.probing import (
     default_l2_grid,
     fewshot_probe,
     fewshot_probe_with_l2,

@@ -13,8 +13,9 @@ from timm.models.resnet import BasicBlock, ResNet
 from timm.models.vision_transformer import VisionTransformer
 
 from analysis.measure import REGISTRY, Context, load_result, save_result
-from analysis.receptive_field import (
+from analysis.measures.erf import (
     EffectiveReceptiveField,
+    ERFOptions,
     centre_window,
     effective_receptive_fields,
     erf_sums,
@@ -47,13 +48,18 @@ def _resnet():
     return m.eval()
 
 
-def _ctx(model, n=8, arch="vit", accelerator=None, **opts):
+def _erf(model, n=8, arch="vit", accelerator=None, **opts):
+    """The ERF measure on the first ``n`` of ``n`` images, options given as keyword arguments."""
+    return EffectiveReceptiveField(_ctx(model, n, arch, accelerator), ERFOptions(images=n, **opts))
+
+
+def _ctx(model, n=8, arch="vit", accelerator=None):
     g = torch.Generator().manual_seed(1)
     images = torch.randint(0, 256, (n, 1, 28, 28), dtype=torch.uint8, generator=g)
     split = types.SimpleNamespace(images=images, labels=torch.arange(n) % 10)
     data = types.SimpleNamespace(analysis=split, probe_train=split, normalize=lambda x: x.float() / 255 - 0.5, num_classes=10)
     tokens = arch == "vit"
-    return Context(model=model, data=data, opts=types.SimpleNamespace(erf_images=opts.pop("erf_images", n), extra=opts), device=torch.device("cpu"),
+    return Context(model=model, data=data, device=torch.device("cpu"),
                    accelerator=accelerator, arch=arch, blocks=tuple(block_names(model)), prefix=int(getattr(model, "num_prefix_tokens", 0)),
                    grid=tuple(model.patch_embed.grid_size) if tokens else None, patch_size=4 if tokens else None)
 
@@ -135,7 +141,7 @@ def test_no_token_mixing_keeps_the_erf_inside_the_centre_patch(class_token):
     for blk in model.blocks:
         blk.attn = _PerToken(32)
     with torch.no_grad():
-        r = EffectiveReceptiveField(_ctx(model, n=2)).finish()
+        r = _erf(model, n=2).finish()
     assert r["window"].tolist() == [[12, 16, 12, 16]] * 2  # the patch of grid position (3, 3)
     for key in ("concentration", "attn_concentration", "radius_share", "attn_radius_share"):
         np.testing.assert_allclose(r[key], 1.0, atol=1e-6)
@@ -145,7 +151,7 @@ def test_no_token_mixing_keeps_the_erf_inside_the_centre_patch(class_token):
 def test_token_mixing_spreads_the_erf():
     model = _vit()
     with torch.no_grad():
-        r = EffectiveReceptiveField(_ctx(model, n=4)).finish()
+        r = _erf(model, n=4).finish()
     assert r["erf"].shape == (2, 2, 28, 28) and r["attn_erf"].shape == (2, 2, 28, 28)
     np.testing.assert_allclose(r["erf"].sum((2, 3)), 1.0, rtol=1e-9)
     assert (r["erf"] >= 0).all()
@@ -164,7 +170,7 @@ def test_no_skip_block_post_residual_is_its_branch():
     blk.__class__ = NoSkipBlock
     blk.skip_attn, blk.skip_mlp = True, False  # block 1 output = its MLP branch alone
     with torch.no_grad():
-        r = EffectiveReceptiveField(_ctx(model, n=2)).finish()
+        r = _erf(model, n=2).finish()
     np.testing.assert_allclose(r["erf"][1, 0], r["erf"][1, 1], rtol=1e-12, atol=1e-15)
     assert not np.allclose(r["erf"][0, 0], r["erf"][0, 1])
 
@@ -231,8 +237,8 @@ def test_protocol_round_trip_and_state(tmp_path):
     model.train()
     model.blocks[0].attn.qkv.weight.requires_grad_(False)
     flags = [p.requires_grad for p in model.parameters()]
-    ctx = _ctx(model, n=3, erf_batch=2)
-    m = REGISTRY["erf"](ctx)
+    ctx = _ctx(model, n=3)
+    m = REGISTRY["erf"](ctx, ERFOptions(images=3, batch=2))
     assert m.needs_grad and m.taps() == set()
     with torch.no_grad():
         r = m.finish()
@@ -260,10 +266,10 @@ def test_protocol_round_trip_and_state(tmp_path):
 def test_two_processes_give_the_one_process_answer():
     model = _vit()
     with torch.no_grad():
-        one = EffectiveReceptiveField(_ctx(model, n=5, erf_batch=2)).finish()
+        one = _erf(model, n=5, batch=2).finish()
         log = []
-        EffectiveReceptiveField(_ctx(model, n=5, erf_batch=2, accelerator=TwoProcessReplay(1, log))).finish()  # chunk 1
-        two = EffectiveReceptiveField(_ctx(model, n=5, erf_batch=2, accelerator=TwoProcessReplay(0, log))).finish()  # chunks 0, 2
+        _erf(model, n=5, batch=2, accelerator=TwoProcessReplay(1, log)).finish()  # chunk 1
+        two = _erf(model, n=5, batch=2, accelerator=TwoProcessReplay(0, log)).finish()  # chunks 0, 2
     assert two["images"] == 5
     for k in ("erf", "attn_erf", "concentration", "mean_distance"):
         np.testing.assert_allclose(two[k], one[k], rtol=1e-10, atol=1e-14)

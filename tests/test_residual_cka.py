@@ -12,9 +12,9 @@ from conftest import TwoProcessReplay
 from timm.models.resnet import BasicBlock, ResNet
 from timm.models.vision_transformer import VisionTransformer
 
-from analysis.cka import cka
 from analysis.measure import REGISTRY, Context, load_result, save_result
-from analysis.residual_cka import ResidualCKA, residual_cka
+from analysis.measures.residual_cka import ResidualCKA, ResidualCKAOptions, residual_cka
+from analysis.similarity import cka
 from analysis.taps import Taps, block_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,7 +27,7 @@ def _ctx(model=None, arch="vit", blocks=("blocks.0", "blocks.1"), accelerator=No
     data = types.SimpleNamespace(analysis=split, probe_train=split, normalize=lambda x: x.float() / 255, num_classes=10)
     if model is not None:
         blocks = tuple(block_names(model))
-    return Context(model=model, data=data, opts=types.SimpleNamespace(cka_unbiased=unbiased, batch_size=8), device=torch.device("cpu"),
+    return Context(model=model, data=data, batch_size=8, device=torch.device("cpu"),
                    accelerator=accelerator, arch=arch, blocks=blocks, prefix=1 if arch == "vit" else 0,
                    grid=(7, 7) if arch == "vit" else None, patch_size=4 if arch == "vit" else None)
 
@@ -92,7 +92,7 @@ def test_one_minibatch_equals_full_batch_cka(unbiased):
     cap["blocks.1.attn_branch"] = cap["blocks.1.in"] + torch.randn(12, 50, 32, generator=g)  # something in between
     for i in range(2):  # a sublayer output that is not the skip, so every tap's role shows
         cap[f"blocks.{i}.attn_out"] = cap[f"blocks.{i}.in"] + cap[f"blocks.{i}.attn_branch"]
-    m = ResidualCKA(_ctx(unbiased=unbiased))
+    m = ResidualCKA(_ctx(), ResidualCKAOptions(unbiased=unbiased))
     m.update(0, cap, None, None)
     r = m.finish()
     assert r["unbiased"] == int(unbiased)

@@ -1,13 +1,13 @@
-"""Studies (train/study.py): the study file, the claim numbers (analysis/claims.py) on cases with known answers,
+"""Studies (analysis/reports/study.py): the study file, the claim numbers (analysis/reports/claims.py) on cases with known answers,
 and a tiny study end to end: train, analyse, report."""
 import numpy as np
 import pytest
 import yaml
 from conftest import ROOT, TINY, _merge
 
-from analysis import claims as C
+from analysis.reports import claims as C
+from analysis.reports.study import load_study, main
 from train.recipe import RecipeError
-from train.study import load_study, main
 
 
 def test_partition_finds_the_block_structure_of_a_no_skip_map():
@@ -75,7 +75,7 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
                   "## 7. Offset local attention heads", "| vit_cls |", "Claims at a glance"):
         assert claim in text, claim
     assert "held" in text and "missing" not in text
-    from analysis.report import check_report
+    from analysis.reports.run_report import check_report
 
     assert check_report(report) == []
     assert (tmp_path / "runs" / "vit_cls" / "analysis" / "step_0000008" / "erf.npz").is_file()  # measures: all

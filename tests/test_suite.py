@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import read_scalars
 
-from analysis.suite import SuiteOptions, run_suite
+from analysis.suite import run_suite, suite_options
 from train.data import build_data
 from train.models import build_model
 from train.recipe import from_dict, load_recipe
@@ -29,7 +29,7 @@ def test_suite_on_every_variant(variant):
            "resnet": ({"arch": "resnet", "resnet_layers": [1, 1, 1, 1], "resnet_channels": [8, 8, 16, 16]}, None),
            "mixer": ({"arch": "mixer"}, None)}[variant]
     model, data = _setup(*cfg)
-    res = run_suite(model, data, SuiteOptions(batch_size=32, probe_seeds=(0, 1)))
+    res = run_suite(model, data, suite_options(None, 32, {"fewshot_probe": {"seeds": [0, 1]}}))
     m = res["cka"]["matrix"]
     L = 6 if variant != "resnet" else 4
     assert m.shape == (L, L) and np.allclose(np.diag(m), 1.0) and np.allclose(m, m.T)
@@ -40,7 +40,7 @@ def test_suite_on_every_variant(variant):
     if variant == "mixer":  # Raghu App. H: token mixing in place of attention, in the CKA analyses
         assert res["cka"]["labels"][:2] == ["0.token", "0.channel"] and "attention_distance" not in res
         assert res["norm_ratio"]["ratio"].shape == (2, 3, 49) and fp["pools"] == ["mean", "mean_spatial"]
-        more = run_suite(model, data, SuiteOptions(batch_size=32, probe_seeds=(0,)), measures=["localization", "token_probes", "residual_cka"])
+        more = run_suite(model, data, suite_options(None, 32, {"fewshot_probe": {"seeds": [0]}, "token_probes": {"seeds": [0]}}), measures=["localization", "token_probes", "residual_cka"])
         assert more["localization"]["own_share"].shape == (3,) and more["localization"]["own_share"][0] > 0.5  # tokens start as their patch
         assert more["token_probes"]["acc"].shape == (3, 49) and "cls_acc" not in more["token_probes"]
         assert more["residual_cka"]["skip_branch"].shape == (2, 3)
@@ -54,7 +54,7 @@ def test_suite_on_every_variant(variant):
 
 
 def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, tmp_path):
-    p = write_recipe(callbacks=[{"name": "analysis_suite", "batch_size": 32, "seeds": [0]}], train={"log_every": 4},
+    p = write_recipe(callbacks=[{"name": "analysis_suite", "batch_size": 32, "fewshot_probe": {"seeds": [0]}}], train={"log_every": 4},
                      data={"probe_train_size": 200})
     out = train(load_recipe(p), progress=False)
     run = Path(out["run_dir"])

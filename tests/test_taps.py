@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from analysis.norm_ratio import NormRatio, cosine, norm_ratio
+from analysis.measures.norm_ratio import NormRatio, cosine, norm_ratio
 from analysis.taps import TapError, Taps, available_taps, block_names
 from train.models import build_model
 from train.recipe import from_dict

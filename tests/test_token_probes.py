@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from analysis.measure import REGISTRY, Context, load_result, save_result
-from analysis.probes import probe_layers
+from analysis.measures.token_probes import TokenProbeOptions, TokenProbes, strided_positions, token_probe_accuracies
+from analysis.probing import probe_layers
+from analysis.probing import probe_split as probe_halves
 from analysis.taps import Taps, block_names, grid_of
-from analysis.token_probes import TokenProbes, probe_halves, strided_positions, token_probe_accuracies
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,11 +46,11 @@ def _split(n, seed):
     return types.SimpleNamespace(images=img, labels=labels)
 
 
-def _ctx(model, opts=None, n_test=30, n_train=200):
+def _ctx(model, n_test=30, n_train=200):
     vit = hasattr(model, "patch_embed")
     data = types.SimpleNamespace(analysis=_split(n_test, 0), probe_train=_split(n_train, 1), normalize=lambda x: x.float() / 255,
                                  num_classes=10)
-    return Context(model=model, data=data, opts=opts or types.SimpleNamespace(), device=torch.device("cpu"),
+    return Context(model=model, data=data, device=torch.device("cpu"),
                    arch="vit" if vit else "resnet", blocks=tuple(block_names(model)), prefix=model.num_prefix_tokens if vit else 0,
                    grid=grid_of(model) if vit else None, patch_size=4 if vit else None)
 
@@ -120,8 +121,8 @@ def test_halves_are_the_suites():
 
 
 def test_cls_vit_through_the_protocol_equals_explicit_probes():
-    ctx = _ctx(_vit(), types.SimpleNamespace(probe_shots=5, probe_seeds=(0, 1), token_probe_stride=3))
-    r = _run(TokenProbes(ctx), ctx)
+    ctx = _ctx(_vit())
+    r = _run(TokenProbes(ctx, TokenProbeOptions(shots=5, seeds=(0, 1), stride=3)), ctx)
     assert r["layers"] == ["blocks.0.out", "blocks.1.out"] and r["grid"].tolist() == [[7, 7], [7, 7]]
     assert r["acc"].shape == r["std"].shape == r["token_index"].shape == (2, 9)
     assert r["token_index"][0].tolist() == [0, 3, 6, 21, 24, 27, 42, 45, 48]
@@ -148,8 +149,8 @@ def test_cls_vit_through_the_protocol_equals_explicit_probes():
 
 
 def test_gap_vit_round_trip(tmp_path):
-    ctx = _ctx(_vit(class_token=False), types.SimpleNamespace(probe_shots=5, probe_seeds=(0,), token_probe_stride=2), n_train=100)
-    r = _run(TokenProbes(ctx), ctx)
+    ctx = _ctx(_vit(class_token=False), n_train=100)
+    r = _run(TokenProbes(ctx, TokenProbeOptions(shots=5, seeds=(0,), stride=2)), ctx)
     assert "cls_acc" not in r and r["acc"].shape == (2, 16) and (r["std"] == 0).all()
     save_result(r, tmp_path / "token_probes.npz")
     back = load_result(tmp_path / "token_probes.npz")
@@ -167,8 +168,8 @@ def test_gap_vit_round_trip(tmp_path):
 
 
 def test_resnet_pads_the_small_last_stage():
-    ctx = _ctx(_resnet(), types.SimpleNamespace(probe_shots=5, probe_seeds=(0,), token_probe_stride=2), n_train=100)
-    r = _run(TokenProbes(ctx), ctx)
+    ctx = _ctx(_resnet(), n_train=100)
+    r = _run(TokenProbes(ctx, TokenProbeOptions(shots=5, seeds=(0,), stride=2)), ctx)
     assert r["grid"].tolist() == [[7, 7], [7, 7], [7, 7], [4, 4]] and "cls_acc" not in r
     assert r["acc"].shape == (4, 16)  # 7x7 grids at stride 2: 16 tokens; 4x4 at stride 2: 4 tokens + NaN padding
     assert np.isnan(r["acc"][3, 4:]).all() and np.isfinite(r["acc"][3, :4]).all() and r["token_index"][3].tolist() == [0, 2, 8, 10] + [-1] * 12
@@ -181,6 +182,6 @@ def test_resnet_pads_the_small_last_stage():
 
 
 def test_too_few_probe_images_is_explained():
-    ctx = _ctx(_vit(), types.SimpleNamespace(probe_shots=10, token_probe_stride=7), n_train=100)
-    with pytest.raises(ValueError, match="probe_train_size to at least 200"):
-        _run(TokenProbes(ctx), ctx)
+    ctx = _ctx(_vit(), n_train=100)
+    assert "probe_train_size to at least 200" in TokenProbes.problem(ctx.data, TokenProbeOptions(shots=10, stride=7))
+    assert TokenProbes.problem(ctx.data, TokenProbeOptions(shots=5)) is None

@@ -11,6 +11,15 @@ steps that are multiples of N and ``on_checkpoint`` only at checkpoints whose st
 ``on_train_start`` and ``on_train_end`` always run. Extra keys are passed to the callback's constructor.
 The time spent in callbacks is excluded from ``train/throughput_img_s`` and logged as ``time/callbacks_s``.
 
+Where a recipe's callback names come from, in this order:
+
+1. classes decorated with :func:`register_callback` in modules already imported;
+2. the ``vitlab.callbacks`` entry points of installed packages (``[project.entry-points."vitlab.callbacks"]`` in a
+   pyproject.toml: ``name = "package.module:Class"``) -- vitlab's own analysis callbacks come this way, so this
+   package never imports analysis/;
+3. ``package.module:Class`` written in the recipe itself (``callbacks: [{name: my_pkg.callbacks:MyCallback}]``),
+   for a callback in the user's own code (the module must be importable, e.g. on PYTHONPATH).
+
 This module must stay free of torch imports at load time: recipe validation uses :func:`known_callbacks`.
 """
 from __future__ import annotations
@@ -18,17 +27,10 @@ from __future__ import annotations
 import importlib
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Callable
 
-# name -> "module:attribute"; imported only when a recipe uses it (keeps recipe validation fast)
-_BUILTIN = {
-    "sample_images": "train.callbacks:SampleImages",
-    "cka": "analysis.callbacks:CKACallback",
-    "norm_ratio": "analysis.callbacks:NormRatioCallback",
-    "attention_distance": "analysis.callbacks:AttentionDistanceCallback",
-    "fewshot_probe": "analysis.callbacks:FewShotProbeCallback",
-    "analysis_suite": "analysis.callbacks:AnalysisSuiteCallback",
-}
+ENTRY_POINT_GROUP = "vitlab.callbacks"
 _REGISTRY: dict[str, Any] = {}
 
 
@@ -42,23 +44,32 @@ def register_callback(name: str) -> Callable:
     return deco
 
 
-def _available(target: str) -> bool:
-    mod = target.split(":")[0]
-    try:
-        return importlib.util.find_spec(mod) is not None
-    except ModuleNotFoundError:
-        return False
+def _entry_points() -> dict:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def known_callbacks() -> list[str]:
-    return sorted(set(_REGISTRY) | {k for k, v in _BUILTIN.items() if _available(v)})
+    return sorted(set(_REGISTRY) | set(_entry_points()))
+
+
+def is_callback_name(name: str) -> bool:
+    """Whether ``name`` can name a callback: a known name, or ``package.module:Class`` (imported when built)."""
+    return name in _REGISTRY or name in _entry_points() or (":" in name and all(name.partition(":")[::2]))
 
 
 def _resolve(name: str):
     if name in _REGISTRY:
         return _REGISTRY[name]
-    mod, attr = _BUILTIN[name].split(":")
-    return getattr(importlib.import_module(mod), attr)
+    eps = _entry_points()
+    if name in eps:
+        return eps[name].load()
+    mod, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        from train.recipe import RecipeError
+
+        raise RecipeError(f"callback '{name}' cannot be imported ({e}): give an importable package.module:Class.") from None
 
 
 @dataclass
@@ -77,6 +88,11 @@ class TrainContext:
     writer: Any = None
     checkpoint_dir: Any = None
     log: Callable = field(default=lambda values, step: None)
+
+    def checkpoints_at(self, step: int) -> bool:
+        """Whether the trainer writes a checkpoint at ``step`` (then ``on_checkpoint`` follows ``on_step_end``)."""
+        t = self.recipe.train
+        return step == t.steps or bool(t.checkpoint_every and step % t.checkpoint_every == 0)
 
 
 class Callback:
@@ -141,13 +157,15 @@ def build_callbacks(specs) -> CallbackList:
         except TypeError as e:
             from train.recipe import RecipeError
 
-            raise RecipeError(f"callback '{spec.name}' got options it does not take ({e}): see its docstring.") from None
+            raise RecipeError(f"callback '{spec.name}': {e}" if str(e).endswith(".") else
+                              f"callback '{spec.name}' got options it does not take ({e}): see its docstring.") from None
     return CallbackList(out)
 
 
+@register_callback("sample_images")
 class SampleImages(Callback):
     """Logs a grid of ``n`` augmented training images (``data/train_samples``) so augmentation can be checked
-    by eye; at train start and then at its cadence."""
+    by eye; at train start and then at its cadence (every checkpoint by default)."""
 
     def __init__(self, every: int | None = None, n: int = 32):
         super().__init__(every)
@@ -168,5 +186,9 @@ class SampleImages(Callback):
         x = augment(train.take(idx, getattr(ctx, "epoch", 0)), aug.shift, aug.hflip, aug.random_resized_crop and not train.lazy)
         ctx.writer.add_image("data/train_samples", vutils.make_grid(x, nrow=8, pad_value=255), ctx.step)
 
+    def on_step_end(self, ctx):
+        if not ctx.checkpoints_at(ctx.step):  # at a checkpoint step, on_checkpoint logs it (once)
+            self._log(ctx)
+
     on_train_start = _log
-    on_step_end = _log
+    on_checkpoint = _log

@@ -28,7 +28,7 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -49,7 +49,7 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, meta: dict, keep_la
     accelerator.save_state(str(staging), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != META}
+        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != META}
         tmp_meta = staging / (META + ".tmp")
         tmp_meta.write_text(json.dumps({**meta, "step": step, "files": files}, indent=1))
         tmp_meta.replace(staging / META)
@@ -100,7 +100,7 @@ def verify_checkpoint(path: Path) -> dict:
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is corrupted ({name} is missing): delete the folder to resume from an earlier checkpoint.")
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             raise CheckpointError(f"checkpoint {path} is corrupted ({name} does not match its recorded checksum): delete the folder to resume from an earlier checkpoint.")
     return meta
 

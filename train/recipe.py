@@ -398,12 +398,12 @@ def _cross_checks(r: Recipe) -> None:
         raise RecipeError(f"key 'train.min_lr' ({t.min_lr}) must not exceed 'train.lr' ({t.lr}).")
     if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
         raise RecipeError(f"key 'train.betas' must be two numbers in [0, 1), got {t.betas}.")
-    from train.callbacks import known_callbacks
+    from train.callbacks import is_callback_name, known_callbacks
 
     known = known_callbacks()
     for i, cb in enumerate(r.callbacks):
-        if cb.name not in known:
-            raise RecipeError(f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback: choose one of {', '.join(sorted(known))}.")
+        if not is_callback_name(cb.name):
+            raise RecipeError(f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback: choose one of {', '.join(sorted(known))}, or give package.module:Class.")
     for k, v in r.sweep.items():
         if not isinstance(v, list) or not v:
             raise RecipeError(f"key 'sweep.{k}' must be a non-empty list of values to try.")

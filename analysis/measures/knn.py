@@ -25,6 +25,7 @@ Everything is computed in float64.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -32,9 +33,9 @@ import torch
 from torch import Tensor
 
 from analysis.baselines import gaussian_like
+from analysis.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
+from analysis.figures import depth_plot
 from analysis.measure import Context, Measure, as_list, register
-from analysis.probes import pool_features  # noqa: F401 - re-exported for analysis.clustering
-from analysis.reduce import collect
 
 K = 20
 TEMPERATURE = 0.07
@@ -42,59 +43,15 @@ BASELINE_SEED = 0
 _CHUNK = 1024  # queries per similarity chunk
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# pooling (analysis.probes.pool_features) and layers shared with analysis.clustering
-# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KNNOptions:
+    k: int = K  # neighbours that vote
+    temperature: float = TEMPERATURE  # vote weight exp(similarity / temperature)
 
-def pools_for(ctx: Context) -> list[str]:
-    """``["cls", "mean_spatial"]`` for token models with a prefix (CLS) token, else ``["mean_spatial"]``."""
-    return ["cls", "mean_spatial"] if ctx.arch != "resnet" and ctx.prefix > 0 else ["mean_spatial"]
-
-
-def blocks_of(ctx: Context) -> list[str]:
-    """The block names in forward order (``ctx.blocks``, else :func:`analysis.taps.block_names` of the model)."""
-    if ctx.blocks:
-        return list(ctx.blocks)
-    from analysis.taps import block_names
-
-    return block_names(ctx.model)
-
-
-def block_tag(i: int) -> str:
-    return f"block{i:02d}"
-
-
-class PooledFeatures:
-    """Per-minibatch pooled ``<block>.out`` features for several pools, gathered in minibatch order with
-    :func:`analysis.reduce.collect` (the same on 1 and N processes). Keys are ``"<pool>|<block>"``; float32 on CPU."""
-
-    def __init__(self, blocks: list[str], pools: list[str], prefix: int) -> None:
-        self.blocks, self.pools, self.prefix = blocks, pools, prefix
-        self.parts: list = []
-
-    def taps(self) -> set[str]:
-        return {f"{b}.out" for b in self.blocks}
-
-    def add(self, j: int, cap: dict, y: Tensor) -> None:
-        feats = {f"{p}|{b}": pool_features(cap[f"{b}.out"].detach(), p, self.prefix).float().cpu()
-                 for p in self.pools for b in self.blocks}
-        self.parts.append((int(j), feats, y.detach().cpu().long()))
-
-    def gather(self, accelerator=None) -> tuple[dict[str, Tensor], Tensor]:
-        """({"<pool>|<block>": [N, D]}, labels [N]); raises if no minibatch was seen on any process."""
-        try:
-            return collect(self.parts, accelerator)
-        except IndexError:  # collect of no parts at all
-            raise ValueError("no minibatches were accumulated") from None
-
-
-def _num_classes(ctx: Context, *labels: Tensor) -> int:
-    k = getattr(ctx.data, "num_classes", None)
-    return int(k) if k else int(max(int(y.max()) for y in labels if y.numel())) + 1
-
-
-def _opt(ctx: Context, name: str, default):
-    return getattr(ctx.opts, name, default) if ctx.opts is not None else default
+    def check(self):
+        if self.k < 1 or self.temperature <= 0:
+            return f"k must be >= 1 and temperature > 0, not k={self.k}, temperature={self.temperature}."
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,20 +109,21 @@ class KNNMeasure(Measure):
     """k-NN top-1 per layer and pool (Walmer et al. 2023 §6.1, Fig. 9 left; protocol of DINO), with the Gaussian
     random-chance baseline (Walmer App. B.3). Definition in the module docstring: bank = probe-train features,
     queries = analysis features, every block's output pooled by ``"cls"`` (CLS models) and ``"mean_spatial"``;
-    k = ``opts.knn_k`` (default 20), T = ``opts.knn_temperature`` (default 0.07).
+    options ``k`` (default 20) and ``temperature`` T (default 0.07).
 
     Result: ``acc`` [P, L], ``baseline`` [P, L] (float64 fractions), ``pools`` [P], ``layers`` [L] (block names),
     ``k`` (effective k = min(k, bank size)), ``temperature``, ``num_classes``, ``n_bank``, ``n_query``.
     """
 
     name: ClassVar[str] = "knn"
+    Options = KNNOptions
 
-    def __init__(self, ctx: Context):
-        super().__init__(ctx)
+    def __init__(self, ctx: Context, opts=None):
+        super().__init__(ctx, opts)
         self.blocks = blocks_of(ctx)
         self.pools = pools_for(ctx)
-        self.k = int(_opt(ctx, "knn_k", K))
-        self.temperature = float(_opt(ctx, "knn_temperature", TEMPERATURE))
+        self.k = self.opts.k
+        self.temperature = self.opts.temperature
         self.queries = PooledFeatures(self.blocks, self.pools, ctx.prefix)
         self.bank = PooledFeatures(self.blocks, self.pools, ctx.prefix)
 
@@ -185,7 +143,7 @@ class KNNMeasure(Measure):
         acc = self.ctx.accelerator
         q_feats, q_y = self.queries.gather(acc)
         b_feats, b_y = self.bank.gather(acc)
-        c = _num_classes(self.ctx, q_y, b_y)
+        c = num_classes(self.ctx, q_y, b_y)
         dev = self.ctx.device
         n_layers = len(self.blocks)
         res = np.zeros((2, len(self.pools), n_layers))
@@ -222,25 +180,3 @@ class KNNMeasure(Measure):
         fig = depth_plot({"top-1": (np.asarray(r["acc"]), np.asarray(r["baseline"]))}, as_list(r["pools"]),
                          f"k-NN (k={int(r['k'])}, T={float(r['temperature']):g}){at}", ylim=(0, 1))
         return {"knn/accuracy": fig}
-
-
-def depth_plot(panels: dict[str, tuple[np.ndarray, np.ndarray]], pools: list[str], title: str, ylim=None):
-    """One panel per metric: value [P, L] vs normalised depth per pool (solid), the Gaussian baseline dashed in the
-    same colour (Walmer Fig. 7 / Fig. 9 style). Shared with analysis.clustering."""
-    from analysis.figures import plt  # pyplot with the Agg backend set
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (metric, (vals, base)) in zip(axes[0], panels.items()):
-        for p, pool in enumerate(pools):
-            n = vals.shape[1]
-            x = np.linspace(0, 1, n) if n > 1 else np.array([1.0])
-            line, = ax.plot(x, vals[p], marker="o", ms=3, label=pool)
-            ax.plot(x, base[p], ls="--", lw=1, color=line.get_color(), label=f"{pool} (Gaussian)")
-        ax.set_xlabel("normalised depth")
-        ax.set_ylabel(metric)
-        if ylim is not None:
-            ax.set_ylim(*ylim)
-        ax.legend(fontsize=6)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return fig

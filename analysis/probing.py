@@ -26,8 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from analysis.features import pool_features, pool_tokens  # noqa: F401 -- pooling is part of the probe's definition
+from train.data import balanced_indices
 
 L2_EXPONENTS: tuple[int, ...] = tuple(range(-10, 11, 2))
 HOLDOUT_FRACTION_DENOM = 5  # hold out 1/5 of each class (at least 1 when the class has >= 2 examples)
@@ -187,35 +191,6 @@ def sample_shots(labels: Tensor, shots: int, seed: int) -> Tensor:
     return torch.cat(out).sort().values
 
 
-def pool_tokens(tokens: Tensor, how: str, num_prefix_tokens: int) -> Tensor:
-    """Pool a block's tokens [B, T, D] to one vector [B, D] per image, the representation a per-layer probe reads.
-
-    ``"cls"``: ``tokens[:, 0]`` (error if ``num_prefix_tokens == 0``: a GAP model has no CLS token);
-    ``"mean"``: ``tokens.mean(1)`` over all T tokens; ``"mean_spatial"``: ``tokens[:, num_prefix_tokens:].mean(1)``
-    (Raghu et al. 2021 probe CLS and the mean of the spatial tokens, Fig. 11/13); ``"token:<t>"``: ``tokens[:, t]``.
-    """
-    if tokens.ndim != 3:
-        raise ValueError(f"tokens must be [B, T, D], got shape {tuple(tokens.shape)}")
-    if not 0 <= num_prefix_tokens <= tokens.shape[1]:
-        raise ValueError(f"num_prefix_tokens={num_prefix_tokens} out of range for T={tokens.shape[1]}")
-    if how == "cls":
-        if num_prefix_tokens == 0:
-            raise ValueError("how='cls' needs a prefix (CLS) token, but num_prefix_tokens == 0")
-        return tokens[:, 0]
-    if how == "mean":
-        return tokens.mean(1)
-    if how == "mean_spatial":
-        if num_prefix_tokens >= tokens.shape[1]:
-            raise ValueError("how='mean_spatial' but there are no spatial tokens")
-        return tokens[:, num_prefix_tokens:].mean(1)
-    if how.startswith("token:"):
-        t = int(how.split(":", 1)[1])
-        if not -tokens.shape[1] <= t < tokens.shape[1]:
-            raise ValueError(f"token index {t} out of range for T={tokens.shape[1]}")
-        return tokens[:, t]
-    raise ValueError(f"unknown pooling {how!r}: use 'cls', 'mean', 'mean_spatial' or 'token:<t>'")
-
-
 def probe_layers(train_feats: Mapping[str, Tensor], train_y: Tensor, test_feats: Mapping[str, Tensor], test_y: Tensor, shots: int = 10,
                  seeds: Sequence[int] = (0, 1, 2), val_feats: Mapping[str, Tensor] | None = None, val_y: Tensor | None = None,
                  l2_grid: Sequence[float] | Tensor | None = None, num_classes: int | None = None) -> dict[str, tuple[float, float]]:
@@ -246,133 +221,23 @@ def probe_layers(train_feats: Mapping[str, Tensor], train_y: Tensor, test_feats:
     return out
 
 
-# ---------------------------------------------------------------- the suite's measure
-
-from analysis.measure import Measure, as_list, register  # noqa: E402
+# ---------------------------------------------------------------- the probe-train split and pooling, shared by the probe measures
 
 PROBE_SPLIT_SEED = 12345
 
 
-def pool_features(t: Tensor, how: str, num_prefix_tokens: int) -> Tensor:
-    """One vector per image: :func:`pool_tokens` for token tensors [B, T, D]; a ResNet feature map [B, C, H, W]
-    is averaged over positions (only ``"mean"`` / ``"mean_spatial"``: it has no CLS token); [B, D] unchanged."""
-    if t.ndim == 4:
-        if how not in ("mean", "mean_spatial"):
-            raise ValueError(f"a feature map [B, C, H, W] has no {how!r} pooling; use 'mean_spatial'")
-        return t.mean(dim=(2, 3))
-    if t.ndim == 2:
-        return t
-    return pool_tokens(t, how, num_prefix_tokens)
-
-
 def probe_split(labels: Tensor) -> tuple[Tensor, Tensor]:
     """The probe-train split's two halves (class-balanced, fixed seed): (shot pool, validation set for l2)."""
-    import numpy as np
-
-    from train.data import balanced_indices
-
     half = balanced_indices(labels.numpy(), len(labels) // 2, seed=PROBE_SPLIT_SEED)
     rest = np.setdiff1d(np.arange(len(labels)), half)
     return torch.as_tensor(half), torch.as_tensor(rest)
 
 
-def probe_split_problem(data, shots: int) -> str | None:
+def probe_split_problem(data, shots: int, option: str = "shots") -> str | None:
     """One sentence if the probe-train split cannot give ``shots`` per class from its shot half, else None."""
     counts = torch.bincount(data.probe_train.labels, minlength=data.num_classes)
     if len(counts) and int(counts.min()) // 2 >= shots:
         return None
     return (f"few-shot probes draw {shots} shots per class from half of the probe-train split, whose rarest class has "
             f"{int(counts.min()) if len(counts) else 0} images: raise data.probe_train_size to at least {2 * shots * data.num_classes} "
-            "or lower the callback's shots.")
-
-
-@register
-class FewShotProbeMeasure(Measure):
-    """ViT paper §4.1, Raghu et al. 2021 Fig. 11 right / 13: ``opts.probe_shots``-shot linear probes per block
-    output and pooling (CLS token / mean of all tokens / mean of spatial tokens; ResNet: spatial mean), shots
-    from the first half of probe-train (per seed), l2 chosen on the second half, top-1 on the analysis images
-    (:func:`probe_layers`). ``baseline``: the same probes on Gaussian features of the same shapes (Walmer App.
-    B.3). Result: ``mean``/``std``/``baseline`` [P, L], ``pools``, ``layers``, ``shots``, ``seeds``, ``chance``."""
-
-    name = "fewshot_probe"
-
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        o = ctx.opts
-        self.layers = [f"{b}.out" for b in ctx.blocks]
-        if ctx.arch == "resnet":
-            self.pools = ["mean"]
-        else:
-            self.pools = [p for p in o.probe_pools if not (p == "cls" and ctx.prefix == 0)]
-        self.test, self.train = [], []
-
-    def taps(self):
-        return set(self.layers)
-
-    probe_taps = taps
-
-    def _feats(self, cap):
-        return {(t, p): pool_features(cap[t], p, self.ctx.prefix).float().cpu() for t in self.layers for p in self.pools}
-
-    def update(self, j, cap, x, y):
-        self.test.append((j, self._feats(cap), y))
-
-    def update_probe(self, j, cap, x, y):
-        self.train.append((j, self._feats(cap), y))
-
-    def finish(self):
-        import numpy as np
-
-        from analysis.reduce import collect
-
-        o = self.ctx.opts
-        problem = probe_split_problem(self.ctx.data, o.probe_shots)
-        if problem:
-            raise ValueError(problem)
-        test_x, test_y = collect(self.test, self.ctx.accelerator)
-        pool_x, pool_y = collect(self.train, self.ctx.accelerator)
-        shot_idx, val_idx = probe_split(pool_y)
-        mean, std, base = [], [], []
-        for p in self.pools:
-            tr = {t: pool_x[(t, p)][shot_idx] for t in self.layers}
-            va = {t: pool_x[(t, p)][val_idx] for t in self.layers}
-            te = {t: test_x[(t, p)] for t in self.layers}
-            kw = dict(shots=o.probe_shots, seeds=tuple(o.probe_seeds), val_y=pool_y[val_idx], num_classes=self.ctx.data.num_classes)
-            r = probe_layers(tr, pool_y[shot_idx], te, test_y, val_feats=va, **kw)
-            from analysis.baselines import gaussian_like
-
-            rnd = [{t: gaussian_like(d[t], seed=i) for t in self.layers} for i, d in enumerate((tr, va, te))]
-            b = probe_layers(rnd[0], pool_y[shot_idx], rnd[2], test_y, val_feats=rnd[1], **kw)
-            mean.append([r[t][0] for t in self.layers])
-            std.append([r[t][1] for t in self.layers])
-            base.append([b[t][0] for t in self.layers])
-        return {"mean": np.array(mean), "std": np.array(std), "baseline": np.array(base), "pools": list(self.pools),
-                "layers": list(self.layers), "shots": int(o.probe_shots), "seeds": np.array(list(o.probe_seeds)),
-                "chance": 1.0 / self.ctx.data.num_classes}
-
-    @staticmethod
-    def summary(r):
-        import numpy as np
-
-        out = {p: [float(v) for v in np.asarray(r["mean"])[i]] for i, p in enumerate(as_list(r["pools"]))}
-        out["baseline_mean"] = float(np.asarray(r["baseline"]).mean())
-        return out
-
-    @staticmethod
-    def scalars(r):
-        import numpy as np
-
-        m, shots = np.asarray(r["mean"]), int(r["shots"])
-        return {f"probe/{shots}shot/{p}/block{i:02d}": float(m[pi, i]) for pi, p in enumerate(as_list(r["pools"])) for i in range(m.shape[1])}
-
-    @staticmethod
-    def figures(r, step=None):
-        import numpy as np
-
-        from analysis.figures import probe_plot
-
-        at = f" (step {step})" if step is not None else ""
-        m, s, b = np.asarray(r["mean"]), np.asarray(r["std"]), np.asarray(r["baseline"])
-        curves = {p: (m[i], s[i]) for i, p in enumerate(as_list(r["pools"]))}
-        curves["random features"] = (b.mean(0), np.zeros(b.shape[1]))
-        return {f"probe/{int(r['shots'])}shot": probe_plot(curves, title=f"{int(r['shots'])}-shot linear probe{at}", chance=float(r["chance"]))}
+            f"or lower the option {option}.")

@@ -14,7 +14,7 @@ image's representation is all tokens / positions flattened (:func:`analysis.cka.
 
     skip_branch[s, i] = CKA(z_i, f(z_i)),     skip_out[s, i] = CKA(z_i, z_i + f(z_i))
 
-with linear minibatch CKA (:class:`analysis.cka.MinibatchCKA`: unbiased HSIC by default, ``opts.cka_unbiased``;
+with linear minibatch CKA (:class:`analysis.similarity.MinibatchCKA`: unbiased HSIC by default, option ``unbiased``;
 the analysis minibatches are the CKA minibatches, HSIC sums over minibatches and processes). Walmer et al.'s
 Fig. 23 plots the skip features of every block against the branch output of every block; that matrix is
 ``skip_branch_matrix[s, i, j] = CKA(z_i, f(z_j))`` (rows: skip, columns: branch), whose diagonal is skip_branch.
@@ -24,12 +24,14 @@ Result: ``skip_branch`` [S, L], ``skip_out`` [S, L], ``skip_branch_matrix`` [S, 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 import analysis.figures as figs
-from analysis.cka import MinibatchCKA, cka, represent
 from analysis.measure import Context, Measure, as_list, register
+from analysis.similarity import MinibatchCKA, cka, represent
 
 VIT_SUBLAYERS = {"attn": ("in", "attn_branch", "attn_out"), "mlp": ("attn_out", "mlp_branch", "out")}
 RESNET_SUBLAYERS = {"block": ("shortcut", "branch", "out")}
@@ -46,6 +48,11 @@ def residual_cka(skip: torch.Tensor, branch: torch.Tensor, unbiased: bool = True
     return cka(represent(skip, "flatten"), represent(branch, "flatten"), unbiased=unbiased)
 
 
+@dataclass(frozen=True)
+class ResidualCKAOptions:
+    unbiased: bool = True  # HSIC_1 (false: HSIC_0)
+
+
 @register
 class ResidualCKA(Measure):
     """Per block and sublayer, CKA(skip z, branch f(z)) and CKA(z, z + f(z)) (Walmer et al. 2023 App. D.4 /
@@ -53,14 +60,15 @@ class ResidualCKA(Measure):
     ys = the L branches then the L outputs; its float64 HSIC sums are added over processes in :meth:`finish`."""
 
     name = "residual_cka"
+    Options = ResidualCKAOptions
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
         return ctx.arch in ("vit", "mixer", "resnet")
 
-    def __init__(self, ctx: Context):
-        super().__init__(ctx)
-        self.unbiased = bool(getattr(ctx.opts, "cka_unbiased", True))
+    def __init__(self, ctx: Context, opts=None):
+        super().__init__(ctx, opts)
+        self.unbiased = self.opts.unbiased
         self.subs = sublayer_taps(ctx.arch)
         self.blocks = list(ctx.blocks)
         self.acc = {s: MinibatchCKA(unbiased=self.unbiased) for s in self.subs}

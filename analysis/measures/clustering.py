@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -35,7 +36,8 @@ import torch
 from torch import Tensor
 
 from analysis.baselines import gaussian_like
-from analysis.knn import PooledFeatures, _num_classes, _opt, block_tag, blocks_of, depth_plot, pools_for
+from analysis.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
+from analysis.figures import depth_plot
 from analysis.measure import Context, Measure, as_list, register
 
 N_INIT = 5
@@ -167,26 +169,39 @@ def cluster_scores(pred: Tensor, target: Tensor) -> dict[str, float]:
 # the measure
 # ----------------------------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class ClusteringOptions:
+    restarts: int = N_INIT  # k-means++ initialisations; the lowest inertia wins
+    max_iter: int = MAX_ITER  # Lloyd iterations per restart
+    seed: int = SEED
+
+    def check(self):
+        if self.restarts < 1 or self.max_iter < 1:
+            return f"restarts and max_iter must be >= 1, not {self.restarts} and {self.max_iter}."
+        return None
+
+
 @register
 class ClusteringMeasure(Measure):
     """k-means purity, NMI and ARI per layer and pool (Walmer et al. 2023 §5.2, Fig. 7; App. D.5, Fig. 24/25) with the
     Gaussian random-chance baseline (App. B.3). Definitions in the module docstring: the analysis images' features of
     every block output, pooled ``"cls"`` (CLS models) and ``"mean_spatial"``, K = number of classes; options
-    ``opts.kmeans_restarts`` (5), ``opts.kmeans_max_iter`` (100), ``opts.kmeans_seed`` (0).
+    ``restarts`` (5), ``max_iter`` (100), ``seed`` (0).
 
     Result: ``purity``/``nmi``/``ari`` [P, L], ``baseline_purity``/``baseline_nmi``/``baseline_ari`` [P, L],
     ``inertia`` [P, L], ``pools`` [P], ``layers`` [L] (block names), ``num_classes``, ``n_images``, ``n_init``, ``seed``.
     """
 
     name: ClassVar[str] = "clustering"
+    Options = ClusteringOptions
 
-    def __init__(self, ctx: Context):
-        super().__init__(ctx)
+    def __init__(self, ctx: Context, opts=None):
+        super().__init__(ctx, opts)
         self.blocks = blocks_of(ctx)
         self.pools = pools_for(ctx)
-        self.n_init = int(_opt(ctx, "kmeans_restarts", N_INIT))
-        self.max_iter = int(_opt(ctx, "kmeans_max_iter", MAX_ITER))
-        self.seed = int(_opt(ctx, "kmeans_seed", SEED))
+        self.n_init = self.opts.restarts
+        self.max_iter = self.opts.max_iter
+        self.seed = self.opts.seed
         self.feats = PooledFeatures(self.blocks, self.pools, ctx.prefix)
 
     def taps(self) -> set[str]:
@@ -197,7 +212,7 @@ class ClusteringMeasure(Measure):
 
     def finish(self) -> dict:
         feats, y = self.feats.gather(self.ctx.accelerator)
-        k = _num_classes(self.ctx, y)
+        k = num_classes(self.ctx, y)
         shape = (len(self.pools), len(self.blocks))
         out = {name: np.zeros(shape) for m in METRICS for name in (m, f"baseline_{m}")}
         out["inertia"] = np.zeros(shape)

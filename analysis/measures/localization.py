@@ -36,41 +36,17 @@ the last ResNet stage, are padded with NaN), ``own_share`` [L], ``contrast`` [L]
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from analysis.cka import MinibatchCKA
+from analysis.features import DEFAULT_MAX_SIDE, layer_tag, spatial_tokens
 from analysis.measure import Context, Measure, as_list, register
 from analysis.reduce import all_reduce_sum, gather_objects
-
-DEFAULT_MAX_SIDE = 7
-
+from analysis.similarity import MinibatchCKA
 
 # ---------------------------------------------------------------- the definition, on tensors
-
-
-def spatial_tokens(t: torch.Tensor, num_prefix_tokens: int = 0, grid: tuple[int, int] | None = None,
-                   max_side: int = DEFAULT_MAX_SIDE) -> tuple[torch.Tensor, tuple[int, int]]:
-    """A layer's spatial tokens [B, T, D] and their grid (gh, gw).
-
-    ViT tokens [B, prefix + T, D]: the prefix tokens are dropped and ``grid`` (the patch grid) must be given.
-    ResNet feature maps [B, C, H, W]: average-pooled to at most ``max_side`` per side when larger, then each
-    position's channel vector is a token (row-major)."""
-    if t.ndim == 4:
-        h, w = t.shape[-2:]
-        if h > max_side or w > max_side:
-            t = F.adaptive_avg_pool2d(t, (min(h, max_side), min(w, max_side)))
-        return t.flatten(2).transpose(1, 2), (int(t.shape[-2]), int(t.shape[-1]))
-    if t.ndim != 3:
-        raise ValueError(f"tokens must be [B, T, D] or a feature map [B, C, H, W], got shape {tuple(t.shape)}")
-    if grid is None:
-        raise ValueError("ViT tokens need the patch grid (gh, gw)")
-    t = t[:, num_prefix_tokens:]
-    if t.shape[1] != grid[0] * grid[1]:
-        raise ValueError(f"{t.shape[1]} spatial tokens after {num_prefix_tokens} prefix tokens, but the grid {grid} has {grid[0] * grid[1]}")
-    return t, (int(grid[0]), int(grid[1]))
 
 
 def _bounds(size: int, parts: int) -> list[tuple[int, int]]:
@@ -135,14 +111,16 @@ def example_tokens(grid: tuple[int, int]) -> list[int]:
     return [r * grid[1] + c for r in rows for c in cols]
 
 
-def block_tag(layer: str, block_index: int) -> str:
-    """``blockXX`` for a block output tap, ``blockXX_<kind>`` for another tap of the block."""
-    kind = layer.rsplit(".", 1)[-1]
-    return f"block{int(block_index):02d}" + ("" if kind == "out" else f"_{kind}")
+@dataclass(frozen=True)
+class LocalizationOptions:
+    kinds: tuple[str, ...] = ("out",)  # taps of every block compared with the input patches (analysis/taps.py kinds)
+    resnet_max_side: int = DEFAULT_MAX_SIDE  # ResNet maps larger than this per side are average-pooled to it
+    unbiased: bool = True  # HSIC_1 (false: HSIC_0)
 
-
-def default_layers(ctx: Context) -> list[str]:
-    return [f"{b}.out" for b in ctx.blocks]
+    def check(self):
+        if "attn_probs" in self.kinds:
+            return "localization compares token representations; attn_probs is not one."
+        return None
 
 
 # ---------------------------------------------------------------- the measure
@@ -157,24 +135,22 @@ class Localization(Measure):
     CKA; tokens without CLS; ResNet tokens = channel vectors per position, maps larger than ``resnet_max_side``
     average-pooled to it; input patch = the normalised pixels the position covers), ``own_share[l]`` = share of
     tokens whose best patch is their own, ``contrast[l]`` = mean own-patch CKA - mean other-patch CKA. Exact
-    definitions in the module docstring. Options (``ctx.opts``, read with defaults): ``localization_layers`` (tap
-    names, default every block's ``out``), ``resnet_max_side`` (7), ``cka_unbiased`` (True).
+    definitions in the module docstring. Options: ``kinds`` (the taps of each block, default ``out``),
+    ``resnet_max_side`` (7), ``unbiased`` (True).
     """
 
     name = "localization"
+    Options = LocalizationOptions
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
         return ctx.arch in ("vit", "mixer", "resnet")
 
-    def __init__(self, ctx: Context):
-        super().__init__(ctx)
-        self.layers = list(getattr(ctx.opts, "localization_layers", None) or default_layers(ctx))
-        if any(lay.endswith(".attn_probs") for lay in self.layers):
-            raise ValueError("localization compares token representations; attn_probs is not one.")
-        self.max_side = int(getattr(ctx.opts, "resnet_max_side", DEFAULT_MAX_SIDE))
-        unbiased = bool(getattr(ctx.opts, "cka_unbiased", True))
-        self.acc = {lay: MinibatchCKA(unbiased=unbiased) for lay in self.layers}
+    def __init__(self, ctx: Context, opts=None):
+        super().__init__(ctx, opts)
+        self.layers = [f"{b}.{k}" for b in ctx.blocks for k in self.opts.kinds]
+        self.max_side = self.opts.resnet_max_side
+        self.acc = {lay: MinibatchCKA(unbiased=self.opts.unbiased) for lay in self.layers}
         self.grids: dict[str, tuple[int, int]] = {}
         self.images = 0
 
@@ -237,7 +213,7 @@ class Localization(Measure):
     def scalars(r: dict) -> dict[str, float]:
         out = {}
         for lay, bi, share, con in zip(as_list(r["layers"]), np.asarray(r["block_index"]), np.asarray(r["own_share"]), np.asarray(r["contrast"])):
-            tag = block_tag(lay, bi)
+            tag = layer_tag(lay, bi)
             out[f"localization/own_share/{tag}"] = float(share)
             out[f"localization/contrast/{tag}"] = float(con)
         return out
@@ -248,7 +224,7 @@ class Localization(Measure):
         layers = as_list(r["layers"])
         figs = {}
         for i, (lay, bi) in enumerate(zip(layers, np.asarray(r["block_index"]))):
-            figs[f"localization/{block_tag(lay, bi)}"] = token_patch_maps(Localization.layer_matrix(r, i), tuple(np.asarray(r["grid"])[i]),
+            figs[f"localization/{layer_tag(lay, bi)}"] = token_patch_maps(Localization.layer_matrix(r, i), tuple(np.asarray(r["grid"])[i]),
                                                                           title=f"CKA token vs input patch, {lay}{at}")
         figs["localization/score"] = score_plot(layers, np.asarray(r["own_share"]), np.asarray(r["contrast"]), np.asarray(r["chance"]),
                                                 title=f"localization vs depth{at}")

@@ -23,6 +23,11 @@ from pathlib import Path
 
 import yaml
 
+from analysis.measure import MeasureError, registry, resolve_all
+from analysis.reports.study_report import analyze_study, write_report
+from train.recipe import RecipeError, load_recipe
+from train.sweep import launch_runs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,8 +52,6 @@ class Study:
 
 def load_study(path: str | Path) -> Study:
     """Read and check a study file (every run's recipe is loaded and validated); raise RecipeError."""
-    from train.recipe import RecipeError, load_recipe
-
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"study file '{path}' does not exist: pass a YAML file such as recipes/studies/raghu2021.yaml.")
@@ -81,28 +84,19 @@ def load_study(path: str | Path) -> Study:
 
 def _measures(value, path) -> list[str] | None:
     """A measures entry: None, 'all', or a list of measure names (checked)."""
-    from train.recipe import RecipeError
-
     if value is None:
         return None
     if value == "all":
-        from analysis.suite import registry
-
         return sorted(registry())
     if not isinstance(value, list):
         raise RecipeError(f"study file '{path}': measures must be 'all' or a list of measure names.")
-    from analysis.suite import check_measures
-
     try:
-        check_measures(value)
-    except ValueError as e:
+        return list(resolve_all(value))
+    except MeasureError as e:
         raise RecipeError(f"study file '{path}': {e}") from None
-    return [str(v) for v in value]
 
 
 def main(argv=None) -> int:
-    from train.recipe import RecipeError
-
     p = argparse.ArgumentParser(prog="./launch.sh study", description=__doc__.split("\n")[0])
     p.add_argument("study", help="study YAML, e.g. recipes/studies/raghu2021.yaml")
     p.add_argument("--stage", choices=("all", "train", "analyze", "report"), default="all")
@@ -115,8 +109,6 @@ def main(argv=None) -> int:
         return 2
     rc = 0
     if args.stage in ("all", "train"):
-        from train.sweep import launch_runs
-
         plan = [(r.recipe, r.overrides, r.run_dir) for r in study.runs.values()]
         failed, started, skipped = launch_runs(plan, args.dry_run)
         print(f"study {study.name}: {len(plan)} runs, {skipped} already finished, {started} started, {len(failed)} failed")
@@ -125,12 +117,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
     if args.stage in ("all", "analyze"):
-        from analysis.study_report import analyze_study
-
         rc = analyze_study(study) or rc
     if args.stage in ("all", "report"):
-        from analysis.study_report import write_report
-
         rc = write_report(study) or rc
     return rc
 

@@ -9,14 +9,14 @@ is trained on that single token's features alone and scored on the analysis imag
     acc[l, t] = mean over seeds s of fewshot_probe(F_l,t[shots_s], y[shots_s], F_l,t[analysis], y[analysis])
     std[l, t] = sample std over seeds (0 for one seed)
 
-with the probe of analysis.probes (closed-form ridge onto {-1, 1}^K targets, ViT paper §4.1) run through
-:func:`analysis.probes.probe_layers`, under exactly the conventions of the suite's per-layer probes
-(analysis/suite.py ``_probes``): the probe-train split is halved class-balanced with
-``train.data.balanced_indices(labels, n // 2, seed=12345)``; the shots (``probe_shots`` per class, default 10) of
-seed s are drawn from that first half by ``sample_shots(labels, shots, s)`` (seeds ``probe_seeds``, default (0, 1, 2)),
+with the probe of analysis.probing (closed-form ridge onto {-1, 1}^K targets, ViT paper §4.1) run through
+:func:`analysis.probing.probe_layers`, under exactly the conventions of the suite's per-layer probes
+(analysis/probing.py :func:`probe_split`): the probe-train split is halved class-balanced with
+``train.data.balanced_indices(labels, n // 2, seed=12345)``; the shots (option ``shots`` per class, default 10) of
+seed s are drawn from that first half by ``sample_shots(labels, shots, s)`` (option ``seeds``, default (0, 1, 2)),
 and the ridge regulariser is picked on the second half. ``mean_over_tokens[l]`` is the mean of ``acc[l]`` over the
 spatial tokens (Fig. 11 left: CLS excluded); a CLS model's class token (token 0) gets the same probe, ``cls_acc[l]``.
-With ``token_probe_stride`` s > 1 only the grid positions whose row and column are multiples of s are probed.
+With option ``stride`` s > 1 only the grid positions whose row and column are multiples of s are probed.
 
 Result (flat dict): ``layers`` [L] tap names, ``block_index`` [L], ``grid`` [L, 2] (gh, gw), ``token_index``
 [L, Tmax] (row-major grid index of each probed token, -1 padding), ``acc`` / ``std`` [L, Tmax] (NaN padding: a
@@ -27,16 +27,28 @@ the CPU; the probes themselves run in float64.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from analysis.localization import DEFAULT_MAX_SIDE, block_tag, spatial_tokens
+from analysis.features import DEFAULT_MAX_SIDE, layer_tag, spatial_tokens
 from analysis.measure import Context, Measure, as_list, register
-from analysis.probes import probe_layers
+from analysis.probing import probe_layers, probe_split, probe_split_problem
 from analysis.reduce import collect
 
-HALF_SEED = 12345  # the suite's probe-train half split (analysis/suite.py _probes)
+
+@dataclass(frozen=True)
+class TokenProbeOptions:
+    shots: int = 10  # examples per class
+    seeds: tuple[int, ...] = (0, 1, 2)
+    stride: int = 1  # probe the grid positions whose row and column are multiples of stride
+    resnet_max_side: int = DEFAULT_MAX_SIDE  # ResNet maps larger than this per side are average-pooled to it
+
+    def check(self):
+        if self.shots < 1 or self.stride < 1 or not self.seeds:
+            return f"shots and stride must be >= 1 and seeds not empty, not shots={self.shots}, stride={self.stride}, seeds={list(self.seeds)}."
+        return None
 
 
 # ---------------------------------------------------------------- the definition, on tensors
@@ -54,7 +66,7 @@ def token_probe_accuracies(train_x: torch.Tensor, train_y: torch.Tensor, test_x:
                            shots: int = 10, seeds: Sequence[int] = (0, 1, 2), val_x: torch.Tensor | None = None,
                            val_y: torch.Tensor | None = None, num_classes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(acc [T], std [T]): a few-shot probe per token of ``train_x`` [n, T, D] on that token's features only, scored
-    on ``test_x`` [m, T, D] (l2 picked on ``val_x`` [v, T, D] when given), via :func:`analysis.probes.probe_layers`
+    on ``test_x`` [m, T, D] (l2 picked on ``val_x`` [v, T, D] when given), via :func:`analysis.probing.probe_layers`
     (shots drawn per seed from ``train_y``, the same images for every token)."""
     tokens = range(train_x.shape[1])
     tr = {str(t): train_x[:, t] for t in tokens}
@@ -62,15 +74,6 @@ def token_probe_accuracies(train_x: torch.Tensor, train_y: torch.Tensor, test_x:
     va = None if val_x is None else {str(t): val_x[:, t] for t in tokens}
     r = probe_layers(tr, train_y, te, test_y, shots=shots, seeds=tuple(seeds), val_feats=va, val_y=val_y, num_classes=num_classes)
     return np.array([r[str(t)][0] for t in tokens]), np.array([r[str(t)][1] for t in tokens])
-
-
-def probe_halves(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(shot half, validation half) of the probe-train split, as the suite splits it."""
-    from train.data import balanced_indices
-
-    half = balanced_indices(labels.numpy(), len(labels) // 2, seed=HALF_SEED)
-    rest = np.setdiff1d(np.arange(len(labels)), half)
-    return torch.as_tensor(half, dtype=torch.long), torch.as_tensor(rest, dtype=torch.long)
 
 
 # ---------------------------------------------------------------- the measure
@@ -81,23 +84,24 @@ class TokenProbes(Measure):
     """10-shot linear probe per layer and per token (Raghu et al. 2021 Fig. 11 left: mean over spatial tokens vs depth;
     Fig. D.4: accuracy of every token). ``acc[l, t]`` = top-1 on the analysis images of a probe trained on token t of
     block l alone; exact definition and the shot / regulariser splits (the suite's) in the module docstring.
-    Options (``ctx.opts``, read with defaults): ``probe_shots`` (10), ``probe_seeds`` ((0, 1, 2)),
-    ``token_probe_stride`` (1), ``resnet_max_side`` (7)."""
+    Options: ``shots`` (10), ``seeds`` ((0, 1, 2)), ``stride`` (1), ``resnet_max_side`` (7)."""
 
     name = "token_probes"
+    Options = TokenProbeOptions
+
+    @classmethod
+    def problem(cls, data, opts):
+        return probe_split_problem(data, opts.shots, "token_probes.shots")
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
         return ctx.arch in ("vit", "mixer", "resnet")
 
-    def __init__(self, ctx: Context):
-        super().__init__(ctx)
+    def __init__(self, ctx: Context, opts=None):
+        super().__init__(ctx, opts)
         self.layers = [f"{b}.out" for b in ctx.blocks]
-        opts = ctx.opts
-        self.shots = int(getattr(opts, "probe_shots", 10))
-        self.seeds = tuple(int(s) for s in getattr(opts, "probe_seeds", (0, 1, 2)))
-        self.stride = int(getattr(opts, "token_probe_stride", 1))
-        self.max_side = int(getattr(opts, "resnet_max_side", DEFAULT_MAX_SIDE))
+        self.shots, self.seeds, self.stride = self.opts.shots, tuple(self.opts.seeds), self.opts.stride
+        self.max_side = self.opts.resnet_max_side
         self.cls = ctx.arch == "vit" and ctx.prefix > 0
         self.test_parts: list = []
         self.train_parts: list = []
@@ -132,11 +136,7 @@ class TokenProbes(Measure):
         test_x, test_y = collect(self.test_parts, acc)
         pool_x, pool_y = collect(self.train_parts, acc)
         k = int(self.ctx.data.num_classes)
-        counts = torch.bincount(pool_y, minlength=k)
-        if int(counts.min()) // 2 < self.shots:
-            raise ValueError(f"token probes draw {self.shots} shots per class from half of the probe-train split, whose rarest class has "
-                             f"{int(counts.min())} images: raise data.probe_train_size to at least {2 * self.shots * k} or lower probe_shots.")
-        shot_idx, val_idx = probe_halves(pool_y)
+        shot_idx, val_idx = probe_split(pool_y)
         tr_y, va_y = pool_y[shot_idx], pool_y[val_idx]
         accs, stds, cls_acc, cls_std, grids, index = [], [], [], [], [], []
         for lay in self.layers:
@@ -177,7 +177,7 @@ class TokenProbes(Measure):
     def scalars(r: dict) -> dict[str, float]:
         out = {}
         for i, (lay, bi) in enumerate(zip(as_list(r["layers"]), np.asarray(r["block_index"]))):
-            tag = block_tag(lay, bi)
+            tag = layer_tag(lay, bi)
             out[f"token_probes/mean/{tag}"] = float(np.asarray(r["mean_over_tokens"])[i])
             if "cls_acc" in r:
                 out[f"token_probes/cls/{tag}"] = float(np.asarray(r["cls_acc"])[i])

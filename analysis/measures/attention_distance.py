@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from analysis.measure import Measure, register
 from analysis.reduce import all_reduce_sum
 
 UNITS = ("pixels", "unit_square")
@@ -202,7 +203,6 @@ class AttentionDistance:
 
 # ---------------------------------------------------------------- the suite's measure
 
-from analysis.measure import Measure, register  # noqa: E402
 
 
 @register
@@ -216,8 +216,8 @@ class AttentionDistanceMeasure(Measure):
     def applies(cls, ctx):
         return ctx.arch == "vit"
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
+    def __init__(self, ctx, opts=None):
+        super().__init__(ctx, opts)
         self.acc = AttentionDistance(ctx.grid, ctx.patch_size, ctx.prefix)
 
     def taps(self):

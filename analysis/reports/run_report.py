@@ -4,11 +4,15 @@ figures, how the numbers moved across checkpoints, and the cross-run results. Wr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 
+from analysis import storage
+from analysis.figures import plt, save
 from analysis.measure import as_list, load_result
+from train.checkpoint import read_meta
 
 
 def fmt(v, digits: int = 3) -> str:
@@ -45,13 +49,9 @@ def _images(fig_dir: Path, base: Path) -> list[str]:
 
 def evolution(run_path: Path, steps: list[int], evals: dict) -> Path | None:
     """figures/evolution.png: eval top-1, mean off-diagonal CKA and the last block's probe accuracy vs step."""
-    import matplotlib.pyplot as plt
-
-    from analysis.figures import save
-
     series: dict[str, list] = {}
     for s in steps:
-        f = run_path / "analysis" / f"step_{s:07d}" / "summary.json"
+        f = storage.step_dir(run_path, s) / "summary.json"
         summ = json.loads(f.read_text()) if f.is_file() else {}
         if s in evals:
             series.setdefault("eval top-1", []).append((s, evals[s]))
@@ -78,8 +78,6 @@ def evolution(run_path: Path, steps: list[int], evals: dict) -> Path | None:
 
 def write_run_report(run) -> Path:
     """runs/<name>/report.md from the run's saved analyses (every step with a summary.json)."""
-    from train.checkpoint import read_meta
-
     base = run.path
     steps = sorted(int(p.name.split("_")[1]) for p in (base / "analysis").glob("step_*") if (p / "summary.json").is_file())
     evals = {}
@@ -104,8 +102,8 @@ def write_run_report(run) -> Path:
     if ev is not None:
         lines += ["## Across checkpoints", "", f"![evolution]({_rel(ev, base)})", ""]
     for s in reversed(steps):
-        summ = json.loads((base / "analysis" / f"step_{s:07d}" / "summary.json").read_text())
-        lines += [f"## Step {s}", ""] + _summary_rows(summ) + [""] + _images(base / "figures" / f"step_{s:07d}", base) + [""]
+        summ = json.loads((storage.step_dir(base, s) / "summary.json").read_text())
+        lines += [f"## Step {s}", ""] + _summary_rows(summ) + [""] + _images(storage.step_dir(base, s, "figures"), base) + [""]
     against_root = base / "analysis" / "against"
     if against_root.is_dir():
         lines += ["## Against other runs", ""]
@@ -127,7 +125,5 @@ def write_run_report(run) -> Path:
 
 def check_report(path: Path) -> list[str]:
     """Images referenced by a report.md that do not exist (empty when the report is whole)."""
-    import re
-
     path = Path(path)
     return [m for m in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", path.read_text()) if not (path.parent / m).is_file()]

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -56,20 +57,13 @@ import torch.nn as nn
 
 import analysis.figures  # noqa: F401  (sets the Agg backend)
 from analysis.measure import Context, Measure, as_list, register
-from analysis.reduce import all_reduce_sum
-from analysis.taps import block_names
+from analysis.reduce import all_reduce_sum, shard
+from analysis.taps import Taps, block_names
 
 VARIANTS = ("residual", "branch")
 VIT_TAPS = {"residual": "out", "branch": "mlp_branch", "attn_residual": "attn_out", "attn_branch": "attn_branch"}
 RESNET_TAPS = {"residual": "out", "branch": "branch"}
 _FORWARD_IMAGES = 128  # images (copies x batch) per forward of the ERF pass
-
-
-def _opt(opts, name: str, default):
-    v = getattr(opts, name, None)
-    if v is None:
-        v = (getattr(opts, "extra", None) or {}).get(name)
-    return default if v is None else v
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -134,49 +128,6 @@ def erf_sums(forward: Callable[[torch.Tensor], dict[str, torch.Tensor]], x: torc
 
 
 @contextmanager
-def grad_taps(model: nn.Module, names: list[str]):
-    """Capture the named tensors (analysis/taps.py names) WITH their autograd graph: {name: tensor}. Outputs are
-    passed on as clones so later in-place ops (a ResNet's ``x += shortcut``) leave the captured tensor intact."""
-    modules = dict(model.named_modules())
-    found: dict[str, torch.Tensor] = {}
-    handles = []
-
-    def out_hook(name):
-        def hook(mod, args, out):
-            found[name] = out
-            return out.clone()
-        return hook
-
-    def in_hook(name):
-        def hook(mod, args):
-            found[name] = args[0]
-        return hook
-
-    try:
-        for n in names:
-            blk_name, kind = n.rsplit(".", 1)
-            blk = modules[blk_name]
-            if kind == "out":
-                handles.append(blk.register_forward_hook(out_hook(n)))
-            elif kind == "attn_branch":
-                handles.append(blk.drop_path1.register_forward_hook(out_hook(n)))
-            elif kind == "attn_out":
-                handles.append(blk.norm2.register_forward_pre_hook(in_hook(n)))
-            elif kind == "mlp_branch":
-                handles.append(blk.drop_path2.register_forward_hook(out_hook(n)))
-            elif kind == "branch":  # the branch's last module, as in analysis/taps.py
-                last = next(m for m in (getattr(blk, "drop_path", None), getattr(blk, "se", None), getattr(blk, "bn3", None),
-                                        getattr(blk, "bn2", None)) if isinstance(m, nn.Module))
-                handles.append(last.register_forward_hook(out_hook(n)))
-            else:
-                raise ValueError(f"grad_taps does not know tap kind '{kind}' (of '{n}')")
-        yield found
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@contextmanager
 def _grad_mode(model: nn.Module):
     """Eval mode, parameters frozen (only input gradients are built), everything restored afterwards."""
     was_training = model.training
@@ -195,12 +146,9 @@ def _grad_mode(model: nn.Module):
 
 def feature_shapes(model: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, tuple]:
     """{name: per-image shape of the tapped tensor} from one no-grad forward of ``x[:1]``."""
-    with torch.no_grad(), grad_taps(model, names) as found:
+    with torch.no_grad(), Taps(model, names) as cap:
         model(x[:1])
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise RuntimeError(f"tap '{missing[0]}' never fired during the forward pass (a changed block class?)")
-    return {n: tuple(found[n].shape[1:]) for n in names}
+    return {n: tuple(cap[n].shape[1:]) for n in names}
 
 
 def effective_receptive_fields(model: nn.Module, x: torch.Tensor, names: list[str], prefix: int = 0, grid: tuple[int, int] | None = None,
@@ -211,11 +159,11 @@ def effective_receptive_fields(model: nn.Module, x: torch.Tensor, names: list[st
     with _grad_mode(model):
         shapes = feature_shapes(model, x, names)
         dims = {n: shapes[n][0] if len(shapes[n]) == 3 else shapes[n][-1] for n in names}
-        with grad_taps(model, names) as found:
+        with Taps(model, names, graph=True) as cap:
             def forward(xr):
-                found.clear()
+                cap.captures.clear()
                 model(xr)
-                return dict(found)
+                return dict(cap.captures)
 
             sums = erf_sums(forward, x, dims, prefix, grid, max_images)
     return sums, shapes
@@ -263,24 +211,29 @@ def mean_distance(erf: torch.Tensor, window: tuple[int, int, int, int]) -> float
 # ---------------------------------------------------------------- the measure
 
 
-def _shard_info(accelerator) -> tuple[int, int]:
-    if accelerator is not None:
-        return int(accelerator.process_index), int(accelerator.num_processes)
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+@dataclass(frozen=True)
+class ERFOptions:
+    images: int = 32  # the first analysis images whose gradients are averaged
+    batch: int = 8  # images per chunk (chunk k on process k mod world)
+    forward_images: int = _FORWARD_IMAGES  # images (copies x chunk) per forward: lower it for big models
+    radius: float | None = None  # radius of the radius_share statistic in pixels (default: see assemble)
+
+    def check(self):
+        if self.images < 1 or self.batch < 1 or self.forward_images < 1:
+            return f"images, batch and forward_images must be >= 1, not {self.images}, {self.batch}, {self.forward_images}."
+        return None
 
 
 @register
 class EffectiveReceptiveField(Measure):
     """Effective receptive fields per block, post- and pre-residual (Raghu et al. 2021 Fig. 6, C.1-C.4), as in
-    the module docstring. All work is in :meth:`finish`: the first ``erf_images`` (32) analysis images in chunks
-    of ``erf_batch`` (8; options are read from ``opts`` or ``opts.extra``), chunk k on process k mod world, ERF sums and the image count
-    summed over processes in ONE float64 all-reduce, so 1 and N processes agree. ``erf_forward_images`` (128)
+    the module docstring. All work is in :meth:`finish`: the first ``images`` (32) analysis images in chunks
+    of ``batch`` (8), chunk k on process k mod world, ERF sums and the image count
+    summed over processes in ONE float64 all-reduce, so 1 and N processes agree. Option ``forward_images`` (128)
     bounds the images per forward (copies x chunk, see :func:`erf_sums`): lower it for big models."""
 
     name = "erf"
+    Options = ERFOptions
     needs_grad = True
 
     @classmethod
@@ -298,18 +251,16 @@ class EffectiveReceptiveField(Measure):
         ctx = self.ctx
         model = unwrap(ctx.model)
         images = ctx.data.analysis.images
-        n = min(int(_opt(ctx.opts, "erf_images", 32)), len(images))
-        bs = max(1, int(_opt(ctx.opts, "erf_batch", 8)))
-        per_forward = max(1, int(_opt(ctx.opts, "erf_forward_images", _FORWARD_IMAGES)))
+        n = min(self.opts.images, len(images))
+        bs, per_forward = self.opts.batch, self.opts.forward_images
         grid = tuple(ctx.grid) if ctx.grid is not None else (tuple(model.patch_embed.grid_size) if ctx.arch == "vit" else None)
         targets = self._targets()
         names = [t[2] for t in targets]
         hw = tuple(images.shape[-2:])
-        rank, world = _shard_info(ctx.accelerator)
         sums = torch.zeros(len(names), *hw, dtype=torch.float64, device=ctx.device)
         count = torch.zeros(1, dtype=torch.float64, device=ctx.device)
         shapes = None
-        for k in range(rank, (n + bs - 1) // bs, world):
+        for k in shard((n + bs - 1) // bs, ctx.accelerator):
             x = ctx.data.normalize(images[k * bs:min(n, (k + 1) * bs)].to(ctx.device))
             s, shapes = effective_receptive_fields(model, x, names, ctx.prefix, grid, per_forward)
             sums += torch.stack([s[nm] for nm in names])
@@ -318,7 +269,7 @@ class EffectiveReceptiveField(Measure):
             shapes = feature_shapes(model, ctx.data.normalize(images[:1].to(ctx.device)), names)
         flat = all_reduce_sum(torch.cat([sums.reshape(-1), count]), ctx.accelerator)
         sums, count = flat[:-1].reshape(sums.shape).cpu(), float(flat[-1])
-        return assemble(sums, names, targets, shapes, hw, count, ctx, grid, _opt(ctx.opts, "erf_radius", None))
+        return assemble(sums, names, targets, shapes, hw, count, ctx, grid, self.opts.radius)
 
     @staticmethod
     def summary(r: dict) -> dict:
@@ -431,4 +382,4 @@ def concentration_plot(r: dict, title: str = "ERF concentration"):
 
 
 __all__ = ["EffectiveReceptiveField", "centre_features", "centre_index", "centre_window", "effective_receptive_fields", "erf_sums", "feature_shapes",
-           "grad_taps", "mean_distance", "radius_share", "window_share"]
+           "mean_distance", "radius_share", "window_share"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from analysis.measure import Measure, as_list, register
 from analysis.reduce import all_reduce_sum
 
 EPS = 1e-12
@@ -70,7 +71,6 @@ class NormRatio:
 
 # ---------------------------------------------------------------- the suite's measure
 
-from analysis.measure import Measure, as_list, register  # noqa: E402
 
 
 @register
@@ -83,8 +83,8 @@ class NormRatioMeasure(Measure):
 
     name = "norm_ratio"
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
+    def __init__(self, ctx, opts=None):
+        super().__init__(ctx, opts)
         self.acc = NormRatio()
         self.tokens = ctx.arch in ("vit", "mixer")
         self.pairs = ({"attn": ("in", "attn_branch"), "mlp": ("attn_out", "mlp_branch")} if self.tokens

@@ -19,14 +19,17 @@ from pathlib import Path
 import numpy as np
 
 from analysis import offline as O
+from analysis import storage
 from analysis import suite as S
-from analysis.measure import as_list
+from analysis.figures import plt, save
+from analysis.measure import MeasureError, as_list
+from analysis.measures.norm_ratio import NormRatioMeasure
+from analysis.reports.run_report import fmt
+from train.checkpoint import read_meta
 
 
 def _panels(n: int, w: float = 3.2, h: float = 2.8, **kw):
     """A figure with n panels, up to 4 a row; unused axes hidden. Returns (fig, the n axes)."""
-    import matplotlib.pyplot as plt
-
     cols = min(n, 4)
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(w * cols, h * rows), squeeze=False, **kw)
@@ -36,8 +39,6 @@ def _panels(n: int, w: float = 3.2, h: float = 2.8, **kw):
 
 
 def cka_grid(results: dict, path: Path) -> Path:
-
-    from analysis.figures import save
 
     items = [(k, r["cka"]) for k, r in results.items() if "cka" in r]
     fig, axes = _panels(len(items), h=3.0)
@@ -56,10 +57,6 @@ def cka_grid(results: dict, path: Path) -> Path:
 
 def depth_lines(curves: dict, ylabel: str, path: Path, ylim: float = 1.0, chance: float | None = None) -> Path | None:
     """One line per run against normalised depth (Raghu Fig. 11 right, 12, 13); ``curves`` {label: [L]}."""
-    import matplotlib.pyplot as plt
-
-    from analysis.figures import save
-
     if not curves:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -90,8 +87,6 @@ def probe_lines(results: dict, path: Path) -> Path | None:
 
 def attention_panels(results: dict, path: Path) -> Path | None:
 
-    from analysis.figures import save
-
     items = [(k, np.asarray(r["attention_distance"]["pixels"])) for k, r in results.items() if "attention_distance" in r]
     if not items:
         return None
@@ -108,9 +103,6 @@ def attention_panels(results: dict, path: Path) -> Path | None:
 
 
 def norm_ratio_panels(results: dict, path: Path) -> Path | None:
-
-    from analysis.figures import save
-    from analysis.norm_ratio import NormRatioMeasure
 
     items = [(k, NormRatioMeasure.curves(r["norm_ratio"])) for k, r in results.items() if "norm_ratio" in r]
     if not items:
@@ -135,8 +127,6 @@ def compare(runs: list, step: str | None = None, reference=None, out: Path | Non
             progress: bool = True) -> dict:
     """Analyse (cached) and draw ``runs`` side by side; ``reference`` is (Run, step) or None. Returns
     {"results": {name: suite result}, "same_index": {name: [L]}, "top1": {name: float}, "figures": [paths], "out": Path}."""
-    from train.checkpoint import read_meta
-
     opts = opts or S.SuiteOptions()
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
@@ -146,7 +136,7 @@ def compare(runs: list, step: str | None = None, reference=None, out: Path | Non
     for run in runs:
         s = run.step(step)
         O.analyze_run(run, [s], opts, progress=progress)
-        results[run.name] = S.load_results(O.step_dir(run, s), opts.measures)
+        results[run.name] = storage.load_results(O.step_dir(run, s), opts.measures)
         if run.external is None:
             v = read_meta(run.checkpoints[s]).get("eval", {}).get("top1")
             if v is not None:
@@ -172,12 +162,10 @@ def compare(runs: list, step: str | None = None, reference=None, out: Path | Non
 
 
 def write_compare_report(res: dict, reference=None) -> Path:
-    from analysis.report import fmt
-
     out = res["out"]
     lines = ["# Comparison", "", "| run | top-1 | CKA mean off-diag | probe, last block | mean attention distance (px) |", "| --- | --- | --- | --- | --- |"]
     for name, r in res["results"].items():
-        summ = S.summary_of(r)
+        summ = storage.summary_of(r)
         probe = summ.get("fewshot_probe", {})
         pool = next((p for p in ("cls", "mean_spatial", "mean") if p in probe), None)
         ad = summ.get("attention_distance", {}).get("mean_px")
@@ -209,10 +197,9 @@ def main(argv=None) -> int:
         if reference:
             for r in runs:
                 O.check_same_images(r, reference[0])
-        opts = S.SuiteOptions(measures=tuple(args.measures.split(","))) if args.measures else S.SuiteOptions()
         try:
-            S.check_measures(opts.measures)
-        except ValueError as e:
+            opts = S.suite_options(args.measures.split(",") if args.measures else None)
+        except MeasureError as e:
             raise O.AnalysisError(str(e)) from None
         res = compare(runs, args.step, reference, args.out, opts, progress=not args.no_progress)
     except O.AnalysisError as e:

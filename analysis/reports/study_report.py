@@ -16,9 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis import claims as C
 from analysis import offline as O
+from analysis import storage
 from analysis import suite as S
+from analysis.measure import registry
+from analysis.reports import claims as C
+from analysis.reports.compare import compare
+from analysis.reports.run_report import write_run_report
+from train.checkpoint import read_meta
 
 
 def _open(study) -> dict:
@@ -44,15 +49,13 @@ def _save_time(study, key: str, seconds: float) -> None:
 
 
 def analyze_study(study) -> int:
-    from analysis.report import write_run_report
-
     t0 = time.time()
     try:
         runs = _open(study)
         for name, run in runs.items():
             O.analyze_run(run, None, S.SuiteOptions())  # the core four on every checkpoint
-            measures = study.runs[name].measures or study.measures or sorted(S.registry())
-            O.analyze_run(run, ["last"], S.SuiteOptions(measures=tuple(measures)))  # the study's list on the last
+            measures = study.runs[name].measures or study.measures or sorted(registry())
+            O.analyze_run(run, ["last"], S.suite_options(measures))  # the study's list on the last
             write_run_report(run)
     except O.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -62,8 +65,6 @@ def analyze_study(study) -> int:
 
 
 def _top1(run) -> float:
-    from train.checkpoint import read_meta
-
     return float(read_meta(run.checkpoints[max(run.checkpoints)]).get("eval", {}).get("top1", float("nan")))
 
 
@@ -113,7 +114,7 @@ class _Doc:
 
 
 def _last(run, name: str):
-    res = S.load_results(O.step_dir(run, max(run.checkpoints)), [name])
+    res = storage.load_results(O.step_dir(run, max(run.checkpoints)), [name])
     return res.get(name)
 
 
@@ -136,8 +137,6 @@ def _combine(parts: list[str]) -> str:
 
 
 def _report(study, runs: dict) -> str:
-    from analysis.compare import compare
-
     doc = _Doc(study)
     times = _times(study)
     train_wall = {n: _train_wall(r) for n, r in runs.items()}
@@ -180,7 +179,7 @@ def _raghu2021(study, runs: dict, doc: _Doc, compare) -> list:
             "CKA map has 4 layers against the ViT's 12 and its stages are far shallower than Raghu's ResNet-50.", "")
     compare([cls, runs.get("vit_gap", cls), resnet] if "vit_gap" in runs else [cls, resnet], out=root / "compare-arch", progress=False)
     doc.figure(root / "compare-arch" / "cka_grid.png", "cka_arch", "CKA between layers: CLS ViT, GAP ViT, ResNet")
-    fig_dir = cls.path / "figures" / "against" / f"{resnet.name}_step_{max(resnet.checkpoints):07d}" / f"step_{max(cls.checkpoints):07d}"
+    fig_dir = storage.against_dir(cls.path, max(cls.checkpoints), resnet.name, max(resnet.checkpoints), "figures")
     doc.figure(fig_dir / "cross_cka.png", "cka_vit_vs_resnet", "Cross-model CKA, ViT (x) vs ResNet (y) (Raghu Fig. 2)")
 
     # 2. no-skip partitions (Fig. 8)
@@ -255,7 +254,7 @@ def _raghu2021(study, runs: dict, doc: _Doc, compare) -> list:
                 "its mean per-token probe accuracy is lower by more than 0.01 (one 1024-image analysis set: smaller "
                 "differences are called inconclusive).", "", f"Measured: {m}. Verdict: {v}.", "")
         for r, tag in ((cls, "cls"), (gap, "gap")):
-            d = r.path / "figures" / f"step_{max(r.checkpoints):07d}"
+            d = storage.step_dir(r.path, max(r.checkpoints), "figures")
             doc.figure(d / "localization_score.png", f"localization_{tag}", f"Localization scores per block, {tag.upper()} ViT")
             doc.figure(d / "token_probes_mean.png", f"token_probes_{tag}", f"Per-token 10-shot probes, {tag.upper()} ViT")
 
@@ -289,6 +288,6 @@ def _raghu2021(study, runs: dict, doc: _Doc, compare) -> list:
             "Rule: held if any ViT of the study has a head whose aligned attention map peaks away from the query, within 2 "
             "tokens, with at least half its mass in the 3x3 window around the peak (analysis/attention_maps.py).", "",
             f"Measured: {m}. Verdict: {_verdict(ok)}.", "")
-    d = cls.path / "figures" / f"step_{max(cls.checkpoints):07d}"
+    d = storage.step_dir(cls.path, max(cls.checkpoints), "figures")
     doc.figure(d / "aligned_attention_mass_maps.png", "aligned_attention", "Aligned aggregated attention maps, CLS ViT")
     return out

@@ -1,0 +1,127 @@
+"""Features shared by several measures: pooling a layer's tokens to one vector per image, a layer's spatial
+tokens on their grid, pooled block outputs gathered over processes, and tag names.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from analysis.measure import Context
+from analysis.reduce import collect
+from analysis.taps import block_names
+
+DEFAULT_MAX_SIDE = 7  # ResNet maps larger than this per side are reduced to it for token-level measures
+
+
+def pool_tokens(tokens: Tensor, how: str, num_prefix_tokens: int) -> Tensor:
+    """Pool a block's tokens [B, T, D] to one vector [B, D] per image, the representation a per-layer probe reads.
+
+    ``"cls"``: ``tokens[:, 0]`` (error if ``num_prefix_tokens == 0``: a GAP model has no CLS token);
+    ``"mean"``: ``tokens.mean(1)`` over all T tokens; ``"mean_spatial"``: ``tokens[:, num_prefix_tokens:].mean(1)``
+    (Raghu et al. 2021 probe CLS and the mean of the spatial tokens, Fig. 11/13); ``"token:<t>"``: ``tokens[:, t]``.
+    """
+    if tokens.ndim != 3:
+        raise ValueError(f"tokens must be [B, T, D], got shape {tuple(tokens.shape)}")
+    if not 0 <= num_prefix_tokens <= tokens.shape[1]:
+        raise ValueError(f"num_prefix_tokens={num_prefix_tokens} out of range for T={tokens.shape[1]}")
+    if how == "cls":
+        if num_prefix_tokens == 0:
+            raise ValueError("how='cls' needs a prefix (CLS) token, but num_prefix_tokens == 0")
+        return tokens[:, 0]
+    if how == "mean":
+        return tokens.mean(1)
+    if how == "mean_spatial":
+        if num_prefix_tokens >= tokens.shape[1]:
+            raise ValueError("how='mean_spatial' but there are no spatial tokens")
+        return tokens[:, num_prefix_tokens:].mean(1)
+    if how.startswith("token:"):
+        t = int(how.split(":", 1)[1])
+        if not -tokens.shape[1] <= t < tokens.shape[1]:
+            raise ValueError(f"token index {t} out of range for T={tokens.shape[1]}")
+        return tokens[:, t]
+    raise ValueError(f"unknown pooling {how!r}: use 'cls', 'mean', 'mean_spatial' or 'token:<t>'")
+
+
+def pool_features(t: Tensor, how: str, num_prefix_tokens: int) -> Tensor:
+    """One vector per image: :func:`pool_tokens` for token tensors [B, T, D]; a ResNet feature map [B, C, H, W]
+    is averaged over positions (only ``"mean"`` / ``"mean_spatial"``: it has no CLS token); [B, D] unchanged."""
+    if t.ndim == 4:
+        if how not in ("mean", "mean_spatial"):
+            raise ValueError(f"a feature map [B, C, H, W] has no {how!r} pooling; use 'mean_spatial'")
+        return t.mean(dim=(2, 3))
+    if t.ndim == 2:
+        return t
+    return pool_tokens(t, how, num_prefix_tokens)
+
+
+def spatial_tokens(t: torch.Tensor, num_prefix_tokens: int = 0, grid: tuple[int, int] | None = None,
+                   max_side: int = DEFAULT_MAX_SIDE) -> tuple[torch.Tensor, tuple[int, int]]:
+    """A layer's spatial tokens [B, T, D] and their grid (gh, gw).
+
+    ViT tokens [B, prefix + T, D]: the prefix tokens are dropped and ``grid`` (the patch grid) must be given.
+    ResNet feature maps [B, C, H, W]: average-pooled to at most ``max_side`` per side when larger, then each
+    position's channel vector is a token (row-major)."""
+    if t.ndim == 4:
+        h, w = t.shape[-2:]
+        if h > max_side or w > max_side:
+            t = F.adaptive_avg_pool2d(t, (min(h, max_side), min(w, max_side)))
+        return t.flatten(2).transpose(1, 2), (int(t.shape[-2]), int(t.shape[-1]))
+    if t.ndim != 3:
+        raise ValueError(f"tokens must be [B, T, D] or a feature map [B, C, H, W], got shape {tuple(t.shape)}")
+    if grid is None:
+        raise ValueError("ViT tokens need the patch grid (gh, gw)")
+    t = t[:, num_prefix_tokens:]
+    if t.shape[1] != grid[0] * grid[1]:
+        raise ValueError(f"{t.shape[1]} spatial tokens after {num_prefix_tokens} prefix tokens, but the grid {grid} has {grid[0] * grid[1]}")
+    return t, (int(grid[0]), int(grid[1]))
+
+
+def layer_tag(layer: str, block_index: int) -> str:
+    """``blockXX`` for a block output tap, ``blockXX_<kind>`` for another tap of the block."""
+    kind = layer.rsplit(".", 1)[-1]
+    return f"block{int(block_index):02d}" + ("" if kind == "out" else f"_{kind}")
+
+
+def pools_for(ctx: Context) -> list[str]:
+    """``["cls", "mean_spatial"]`` for token models with a prefix (CLS) token, else ``["mean_spatial"]``."""
+    return ["cls", "mean_spatial"] if ctx.arch != "resnet" and ctx.prefix > 0 else ["mean_spatial"]
+
+
+def blocks_of(ctx: Context) -> list[str]:
+    """The block names in forward order (``ctx.blocks``, else :func:`analysis.taps.block_names` of the model)."""
+    return list(ctx.blocks) if ctx.blocks else block_names(ctx.model)
+
+
+def block_tag(i: int) -> str:
+    return f"block{i:02d}"
+
+
+class PooledFeatures:
+    """Per-minibatch pooled ``<block>.out`` features for several pools, gathered in minibatch order with
+    :func:`analysis.reduce.collect` (the same on 1 and N processes). Keys are ``"<pool>|<block>"``; float32 on CPU."""
+
+    def __init__(self, blocks: list[str], pools: list[str], prefix: int) -> None:
+        self.blocks, self.pools, self.prefix = blocks, pools, prefix
+        self.parts: list = []
+
+    def taps(self) -> set[str]:
+        return {f"{b}.out" for b in self.blocks}
+
+    def add(self, j: int, cap: dict, y: Tensor) -> None:
+        feats = {f"{p}|{b}": pool_features(cap[f"{b}.out"].detach(), p, self.prefix).float().cpu()
+                 for p in self.pools for b in self.blocks}
+        self.parts.append((int(j), feats, y.detach().cpu().long()))
+
+    def gather(self, accelerator=None) -> tuple[dict[str, Tensor], Tensor]:
+        """({"<pool>|<block>": [N, D]}, labels [N]); raises if no minibatch was seen on any process."""
+        try:
+            return collect(self.parts, accelerator)
+        except IndexError:  # collect of no parts at all
+            raise ValueError("no minibatches were accumulated") from None
+
+
+def num_classes(ctx: Context, *labels: Tensor) -> int:
+    """The data's class count (or one more than the largest label seen)."""
+    k = getattr(ctx.data, "num_classes", None)
+    return int(k) if k else int(max(int(y.max()) for y in labels if y.numel())) + 1

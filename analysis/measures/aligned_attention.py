@@ -1,0 +1,223 @@
+"""``aligned_attention`` -- Aligned Aggregated Attention Maps, AAAM (Walmer §4.2, Fig. 3, 14, 18) and offset local heads.
+    Every spatial query q at grid (r, c) keeps its row over the spatial keys, renormalised (prefix tokens dropped as
+    queries and as keys, as Walmer's ``AvgAlignedAttentionOnToken``):
+
+        a[b, h, q, k] = A[b, h, p + q, p + k] / sum_{k'} A[b, h, p + q, p + k']
+
+    and places it on a (2gh-1) x (2gw-1) canvas centred on the query: key k at (r', c') goes to canvas cell
+    (gh-1 + r'-r, gw-1 + c'-c), i.e. the cell of offset (dr, dc) = (r'-r, c'-c). Two normalisations of the canvas
+    summed over queries and images:
+
+    ``maps``       sum / (number of (query, image) pairs that can SEE that offset). An offset (dr, dc) exists for
+                   (gh-|dr|) (gw-|dc|) of the queries (``coverage``), so edge offsets are seen by few. ``maps`` is
+                   the mean attention a key at that offset gets, over the queries that have one: uniform attention
+                   gives a flat map (1/N everywhere), with no pyramid from the canvas geometry. Peaks are found here.
+    ``mass_maps``  sum / (number of (query, image) pairs), Walmer's normalisation (his code divides by the number of
+                   queries; up to his constant batch-size factor): the mean over queries of the attention mass at
+                   each offset. Each head's map sums to 1, so window masses are shares of the attention.
+
+    Offset local heads (Walmer §4.2 / App. C.1: "heads that attend locally, but to a point or region offset from the
+    current token"; Fig. 14 shows peaks one or two tokens from the centre), made precise as:
+
+    ``peak_offset`` [L, H, 2]  (dr, dc) of the maximum of ``maps`` (ties within a relative 1e-6 of the max go to the
+                               cell nearest the centre: Chebyshev, then Euclidean distance, then row-major order);
+    ``peak_mass``   [L, H]     share of the attention mass in the (2w+1) x (2w+1) window of ``mass_maps`` around the
+                               peak (w = ``window``, default 1: the 3x3 neighbourhood), clipped at the canvas border;
+    ``local``       [L, H]     max(|dr|, |dc|) <= ``max_offset`` (default 2) and peak_mass >= ``min_mass`` (default
+                               0.5): at least half of the attention, on average over queries, lands within one token
+                               of a point at most two tokens away (uniform attention on a 7x7 grid puts <= 9/49 in
+                               any 3x3 window, a strict local head ~1);
+    ``offset_local`` [L, H]    local and peak_offset != (0, 0).
+
+    The thresholds are arguments of :func:`offset_local_heads`, which also re-classifies a saved result. A query with no
+    spatial mass (only with hand-built attention) is left out, from the sums and from the counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from analysis.attention_maps import _CHUNK_ELEMENTS, BlockSums, block_label, check, map_grid, renormalise
+from analysis.measure import Context, as_list, register
+
+PEAK_RTOL = 1e-6
+MAX_OFFSET = 2
+MIN_MASS = 0.5
+WINDOW = 1
+
+
+@dataclass(frozen=True)
+class AlignedOptions:
+    max_offset: int = MAX_OFFSET  # a local head's peak is at most this many tokens away (Chebyshev)
+    min_mass: float = MIN_MASS  # ... and at least this share of the attention lands in the window around it
+    window: int = WINDOW  # the window is (2 window + 1) tokens square
+
+
+def canvas_index(grid: tuple[int, int]) -> Tensor:
+    """[N, N] long: the flat canvas cell ((gh-1 + r'-r) * (2gw-1) + (gw-1 + c'-c)) of key k=(r', c') for query q=(r, c)."""
+    gh, gw = grid
+    r = torch.arange(gh).repeat_interleave(gw)
+    c = torch.arange(gw).repeat(gh)
+    dr = r[None, :] - r[:, None] + gh - 1
+    dc = c[None, :] - c[:, None] + gw - 1
+    return dr * (2 * gw - 1) + dc
+
+
+def coverage(grid: tuple[int, int]) -> np.ndarray:
+    """[2gh-1, 2gw-1] int: how many spatial queries have a key at each offset, (gh - |dr|) * (gw - |dc|)."""
+    gh, gw = grid
+    dr = gh - np.abs(np.arange(-(gh - 1), gh))
+    dc = gw - np.abs(np.arange(-(gw - 1), gw))
+    return (dr[:, None] * dc[None, :]).astype(np.int64)
+
+
+def aligned_sums(attn: Tensor, grid: tuple[int, int], num_prefix_tokens: int, index: Tensor | None = None) -> dict[str, Tensor]:
+    """Per-head canvas sums over the images and spatial queries of ``attn`` [B, H, T, T] (float64, flat canvases of
+    C = (2gh-1)(2gw-1) cells): ``sum`` [H, C] of the renormalised rows placed on the query-centred canvas, ``seen``
+    [H, C] the number of valid (query, image) pairs that can see each offset, ``pairs`` [H] the number of valid pairs,
+    ``images`` [H] the number of images."""
+    p = num_prefix_tokens
+    batch, heads, t, _ = attn.shape
+    n = t - p
+    gh, gw = grid
+    cells = (2 * gh - 1) * (2 * gw - 1)
+    idx = (canvas_index(grid) if index is None else index).to(attn.device)
+    vis = torch.zeros(n, cells, dtype=torch.float64, device=attn.device)
+    vis.scatter_(1, idx, 1.0)  # [N, C]: offsets query q can see
+    total = torch.zeros(heads, n, n, dtype=torch.float64, device=attn.device)
+    valid_q = torch.zeros(heads, n, dtype=torch.float64, device=attn.device)
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, heads * n * n))
+    for part in attn[:, :, p:, p:].split(chunk, dim=0):
+        rows, valid = renormalise(part.double())  # [b, H, N, N], [b, H, N]
+        total += rows.sum(0)
+        valid_q += valid.sum(0).double()
+    s = torch.zeros(heads, cells, dtype=torch.float64, device=attn.device)
+    s.index_add_(1, idx.reshape(-1), total.reshape(heads, n * n))
+    images = torch.full((heads,), float(batch), dtype=torch.float64, device=attn.device)
+    return {"sum": s, "seen": valid_q @ vis, "pairs": valid_q.sum(1), "images": images}
+
+
+def _aligned_finish(s: dict[str, Tensor], grid: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    shape = (*s["sum"].shape[:-1], 2 * grid[0] - 1, 2 * grid[1] - 1)
+    seen = s["seen"]
+    maps = torch.where(seen > 0, s["sum"] / seen.clamp_min(1), torch.zeros_like(seen))
+    mass = s["sum"] / s["pairs"][..., None]
+    return maps.reshape(shape), mass.reshape(shape)
+
+
+def aligned_attention_maps(attn: Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> tuple[Tensor, Tensor]:
+    """The definition on one set of images: ``(maps, mass_maps)``, each [H, 2gh-1, 2gw-1] float64 (module docstring):
+    ``maps`` divides each canvas cell by the (query, image) pairs that see the offset, ``mass_maps`` by all pairs."""
+    check(attn, grid, num_prefix_tokens)
+    return _aligned_finish(aligned_sums(attn.detach(), grid, num_prefix_tokens), grid)
+
+
+def find_peaks(maps: np.ndarray, rtol: float = PEAK_RTOL) -> np.ndarray:
+    """[..., 2] int64 (dr, dc) of the maximum of each [..., 2gh-1, 2gw-1] canvas, relative to the centre. Cells within
+    ``rtol`` of the maximum tie; ties go to the cell nearest the centre (Chebyshev, then Euclidean, then row-major)."""
+    m = np.asarray(maps, dtype=np.float64)
+    rows, cols = m.shape[-2:]
+    dr = np.arange(rows) - (rows - 1) // 2
+    dc = np.arange(cols) - (cols - 1) // 2
+    cheb = np.maximum(np.abs(dr)[:, None], np.abs(dc)[None, :]).reshape(-1)
+    eucl = (dr[:, None] ** 2 + dc[None, :] ** 2).reshape(-1)
+    rank = np.lexsort((np.arange(rows * cols), eucl, cheb))  # cells, nearest to the centre first
+    order = np.empty_like(rank)
+    order[rank] = np.arange(rank.size)
+    flat = m.reshape(-1, rows * cols)
+    out = np.zeros((flat.shape[0], 2), dtype=np.int64)
+    for i, v in enumerate(flat):
+        top = v.max()
+        tied = np.flatnonzero(v >= top - rtol * abs(top))
+        best = tied[np.argmin(order[tied])]
+        out[i] = (dr[best // cols], dc[best % cols])
+    return out.reshape(*m.shape[:-2], 2)
+
+
+def offset_local_heads(maps: np.ndarray, mass_maps: np.ndarray, max_offset: int = MAX_OFFSET, min_mass: float = MIN_MASS,
+                       window: int = WINDOW) -> dict[str, np.ndarray]:
+    """Classify heads from their aligned maps [..., 2gh-1, 2gw-1] (module docstring): ``peak_offset`` [..., 2] (of
+    ``maps``), ``peak_mass`` [...] (share of ``mass_maps`` within ``window`` cells of the peak), ``local`` [...] bool
+    (Chebyshev |peak| <= ``max_offset`` and peak_mass >= ``min_mass``), ``offset_local`` [...] bool (local, peak != 0)."""
+    maps, mass_maps = np.asarray(maps, dtype=np.float64), np.asarray(mass_maps, dtype=np.float64)
+    peaks = find_peaks(maps)
+    rows, cols = maps.shape[-2:]
+    cr, cc = (rows - 1) // 2, (cols - 1) // 2
+    flat_mass = mass_maps.reshape(-1, rows, cols)
+    flat_peaks = peaks.reshape(-1, 2)
+    pm = np.array([m[max(0, cr + r - window):cr + r + window + 1, max(0, cc + c - window):cc + c + window + 1].sum()
+                   for m, (r, c) in zip(flat_mass, flat_peaks)]).reshape(maps.shape[:-2])
+    cheb = np.abs(peaks).max(-1)
+    local = (cheb <= max_offset) & (pm >= min_mass)
+    return {"peak_offset": peaks, "peak_mass": pm, "local": local, "offset_local": local & (cheb > 0)}
+
+
+@register
+class AlignedAttention(BlockSums):
+    """Aligned Aggregated Attention Maps and offset local heads (Walmer et al. 2023 §4.2, Fig. 3, 14, 18), any ViT.
+
+    Result: ``maps`` [L, H, 2gh-1, 2gw-1] (canvas sums over spatial queries and images divided by the (query, image)
+    pairs that see each offset), ``mass_maps`` [L, H, 2gh-1, 2gw-1] (divided by all pairs, Walmer's normalisation;
+    sums to 1), ``coverage`` [2gh-1, 2gw-1], ``peak_offset`` [L, H, 2] (dr, dc), ``peak_mass`` [L, H], ``local`` and
+    ``offset_local`` [L, H] bool, the thresholds ``max_offset``, ``min_mass``, ``window``, ``blocks``, ``grid``,
+    ``n_images``. Exact definitions in the module docstring; thresholds are the options.
+    """
+
+    name = "aligned_attention"
+    Options = AlignedOptions
+
+    def __init__(self, ctx: Context, opts=None):
+        super().__init__(ctx, opts)
+        self._index: dict = {}
+
+    @classmethod
+    def applies(cls, ctx: Context) -> bool:
+        return ctx.arch == "vit" and ctx.grid is not None
+
+    def _sums(self, attn: Tensor) -> dict[str, Tensor]:
+        if attn.device not in self._index:
+            self._index[attn.device] = canvas_index(self.grid).to(attn.device)
+        return aligned_sums(attn, self.grid, self.prefix, self._index[attn.device])
+
+    def finish(self) -> dict:
+        out = self._reduced()
+        maps, mass = _aligned_finish(out, self.grid)
+        r = {"maps": maps.numpy(), "mass_maps": mass.numpy(), "coverage": coverage(self.grid)}
+        r.update(offset_local_heads(r["maps"], r["mass_maps"], self.opts.max_offset, self.opts.min_mass, self.opts.window))
+        r.update(max_offset=int(self.opts.max_offset), min_mass=float(self.opts.min_mass), window=int(self.opts.window), blocks=list(self.blocks),
+                 grid=np.array(self.grid), n_images=int(out["images"][0, 0].item()))
+        return r
+
+    @staticmethod
+    def summary(r: dict) -> dict:
+        blocks = as_list(r["blocks"])
+        ol, loc, peaks = np.asarray(r["offset_local"], bool), np.asarray(r["local"], bool), np.asarray(r["peak_offset"])
+        heads = [f"{block_label(blocks[i], i)}.head{h:02d} ({int(peaks[i, h, 0]):+d},{int(peaks[i, h, 1]):+d})"
+                 for i, h in zip(*np.nonzero(ol))]
+        return {"offset_local_count": int(ol.sum()), "local_count": int(loc.sum()), "offset_local_heads": heads,
+                "offset_local_per_block": {block_label(b, i): int(ol[i].sum()) for i, b in enumerate(blocks)},
+                "thresholds": {"max_offset": int(r["max_offset"]), "min_mass": float(r["min_mass"]), "window": int(r["window"])}}
+
+    @staticmethod
+    def scalars(r: dict) -> dict[str, float]:
+        blocks = as_list(r["blocks"])
+        ol = np.asarray(r["offset_local"], bool)
+        out = {"aligned_attention/offset_local_count": float(ol.sum()),
+               "aligned_attention/local_count": float(np.asarray(r["local"], bool).sum())}
+        for i, b in enumerate(blocks):
+            out[f"aligned_attention/offset_local_count/{block_label(b, i)}"] = float(ol[i].sum())
+        return out
+
+    @staticmethod
+    def figures(r: dict, step: int | None = None) -> dict:
+        blocks, suffix = as_list(r["blocks"]), (f", step {step}" if step is not None else "")
+        mark = np.asarray(r["offset_local"], bool)
+        peaks = np.asarray(r["peak_offset"])
+        return {"aligned_attention/maps": map_grid(np.asarray(r["maps"]), blocks, "aligned attention (per-offset mean), red: offset local" + suffix,
+                                                   marked=mark, peaks=peaks, midlines=True),
+                "aligned_attention/mass_maps": map_grid(np.asarray(r["mass_maps"]), blocks,
+                                                        "aligned attention (Walmer: mass share), red: offset local" + suffix,
+                                                        marked=mark, peaks=peaks, midlines=True)}

@@ -1,0 +1,175 @@
+"""Where analysis results live in a run folder, and their cache keys -- in one place.
+
+    runs/<name>/analysis/step_XXXXXXX/<measure>.npz     a measure's result (analysis/measure.py)
+    runs/<name>/analysis/step_XXXXXXX/summary.json      key numbers of every measure and the model's block layout
+    runs/<name>/analysis/step_XXXXXXX/cache.json        {measure: cache key} of the results in the folder
+    runs/<name>/figures/step_XXXXXXX/<tag>.png          figures (TensorBoard image tag with / -> _)
+    runs/<name>/analysis/against/<other>_step_Y/step_X/ cross-run results (cross_cka.npz, head_subsets.npz)
+
+A result's cache key (:func:`cache_key`) is a hash of the checkpoint's weights (their recorded sha256), the
+analysis images (:func:`data_fingerprint`), the measure's name and what the measure depends on
+(:meth:`analysis.suite.SuiteOptions.settings`: the batch size and the measure's own options): changing one
+measure's options recomputes that measure only. A cached result is reused only if its file reads back whole.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from analysis.figures import render, write_png
+from analysis.measure import load_result, registry, save_result
+from train.checkpoint import step_dir_name
+
+
+def step_dir(run_path: Path, step: int, kind: str = "analysis") -> Path:
+    """``run/analysis/step_XXXXXXX`` (``kind="figures"`` for the figures)."""
+    return Path(run_path) / kind / step_dir_name(step)
+
+
+def against_dir(run_path: Path, step: int, other_name: str, other_step: int, kind: str = "analysis") -> Path:
+    return Path(run_path) / kind / "against" / f"{other_name}_{step_dir_name(other_step)}" / step_dir_name(step)
+
+
+def data_fingerprint(data) -> str:
+    """sha256 of the analysis and probe-train images and labels and the normalisation: two runs analysed on the
+    same images have the same fingerprint."""
+    h = hashlib.sha256()
+    for split in (data.analysis, data.probe_train):
+        for t in (split.images, split.labels):
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.contiguous().cpu().numpy().tobytes())
+    for t in (data.mean, data.std):
+        h.update(torch.as_tensor(t).double().numpy().tobytes())
+    return h.hexdigest()
+
+
+def weights_id(checkpoint_dir: Path) -> str | None:
+    """The recorded sha256 of a checkpoint's model.safetensors (from its meta.json), or None."""
+    try:
+        return json.loads((Path(checkpoint_dir) / "meta.json").read_text())["files"]["model.safetensors"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def cache_key(weights: str, data_fp: str, settings: dict, measure: str) -> str:
+    """What a saved result depends on: the weights, the analysis images, the measure and its settings."""
+    blob = json.dumps({"weights": weights, "data": data_fp, "settings": settings, "measure": measure}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def cached_keys(out_dir: Path) -> dict:
+    try:
+        keys = json.loads((Path(out_dir) / "cache.json").read_text())
+        return keys if isinstance(keys, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def readable(path: Path) -> bool:
+    """Whether a saved result reads back whole (a truncated or garbled file is recomputed, not reused)."""
+    try:
+        load_result(path)
+        return True
+    except Exception:  # noqa: BLE001 -- any failure to read means "not usable"
+        return False
+
+
+def is_cached(out_dir: Path, name: str, key: str) -> bool:
+    f = Path(out_dir) / f"{name}.npz"
+    return cached_keys(out_dir).get(name) == key and f.is_file() and readable(f)
+
+
+def summary_of(res: dict) -> dict:
+    """Key numbers of a suite result (summary.json, reports): {"meta": ..., <measure>: summary}."""
+    reg = registry()
+    return {"meta": res.get("meta", {}), **{k: reg[k].summary(v) for k, v in res.items() if k in reg}}
+
+
+def atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_results(res: dict, out_dir: Path, step: int | None = None, keys: dict | None = None) -> Path:
+    """``<measure>.npz`` per measure, then summary.json and cache.json (merged with what is there: results of
+    other measures already in the folder stay valid), each written atomically."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reg = registry()
+    for name, r in res.items():
+        if name in reg:
+            tmp = out_dir / f"{name}.tmp.npz"
+            save_result(r, tmp)
+            tmp.replace(out_dir / f"{name}.npz")
+    old = {}
+    if (out_dir / "summary.json").is_file():
+        try:
+            old = json.loads((out_dir / "summary.json").read_text())
+        except ValueError:
+            old = {}
+    atomic_text(out_dir / "summary.json", json.dumps({**old, "step": step, **summary_of(res)}, indent=1))
+    cache = cached_keys(out_dir)
+    for name in res:
+        if name in reg:
+            if keys and keys.get(name):
+                cache[name] = keys[name]
+            else:
+                cache.pop(name, None)
+    atomic_text(out_dir / "cache.json", json.dumps(cache, indent=1))
+    return out_dir
+
+
+def load_results(out_dir: Path, measures=None) -> dict:
+    """A suite result read back from ``out_dir`` (the measures present there, or those named)."""
+    out_dir = Path(out_dir)
+    reg = registry()
+    meta = json.loads((out_dir / "summary.json").read_text()).get("meta", {}) if (out_dir / "summary.json").is_file() else {}
+    res = {"meta": meta}
+    for name in measures or sorted(reg):
+        f = out_dir / f"{name}.npz"
+        if f.is_file():
+            res[name] = load_result(f)
+    return res
+
+
+def make_figures(res: dict, step: int | None = None) -> dict:
+    reg = registry()
+    figs = {}
+    for name, r in res.items():
+        if name in reg:
+            figs.update(reg[name].figures(r, step))
+    return figs
+
+
+def log_results(res: dict, writer, step: int) -> None:
+    """TensorBoard scalars of every measure (tags such as ``cka/mean_offdiag``), through the raw SummaryWriter."""
+    if writer is None:
+        return
+    reg = registry()
+    for name, r in res.items():
+        if name in reg:
+            for tag, v in reg[name].scalars(r).items():
+                writer.add_scalar(tag, v, step)
+
+
+def publish(res: dict, out_dir: Path, writer=None, step: int | None = None, figures: bool = True, keys: dict | None = None,
+            figure_dir: Path | None = None, png: bool = True) -> Path:
+    """Write arrays + summary.json (+ cache keys) to ``out_dir``, log scalars, and draw each figure ONCE, as an
+    image that goes to TensorBoard and (``png``) to ``figure_dir`` (default ``out_dir``)."""
+    write_results(res, out_dir, step, keys)
+    log_results(res, writer, step)
+    if figures and (png or writer is not None):
+        fig_dir = Path(figure_dir or out_dir)
+        if png:
+            fig_dir.mkdir(parents=True, exist_ok=True)
+        for name, fig in make_figures(res, step).items():
+            rgb = render(fig)
+            if writer is not None:
+                writer.add_image(name, rgb, step, dataformats="HWC")
+            if png:
+                write_png(rgb, fig_dir / f"{name.replace('/', '_')}.png")
+    return Path(out_dir)
