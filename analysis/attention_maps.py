@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from analysis.measure import Context, Measure
-from analysis.reduce import all_reduce_sum
+from analysis.reduce import all_reduce_tree
 
 _CHUNK_ELEMENTS = 1 << 22  # float64 elements of attention converted at a time (32 MiB)
 
@@ -82,17 +82,11 @@ class BlockSums(Measure):
 
     def _reduced(self) -> dict[str, Tensor]:
         """{key: [L, ...]} summed over minibatches and processes."""
-        if self.sums is None:
+        stacked = None if self.sums is None else {k: torch.stack([s[k] for s in self.sums]) for k in self.sums[0]}
+        out = all_reduce_tree(stacked, self.ctx.accelerator)  # a process without minibatches adds zeros
+        if out is None:
             raise RuntimeError(f"{self.name}: finish() before any update()")
-        keys = list(self.sums[0])
-        stacked = {k: torch.stack([s[k] for s in self.sums]) for k in keys}
-        flat = all_reduce_sum(torch.cat([stacked[k].reshape(-1) for k in keys]), self.ctx.accelerator).cpu()
-        out, off = {}, 0
-        for k in keys:
-            n = stacked[k].numel()
-            out[k] = flat[off:off + n].reshape(stacked[k].shape)
-            off += n
-        return out
+        return {k: v.cpu() for k, v in out.items()}
 
 
 def map_grid(maps: np.ndarray, blocks: list[str], title: str, marked: np.ndarray | None = None, peaks: np.ndarray | None = None,

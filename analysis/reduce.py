@@ -43,3 +43,69 @@ def shard(n_batches: int, accelerator=None) -> range:
     if accelerator is None or accelerator.num_processes == 1:
         return range(n_batches)
     return range(accelerator.process_index, n_batches, accelerator.num_processes)
+
+
+def _spec(tree):
+    if isinstance(tree, torch.Tensor):
+        return ("tensor", tuple(tree.shape), str(tree.dtype))
+    if isinstance(tree, dict):
+        return {k: _spec(tree[k]) for k in sorted(tree)}
+    if isinstance(tree, (list, tuple)):
+        return [_spec(v) for v in tree]
+    raise TypeError(f"cannot reduce a {type(tree).__name__}: give tensors in dicts and lists")
+
+
+def _zeros(spec):
+    if isinstance(spec, tuple):
+        return torch.zeros(spec[1], dtype=getattr(torch, spec[2].split(".")[-1]))
+    if isinstance(spec, dict):
+        return {k: _zeros(v) for k, v in spec.items()}
+    return [_zeros(v) for v in spec]
+
+
+def _leaves(tree) -> list:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree) for t in _leaves(tree[k])]
+    return [t for v in tree for t in _leaves(v)]
+
+
+def _rebuild(tree, it):
+    if isinstance(tree, torch.Tensor):
+        return next(it)
+    if isinstance(tree, dict):
+        return {k: _rebuild(tree[k], it) for k in sorted(tree)}
+    return [_rebuild(v, it) for v in tree]
+
+
+def all_reduce_tree(tree, accelerator=None):
+    """The sum over processes of a nested dict / list of float64 tensors (an accumulator's whole state), in ONE
+    all-reduce. A process that saw no minibatch passes ``None`` and takes part with zeros of the shapes the others
+    hold (their layout is exchanged first), so any number of processes works, more than there are minibatches
+    too. With one process (or a stand-in without a process group) the tree comes back as it is."""
+    dist = torch.distributed
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not multi and not (accelerator is not None and accelerator.num_processes > 1):
+        return tree
+    if multi:
+        specs = gather_objects([None if tree is None else _spec(tree)], accelerator) if accelerator is not None else None
+        if specs is None:
+            specs = [None] * dist.get_world_size()
+            dist.all_gather_object(specs, None if tree is None else _spec(tree))
+        known = [s for s in specs if s is not None]
+        if not known:
+            return tree
+        if any(s != known[0] for s in known):
+            raise ValueError("processes hold accumulators of different layouts; they cannot be summed.")
+        if tree is None:
+            tree = _zeros(known[0])
+    elif tree is None:
+        raise RuntimeError("an accumulator saw no minibatch and there is no process group to learn its layout from.")
+    leaves = _leaves(tree)
+    flat = all_reduce_sum(torch.cat([t.reshape(-1).to(torch.float64) for t in leaves]), accelerator)
+    out, off = [], 0
+    for t in leaves:
+        out.append(flat[off:off + t.numel()].reshape(t.shape).to(t.device, t.dtype))
+        off += t.numel()
+    return _rebuild(tree, iter(out))

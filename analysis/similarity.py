@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from analysis.reduce import all_reduce_sum
+from analysis.reduce import all_reduce_tree
 
 
 def represent(t: torch.Tensor, how: str = "flatten", num_prefix_tokens: int = 1) -> torch.Tensor:
@@ -125,10 +125,12 @@ class MinibatchCKA:
         self.batches += 1
 
     def sync(self, accelerator=None) -> None:
-        """Sum the HSIC accumulators over processes (a no-op with one process)."""
-        if self.xy is None:
-            return
-        self.xy, self.xx, self.yy = (all_reduce_sum(t, accelerator) for t in (self.xy, self.xx, self.yy))
+        """Sum the HSIC accumulators over processes in one all-reduce (a no-op with one process; a process that
+        saw no minibatch adds zeros)."""
+        state = None if self.xy is None else {"xy": self.xy, "xx": self.xx, "yy": self.yy}
+        state = all_reduce_tree(state, accelerator)
+        if state is not None:
+            self.xy, self.xx, self.yy = state["xy"], state["xx"], state["yy"]
 
     def compute(self) -> torch.Tensor:
         if self.xy is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from analysis.measure import Measure, as_list, register
-from analysis.reduce import all_reduce_sum
+from analysis.reduce import all_reduce_tree
 
 EPS = 1e-12
 
@@ -59,10 +59,13 @@ class NormRatio:
             self.count[key] += z.shape[0]
 
     def sync(self, accelerator=None) -> None:
-        """Sum the accumulators over processes (a no-op with one process)."""
-        for key in sorted(self.ratio):
-            self.ratio[key], self.cos[key], self.count[key] = (
-                all_reduce_sum(t, accelerator) for t in (self.ratio[key], self.cos[key], self.count[key]))
+        """Sum the accumulators over processes in one all-reduce (a no-op with one process; a process that saw no
+        minibatch adds zeros)."""
+        state = {f"{b}|{s}": [self.ratio[(b, s)], self.cos[(b, s)], self.count[(b, s)]] for b, s in self.ratio} or None
+        state = all_reduce_tree(state, accelerator)
+        for key, (r, c, n) in (state or {}).items():
+            b, s = key.split("|")
+            self.ratio[(b, s)], self.cos[(b, s)], self.count[(b, s)] = r, c, n
 
     def compute(self) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
         """{(block, sublayer): (ratio [T], cosine [T])}."""

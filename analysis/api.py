@@ -1,0 +1,110 @@
+"""Analyses from Python (a notebook): any supported model on any images, with any measures and options -- the same
+suite the training-time callback and ``python -m analysis`` run.
+
+    import timm, torch
+    from analysis.api import analyze
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, num_classes=10)
+    res = analyze(model, torch.rand(64, 3, 32, 32), measures=["cka", "attention_distance"], options={"cka": {"repr": "cls"}})
+    res["summary"]["attention_distance"]["mean_px"]      # key numbers per measure
+    res["results"]["cka"]["matrix"]                       # the arrays
+    res["figures"]["cka/self"].savefig("cka.png")         # matplotlib figures
+
+``model`` is a timm VisionTransformer, ResNet or MLP-Mixer object, or a run folder (``"runs/default"``, or
+``"runs/default:600"`` for a checkpoint), whose own analysis and probe-train images are used unless ``images`` are
+given. ``images`` is a tensor [N, C, H, W] (uint8 or float) or an iterable of ``(images, labels)`` batches (a
+DataLoader); measures that read labels (probes, k-NN, clustering) need ``labels`` and, for probes and k-NN,
+``probe_images`` / ``probe_labels`` to train on. ``normalize`` maps a batch to model inputs (default: uint8 /
+255, float unchanged). Bad input raises ``ValueError`` with one sentence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from analysis import offline as O
+from analysis import storage
+from analysis.measure import MeasureError
+from analysis.suite import run_suite, suite_options
+
+
+@dataclass
+class Images:
+    """An in-memory split: images [N, C, H, W] and labels [N] (-1 where unknown)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass
+class Data:
+    """The data a suite needs (what train's data bundle provides for a run)."""
+
+    analysis: Images
+    probe_train: Images
+    num_classes: int
+    normalize_fn: object = None
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.normalize_fn is not None:
+            return self.normalize_fn(x)
+        return x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+
+
+def _images(images, labels) -> Images:
+    if isinstance(images, torch.Tensor):
+        x = images
+        y = torch.as_tensor(labels) if labels is not None else torch.full((len(x),), -1, dtype=torch.long)
+    else:
+        xs, ys = [], []
+        for batch in images:
+            if not (isinstance(batch, (list, tuple)) and len(batch) >= 2):
+                raise ValueError("a DataLoader given as images must yield (images, labels) batches.")
+            xs.append(torch.as_tensor(batch[0]))
+            ys.append(torch.as_tensor(batch[1]))
+        if not xs:
+            raise ValueError("the images iterable yielded no batch.")
+        x, y = torch.cat(xs), torch.cat(ys)
+    if x.ndim != 4:
+        raise ValueError(f"images must be [N, C, H, W], not of shape {tuple(x.shape)}.")
+    if len(y) != len(x):
+        raise ValueError(f"{len(x)} images but {len(y)} labels.")
+    return Images(x, y.long())
+
+
+def analyze(model, images=None, labels=None, *, measures=None, options: dict | None = None, probe_images=None, probe_labels=None,
+            normalize=None, num_classes: int | None = None, batch_size: int = 256, figures: bool = True) -> dict:
+    """Run ``measures`` (default: CKA, norm ratios, attention distances, few-shot probes; ``"all"`` for every one)
+    with ``options`` ({measure: {option: value}}) on ``images``. Returns ``{"results": {measure: arrays},
+    "summary": {measure: key numbers}, "figures": {tag: matplotlib Figure}}`` (figures only if ``figures``)."""
+    try:
+        opts = suite_options(measures, batch_size, options)
+    except MeasureError as e:
+        raise ValueError(str(e)) from None
+    if isinstance(model, (str, Path)):
+        run, step = O.parse_against(str(model))  # "runs/x" (last checkpoint) or "runs/x:STEP"; AnalysisError is a ValueError
+        run_data = O.load_data(run)
+        model = O.load_model(run, step, run_data)
+        if images is None:
+            data = run_data
+        else:
+            data = Data(_images(images, labels), _images(probe_images, probe_labels) if probe_images is not None else run_data.probe_train,
+                        num_classes or run_data.num_classes, normalize or run_data.normalize)
+    else:
+        if images is None:
+            raise ValueError("give images to analyse a model object (a tensor [N, C, H, W] or a DataLoader).")
+        x = _images(images, labels)
+        px = _images(probe_images, probe_labels) if probe_images is not None else Images(x.images[:0], x.labels[:0])
+        known = torch.cat([x.labels, px.labels])
+        k = num_classes or (int(known.max()) + 1 if len(known) and int(known.max()) >= 0 else getattr(model, "num_classes", 1))
+        data = Data(x, px, int(k), normalize)
+    res = run_suite(model, data, opts)
+    out = {"results": {k: v for k, v in res.items() if k != "meta"}, "meta": res["meta"], "summary": storage.summary_of(res)}
+    if figures:
+        out["figures"] = storage.make_figures(res)
+    return out

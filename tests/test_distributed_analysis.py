@@ -1,0 +1,48 @@
+"""Every measure on 2 real processes (gloo, accelerate launch) when there are fewer analysis minibatches than
+processes: the process without a minibatch adds zeros, and the numbers equal one process's."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from analysis import offline as O
+from analysis import suite as S
+from analysis.measure import registry
+from train.checkpoint import list_checkpoints
+
+# one analysis minibatch (32 images in minibatches of 64) for two processes; ERF on few images (it is slow)
+OPTS = {"fewshot_probe": {"shots": 5, "seeds": [0]}, "token_probes": {"shots": 5, "seeds": [0], "stride": 3},
+        "erf": {"images": 2, "batch": 1}}
+
+
+@pytest.mark.multiprocess
+def test_every_measure_on_two_processes_with_one_minibatch(write_recipe, tmp_path):
+    cb = {"name": "analysis_suite", "measures": "all", "batch_size": 64, "figures": False, **OPTS}
+    p = write_recipe(data={"analysis_size": 32}, train={"steps": 4, "checkpoint_every": 4, "eval_every": 4}, callbacks=[cb])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["ACCELERATE_USE_CPU"] = "true"
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29541",
+           "-m", "train", "--recipe", str(p), "--no-progress"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    run = tmp_path / "runs" / "tiny"
+    ckpts = list_checkpoints(run / "checkpoints")
+    assert ckpts and ckpts[-1].name == "step_0000004", out.stderr[-3000:]
+    two = run / "analysis" / "step_0000004"
+    names = sorted(n for n in registry() if (two / f"{n}.npz").is_file())
+    assert len(names) == len(registry()), (names, out.stderr[-3000:])
+    # the same checkpoint, one process, offline
+    r = O.open_run(run)
+    one = S.run_suite(O.load_model(r, 4, O.load_data(r)), O.load_data(r), S.suite_options("all", 64, OPTS))
+    for name in names:
+        saved = np.load(two / f"{name}.npz")
+        for k in saved.files:
+            a, b = saved[k], np.asarray(one[name][k])
+            if a.dtype.kind in "fc":
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9, equal_nan=True, err_msg=f"{name}.{k}")
+            else:
+                assert a.tolist() == b.tolist(), (name, k)
