@@ -1,6 +1,7 @@
 """Recipes: typed schema, inheritance, overrides, and one-sentence errors with exit code 2."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -9,7 +10,7 @@ from conftest import shipped_recipes
 from train.cli import main
 from train.recipe import Recipe, RecipeError, load_recipe, run_name
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_shipped_recipe_validates():
@@ -180,3 +181,21 @@ def test_resumable_keys_leave_the_resume_hash_and_the_rest_stay_in_it():
     assert resume_conflicts(lr, old, None) == []  # cannot tell without the saved recipe: refused
     assert resume_conflicts(deep, new, saved) == ["model.depth"] and resume_conflicts(deep, old, saved) == ["model.depth"]
     assert resume_conflicts(lr, old, deep.to_dict()) is not None  # a saved recipe that is not the checkpoint's own proves nothing
+
+
+def test_resume_may_change_lr_cadence_and_extend_steps_but_not_the_model(write_recipe):
+    """The divergence advice (lower train.lr, set train.grad_clip, then resume) can be followed, a finished run can
+    be extended with more steps, and the steps after the checkpoint follow the new recipe's schedule."""
+    from train.trainer import lr_at, train
+
+    p = write_recipe(train={"steps": 4, "checkpoint_every": 2, "eval_every": 0, "log_every": 1})
+    train(load_recipe(p), progress=False)
+    more = load_recipe(p, ["train.steps=6", "train.lr=0.0005", "train.grad_clip=0.5", "train.log_every=2", "train.keep_last=1", "run.name=tiny"])
+    out = train(more, resume=True, progress=False)
+    assert out["step"] == 6 and not out.get("already_finished")
+    from conftest import read_scalars
+
+    lrs = dict(read_scalars(Path(out["run_dir"]))["train/lr"])
+    assert lrs[6] == pytest.approx(lr_at(5, more.train))
+    with pytest.raises(RecipeError, match="different recipe.*model.depth"):
+        train(load_recipe(p, ["train.steps=8", "model.depth=3", "run.name=tiny"]), resume=True, progress=False)
