@@ -198,3 +198,21 @@ def test_two_head_masks_on_one_block_merge_and_every_mask_follows_the_model():
         attn(torch.randn(2, 50, 32, dtype=torch.float64))
     heads = seen["x"].view(2, 50, 4, attn.head_dim)
     assert heads[:, :, [0, 2]].abs().max() == 0 and heads[:, :, 1].abs().min() > 0 and heads[:, :, 3].abs().min() > 0
+
+
+def test_interventions_are_found_by_file_name_and_are_a_leaf_package():
+    """Adding an intervention is adding one file: the recipe section's keys are the package's modules, and the
+    package imports nothing from train/ or analysis/."""
+    import ast
+    import dataclasses
+
+    import interventions
+    from train.recipe import InterventionsConfig, Recipe
+
+    files = sorted(p.stem for p in (ROOT / "interventions").glob("*.py") if not p.stem.startswith("_"))
+    assert sorted(interventions.REGISTRY) == files == sorted(f.name for f in dataclasses.fields(InterventionsConfig))
+    for p in (ROOT / "interventions").glob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("train", "analysis") for n in names), (p.name, names)
+    assert Recipe().interventions == InterventionsConfig()
