@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from analysis.features import pool_features, pool_tokens  # noqa: F401 -- pooling is part of the probe's definition
-from train.data import balanced_indices
+from train.splits import balanced_indices
 
 L2_EXPONENTS: tuple[int, ...] = tuple(range(-10, 11, 2))
 HOLDOUT_FRACTION_DENOM = 5  # hold out 1/5 of each class (at least 1 when the class has >= 2 examples)

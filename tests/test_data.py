@@ -1,5 +1,6 @@
 """Data: sources, tensors, seeded class-balanced nested subsets, augmentation, clear errors."""
 import gzip
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,3 +144,21 @@ def test_epoch_sampler_shards_without_overlap_and_resumes_mid_epoch():
     assert e1 != ea
     a.set_epoch(1, start_batch=3)
     assert list(a) == e1[3:]
+
+
+@pytest.mark.parametrize("key,size,split", [("train_size", 60001, "train"), ("probe_train_size", 70000, "train"),
+                                            ("eval_size", 10001, "eval"), ("analysis_size", 20000, "eval")])
+def test_sizes_above_a_split_are_refused_not_clamped(key, size, split):
+    with pytest.raises(DataError) as e:
+        build_data(from_dict({"data": {key: size}}))
+    msg = str(e.value)
+    assert f"data.{key} is {size}" in msg and f"{split} split holds" in msg and "\n" not in msg
+
+
+def test_size_above_a_split_is_one_sentence_exit_2_before_the_run_folder(tmp_path, capsys):
+    from train.cli import main
+
+    root = tmp_path / "runs"
+    assert main([str(Path(__file__).resolve().parents[1] / "recipes/tiny.yaml"), "--set", f"run.root={root}", "data.eval_size=20000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: data.eval_size is 20000") and "\n" not in err and not root.exists()

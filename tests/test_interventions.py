@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import ROOT, shipped_recipes
 
-from interventions import _block_cls
+from interventions.no_skip import block_classes
 from train.data import build_data
 from train.models import build_model
 from train.recipe import from_dict, load_recipe
@@ -30,7 +30,7 @@ def _zero_branches(block):
 
 
 def test_no_skip_block_drops_its_residual_and_leaves_others_untouched():
-    Block, NoSkipBlock = _block_cls()
+    Block, NoSkipBlock = block_classes()
     plain, noskip = _model(), _model(no_skip={"blocks": [2], "where": "both"})
     assert [type(b) is NoSkipBlock for b in noskip.blocks] == [False, False, True, False]
     assert plain.state_dict().keys() == noskip.state_dict().keys()
@@ -179,3 +179,40 @@ def test_sweep_bad_grid_is_one_sentence(write_recipe, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "interventions.no_skip.blocks" in err and "out of range" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_two_head_masks_on_one_block_merge_and_every_mask_follows_the_model():
+    """Two head_mask entries naming one block mask the union of their heads through one hook, and every mask's
+    buffer is the model's (so .to(device / dtype) moves it): a second entry used to orphan the first's buffer."""
+    from interventions.head_mask import HeadMask
+
+    m = _model(head_mask=[{"block": 1, "heads": [0]}, {"block": 1, "heads": [2]}, {"block": 3, "heads": [1]}])
+    hooks = [h for blk in m.blocks for h in blk.attn.proj._forward_pre_hooks.values() if isinstance(h, HeadMask)]
+    owned = [mod for mod in m.modules() if isinstance(mod, HeadMask)]
+    assert len(hooks) == 2 and {id(h) for h in hooks} == {id(h) for h in owned}
+    m.to(torch.float64)
+    assert all(h.mask.dtype == torch.float64 for h in hooks), "a mask buffer stopped following the model"
+    attn, seen = m.blocks[1].attn, {}
+    attn.proj.register_forward_pre_hook(lambda mod, args: seen.__setitem__("x", args[0]))
+    with torch.no_grad():
+        attn(torch.randn(2, 50, 32, dtype=torch.float64))
+    heads = seen["x"].view(2, 50, 4, attn.head_dim)
+    assert heads[:, :, [0, 2]].abs().max() == 0 and heads[:, :, 1].abs().min() > 0 and heads[:, :, 3].abs().min() > 0
+
+
+def test_interventions_are_found_by_file_name_and_are_a_leaf_package():
+    """Adding an intervention is adding one file: the recipe section's keys are the package's modules, and the
+    package imports nothing from train/ or analysis/."""
+    import ast
+    import dataclasses
+
+    import interventions
+    from train.recipe import InterventionsConfig, Recipe
+
+    files = sorted(p.stem for p in (ROOT / "interventions").glob("*.py") if not p.stem.startswith("_"))
+    assert sorted(interventions.REGISTRY) == files == sorted(f.name for f in dataclasses.fields(InterventionsConfig))
+    for p in (ROOT / "interventions").glob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("train", "analysis") for n in names), (p.name, names)
+    assert Recipe().interventions == InterventionsConfig()

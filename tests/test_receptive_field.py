@@ -162,7 +162,7 @@ def test_token_mixing_spreads_the_erf():
 
 
 def test_no_skip_block_post_residual_is_its_branch():
-    from interventions import _block_cls
+    from interventions.no_skip import block_classes as _block_cls
 
     _, NoSkipBlock = _block_cls()
     model = _vit()

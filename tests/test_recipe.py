@@ -1,6 +1,7 @@
 """Recipes: typed schema, inheritance, overrides, and one-sentence errors with exit code 2."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -9,7 +10,7 @@ from conftest import shipped_recipes
 from train.cli import main
 from train.recipe import Recipe, RecipeError, load_recipe, run_name
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_shipped_recipe_validates():
@@ -104,3 +105,97 @@ def test_base_cycle_is_an_error(tmp_path):
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
     with pytest.raises(RecipeError, match="inherits from itself"):
         load_recipe(tmp_path / "a.yaml")
+
+
+def test_exponent_floats_are_floats_in_files_and_overrides(tmp_path):
+    """YAML 1.1 reads 1e-3 as a string; recipes read it as the float everyone means."""
+    p = tmp_path / "r.yaml"
+    p.write_text("train: {lr: 1e-3, min_lr: 1E-5, weight_decay: 5e-2}\n")
+    r = load_recipe(p, ["train.warmup_steps=10"])
+    assert (r.train.lr, r.train.min_lr, r.train.weight_decay) == (1e-3, 1e-5, 0.05)
+    assert load_recipe(p, ["train.lr=1e-4"]).train.lr == 1e-4
+    assert load_recipe(p, ["train.lr=+2.5e-4"]).train.lr == 2.5e-4
+    with pytest.raises(RecipeError, match="train.steps.*int"):
+        load_recipe(p, ["train.steps=1e3"])  # a float, not silently an int
+
+
+BAD_INPUT = [
+    # (file bytes, overrides, words the sentence must contain)
+    (b"", [], ["empty"]),
+    (b"# only a comment\n\n   # and another\n", [], ["empty"]),
+    (b"train: {steps: 3}\nmodel: {depth: 2}\ntrain: {lr: 0.1}\n", [], ["'train'", "twice", "line 3"]),
+    (b"train:\n  steps: 3\n  steps: 4\n", [], ["'steps'", "twice"]),
+    (bytes(range(256)) * 4, [], ["not a text file"]),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", [], ["not a text file"]),
+    (b"{}\n", ["run.name=../../x"], ["run.name", "folder name"]),
+    (b"{}\n", ["run.name=a/b"], ["run.name", "folder name"]),
+    (b"{}\n", ["run.name=.."], ["run.name", "folder name"]),
+]
+
+
+@pytest.mark.parametrize("raw,overrides,words", BAD_INPUT, ids=[str(i) for i in range(len(BAD_INPUT))])
+def test_bad_recipe_input_is_one_sentence_exit_2(tmp_path, capsys, raw, overrides, words):
+    p = tmp_path / "bad.yaml"
+    p.write_bytes(raw)
+    root = tmp_path / "runs"
+    code = main([str(p), "--set", f"run.root={root}", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "\n" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    assert not root.exists()
+
+
+def test_name_with_path_separators_is_refused_before_anything_is_written(tmp_path, capsys):
+    root = tmp_path / "deep" / "runs"
+    code = main([str(ROOT / "recipes/tiny.yaml"), "--set", f"run.root={root}", "--name", "../../escaped"])
+    assert code == 2 and "run.name" in capsys.readouterr().err
+    assert not (tmp_path / "escaped").exists() and not root.exists()
+
+
+def test_resumable_keys_leave_the_resume_hash_and_the_rest_stay_in_it():
+    from train.recipe import RESUMABLE, resume_conflicts
+
+    base = load_recipe(ROOT / "recipes/default.yaml")
+    free = ["train.steps=3600", "train.lr=0.001", "train.warmup_steps=200", "train.grad_clip=0.5", "train.eval_every=100",
+            "train.checkpoint_every=100", "train.keep_last=5", "train.log_every=1", "train.eval_batch_size=100",
+            "data.num_workers=2", "callbacks=[]", "run.name=x"]
+    for o in free:
+        r = load_recipe(ROOT / "recipes/default.yaml", [o])
+        assert r.resume_hash() == base.resume_hash(), o
+        assert o.split("=")[0] in RESUMABLE or o.split("=")[0].split(".")[0] in RESUMABLE
+    for o in ["model.depth=4", "seed=1", "data.img_size=32", "train.batch_size=64", "train.weight_decay=0.1", "train.schedule=linear",
+              "train.min_lr=0.0001", "interventions.no_skip.blocks=[1]", "data.augment.shift=2", "train.mixed_precision=bf16"]:
+        r = load_recipe(ROOT / "recipes/default.yaml", [o])
+        assert r.resume_hash() != base.resume_hash(), o
+        assert r.hash() != base.hash(), o
+    # a checkpoint that records resume_hash: judged by it; one written before it was recorded: by its full hash,
+    # or by the run's saved recipe.yaml when that recipe is the checkpoint's own
+    new = {"recipe_hash": base.hash(), "resume_hash": base.resume_hash()}
+    old = {"recipe_hash": base.hash()}
+    lr = load_recipe(ROOT / "recipes/default.yaml", ["train.lr=0.001", "train.steps=3000"])
+    deep = load_recipe(ROOT / "recipes/default.yaml", ["model.depth=4"])
+    saved = base.to_dict()
+    assert resume_conflicts(lr, new, saved) is None and resume_conflicts(lr, old, saved) is None
+    assert resume_conflicts(base, old, None) is None
+    assert resume_conflicts(lr, old, None) == []  # cannot tell without the saved recipe: refused
+    assert resume_conflicts(deep, new, saved) == ["model.depth"] and resume_conflicts(deep, old, saved) == ["model.depth"]
+    assert resume_conflicts(lr, old, deep.to_dict()) is not None  # a saved recipe that is not the checkpoint's own proves nothing
+
+
+def test_resume_may_change_lr_cadence_and_extend_steps_but_not_the_model(write_recipe):
+    """The divergence advice (lower train.lr, set train.grad_clip, then resume) can be followed, a finished run can
+    be extended with more steps, and the steps after the checkpoint follow the new recipe's schedule."""
+    from train.trainer import lr_at, train
+
+    p = write_recipe(train={"steps": 4, "checkpoint_every": 2, "eval_every": 0, "log_every": 1})
+    train(load_recipe(p), progress=False)
+    more = load_recipe(p, ["train.steps=6", "train.lr=0.0005", "train.grad_clip=0.5", "train.log_every=2", "train.keep_last=1", "run.name=tiny"])
+    out = train(more, resume=True, progress=False)
+    assert out["step"] == 6 and not out.get("already_finished")
+    from conftest import read_scalars
+
+    lrs = dict(read_scalars(Path(out["run_dir"]))["train/lr"])
+    assert lrs[6] == pytest.approx(lr_at(5, more.train))
+    with pytest.raises(RecipeError, match="different recipe.*model.depth"):
+        train(load_recipe(p, ["train.steps=8", "model.depth=3", "run.name=tiny"]), resume=True, progress=False)

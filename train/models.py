@@ -3,6 +3,11 @@ timm MLP-Mixer (Raghu et al. 2021 App. H: a third, attention-free token architec
 from __future__ import annotations
 
 import torch.nn as nn
+from timm.models.mlp_mixer import MixerBlock, MlpMixer
+from timm.models.resnet import BasicBlock, Bottleneck, ResNet
+from timm.models.vision_transformer import Block, VisionTransformer
+
+from interventions import apply_model, block_fn_for, model_interventions
 
 
 def build_model(recipe, num_classes: int) -> nn.Module:
@@ -10,28 +15,21 @@ def build_model(recipe, num_classes: int) -> nn.Module:
     m, d = recipe.model, recipe.data
     if m.arch == "vit":
         model = build_vit(m, d.img_size, d.in_chans, num_classes, recipe.interventions)
+    elif model_interventions(recipe.interventions):  # each intervention's check says so first, in recipe terms
+        raise ValueError(f"interventions {', '.join(model_interventions(recipe.interventions))} apply to ViTs only, not to model.arch {m.arch!r}.")
     elif m.arch == "mixer":
-        iv = recipe.interventions
-        if (iv.no_skip is not None and iv.no_skip.blocks) or iv.head_mask:  # validate_interventions says so first
-            raise ValueError("interventions no_skip and head_mask apply to ViTs only, not to model.arch 'mixer'.")
         model = build_mixer(m, d.img_size, d.in_chans, num_classes)
     elif m.arch == "resnet":
         model = build_resnet(m, d.in_chans, num_classes)
     else:
         raise ValueError(f"unknown model.arch {m.arch!r}: choose vit, resnet or mixer.")
-    from interventions import apply_model_interventions
-
-    apply_model_interventions(model, recipe)
+    apply_model(model, recipe.interventions)
     return model
 
 
 def build_vit(m, img_size: int, in_chans: int, num_classes: int, interventions=None) -> nn.Module:
     """timm VisionTransformer. ``head: cls`` classifies the class token (global_pool='token');
     ``head: gap`` has no class token and classifies the mean of the final tokens (global_pool='avg')."""
-    from timm.models.vision_transformer import VisionTransformer
-
-    from interventions import block_fn_for
-
     cls = m.head == "cls"
     return VisionTransformer(
         img_size=img_size,
@@ -47,7 +45,7 @@ def build_vit(m, img_size: int, in_chans: int, num_classes: int, interventions=N
         drop_path_rate=m.drop_path,
         drop_rate=m.dropout,  # after the position embedding (and before the head)
         proj_drop_rate=m.dropout,  # after the attention output projection and each MLP layer
-        block_fn=block_fn_for(interventions),
+        block_fn=block_fn_for(interventions, Block),
     )
 
 
@@ -56,8 +54,6 @@ def build_mixer(m, img_size: int, in_chans: int, num_classes: int) -> nn.Module:
     class token, classifying the token mean (global_pool='avg'). Hidden widths, both counted in units of
     embed_dim as timm does: token-mixing MLP ``int(mixer_token_ratio * embed_dim)``, channel-mixing MLP
     ``int(mlp_ratio * embed_dim)``. ``drop_path`` is the same in every block (timm's MlpMixer rule)."""
-    from timm.models.mlp_mixer import MixerBlock, MlpMixer
-
     return MlpMixer(
         img_size=img_size,
         patch_size=m.patch_size,
@@ -79,8 +75,6 @@ def build_resnet(m, in_chans: int, num_classes: int) -> nn.Module:
     with layers [3, 4, 6, 3] and channels [64, 128, 256, 512] (x4 expansion), the 7x7/2 stem and max-pool
     (``small_stem: false``). ``small_stem`` swaps that stem for one 3x3/1 conv, so 28-32 px images keep their
     resolution into the first stage (as CIFAR ResNets do)."""
-    from timm.models.resnet import BasicBlock, Bottleneck, ResNet
-
     model = ResNet(
         block=Bottleneck if m.resnet_block == "bottleneck" else BasicBlock,
         layers=tuple(m.resnet_layers),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,10 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
+
+from interventions import InterventionsConfig
+from interventions import check as check_interventions
+from train.callbacks import is_callback_name, known_callbacks
 
 
 class RecipeError(ValueError):
@@ -117,47 +122,29 @@ class CallbackConfig:
     every: Optional[int] = field(default=None, metadata=_range(1))  # None: at every checkpoint
     options: dict = field(default_factory=dict)
 
-
-@dataclass
-class NoSkipConfig:
-    """Remove the residual connection(s) of these blocks: x = f(norm(x)) instead of x + f(norm(x))."""
-
-    blocks: list[int] = field(default_factory=list)
-    where: Literal["attn", "mlp", "both"] = "both"
-
-
-@dataclass
-class DataSubsetConfig:
-    """Pretrain on a class-balanced, seeded, nested subset of the train split (give fraction or count)."""
-
-    fraction: Optional[float] = field(default=None, metadata=_range(0.0, 1.0, lo_open=True))
-    count: Optional[int] = field(default=None, metadata=_range(1))
-    seed: int = field(default=0, metadata=_range(0))
-
-
-@dataclass
-class HeadMaskConfig:
-    """Zero the outputs of these attention heads of one block (an ablation)."""
-
-    block: int = field(default=0, metadata=_range(0))
-    heads: list[int] = field(default_factory=list)
-
-
-@dataclass
-class InterventionsConfig:
-    no_skip: Optional[NoSkipConfig] = None
-    data_subset: Optional[DataSubsetConfig] = None
-    head_mask: list[HeadMaskConfig] = field(default_factory=list)  # one mapping or a list of them
+    @classmethod
+    def from_recipe(cls, value):
+        """``name`` alone, or a mapping whose keys other than name / every / options are the callback's options."""
+        if isinstance(value, str):
+            return {"name": value}
+        if not isinstance(value, dict):
+            return value
+        own = {k: v for k, v in value.items() if k in ("name", "every", "options")}
+        extra = {k: v for k, v in value.items() if k not in own}
+        if extra and isinstance(own.get("options", {}), dict):
+            own["options"] = {**own.get("options", {}), **extra}
+        return own
 
 
 @dataclass
 class RunConfig:
     root: str = "runs"
-    name: Optional[str] = None  # default: recipe file name plus the overrides
+    name: Optional[str] = None  # default: recipe file name plus the overrides; a folder name, not a path
 
 
 # Fields added after runs had been trained, with the value that reproduces the earlier behaviour. Recipe.hash()
 # leaves such a field out while it holds that value, so runs trained before the field existed still resume.
+# (An intervention added later needs no entry: see _HASHED_WHEN_ABSENT.)
 ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("data", "in_memory"): "auto",
     ("data", "augment", "random_resized_crop"): False,
@@ -165,6 +152,19 @@ ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("model", "dropout"): 0.0,
     ("model", "mixer_token_ratio"): 0.5,
 }
+# The interventions that existed when the hash was defined: hashed even when absent (None / []), as they always
+# were. Any other intervention is left out of the hash while absent, so adding one keeps every hash.
+_HASHED_WHEN_ABSENT = ("no_skip", "data_subset", "head_mask")
+
+# Keys that may change when a run is resumed (--resume): they are left out of Recipe.resume_hash(). Cadences and
+# folders do not change the weights; train.steps (extend a run), train.lr, train.warmup_steps and train.grad_clip
+# (the advice after a divergence) change the schedule of the steps still to come: lr_at(step) is a function of the
+# recipe in force, so a resumed run with new values is exactly "old values up to the checkpoint, new ones after".
+RESUMABLE: tuple[str, ...] = (
+    "train.steps", "train.lr", "train.warmup_steps", "train.grad_clip",
+    "train.eval_every", "train.eval_batch_size", "train.checkpoint_every", "train.keep_last", "train.log_every",
+    "data.num_workers", "callbacks", "run", "sweep",
+)
 
 
 @dataclass
@@ -183,8 +183,7 @@ class Recipe:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def hash(self) -> str:
-        """sha256 (16 hex digits) of everything that changes what is trained (not the run folder's name)."""
+    def _hashed(self) -> dict:
         d = self.to_dict()
         d.pop("run")
         d.pop("sweep")
@@ -196,22 +195,114 @@ class Recipe:
                 sec = sec.get(p, {})
             if leaf in sec and sec[leaf] == default and type(sec[leaf]) is type(default):
                 sec.pop(leaf)
-        blob = json.dumps(d, sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        for name in list(d["interventions"]):
+            if name not in _HASHED_WHEN_ABSENT and d["interventions"][name] in (None, []):
+                d["interventions"].pop(name)
+        return d
+
+    def hash(self) -> str:
+        """sha256 (16 hex digits) of everything that changes what is trained (not the run folder's name nor the
+        callbacks): the recipe's fingerprint, recorded in every checkpoint's meta.json."""
+        return _digest(self._hashed())
+
+    def resume_hash(self) -> str:
+        """:meth:`hash` without the :data:`RESUMABLE` keys: what must stay the same for ``--resume``."""
+        d = self._hashed()
+        for key in RESUMABLE:
+            *parents, leaf = key.split(".")
+            sec = d
+            for p in parents:
+                sec = sec.get(p, {})
+            sec.pop(leaf, None)
+        return _digest(d)
 
 
-# ---------------------------------------------------------------- loading
+def _digest(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def resume_conflicts(recipe: Recipe, meta: dict, saved: dict | None) -> list[str] | None:
+    """Whether ``recipe`` may resume the checkpoint whose meta.json is ``meta``: None when it may, else the dotted
+    keys that differ and may not change (empty when they cannot be named). ``saved`` is the run's resolved
+    recipe.yaml (a dict), used to name the keys and to judge checkpoints written before ``resume_hash`` was
+    recorded (its own hash must then be the checkpoint's)."""
+    if "resume_hash" in meta:
+        same = meta["resume_hash"] == recipe.resume_hash()
+    elif meta.get("recipe_hash") == recipe.hash():
+        same = True
+    else:
+        try:
+            old = from_dict(saved, name=saved.get("name", "recipe")) if isinstance(saved, dict) else None
+        except RecipeError:
+            old = None
+        same = old is not None and old.hash() == meta.get("recipe_hash") and old.resume_hash() == recipe.resume_hash()
+    if same:
+        return None
+    if not isinstance(saved, dict):
+        return []
+    old, new = flatten(saved), flatten(recipe.to_dict())
+    free = tuple(RESUMABLE)
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and not (k in free or k.startswith(tuple(f + "." for f in free))))
+
+
+# ---------------------------------------------------------------- reading YAML
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, line: int):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.line = key, line
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, plus: ``1e-3`` is a float (YAML 1.2; YAML 1.1 wants ``1.0e-3`` and reads ``1e-3``
+    as a string), and a key given twice in one mapping is an error (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            try:
+                key = self.construct_object(key_node, deep=True)
+                hash(key)
+            except (TypeError, yaml.YAMLError):
+                continue  # SafeLoader itself reports an unhashable key
+            if key in seen and key != "<<":
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(text: str, where: str):
+    """Parse YAML ``text`` with :class:`_Loader`; a syntax error or a duplicate key is one sentence about ``where``."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except _DuplicateKey as e:
+        raise RecipeError(f"{where} gives the key '{e.key}' twice (line {e.line}): keep one of them.") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"{where} is not valid YAML{at}: fix the syntax there.") from None
 
 
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise RecipeError(f"recipe file '{path}' does not exist: pass the path of a YAML file such as recipes/default.yaml.")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise RecipeError(f"recipe file '{path}' is not valid YAML{where}: fix the syntax there.") from None
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        text = "\0"
+    if "\0" in text:
+        raise RecipeError(f"recipe file '{path}' is not a text file (binary or not UTF-8): pass a YAML recipe such as recipes/default.yaml.")
+    data = _yaml(text, f"recipe file '{path}'")
+    if data is None:
+        raise RecipeError(f"recipe file '{path}' is empty (no keys, only comments or blank lines): write the keys to change, or 'base: default.yaml'.")
     if not isinstance(data, dict):
         raise RecipeError(f"recipe file '{path}' must hold a mapping of keys (data:, model:, train:, ...), not a {type(data).__name__}.")
     return data
@@ -244,8 +335,8 @@ def _set_override(d: dict, assignment: str) -> None:
         raise RecipeError(f"override '{assignment}' must look like key.sub=value (e.g. train.steps=200).")
     key, raw = assignment.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+        value = _yaml(raw, f"override '{assignment}'") if raw.strip() else None
+    except RecipeError:
         value = raw
     parts = key.strip().split(".")
     cur = d
@@ -259,108 +350,83 @@ def _set_override(d: dict, assignment: str) -> None:
     cur[parts[-1]] = value
 
 
+# ---------------------------------------------------------------- validation against the dataclasses' field types
+
+
+_SCALARS = {bool: (bool,), int: (int,), float: (int, float), str: (str,), dict: (dict,)}  # type -> accepted Python types
+_YAML_BOOL_WORDS = {False: {"no", "off", "false"}, True: {"yes", "on", "true"}}  # YAML 1.1 reads these as booleans
+
+
 def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+        return "one of " + ", ".join(repr(a) for a in args)
     if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+        return " or ".join(_type_name(a) for a in args)
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        return f"a list of {_type_name(args[0])}"
     if tp is type(None):
         return "null"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return getattr(tp, "__name__", str(tp))
+    return "a mapping" if dataclasses.is_dataclass(tp) else getattr(tp, "__name__", str(tp))
 
 
 def _convert(value: Any, tp, key: str):
-    origin = typing.get_origin(tp)
-    bad = RecipeError(f"key '{key}' must be {_type_name(tp)}, got {value!r}.")
+    """``value`` checked against the field type ``tp`` (scalars, Optional / Union, Literal, list, nested
+    dataclasses); a dataclass may define ``from_recipe(value)`` to accept a shorthand. RecipeError if it does not fit."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
         real = [a for a in args if a is not type(None)]
         if len(real) == 1:  # Optional[X]: X's own, more precise message
             return _convert(value, real[0], key)
-        for a in args:
-            if a is type(None):
-                continue
+        for a in real:
             try:
                 return _convert(value, a, key)
             except RecipeError:
                 pass
-        raise bad
-    if origin is Literal:
-        if isinstance(value, bool):  # YAML 1.1 reads no/off/yes/on as booleans
-            spelled = {"no", "off", "false"} if not value else {"yes", "on", "true"}
-            value = next((a for a in typing.get_args(tp) if str(a).lower() in spelled), value)
-        if value in typing.get_args(tp) and not isinstance(value, bool):
-            return value
-        raise bad
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if isinstance(value, dict) and dataclasses.is_dataclass(item):
-            value = [value]  # one mapping where a list of them is expected
-        if not isinstance(value, list):
-            raise bad
-        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if tp is CallbackConfig and isinstance(value, str):
-            value = {"name": value}
-        if not isinstance(value, dict):
-            raise bad
-        return _build(tp, value, key)
-    if tp is bool:
+    elif origin is Literal:
         if isinstance(value, bool):
+            value = next((a for a in args if str(a).lower() in _YAML_BOOL_WORDS[value]), value)
+        if value in args and not isinstance(value, bool):
             return value
-        raise bad
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    if tp is dict:
+    elif origin is list:
+        if isinstance(value, dict) and dataclasses.is_dataclass(args[0]):
+            value = [value]  # one mapping where a list of them is expected
+        if isinstance(value, list):
+            return [_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    elif dataclasses.is_dataclass(tp):
+        value = tp.from_recipe(value) if hasattr(tp, "from_recipe") else value
         if isinstance(value, dict):
-            return value
-        raise bad
-    raise TypeError(f"unsupported schema type {tp} for {key}")  # a bug in the schema, not in the recipe
+            return _build(tp, value, key)
+    elif tp in _SCALARS:
+        if isinstance(value, _SCALARS[tp]) and (tp is bool or not isinstance(value, bool)):
+            return float(value) if tp is float else value
+    else:
+        raise TypeError(f"unsupported schema type {tp} for {key}")  # a bug in the schema, not in the recipe
+    raise RecipeError(f"key '{key}' must be {_type_name(tp)}, got {value!r}.")
 
 
 def _check_range(value, meta: dict, key: str) -> None:
+    """``metadata`` {lo, hi, lo_open} of a numeric field (see :func:`_range`)."""
     if not meta or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
     lo, hi, lo_open = meta.get("lo"), meta.get("hi"), meta.get("lo_open")
-    ok = (lo is None or (value > lo if lo_open else value >= lo)) and (hi is None or value <= hi)
-    if not ok:
-        lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
-        hi_s = "" if hi is None else f"<= {hi}"
-        raise RecipeError(f"key '{key}' is {value}, out of range: it must be {' and '.join(s for s in (lo_s, hi_s) if s)}.")
+    if (lo is None or (value > lo if lo_open else value >= lo)) and (hi is None or value <= hi):
+        return
+    lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
+    hi_s = "" if hi is None else f"<= {hi}"
+    raise RecipeError(f"key '{key}' is {value}, out of range: it must be {' and '.join(s for s in (lo_s, hi_s) if s)}.")
 
 
 def _build(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    if cls is CallbackConfig:  # extra keys of a callback entry are its options
-        data = dict(data)
-        opts = {k: data.pop(k) for k in list(data) if k not in fields}
-        data.setdefault("options", {})
-        if isinstance(data["options"], dict):
-            data["options"] = {**data["options"], **opts}
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in fields:
-            allowed = ", ".join(sorted(fields))
-            raise RecipeError(f"unknown key '{key}': allowed keys here are {allowed}.")
+            raise RecipeError(f"unknown key '{key}': allowed keys here are {', '.join(sorted(fields))}.")
         kwargs[k] = _convert(v, hints[k], key)
         _check_range(kwargs[k], fields[k].metadata, key)
     for name, f in fields.items():
@@ -398,8 +464,6 @@ def _cross_checks(r: Recipe) -> None:
         raise RecipeError(f"key 'train.min_lr' ({t.min_lr}) must not exceed 'train.lr' ({t.lr}).")
     if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
         raise RecipeError(f"key 'train.betas' must be two numbers in [0, 1), got {t.betas}.")
-    from train.callbacks import is_callback_name, known_callbacks
-
     known = known_callbacks()
     for i, cb in enumerate(r.callbacks):
         if not is_callback_name(cb.name):
@@ -407,9 +471,12 @@ def _cross_checks(r: Recipe) -> None:
     for k, v in r.sweep.items():
         if not isinstance(v, list) or not v:
             raise RecipeError(f"key 'sweep.{k}' must be a non-empty list of values to try.")
-    from interventions import validate_interventions
-
-    validate_interventions(r)
+    name = r.run.name
+    if name is not None and (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name):
+        raise RecipeError(f"key 'run.name' ({name!r}, also --name) must be a folder name, not a path: no '/', '\\' or '..' (the folder goes under run.root).")
+    msg = check_interventions(r)
+    if msg:
+        raise RecipeError(msg)
 
 
 def from_dict(data: dict, name: str = "recipe") -> Recipe:

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 from train.checkpoint import CheckpointError, list_checkpoints, resolve_resume, save_checkpoint, verify_checkpoint
-from train.recipe import Recipe, RecipeError, dump, flatten, run_name
+from train.recipe import Recipe, RecipeError, dump, flatten, resume_conflicts, run_name
 
 
 class TrainingDiverged(RuntimeError):
@@ -132,16 +133,12 @@ def prepare_run(recipe: Recipe, overrides=(), resume: bool | str = False) -> tup
         start = resolve_resume(ckpt_root, resume if isinstance(resume, str) else None)
         if start is not None:
             meta = verify_checkpoint(start)
-            if meta.get("recipe_hash") != recipe.hash():
-                saved = run_dir / "recipe.yaml"
-                diff = ""
-                if saved.is_file():
-                    import yaml
-
-                    old, new = flatten(yaml.safe_load(saved.read_text())), flatten(recipe.to_dict())
-                    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and not k.startswith(("run.", "callbacks")))
-                    diff = f" (keys that differ: {', '.join(keys[:6])})" if keys else ""
-                raise RecipeError(f"cannot resume {start}: it was trained with a different recipe{diff}; resume with the same recipe and overrides, or start a new run with --name.")
+            saved = run_dir / "recipe.yaml"
+            keys = resume_conflicts(recipe, meta, yaml.safe_load(saved.read_text()) if saved.is_file() else None)
+            if keys is not None:
+                diff = f" (keys that differ: {', '.join(keys[:6])})" if keys else ""
+                raise RecipeError(f"cannot resume {start}: it was trained with a different recipe{diff}; resume with the same recipe and overrides "
+                                  "(cadences, train.steps, train.lr, train.warmup_steps and train.grad_clip may change), or start a new run with --name.")
     return run_dir, start, meta
 
 
@@ -156,7 +153,7 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
 
     t_start = time.perf_counter()
     run_dir, start_ckpt, start_meta = prepare_run(recipe, overrides, resume)
-    if start_meta.get("final"):
+    if start_meta.get("final") and int(start_meta["step"]) >= recipe.train.steps:  # train.steps raised: the run goes on
         return {"run_dir": str(run_dir), "step": start_meta["step"], "top1": start_meta.get("eval", {}).get("top1"), "already_finished": True}
     callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
     acc = make_accelerator(recipe, run_dir)
@@ -199,7 +196,7 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
     writer = acc.get_tracker("tensorboard", unwrap=True) if main else None
     global_batch = t.batch_size * t.grad_accum * acc.num_processes
     run_info = {
-        "recipe_hash": recipe.hash(), "interventions": describe(recipe), "data": data.meta,
+        "recipe_hash": recipe.hash(), "resume_hash": recipe.resume_hash(), "interventions": describe(recipe), "data": data.meta,
         "num_processes": acc.num_processes, "global_batch": global_batch, "num_classes": data.num_classes,
         "torch_threads": torch.get_num_threads(),
     }

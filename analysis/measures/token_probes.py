@@ -12,7 +12,7 @@ is trained on that single token's features alone and scored on the analysis imag
 with the probe of analysis.probing (closed-form ridge onto {-1, 1}^K targets, ViT paper §4.1) run through
 :func:`analysis.probing.probe_layers`, under exactly the conventions of the suite's per-layer probes
 (analysis/probing.py :func:`probe_split`): the probe-train split is halved class-balanced with
-``train.data.balanced_indices(labels, n // 2, seed=12345)``; the shots (option ``shots`` per class, default 10) of
+``train.splits.balanced_indices(labels, n // 2, seed=12345)``; the shots (option ``shots`` per class, default 10) of
 seed s are drawn from that first half by ``sample_shots(labels, shots, s)`` (option ``seeds``, default (0, 1, 2)),
 and the ridge regulariser is picked on the second half. ``mean_over_tokens[l]`` is the mean of ``acc[l]`` over the
 spatial tokens (Fig. 11 left: CLS excluded); a CLS model's class token (token 0) gets the same probe, ``cls_acc[l]``.
