@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import timm
 import torch
 from tqdm.auto import tqdm
 
@@ -103,19 +104,18 @@ def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: li
 
 def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, img_size: int) -> torch.nn.Module:
     """timm.create_model(arch) for the data's shape, with weights from a safetensors file (or timm's pretrained)."""
-    import timm
-
     name = arch[5:]
-    kw = {"num_classes": num_classes, "in_chans": in_chans}
+    kw = {"num_classes": num_classes, "in_chans": in_chans, "pretrained": weights == "pretrained"}
     try:
-        model = timm.create_model(name, pretrained=weights == "pretrained", img_size=img_size, **kw)
-    except TypeError:  # models without an img_size argument (ResNets)
-        model = timm.create_model(name, pretrained=weights == "pretrained", **kw)
+        try:
+            model = timm.create_model(name, img_size=img_size, **kw)
+        except TypeError:  # models without an img_size argument (ResNets)
+            model = timm.create_model(name, **kw)
     except RuntimeError as e:
         if "Unknown model" in str(e):
             raise AnalysisError(f"timm has no architecture '{name}': see timm.list_models().") from None
         raise
-    except OSError as e:
+    except OSError as e:  # also what huggingface_hub raises offline (its errors subclass OSError)
         raise AnalysisError(f"timm could not download the pretrained weights of '{name}' ({type(e).__name__}): pass a local "
                             "--weights FILE.safetensors when offline.") from None
     if weights != "pretrained":

@@ -144,6 +144,11 @@ def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path
     _bad(capsys, [str(empty)], "has no complete checkpoint", tmp_path)
     _bad(capsys, [str(run), "--steps", "5"], "no checkpoint at step 5", tmp_path)
     _bad(capsys, [str(run), "--measures", "cka,nope"], "unknown measure 'nope'", tmp_path)
+    _bad(capsys, [str(run), "--opt", "knn.kk=3"], "unknown option 'knn.kk'", tmp_path)
+    _bad(capsys, [str(run), "--opt", "fewshot_probe.shots=0"], "shots must be at least 1", tmp_path)
+    _bad(capsys, [str(run), "--opt", "token_probes.seeds=a,b"], "must be an integer", tmp_path)
+    _bad(capsys, [str(run), "--opt", "knn=3"], "MEASURE.OPTION=VALUE", tmp_path)
+    _bad(capsys, [str(run), "--measures", "fewshot_probe", "--opt", "fewshot_probe.shots=20"], "probe_train_size to at least 400", tmp_path)
     argv = [str(run), "--batch-size", "62"]  # 64 images: a last minibatch of 2, too few for minibatch CKA
     before = _tree(tmp_path)
     assert main(argv + ARGS[2:]) == 2 and "leave a last minibatch of 2" in capsys.readouterr().err and _tree(tmp_path) == before
@@ -160,10 +165,31 @@ def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path
     _bad(capsys, ["--model", "timm:resnet10t", "--weights", str(tmp_path / "w.safetensors"), "--recipe", str(p), "--out",
                   str(tmp_path / "ext")], "do not fit this model", tmp_path)
     assert not (tmp_path / "ext").exists()
+    # timm's pretrained weights offline (the tests run with HF_HUB_OFFLINE=1), for a model without img_size too
+    _bad(capsys, ["--model", "timm:resnet10t", "--weights", "pretrained", "--recipe", str(p), "--out", str(tmp_path / "ext")],
+         "could not download", tmp_path)
+    # a corrupted LATER checkpoint: nothing is written for the earlier one either
+    w = run / "checkpoints" / "step_0000008" / "model.safetensors"
+    good = w.read_bytes()
+    w.write_bytes(good[:-10] + b"0" * 10)
+    _bad(capsys, [str(run), "--force"], "corrupted", run / "analysis")
+    w.write_bytes(good)
     # a corrupted checkpoint
     w = run / "checkpoints" / "step_0000008" / "model.safetensors"
     w.write_bytes(w.read_bytes()[:-10] + b"0" * 10)
     _bad(capsys, [str(run), "--steps", "8", "--force"], "corrupted", run / "analysis")
+
+
+def test_a_truncated_cached_result_is_recomputed(runs, tmp_path, monkeypatch):
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    f = run / "analysis" / "step_0000004" / "cka.npz"
+    f.write_bytes(f.read_bytes()[:100])
+    calls = []
+    real = S.run_suite
+    monkeypatch.setattr(S, "run_suite", lambda *a, **k: calls.append(k.get("measures")) or real(*a, **k))
+    assert main([str(run), *ARGS]) == 0
+    assert calls == [["cka"]] and np.load(f)["matrix"].shape == (4, 4)
 
 
 def test_launch_sh_analyze_is_wired():
