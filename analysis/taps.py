@@ -3,8 +3,10 @@
 ViT block i (``blocks.{i}.``), with z the residual stream and f the sublayer branches::
 
     in           block input z_i                          (pre-hook on the block)
+    norm1        norm1(z_i), the attention's input        (output of norm1)
     attn_branch  f_attn(norm1(z_i)), after ls1/drop_path1 (output of drop_path1)
     attn_out     residual stream after the attention sublayer, z_i + f_attn (input of norm2)
+    norm2        norm2(attn_out), the MLP's input         (output of norm2)
     mlp_hidden   MLP hidden activations                   (output of mlp.act)
     mlp_branch   f_mlp(norm2(.)), after ls2/drop_path2    (output of drop_path2)
     out          block output                             (output of the block)
@@ -15,16 +17,30 @@ ViT block i (``blocks.{i}.``), with z the residual stream and f the sublayer bra
                  attention has no norm module; works with fused attention)
 
 For a no-skip block (interventions.no_skip) ``attn_out`` is the branch alone, as the block computes it.
-ResNet residual block (``layer{s}.{j}.``): ``in`` (block input), ``branch`` (residual branch, output of its
-drop_path), ``shortcut`` (identity or downsample output) and ``out`` (block output, after the final act).
+
+ResNet residual block (``layer{s}.{j}.``, timm BasicBlock or Bottleneck)::
+
+    in           block input                              (pre-hook on the block)
+    conv1 bn1 act1 conv2 bn2            BasicBlock: the layers inside the branch (outputs of those modules)
+    conv1 bn1 act1 conv2 bn2 act2 conv3 bn3   Bottleneck: the same
+    branch       residual branch, after se/drop_path      (output of the branch's last module)
+    shortcut     identity (the block input) or the downsample's output
+    out          block output, act(shortcut + branch)     (output of the block)
+
+The block's final activation is ``out`` (BasicBlock ``act2``, Bottleneck ``act3``), so it has no tap of its own:
+an ``act{n}`` is tapped only when a ``conv{n+1}`` follows it. ``bn*`` outputs are cloned when captured, because
+the next activation (ReLU(inplace=True)) or the shortcut addition overwrite them in place.
+:func:`block_kinds` lists the kinds of one block (they depend on the block type).
 
 MLP-Mixer block i (``blocks.{i}.``, timm MixerBlock: z' = z + dp(T(mlp_tokens(T(norm1(z))))),
 out = z' + dp(mlp_channels(norm2(z'))), T = transpose of tokens and channels) has the ViT tap names with
 token mixing in the place of attention, so measures written for ViT blocks read the same positions::
 
     in           block input z_i                          (pre-hook on the block)
+    norm1        norm1(z_i), the token-mixing MLP's input (output of norm1)
     attn_branch  token-mixing branch, after drop_path     (1st call of the block's drop_path)
     attn_out     stream after token mixing, z_i + branch  (input of norm2)
+    norm2        norm2(attn_out), the channel MLP's input (output of norm2)
     mlp_hidden   channel-mixing MLP hidden activations    (output of mlp_channels.act)
     mlp_branch   channel-mixing branch, after drop_path   (2nd call of the block's drop_path)
     out          block output                             (output of the block)
@@ -49,9 +65,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-VIT_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "attn_probs", "heads")
-RESNET_KINDS = ("in", "branch", "shortcut", "out")
-MIXER_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out")
+VIT_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "attn_probs", "heads", "norm1", "norm2")
+RESNET_KINDS = ("in", "branch", "shortcut", "out")  # every residual block; the layers inside: RESNET_INNER_KINDS
+RESNET_INNER_KINDS = ("conv1", "bn1", "act1", "conv2", "bn2", "act2", "conv3", "bn3")  # those the block has (block_kinds)
+MIXER_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "norm1", "norm2")
 
 
 class TapError(RuntimeError):
@@ -106,9 +123,28 @@ def block_names(model: nn.Module) -> list[str]:
     return [n for n, _ in resnet_blocks(model)]
 
 
+def resnet_inner_kinds(blk: nn.Module) -> tuple[str, ...]:
+    """The layers inside a ResNet block that have taps, in forward order: ``conv{n}``/``bn{n}`` where the block
+    has them, ``act{n}`` only when ``conv{n+1}`` follows (the last activation is the block output ``out``)."""
+    def has(name):
+        return isinstance(getattr(blk, name, None), nn.Module)
+
+    return tuple(k for k in RESNET_INNER_KINDS if has(k) and (not k.startswith("act") or has(f"conv{int(k[3:]) + 1}")))
+
+
+def block_kinds(model: nn.Module, block: str) -> tuple[str, ...]:
+    """The tap kinds of one block (``blocks.3``, ``layer2.0``): the architecture's kinds, and for a ResNet block
+    also the layers inside it (:func:`resnet_inner_kinds`)."""
+    arch = arch_of(model)
+    if arch == "vit":
+        return VIT_KINDS
+    if arch == "mixer":
+        return MIXER_KINDS
+    return RESNET_KINDS + resnet_inner_kinds(model.get_submodule(block))
+
+
 def available_taps(model: nn.Module) -> list[str]:
-    kinds = {"vit": VIT_KINDS, "mixer": MIXER_KINDS, "resnet": RESNET_KINDS}[arch_of(model)]
-    return [f"{b}.{k}" for b in block_names(model) for k in kinds]
+    return [f"{b}.{k}" for b in block_names(model) for k in block_kinds(model, b)]
 
 
 def grid_of(model: nn.Module) -> tuple[int, int]:
@@ -134,6 +170,10 @@ class Taps:
         known = set(available_taps(model))
         bad = [n for n in self.names if n not in known]
         if bad:
+            blk = bad[0].rsplit(".", 1)[0]
+            if blk in block_names(model):
+                raise TapError(f"unknown tap '{bad[0]}' for {type(model).__name__}: the tap kinds of {blk} are "
+                               f"{', '.join(block_kinds(model, blk))} (see analysis/taps.py).")
             raise TapError(f"unknown tap '{bad[0]}' for {type(model).__name__}: taps look like {sorted(known)[:3]} ... (see analysis/taps.py).")
         self.captures: dict = {}
         self._handles: list = []
@@ -189,6 +229,10 @@ class Taps:
                     reg(blk.register_forward_pre_hook(self._in(name)))
                 elif kind == "out":
                     reg(blk.register_forward_hook(self._out(name)))
+                elif kind in ("norm1", "norm2"):
+                    reg(getattr(blk, kind).register_forward_hook(self._out(name)))
+                elif kind in RESNET_INNER_KINDS:  # bn outputs are overwritten in place by the next ReLU or the shortcut add
+                    reg(getattr(blk, kind).register_forward_hook(self._out(name, clone=kind.startswith("bn"))))
                 elif kind == "attn_branch":
                     reg(blk.drop_path1.register_forward_hook(self._out(name)))
                 elif kind == "attn_out":
@@ -225,6 +269,9 @@ class Taps:
             reg(blk.register_forward_hook(self._out(p + "out")))
         if "attn_out" in kinds:
             reg(blk.norm2.register_forward_pre_hook(self._in(p + "attn_out")))
+        for k in ("norm1", "norm2"):
+            if k in kinds:
+                reg(getattr(blk, k).register_forward_hook(self._out(p + k)))
         if "mlp_hidden" in kinds:
             reg(blk.mlp_channels.act.register_forward_hook(self._out(p + "mlp_hidden")))
         branches = [(i, p + k) for i, k in enumerate(("attn_branch", "mlp_branch")) if k in kinds]

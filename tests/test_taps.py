@@ -40,6 +40,9 @@ def test_vit_taps_on_every_variant(variant):
         assert z.shape == (2, T, 32) and cap[p + "mlp_hidden"].shape == (2, T, 64)
         probs = cap[p + "attn_probs"]
         assert probs.shape == (2, 4, T, T) and torch.allclose(probs.sum(-1), torch.ones(2, 4, T), atol=1e-5)
+        blk = m.blocks[i]
+        with torch.no_grad():  # the norm taps are what the sublayers read, on every variant
+            assert torch.allclose(cap[p + "norm1"], blk.norm1(z), atol=1e-6) and torch.allclose(cap[p + "norm2"], blk.norm2(mid), atol=1e-6)
         if variant == "noskip" and i == 1:
             assert torch.allclose(mid, a) and torch.allclose(o, f)
         else:
@@ -65,6 +68,10 @@ def test_resnet_taps():
         s, f, o = cap[f"{b}.shortcut"], cap[f"{b}.branch"], cap[f"{b}.out"]
         assert torch.allclose(o, torch.relu(s + f), atol=1e-5), "out = act(shortcut + branch): the branch was captured before the in-place add"
     assert cap["layer2.0.branch"].shape == (2, 16, 14, 14)
+    # the layers inside each BasicBlock are tapped too (checked against the block's maths in tests/test_cka_layers.py)
+    assert [n for n in available_taps(m) if n.startswith("layer1.0.")] == [
+        f"layer1.0.{k}" for k in ("in", "branch", "shortcut", "out", "conv1", "bn1", "act1", "conv2", "bn2")]
+    assert torch.allclose(cap["layer2.0.bn2"], cap["layer2.0.branch"]) and cap["layer2.0.act1"].min() >= 0
 
 
 def test_tap_that_never_fires_raises_and_unknown_tap_is_named():
