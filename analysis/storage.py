@@ -145,15 +145,19 @@ def make_figures(res: dict, step: int | None = None) -> dict:
     return figs
 
 
+SCALAR_PREFIX = "analysis/"  # one TensorBoard group for every analysis scalar, beside train/, eval/ and time/
+
+
 def log_results(res: dict, writer, step: int) -> None:
-    """TensorBoard scalars of every measure (tags such as ``cka/mean_offdiag``), through the raw SummaryWriter."""
+    """TensorBoard scalars of every measure under ``analysis/`` (e.g. ``analysis/cka/mean_offdiag``), so the
+    training and eval curves are not spread among dozens of analysis groups; through the raw SummaryWriter."""
     if writer is None:
         return
     reg = registry()
     for name, r in res.items():
         if name in reg:
             for tag, v in reg[name].scalars(r).items():
-                writer.add_scalar(tag, v, step)
+                writer.add_scalar(SCALAR_PREFIX + tag, v, step)
 
 
 def publish(res: dict, out_dir: Path, writer=None, step: int | None = None, figures: bool = True, keys: dict | None = None,

@@ -184,7 +184,7 @@ def test_the_suite_runs_once_at_a_step_that_is_both_due_and_a_checkpoint(write_r
     p = write_recipe("twice", callbacks=[{"name": "analysis_suite", "every": 2, "batch_size": 32, "measures": ["cka"]}])
     run = Path(train(load_recipe(p), progress=False)["run_dir"])
     assert len(calls) == 4
-    assert [s for s, _ in read_scalars(run)["cka/mean_offdiag"]] == [2, 4, 6, 8]
+    assert [s for s, _ in read_scalars(run)["analysis/cka/mean_offdiag"]] == [2, 4, 6, 8]
     assert (run / "analysis" / "step_0000004" / "cache.json").read_text().count("cka") == 1  # the checkpoint's run is keyed
 
 

@@ -69,7 +69,7 @@ def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, t
     sc = read_scalars(run)
     for tag in ("cka/mean_offdiag", "norm_ratio/attn/cls/block00", "norm_ratio/mlp/spatial/block01", "attn_dist/block01/head01",
                 "probe/10shot/cls/block01"):
-        assert tag in sc and [s for s, _ in sc[tag]] == [4, 8], tag
+        assert "analysis/" + tag in sc and [s for s, _ in sc["analysis/" + tag]] == [4, 8], tag
     cb = dict(sc["time/callbacks_s"])
     assert cb[4] > 0.05 and {4, 8} <= set(cb)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
