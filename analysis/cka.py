@@ -82,10 +82,11 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
     cols = -(-p // chunks)  # equal chunks
     k = torch.zeros(n, n, dtype=torch.float64, device=x.device)
     buf, g = torch.empty(n, cols, dtype=dt, device=x.device), torch.empty(n, n, dtype=dt, device=x.device)
+    m = x.mean(0, dtype=dt)  # once: a mean over a column chunk (a strided slice) is slow with 2 threads
     for c in range(0, p, cols):
         xc = x[:, c:c + cols]
         b = buf[:, :xc.shape[1]]
-        torch.sub(xc, xc.mean(0, dtype=dt), out=b)
+        torch.sub(xc, m[c:c + cols], out=b)
         torch.mm(b, b.T, out=g)
         k += g
     return k
