@@ -22,7 +22,7 @@ a real ViT-S over 2,048 images takes minutes on CPU). Timings do not depend on t
 Threads are pinned (torch.set_num_threads and the OpenMP / MKL environment) and the settings are interleaved:
 for each repeat, each thread count, each width, the variants run in an order rotated by one at every repeat, so
 that machine noise (this is a shared machine) hits all alike; each figure is the minimum over repeats. Peak
-memory (ru_maxrss of a fresh process streaming minibatches through ``new`` or ``old``) must stay flat in the
+memory (VmHWM of a fresh process streaming minibatches through ``new`` or ``old``) must stay flat in the
 number of images. The last lines, one per width and thread count, start with ``RATIO``.
 """
 from __future__ import annotations
@@ -222,7 +222,11 @@ def peak_rss(width: str, variant: str, images: int, batch: int, smoke: bool) -> 
     for reps in feature_stream(width, images, batch, smoke, distinct=None):
         acc.update(reps)
     acc.compute()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB
+    try:  # this process's own high-water mark: ru_maxrss keeps the parent's peak across fork + exec on Linux
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024  # MiB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ---------------------------------------------------------------- main
