@@ -118,7 +118,7 @@ def _worker(rank, world, init, path, q):
         m.update(batches[j])
     m.sync()
     if rank == 0:
-        q.put(m.compute())
+        q.put(m.compute().tolist())  # plain numbers: a shared tensor needs this process alive until it is read
     torch.distributed.destroy_process_group()
 
 
@@ -135,7 +135,7 @@ def test_two_processes_agree_with_one():
         procs = [ctx.Process(target=_worker, args=(r, 2, init, d, q)) for r in range(2)]
         for p in procs:
             p.start()
-        two = q.get(timeout=120)
+        two = torch.tensor(q.get(timeout=120), dtype=torch.float64)
         for p in procs:
             p.join(timeout=60)
     assert torch.allclose(torch.diagonal(one.compute()), torch.ones(2, dtype=torch.float64))
