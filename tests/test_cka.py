@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from analysis.similarity import MinibatchCKA, cka, represent
+from analysis.similarity import MinibatchCKA, center_unbiased, cka, represent
 
 
 def ref_cka(x, y, unbiased=True):
@@ -118,7 +118,7 @@ def _worker(rank, world, init, path, q):
         m.update(batches[j])
     m.sync()
     if rank == 0:
-        q.put(m.compute())
+        q.put(m.compute().tolist())  # plain numbers: a shared tensor needs this process alive until it is read
     torch.distributed.destroy_process_group()
 
 
@@ -135,8 +135,117 @@ def test_two_processes_agree_with_one():
         procs = [ctx.Process(target=_worker, args=(r, 2, init, d, q)) for r in range(2)]
         for p in procs:
             p.start()
-        two = q.get(timeout=120)
+        two = torch.tensor(q.get(timeout=120), dtype=torch.float64)
         for p in procs:
             p.join(timeout=60)
     assert torch.allclose(torch.diagonal(one.compute()), torch.ones(2, dtype=torch.float64))
     assert torch.allclose(two, one.compute(), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- float32 Grams of centred features vs float64
+
+
+def old_minibatch_cka(batches, unbiased=True):
+    """The float64 algorithm MinibatchCKA used before: each layer copied to float64, K = X X^T uncentred, U(K) or
+    HKH, all pairs from one product, HSIC summed over minibatches."""
+    xy = None
+    for reps in batches:
+        n = reps[0].shape[0]
+        ks = []
+        for r in reps:
+            x = r.reshape(n, -1).double()
+            k = x @ x.T
+            if unbiased:
+                k.fill_diagonal_(0)
+                means = k.sum(0) / (n - 2)
+                means = means - means.sum() / (2 * (n - 1))
+                k = k - means[:, None] - means[None, :]
+                k.fill_diagonal_(0)
+            else:
+                h = torch.eye(n, dtype=torch.float64) - 1.0 / n
+                k = h @ k @ h
+            ks.append(k.reshape(-1))
+        g = torch.stack(ks)
+        s = g @ g.T / (n * (n - 3) if unbiased else (n - 1) ** 2)
+        xy = s if xy is None else xy + s
+    d = torch.diagonal(xy)
+    return xy / torch.sqrt(d[:, None] * d[None, :])
+
+
+def _layers(kind, g, n=256, batches=2, p=600):
+    """Four float32 layers of [batches * n, p] features: 'random' (a chain of noisy Gaussian layers plus one
+    independent layer), 'lowrank_offset' (rank-5 signals riding on per-feature means 300x their size, as in a
+    residual stream's large-mean channels), 'bf16' (random, stored as bfloat16)."""
+    N = batches * n
+    if kind in ("random", "bf16"):
+        h = torch.randn(N, p, generator=g, dtype=torch.float64)
+        layers = [h, h + 0.7 * torch.randn(N, p, generator=g, dtype=torch.float64)]
+        layers += [layers[1] @ torch.randn(p, p, generator=g, dtype=torch.float64) / p ** 0.5, torch.randn(N, p, generator=g, dtype=torch.float64)]
+    else:
+        z = torch.randn(N, 5, generator=g, dtype=torch.float64)
+        layers = []
+        for a in (1.0, 0.8, 0.5, 0.0):  # latents shared with the first layer's in share a
+            zi = a * z + (1 - a * a) ** 0.5 * torch.randn(N, 5, generator=g, dtype=torch.float64)
+            layers.append(zi @ torch.randn(5, p, generator=g, dtype=torch.float64) + 0.3 * torch.randn(N, p, generator=g, dtype=torch.float64))
+        layers = [x + 300 * torch.randn(p, generator=g, dtype=torch.float64) for x in layers]
+    dt = torch.bfloat16 if kind == "bf16" else torch.float32
+    layers = [x.to(dt) for x in layers]
+    return [[x[b * n:(b + 1) * n] for x in layers] for b in range(batches)]
+
+
+@pytest.mark.parametrize("kind", ["random", "lowrank_offset", "bf16"])
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_float32_centred_grams_agree_with_float64(kind, unbiased):
+    batches = _layers(kind, torch.Generator().manual_seed(6))
+    ref = old_minibatch_cka(batches, unbiased)
+    m = MinibatchCKA(unbiased)
+    for b in batches:
+        m.update(b)
+    new = m.compute()
+    assert new.dtype == torch.float64
+    # |CKA| <= 1: 1e-8 absolute everywhere, and relative on entries >= 0.1 (near 0, as for independent layers
+    # under HSIC_1, a relative error only measures the cancellation in the reference itself)
+    d, big = (new - ref).abs(), ref.abs() >= 0.1
+    assert d.max() < 1e-8 and (d[big] / ref.abs()[big]).max() < 1e-8
+    assert ref.min() < 0.65 and ref[ref < 0.999].max() > 0.6  # not a degenerate case: related and less related layers
+    if kind == "lowrank_offset":  # where centring matters: float32 Grams of the raw features are far off
+        raw = torch.stack([(x.reshape(len(x), -1) @ x.reshape(len(x), -1).T).double() for x in batches[0]])
+        u = torch.stack([center_unbiased(k) for k in raw]).reshape(4, -1)
+        naive = (u @ u.T) / torch.sqrt(torch.diagonal(u @ u.T)[:, None] * torch.diagonal(u @ u.T)[None, :])
+        one = old_minibatch_cka(batches[:1])
+        assert (naive - one).abs().max() > 1e-5  # 1,000x the tolerance above
+
+
+def test_centred_gram_uses_float32_products_without_a_float64_copy(monkeypatch):
+    """float32 features of >= 256 columns are multiplied in float32 (half the time of float64 products), one chunk
+    at a time; small or float64 inputs stay float64."""
+    from analysis import similarity as C
+
+    seen = []
+    real_mm = torch.mm
+
+    def spy(a, b, *args, **kw):
+        seen.append((a.dtype, tuple(a.shape)))
+        return real_mm(a, b, *args, **kw)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    monkeypatch.setattr(C, "_CHUNK_ELEMENTS", 64 * 100)
+    C._centred_gram(torch.randn(64, 300))
+    assert seen == [(torch.float32, (64, 100))] * 3
+    seen.clear()
+    C._centred_gram(torch.randn(64, 300, dtype=torch.float64))
+    C._centred_gram(torch.randn(64, 50))
+    assert {d for d, _ in seen} == {torch.float64}
+
+
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_both_centrings_ignore_a_shift_of_the_features(unbiased):
+    """U(K) and HKH are unchanged by X -> X - 1 m^T for any m (K gains -a1^T - 1a^T + c11^T), diagonal included."""
+    from analysis.similarity import center_biased, gram
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(12, 9, generator=g, dtype=torch.float64)
+    m = 5 * torch.randn(9, generator=g, dtype=torch.float64)
+    c = center_unbiased if unbiased else center_biased
+    assert torch.allclose(c(gram(x - m)), c(gram(x)), rtol=0, atol=1e-12)
+    assert not torch.allclose(gram(x - m), gram(x), rtol=0, atol=1e-3)

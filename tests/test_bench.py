@@ -1,0 +1,31 @@
+"""Every bench script runs: its --smoke invocation exits 0 and prints its ratio line (tiny sizes, a few seconds)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py"))
+RATIO = {  # what each script's RATIO line must hold
+    "cka_speed.py": r"^RATIO cka (default|vits) threads=1: new/floor=[\d.]+ old/new=[\d.]+ numpee/new=[\d.]+ .*max_abs_vs_old=",
+    "train_speed.py": r"^RATIO train threads=1: harness/bare fp32=[\d.]+ bf16=[\d.]+; bf16/fp32 harness=[\d.]+$",
+}
+
+
+def test_every_bench_script_has_a_smoke_check():
+    assert set(SCRIPTS) == set(RATIO), "a bench script without a smoke check here (or a check for a removed script)"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_smoke(script):
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, f"bench/{script}", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RATIO")]
+    assert lines and all(re.match(RATIO[script], ln) for ln in lines), r.stdout[-2000:]
+    if script == "cka_speed.py":
+        assert len(lines) == 2  # both widths
+        assert all(float(re.search(r"max_abs_vs_old=(\S+)", ln).group(1)) < 1e-6 for ln in lines)
