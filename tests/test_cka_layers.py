@@ -187,7 +187,7 @@ def test_cka_measure_on_all_layers_is_pairwise_cka_of_the_taps(make):
     taps = r["taps"]
     for i, j in [(0, L - 1), (1, 2), (L // 2, L // 3)]:  # one minibatch: minibatch CKA == cka on the whole set
         want = cka(cap[taps[i]].flatten(1), cap[taps[j]].flatten(1))
-        assert r["matrix"][i, j] == pytest.approx(want, abs=1e-9)
+        assert r["matrix"][i, j] == pytest.approx(want, abs=2e-7)  # float32 Gram products summed in float64 (analysis/similarity.py)
 
 
 def test_cross_cka_uses_the_layer_set():
