@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from train.checkpoint import list_checkpoints, read_meta
+from train.recipe import RecipeError, load_recipe, run_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,8 +40,6 @@ def split_values(text: str) -> list[str]:
 
 
 def combinations(grids: list[str]) -> list[list[str]]:
-    from train.recipe import RecipeError
-
     axes = []
     for g in grids:
         if "=" not in g:
@@ -51,8 +53,6 @@ def combinations(grids: list[str]) -> list[list[str]]:
 
 
 def is_finished(run_dir: Path) -> bool:
-    from train.checkpoint import list_checkpoints, read_meta
-
     ckpts = list_checkpoints(Path(run_dir) / "checkpoints", warn=False)
     return bool(ckpts) and bool(read_meta(ckpts[-1]).get("final"))
 
@@ -84,8 +84,6 @@ def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False) 
 
 
 def main(argv=None) -> int:
-    from train.recipe import RecipeError, load_recipe, run_name
-
     p = argparse.ArgumentParser(prog="./launch.sh sweep", description=__doc__.split("\n")[0])
     p.add_argument("recipe")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="one axis of the grid (repeatable)")
@@ -98,8 +96,6 @@ def main(argv=None) -> int:
     try:
         grids = args.grid
         if not grids:  # the recipe's own sweep: section
-            import json
-
             base = load_recipe(args.recipe, args.overrides)
             grids = [f"{k}={','.join(json.dumps(v) for v in vals)}" for k, vals in base.sweep.items()]
             if not grids:
