@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
+from train.errors import RecipeError
+
 ENTRY_POINT_GROUP = "vitlab.callbacks"
 _REGISTRY: dict[str, Any] = {}
 
@@ -67,8 +69,6 @@ def _resolve(name: str):
     try:
         return getattr(importlib.import_module(mod), attr)
     except (ImportError, AttributeError) as e:
-        from train.recipe import RecipeError
-
         raise RecipeError(f"callback '{name}' cannot be imported ({e}): give an importable package.module:Class.") from None
 
 
@@ -155,8 +155,6 @@ def build_callbacks(specs) -> CallbackList:
         try:
             out.append(cls(every=spec.every, **spec.options))
         except TypeError as e:
-            from train.recipe import RecipeError
-
             raise RecipeError(f"callback '{spec.name}': {e}" if str(e).endswith(".") else
                               f"callback '{spec.name}' got options it does not take ({e}): see its docstring.") from None
     return CallbackList(out)

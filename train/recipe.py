@@ -23,10 +23,7 @@ import yaml
 from interventions import InterventionsConfig
 from interventions import check as check_interventions
 from train.callbacks import is_callback_name, known_callbacks
-
-
-class RecipeError(ValueError):
-    """A recipe (file, base chain or override) is malformed; the message is one sentence for the user."""
+from train.errors import RecipeError
 
 
 def _range(lo=None, hi=None, lo_open=False):
