@@ -2,9 +2,12 @@
 ``add_figure`` and for PNG files."""
 from __future__ import annotations
 
+import os
+
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.image  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -121,11 +124,7 @@ def render(fig, dpi: int = 110) -> np.ndarray:
 
 def write_png(rgb: np.ndarray, path) -> None:
     """An RGB array (from :func:`render`) as a PNG file, written atomically."""
-    import matplotlib.image
-
     path = str(path)
     tmp = path[:-4] + ".tmp.png"
     matplotlib.image.imsave(tmp, rgb)
-    import os
-
     os.replace(tmp, path)

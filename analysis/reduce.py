@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from accelerate.utils import gather_object
 
 
 def all_reduce_sum(t: torch.Tensor, accelerator=None) -> torch.Tensor:
@@ -24,8 +25,6 @@ def gather_objects(items: list, accelerator=None) -> list:
     """Every process's ``items`` concatenated, on every process (``items`` itself with one process)."""
     if accelerator is None or accelerator.num_processes == 1:
         return items
-    from accelerate.utils import gather_object
-
     return gather_object(items)
 
 

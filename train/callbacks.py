@@ -172,10 +172,11 @@ class SampleImages(Callback):
     def _log(self, ctx):
         if ctx.writer is None:
             return
+        # deferred: this module stays free of torch at load time (recipe validation imports it)
         import torch
         import torchvision.utils as vutils
 
-        from train.data import augment
+        from train.augment import augment
 
         aug = ctx.recipe.data.augment
         g = torch.Generator().manual_seed(ctx.recipe.seed + ctx.step)

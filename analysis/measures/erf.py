@@ -54,8 +54,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn as nn
+from matplotlib.patches import Rectangle
 
-import analysis.figures  # noqa: F401  (sets the Agg backend)
+from analysis.figures import plt
 from analysis.measure import Context, Measure, as_list, register
 from analysis.reduce import all_reduce_sum, shard
 from analysis.taps import Taps, block_names
@@ -329,9 +330,6 @@ def assemble(sums: torch.Tensor, names: list[str], targets: list, shapes: dict, 
 def erf_grid(r: dict, title: str = "effective receptive fields"):
     """Raghu Fig. 6 / C.1-C.4: one ERF map per block (columns) and variant (rows), each on its own colour scale,
     with the centre location's input window outlined."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-
     blocks = as_list(r["blocks"])
     rows = [("post-residual" + (" (block out)" if "attn_erf" in r else ""), np.asarray(r["erf"])[:, 0]),
             ("branch" + (" (MLP)" if "attn_erf" in r else ""), np.asarray(r["erf"])[:, 1])]
@@ -360,8 +358,6 @@ def erf_grid(r: dict, title: str = "effective receptive fields"):
 def concentration_plot(r: dict, title: str = "ERF concentration"):
     """Share of ERF mass in the centre location's own input window (solid) and within the radius (dashed),
     per block and variant."""
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(5, 3.5))
     sets = [("", "")] + ([("attn_", "attn ")] if "attn_erf" in r else [])
     for key, label in sets:

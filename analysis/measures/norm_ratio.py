@@ -12,8 +12,10 @@ residual branch, and the "tokens" are the spatial positions of the feature map (
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from analysis.figures import norm_ratio_heatmap, norm_ratio_lines
 from analysis.measure import Measure, as_list, register
 from analysis.reduce import all_reduce_tree
 
@@ -102,8 +104,6 @@ class NormRatioMeasure(Measure):
                 self.acc.update(b, sub, cap[f"{b}.{z}"], cap[f"{b}.{f}"])
 
     def finish(self):
-        import numpy as np
-
         self.acc.sync(self.ctx.accelerator)
         res = self.acc.compute()
         per = (lambda v: v.numpy()) if self.tokens else (lambda v: v.mean(0, keepdim=True).numpy())
@@ -115,8 +115,6 @@ class NormRatioMeasure(Measure):
     @staticmethod
     def curves(r) -> dict:
         """{"<sublayer>/cls": [L], "<sublayer>/spatial": [L]}: the CLS token's ratio and the spatial tokens' mean."""
-        import numpy as np
-
         ratio, p = np.asarray(r["ratio"]), int(r["num_prefix_tokens"])
         out = {}
         for si, sub in enumerate(as_list(r["sublayers"])):
@@ -135,10 +133,6 @@ class NormRatioMeasure(Measure):
 
     @staticmethod
     def figures(r, step=None):
-        import numpy as np
-
-        from analysis.figures import norm_ratio_heatmap, norm_ratio_lines
-
         at = f" (step {step})" if step is not None else ""
         p, blocks = int(r["num_prefix_tokens"]), [b.split(".", 1)[-1] for b in as_list(r["blocks"])]
         figs = {f"norm_ratio/{sub}": norm_ratio_heatmap(np.asarray(r["ratio"])[si], blocks, title=f"norm ratio, {sub}{at}", has_cls=p > 0)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 import analysis.figures as figs
+from analysis.figures import plt
 from analysis.measure import Context, Measure, as_list, register
 from analysis.similarity import MinibatchCKA, cka, represent
 
@@ -128,8 +129,6 @@ class ResidualCKA(Measure):
 
 def residual_cka_lines(r: dict, title: str = "residual CKA"):
     """CKA(z, f(z)) (solid) and CKA(z, z + f(z)) (dashed) per block, one colour per sublayer."""
-    import matplotlib.pyplot as plt
-
     blocks = as_list(r["blocks"])
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for i, s in enumerate(as_list(r["sublayers"])):
