@@ -333,3 +333,14 @@ def test_stop_request_before_training_in_process(write_recipe, tmp_path):
     finally:
         trainer.StopSignals = orig
     assert not list_checkpoints(tmp_path / "runs/tiny/checkpoints")
+
+
+def test_launcher_detection_is_by_program_not_by_any_argument():
+    from train.cli import is_launcher
+
+    assert is_launcher(b"/x/.venv/bin/python\0/x/.venv/bin/accelerate\0launch\0--multi_gpu\0-m\0train\0")
+    assert is_launcher(b"torchrun\0--nproc-per-node\x002\0train.py\0")
+    assert is_launcher(b"python3\0-m\0torch.distributed.run\0x.py\0")
+    assert not is_launcher(b"bash\0/home/u/accelerate-runs/go.sh\0")
+    assert not is_launcher(b"/x/python\0-m\0train.sweep\0recipes/accelerate.yaml\0")
+    assert not is_launcher(b"-bash\0")

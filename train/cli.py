@@ -23,7 +23,14 @@ import sys
 import warnings
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-LAUNCHER_RE = re.compile(rb"accelerate|torchrun|torch\.distributed\.(run|launch)")
+LAUNCHER_RE = re.compile(r"(^|/)(accelerate|torchrun)$|^(torch\.distributed\.(run|launch)|accelerate\.commands\.\w+)$")
+
+
+def is_launcher(cmdline: bytes) -> bool:
+    """Whether a process's /proc/PID/cmdline is `accelerate launch`, torchrun or ``python -m torch.distributed.run``
+    (its program or module, not any argument that happens to contain the word)."""
+    argv = cmdline.decode(errors="replace").split("\0")
+    return any(LAUNCHER_RE.search(a) for a in argv[:3])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,7 +71,7 @@ def die_with_launcher() -> bool:
             parent = f.read()
     except OSError:
         return False
-    if not LAUNCHER_RE.search(parent):
+    if not is_launcher(parent):
         return False
     try:
         if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
