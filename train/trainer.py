@@ -347,10 +347,6 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     # an existing folder is locked before its checkpoints are read (so a second trainer hears "in use")
     held = _locked(acc, lock, create=False)
     run_dir, start_ckpt, start_meta = prepare_run(recipe, overrides, resume, run_dir)
-    if not held:
-        _locked(acc, lock, create=True)
-        if not resume and list_checkpoints(run_dir / "checkpoints", warn=False):  # another trainer finished in between
-            prepare_run(recipe, overrides, resume, run_dir)
     wall_before = float(start_meta.get("wall_s", 0.0))
     if start_meta.get("final"):
         ev = start_meta.get("eval", {})
@@ -393,6 +389,10 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
             raise CheckpointError(f"checkpoint {start_ckpt} cannot be loaded into this model ({type(e).__name__}: {str(e)[:160]}).") from None
         step = int(start_meta["step"])
 
+    if not held:  # a new folder: created and locked only now, after every check that can refuse the run
+        _locked(acc, lock, create=True)
+        if not resume and list_checkpoints(run_dir / "checkpoints", warn=False):  # another trainer finished in between
+            prepare_run(recipe, overrides, resume, run_dir)
     if main:
         try:
             if step == 0 and (run_dir / "tb").exists():
