@@ -38,17 +38,48 @@ setup() {
     fi
 }
 
+# Runs `accelerate launch ARGS` and stays its parent: SIGTERM / SIGINT (Ctrl-C) to this script are forwarded as
+# SIGTERM to the trainers themselves (accelerate's children), which checkpoint and stop cleanly (exit 0), so the
+# launcher then exits 0 too. (accelerate launch itself does not forward signals: one process is Popen + wait, and
+# dies leaving its trainer; torchrun's agent does, but then reports its own exception.) The launcher runs in its
+# own process group (set -m) so Ctrl-C at the terminal reaches only this script. If this script or the launcher
+# is killed with SIGKILL, the trainers get SIGTERM from the kernel when their launcher dies (train/cli.py).
+run_accelerate() {
+    set -m
+    "$VENV/bin/accelerate" launch "$@" &
+    local pid=$! rc=0
+    set +m
+    forward() {
+        pkill -TERM -P "$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    }
+    trap forward TERM INT HUP
+    while :; do
+        rc=0
+        wait "$pid" || rc=$?
+        kill -0 "$pid" 2>/dev/null || break  # wait was interrupted by a trapped signal: keep waiting
+    done
+    trap - TERM INT HUP
+    exit "$rc"
+}
+
 accelerate_launch() {
     local nproc=${VITLAB_NPROC:-1}
     local cfg="${HF_HOME:-$HOME/.cache/huggingface}/accelerate/default_config.yaml"
     if [ "$nproc" -gt 1 ] && ! command -v nvidia-smi >/dev/null 2>&1; then
-        # CPU, several processes: the combination that really starts N ranks (see FIELD-NOTES / README)
-        ACCELERATE_USE_CPU=true exec "$VENV/bin/accelerate" launch --multi_gpu --num_processes "$nproc" --num_machines 1 \
+        # CPU, several processes: the combination that really starts N ranks (see README)
+        ACCELERATE_USE_CPU=true run_accelerate --multi_gpu --num_processes "$nproc" --num_machines 1 \
             --mixed_precision no --dynamo_backend no "$@"
     elif [ -f "$cfg" ] || [ -n "${ACCELERATE_CONFIG_FILE:-}" ]; then
-        exec "$VENV/bin/accelerate" launch "$@"
+        run_accelerate "$@"
+    elif [ "$nproc" -gt 1 ]; then
+        run_accelerate --num_processes "$nproc" --num_machines 1 --mixed_precision no --dynamo_backend no "$@"
     else
-        exec "$VENV/bin/accelerate" launch --num_processes "$nproc" --num_machines 1 --mixed_precision no --dynamo_backend no "$@"
+        # one process, no accelerate config: accelerate launch would only set defaults the trainer sets itself;
+        # exec'ing Python keeps signals, exit codes and one-sentence errors direct (accelerate launch turns any
+        # non-zero exit into a traceback)
+        local module=$2
+        shift 2
+        exec "$VENV/bin/python" -m "$module" "$@"
     fi
 }
 

@@ -1,8 +1,10 @@
-"""Two processes on CPU (gloo) through accelerate launch: eval top-1 neither duplicates nor drops samples."""
+"""Two processes on CPU (gloo) through accelerate launch: eval top-1 neither duplicates nor drops samples; a killed
+launcher leaves no trainer behind."""
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,49 @@ def test_two_process_eval_top1_equals_one_process(write_recipe, tmp_path):
     with torch.no_grad():
         pred = acc.unwrap_model(model)(data.normalize(data.eval.images)).argmax(-1)
     assert (pred == data.eval.labels).sum().item() / 250 == pytest.approx(two_proc_top1, rel=1e-6)  # torchmetrics computes in float32
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (its parent, the killed launcher, cannot reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_sigkill_of_the_two_process_launcher_leaves_no_trainer(write_recipe, tmp_path):
+    """kill -9 of `accelerate launch` (2 processes): both trainers get SIGTERM from the kernel, agree on the step,
+    checkpoint it and exit; none is left running beside the user's next --resume."""
+    from test_reliability import DRIVER, pause
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    p = write_recipe(callbacks=[pause(tmp_path, 3)], train={"mixed_precision": "no", "eval_every": 0, "steps": 100000, "checkpoint_every": 1000})
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(ACCELERATE_USE_CPU="true", PYTHONPATH=str(ROOT))
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29534", str(driver), str(p), "--no-progress"]
+    log = open(tmp_path / "launcher.log", "w")  # noqa: SIM115
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    markers = [tmp_path / f"paused3.{r}" for r in (0, 1)]
+    t0 = time.time()
+    while not all(m.exists() for m in markers):
+        assert launcher.poll() is None and time.time() - t0 < 300, (tmp_path / "launcher.log").read_text()[-3000:]
+        time.sleep(0.1)
+    pids = [int(m.read_text()) for m in markers]
+    launcher.kill()
+    launcher.wait()
+    (tmp_path / "paused3.release").touch()
+    t0 = time.time()
+    while any(_alive(pid) for pid in pids) and time.time() - t0 < 60:
+        time.sleep(0.2)
+    alive = [pid for pid in pids if _alive(pid)]
+    for pid in alive:  # do not leave them behind if the test fails
+        os.kill(pid, 9)
+    assert not alive, f"trainers {alive} outlived their launcher"
+    ckpts = list_checkpoints(tmp_path / "runs/tiny/checkpoints")
+    assert ckpts and ckpts[-1].name == "step_0000003", (tmp_path / "launcher.log").read_text()[-3000:]
+    meta = json.loads((ckpts[-1] / "meta.json").read_text())
+    assert meta["num_processes"] == 2 and len(meta["log_window"] or {"loss": [0, 0]}["loss"]) == 2

@@ -4,8 +4,10 @@ Layout: ``<run>/checkpoints/step_XXXXXXX/`` holding what ``save_state`` writes (
 ``optimizer.bin``, ``random_states_<rank>.pkl``, ...) plus ``meta.json`` (step, epoch, recipe hash, the
 sha256 of every file). A checkpoint is written into ``.staging-step_XXXXXXX`` and renamed into place once
 complete, then older ones beyond ``keep_last`` are pruned, so a crash never leaves a folder that looks
-complete. On resume, folders without ``meta.json`` (interrupted writes) are skipped with a warning; a folder
-whose files do not match their recorded checksums is an error (never silently loaded).
+complete. A write that fails (a full disk, a folder turned read-only) removes its staging folder and raises
+CheckpointError on every process; the earlier checkpoints are untouched. On resume, folders without
+``meta.json`` (interrupted writes) are skipped with a warning; a folder whose files do not match their recorded
+checksums is an error (never silently loaded).
 """
 from __future__ import annotations
 
@@ -36,26 +38,60 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _failed_anywhere(accelerator, err: OSError | None) -> OSError | bool | None:
+    """Collective: this process's error, or True when only another process failed, or None."""
+    if accelerator.num_processes == 1:
+        return err
+    import torch
+
+    flag = torch.tensor([0.0 if err is None else 1.0], device=accelerator.device)
+    anywhere = accelerator.reduce(flag, reduction="sum").item() > 0
+    return err if err is not None else (True if anywhere else None)
+
+
 def save_checkpoint(accelerator, ckpt_root: Path, step: int, meta: dict, keep_last: int) -> Path:
-    """Collective: every process calls it. Returns the final folder."""
+    """Collective: every process calls it. Returns the final folder; raises CheckpointError on every process when
+    a write fails anywhere (the staging folder removed)."""
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / step_dir_name(step)
     staging = ckpt_root / f".staging-{step_dir_name(step)}"
+    err = None
+    try:
+        if accelerator.is_main_process:
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+            if staging.exists():
+                shutil.rmtree(staging)
+    except OSError as e:
+        err = e
+    err = _failed_anywhere(accelerator, err)
+    if err is None:
+        try:
+            accelerator.save_state(str(staging), safe_serialization=True)
+        except OSError as e:
+            err = e
+        err = _failed_anywhere(accelerator, err)
+    if err is None and accelerator.is_main_process:
+        try:
+            files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != META}
+            tmp_meta = staging / (META + ".tmp")
+            tmp_meta.write_text(json.dumps({**meta, "step": step, "files": files}, indent=1))
+            tmp_meta.replace(staging / META)
+            if final.exists():  # a checkpoint of the same step from an earlier, diverged attempt
+                shutil.rmtree(final)
+            staging.replace(final)
+        except OSError as e:
+            err = e
+    if accelerator.num_processes > 1:
+        err = _failed_anywhere(accelerator, err)
+    if err is not None:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        why = err.strerror or str(err) if isinstance(err, OSError) else "a write failed on another process"
+        done = list_checkpoints(ckpt_root, warn=False)
+        keep = f"{done[-1].name} is intact and --resume continues from it" if done else "no earlier checkpoint exists"
+        raise CheckpointError(f"cannot write checkpoint {final} ({why}); {keep}: free space in {ckpt_root} or make it writable.")
     if accelerator.is_main_process:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        if staging.exists():
-            shutil.rmtree(staging)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging), safe_serialization=True)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != META}
-        tmp_meta = staging / (META + ".tmp")
-        tmp_meta.write_text(json.dumps({**meta, "step": step, "files": files}, indent=1))
-        tmp_meta.replace(staging / META)
-        if final.exists():  # a checkpoint of the same step from an earlier, diverged attempt
-            shutil.rmtree(final)
-        staging.replace(final)
         prune(ckpt_root, keep_last)
     accelerator.wait_for_everyone()
     return final
@@ -105,8 +141,9 @@ def verify_checkpoint(path: Path) -> dict:
     return meta
 
 
-def resolve_resume(ckpt_root: Path, explicit: str | None) -> Path | None:
-    """The checkpoint to resume: ``explicit`` (a folder) if given, else the latest complete one, else None."""
+def resolve_resume(ckpt_root: Path, explicit: str | None, run_dir: Path | None = None) -> Path | None:
+    """The checkpoint to resume: ``explicit`` (a checkpoint folder, or this run's own folder) if given, else the
+    latest complete one, else None."""
     if explicit:
         p = Path(explicit)
         if not p.is_dir():
@@ -114,6 +151,11 @@ def resolve_resume(ckpt_root: Path, explicit: str | None) -> Path | None:
             if not p2.is_dir():
                 raise CheckpointError(f"--resume {explicit}: no such checkpoint folder; pass a path like {Path(ckpt_root) / 'step_0000500'}.")
             p = p2
+        if not (p / META).is_file() and (p / "checkpoints").is_dir():  # a run folder, not a checkpoint
+            if run_dir is not None and p.resolve() == Path(run_dir).resolve():
+                return resolve_resume(ckpt_root, None)
+            raise CheckpointError(f"--resume {explicit} is a run folder, not a checkpoint: pass --resume alone with that run's "
+                                  f"recipe and overrides (or --name {p.name}), or one of its checkpoints, e.g. {p / 'checkpoints' / 'step_0000500'}.")
         return p
     complete = list_checkpoints(ckpt_root)
     return complete[-1] if complete else None

@@ -1,14 +1,36 @@
 """``python -m train`` / ``accelerate launch -m train``: train one recipe.
 
-Exit codes: 0 done; 1 training diverged (NaN/inf); 2 bad input (recipe, data, checkpoint, run folder), with
-one sentence on stderr naming the problem and what to do, before anything is written.
+Exit codes: 0 done, or stopped cleanly; 1 training diverged (NaN/inf); 2 bad input (recipe, data, checkpoint,
+run folder in use / not writable / nothing to resume, a full disk at a checkpoint), with one sentence on stderr
+naming the problem and what to do, before anything is written (a failed checkpoint write leaves the earlier ones).
+
+Clean stops: SIGTERM (a preempted job, ``kill``, the launcher stopping) and SIGINT (Ctrl-C) finish the current
+step, checkpoint it, print ``stopped at step N; --resume continues`` and exit **0**: the run is intact and
+resumable, nothing failed, and ``accelerate launch`` / torchrun report any other exit code of their workers as
+a crash with a traceback. Further signals while stopping are ignored (SIGKILL forces). Under a launcher
+(``accelerate launch``, torchrun) on Linux each trainer asks the kernel for SIGTERM when its launcher dies
+(``prctl(PR_SET_PDEATHSIG)``), so a launcher killed even with SIGKILL leaves no trainer behind: they
+checkpoint and stop. Not when started directly (``nohup python -m train`` must outlive its shell).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import re
+import signal
 import sys
 import warnings
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+LAUNCHER_RE = re.compile(r"(^|/)(accelerate|torchrun)$|^(torch\.distributed\.(run|launch)|accelerate\.commands\.\w+)$")
+
+
+def is_launcher(cmdline: bytes) -> bool:
+    """Whether a process's /proc/PID/cmdline is `accelerate launch`, torchrun or ``python -m torch.distributed.run``
+    (its program or module, not any argument that happens to contain the word)."""
+    argv = cmdline.decode(errors="replace").split("\0")
+    return any(LAUNCHER_RE.search(a) for a in argv[:3])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -19,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="override recipe keys, e.g. --set train.steps=200 model.depth=4")
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
                    help="continue the run from its latest complete checkpoint (or the given folder)")
+    p.add_argument("--allow-process-change", action="store_true",
+                   help="resume with another number of processes than the run was trained with (the global batch and "
+                        "the data order change from there on)")
     p.add_argument("--name", help="run folder name under run.root (default: recipe name plus overrides)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -34,8 +59,34 @@ def fail(msg: str, code: int = 2) -> int:
     return code
 
 
+def die_with_launcher() -> bool:
+    """On Linux, when the parent is ``accelerate launch`` / torchrun, have the kernel send SIGTERM (a clean stop)
+    when it dies. PR_SET_PDEATHSIG rather than a thread polling os.getppid(): delivered at once, costs nothing,
+    and covers SIGKILL of the launcher. Returns whether it was set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            parent = f.read()
+    except OSError:
+        return False
+    if not is_launcher(parent):
+        return False
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != ppid:  # the launcher died before the request
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if argv is None:  # the process entry point, not a call from Python
+        die_with_launcher()
     from train.recipe import RecipeError, load_recipe
 
     path = args.recipe or args.recipe_pos
@@ -51,15 +102,20 @@ def main(argv=None) -> int:
 
     from train.checkpoint import CheckpointError
     from train.data import DataError
-    from train.trainer import RunExists, TrainingDiverged, train
+    from train.trainer import RunFolderError, TrainingDiverged, TrainingStopped, train
 
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     try:
-        summary = train(recipe, overrides=[o for o in args.overrides], resume=args.resume, progress=not args.no_progress)
-    except (RecipeError, DataError, CheckpointError, RunExists) as e:
+        summary = train(recipe, overrides=list(args.overrides), resume=args.resume, progress=not args.no_progress,
+                        allow_process_change=args.allow_process_change)
+    except (RecipeError, DataError, CheckpointError, RunFolderError) as e:
         return fail(str(e))
     except TrainingDiverged as e:
         return fail(str(e), code=1)
+    except TrainingStopped as e:
+        if _is_main():
+            print(str(e), file=sys.stderr)
+        return 0
     if _is_main():
         if summary.get("already_finished"):
             print(f"{summary['run_dir']}: already finished at step {summary['step']} (top-1 {summary['top1']}); nothing to do.")

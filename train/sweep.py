@@ -61,6 +61,8 @@ def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False) 
     """Train each (recipe, overrides, run_dir) of ``plan`` in its own ``./launch.sh`` process, one after the
     other: finished runs are skipped, interrupted ones resume, a failed run is reported and the rest go on.
     Returns (failed [(name, exit code)], started, skipped)."""
+    from train.checkpoint import list_checkpoints
+
     launcher = [str(ROOT / "launch.sh")] if (ROOT / "launch.sh").is_file() else [sys.executable, "-m", "train"]
     failed, started, skipped = [], 0, 0
     for i, (recipe, overrides, run_dir) in enumerate(plan, 1):
@@ -70,11 +72,12 @@ def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False) 
             print(f"{label}: finished, skipped", flush=True)
             skipped += 1
             continue
-        state = "resuming" if (run_dir / "checkpoints").is_dir() else "starting"
+        resumable = bool(list_checkpoints(run_dir / "checkpoints", warn=False))  # --resume refuses to start a run
+        state = "resuming" if resumable else "starting"
         print(f"{label}: {state}", flush=True)
         if dry_run:
             continue
-        cmd = launcher + [str(recipe), "--set", *overrides, f"run.root={run_dir.resolve().parent}", f"run.name={run_dir.name}", "--resume"]
+        cmd = launcher + [str(recipe), "--set", *overrides, f"run.root={run_dir.resolve().parent}", f"run.name={run_dir.name}"] + (["--resume"] if resumable else [])
         started += 1
         rc = subprocess.run(cmd, env=os.environ.copy()).returncode
         if rc != 0 or not is_finished(run_dir):

@@ -2,14 +2,28 @@
 
 Exact resume: the data order of epoch e comes from (seed, e) alone (:class:`train.data.EpochBatchSampler`),
 torch's RNG is reseeded from (seed, step, rank) before every optimizer step (augmentation, dropout), and the
-learning rate is a pure function of the step, so N steps + resume + N steps equals 2N steps bit for bit.
+learning rate is a pure function of the step, so N steps + resume + N steps equals 2N steps bit for bit. The
+logged curve is too: ``train/loss`` at step k is the mean over steps (k - log_every, k] whatever the stops in
+between (a checkpoint keeps the sums of its unfinished window), and TensorBoard events logged after the
+checkpoint a run resumes from are purged (a fresh start drops the events of an attempt that never checkpointed).
+
+One trainer per run folder: the main process holds an ``fcntl.flock`` on ``<run>/.lock`` for its whole life
+(the kernel releases it when the process dies, however it dies). SIGTERM / SIGINT stop the run cleanly at
+the end of the current step, on every process at the same step, with a checkpoint of that step.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import itertools
 import json
 import math
 import os
+import shutil
+import signal
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -25,8 +39,111 @@ class TrainingDiverged(RuntimeError):
     """The loss or gradient became NaN/inf; training stopped without writing a checkpoint."""
 
 
-class RunExists(RuntimeError):
+class RunFolderError(RuntimeError):
+    """The run folder cannot be used as asked (in use, not writable, nothing to resume, ...); one sentence."""
+
+
+class RunExists(RunFolderError):
     """The run folder already holds checkpoints and --resume was not given."""
+
+
+class RunLocked(RunFolderError):
+    """Another live trainer holds the run folder's lock."""
+
+
+class TrainingStopped(RuntimeError):
+    """SIGTERM / SIGINT: the run stopped cleanly at ``step`` (checkpointed); the message is the one line to print."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+LOCK_NAME = ".lock"
+
+
+class RunLock:
+    """``fcntl.flock`` on ``<run>/.lock``, held by the main process for the life of the trainer. flock locks
+    belong to the open file, so the kernel drops them when the process dies (kill -9 included): a dead trainer
+    never blocks the next one. The file holds the holder's pid and host for the refusal message."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        path = self.run_dir / LOCK_NAME
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunFolderError(f"run folder {self.run_dir} is not writable ({e.strerror or e}): choose another run.root "
+                                 "(--set run.root=DIR) or make the folder writable.") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = ""
+            with contextlib.suppress(OSError):
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                who = f" (pid {holder})" if holder else ""
+                raise RunLocked(f"run folder {self.run_dir} is in use by another trainer{who}: wait for it to finish or stop it "
+                                "(SIGTERM checkpoints and stops it), or pass --name NEW for another run.") from None
+            raise RunFolderError(f"run folder {self.run_dir} cannot be locked ({e.strerror or e}): put run.root on a file "
+                                 "system that supports flock.") from None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the flock
+            self.fd = None
+
+
+class StopSignals:
+    """Turns SIGTERM / SIGINT into a request to stop at the end of the current step (no KeyboardInterrupt, no
+    traceback); repeated signals change nothing (SIGKILL forces). Only the main thread can install handlers."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+
+def _broadcast(acc, value):
+    """The main process's ``value`` on every process."""
+    if acc.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
+
+
+def _any(acc, flag: bool) -> bool:
+    """True on every process when ``flag`` is true on any."""
+    if acc.num_processes == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=acc.device)
+    return bool(acc.reduce(t, reduction="sum").item() > 0)
 
 
 def lr_at(step: int, t) -> float:
@@ -117,12 +234,37 @@ def _write_hparams(writer, recipe: Recipe, extra: dict) -> None:
         writer.file_writer.add_summary(s)
 
 
-def prepare_run(recipe: Recipe, overrides=(), resume: bool | str = False) -> tuple[Path, Path | None, dict]:
+def _override_key(o: str) -> str:
+    return o.split("=", 1)[0].strip()
+
+
+def run_dir_for(recipe: Recipe, overrides=()) -> Path:
+    """The run folder: ``run.root / run.name``, or ``<recipe>-<overrides>`` with the overrides sorted by key
+    (stable, so a key set twice keeps its order), so ``--set a=1 b=2`` and ``--set b=2 a=1`` are the same run.
+    Runs named before the sort (overrides in the order typed) keep their folder: when the sorted name does not
+    exist, a folder named by another order of the same overrides is used."""
+    root = Path(recipe.run.root)
+    if recipe.run.name:
+        return root / recipe.run.name
+    named = [o for o in overrides if not o.startswith("run.")]
+    canonical = root / run_name(recipe, sorted(named, key=_override_key))
+    if canonical.exists() or len(named) < 2:
+        return canonical
+    orders = itertools.permutations(named) if len(named) <= 7 else [named]  # 7! = 5040 names; beyond, the typed order
+    legacy = {root / run_name(recipe, list(p)) for p in orders} - {canonical}
+    found = sorted(d for d in legacy if d.is_dir())
+    if len(found) > 1:
+        raise RunFolderError(f"{', '.join(map(str, found))} were all trained with these overrides in different orders: "
+                             f"pass --name with the one to use.")
+    return found[0] if found else canonical
+
+
+def prepare_run(recipe: Recipe, overrides=(), resume: bool | str = False, run_dir: Path | None = None) -> tuple[Path, Path | None, dict]:
     """Decide the run folder and the checkpoint to resume from, before anything is written.
 
-    Raises RunExists (checkpoints there, no --resume), RecipeError (resume with a different recipe),
-    CheckpointError (a corrupted checkpoint)."""
-    run_dir = Path(recipe.run.root) / run_name(recipe, overrides)
+    Raises RunExists (checkpoints there, no --resume), RunFolderError (--resume with nothing to resume),
+    RecipeError (resume with a different recipe), CheckpointError (a corrupted checkpoint)."""
+    run_dir = run_dir or run_dir_for(recipe, overrides)
     ckpt_root = run_dir / "checkpoints"
     start, meta = None, {}
     if not resume:
@@ -130,7 +272,11 @@ def prepare_run(recipe: Recipe, overrides=(), resume: bool | str = False) -> tup
             last = list_checkpoints(ckpt_root, warn=False)[-1].name
             raise RunExists(f"run folder {run_dir} already holds checkpoints (latest {last}): pass --resume to continue it, or --name NEW to start another run.")
     else:
-        start = resolve_resume(ckpt_root, resume if isinstance(resume, str) else None)
+        start = resolve_resume(ckpt_root, resume if isinstance(resume, str) else None, run_dir)
+        if start is None:
+            what = "has no complete checkpoint" if run_dir.is_dir() else "does not exist"
+            raise RunFolderError(f"--resume: nothing to resume, {run_dir} {what}: run without --resume to start it, or pass "
+                                 "the recipe, overrides and --name of the run to continue.")
         if start is not None:
             meta = verify_checkpoint(start)
             saved = run_dir / "recipe.yaml"
@@ -142,8 +288,49 @@ def prepare_run(recipe: Recipe, overrides=(), resume: bool | str = False) -> tup
     return run_dir, start, meta
 
 
-def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bool = True) -> dict:
-    """Train ``recipe``; return a summary dict (final step, eval top-1, wall time, run folder)."""
+def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bool = True,
+          allow_process_change: bool = False) -> dict:
+    """Train ``recipe``; return a summary dict (final step, eval top-1, wall time, run folder).
+
+    Raises TrainingStopped after a clean stop on SIGTERM / SIGINT (the current step checkpointed)."""
+    t_start = time.perf_counter()
+    run_dir = run_dir_for(recipe, overrides)
+    lock = RunLock(run_dir)
+    with StopSignals() as stop:
+        try:
+            return _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start)
+        finally:
+            lock.release()
+
+
+def _locked(acc, lock: RunLock, create: bool) -> bool:
+    """Collective: the main process takes the run folder's lock (creating the folder when ``create``; when not,
+    only an existing folder is locked). Returns whether it is held; every process raises the same error."""
+    err, held = None, False
+    if acc.is_main_process and lock.fd is None and (create or lock.run_dir.is_dir()):
+        try:
+            lock.acquire()
+        except RunFolderError as e:
+            err = e
+    if acc.is_main_process:
+        held = lock.fd is not None
+    err, held = _broadcast(acc, (err, held))
+    if err is not None:
+        raise err
+    return held
+
+
+def _write_result(run_dir: Path, summary: dict) -> None:
+    try:
+        tmp = run_dir / "result.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1))
+        tmp.replace(run_dir / "result.json")
+    except OSError as e:
+        raise RunFolderError(f"cannot write {run_dir / 'result.json'} ({e.strerror or e}): free space or make the folder "
+                             "writable, then --resume writes it.") from None
+
+
+def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start) -> dict:
     from accelerate.utils import set_seed
 
     from interventions import describe
@@ -151,13 +338,26 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
     from train.data import EpochBatchSampler, augment, batch_collate, build_data
     from train.models import build_model
 
-    t_start = time.perf_counter()
-    run_dir, start_ckpt, start_meta = prepare_run(recipe, overrides, resume)
-    if start_meta.get("final") and int(start_meta["step"]) >= recipe.train.steps:  # train.steps raised: the run goes on
-        return {"run_dir": str(run_dir), "step": start_meta["step"], "top1": start_meta.get("eval", {}).get("top1"), "already_finished": True}
     callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
     acc = make_accelerator(recipe, run_dir)
     main = acc.is_main_process
+    # an existing folder is locked before its checkpoints are read (so a second trainer hears "in use")
+    held = _locked(acc, lock, create=False)
+    run_dir, start_ckpt, start_meta = prepare_run(recipe, overrides, resume, run_dir)
+    wall_before = float(start_meta.get("wall_s", 0.0))
+    if start_meta.get("final") and int(start_meta["step"]) >= recipe.train.steps:  # train.steps raised: the run goes on
+        ev = start_meta.get("eval", {})
+        summary = {"run_dir": str(run_dir), "step": start_meta["step"], "top1": ev.get("top1"), "eval_loss": ev.get("loss"),
+                   "wall_s": wall_before, "num_processes": start_meta.get("num_processes")}
+        if main and not (run_dir / "result.json").is_file():  # the run died after its final checkpoint
+            _write_result(run_dir, summary)
+        return {**summary, "already_finished": True}
+    saved_procs = start_meta.get("num_processes")
+    if saved_procs is not None and saved_procs != acc.num_processes and not allow_process_change:
+        raise RunFolderError(
+            f"cannot resume {start_ckpt} with {acc.num_processes} process(es): it was trained with {saved_procs}, and the "
+            f"global batch and data order depend on it; launch {saved_procs} (e.g. VITLAB_NPROC={saved_procs}), or pass "
+            "--allow-process-change to continue with the new global batch.")
     t = recipe.train
 
     set_seed(recipe.seed)
@@ -186,11 +386,21 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
             raise CheckpointError(f"checkpoint {start_ckpt} cannot be loaded into this model ({type(e).__name__}: {str(e)[:160]}).") from None
         step = int(start_meta["step"])
 
+    if not held:  # a new folder: created and locked only now, after every check that can refuse the run
+        _locked(acc, lock, create=True)
+        if not resume and list_checkpoints(run_dir / "checkpoints", warn=False):  # another trainer finished in between
+            prepare_run(recipe, overrides, resume, run_dir)
     if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.yaml").write_text(dump(recipe))
+        try:
+            if step == 0 and (run_dir / "tb").exists():
+                # an earlier attempt that died before its first checkpoint: its curve is not this run's
+                shutil.rmtree(run_dir / "tb")
+            (run_dir / "recipe.yaml").write_text(dump(recipe))
+        except OSError as e:
+            raise RunFolderError(f"run folder {run_dir} is not writable ({e.strerror or e}): free space or make it writable.") from None
     acc.wait_for_everyone()
-    # flush every 10 s so a crash loses little; on resume, drop events logged after the checkpoint
+    # flush every 10 s and at every checkpoint (so a kill loses nothing before it); on resume, drop events logged
+    # after the checkpoint
     tb_kwargs = {"flush_secs": 10, **({"purge_step": step + 1} if step else {})}
     acc.init_trackers("tb", init_kwargs={"tensorboard": tb_kwargs})
     writer = acc.get_tracker("tensorboard", unwrap=True) if main else None
@@ -215,8 +425,13 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
     G, bpe = t.grad_accum, sampler.batches_per_epoch()
     aug = recipe.data.augment
     batch_rrc = aug.random_resized_crop and not data.train.lazy  # lazy splits were cropped per image in the workers
-    last_eval: dict = {}
+    last_eval: dict = start_meta.get("eval") or {}
     interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0}
+    window = start_meta.get("log_window")
+    if window and len(window["loss"]) == acc.num_processes:  # the unfinished log window of the checkpoint
+        interval = {"loss": torch.tensor(window["loss"][acc.process_index], dtype=torch.float32, device=acc.device),
+                    "n": window["n"], "time": window["time"], "images": window["images"]}
+    last_saved = step if start_ckpt is not None else -1
     bar = None
     if progress and main:
         from tqdm.auto import tqdm
@@ -225,9 +440,17 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
 
     def checkpoint(final: bool) -> float:
         """Save, then run the checkpoint callbacks; returns the seconds spent in callbacks."""
+        nonlocal last_saved
         t0 = time.perf_counter()
-        meta = {**run_info, "epoch": (step * G) // bpe, "final": final, "eval": last_eval, "time": time.time()}
+        window = None
+        if interval["n"]:  # each process's loss sum of the unfinished log window, so a resume logs the same mean
+            mine = torch.as_tensor(interval["loss"], dtype=torch.float32, device=acc.device).reshape(1)
+            sums = acc.gather(mine) if acc.num_processes > 1 else mine
+            window = {"loss": [float(v) for v in sums.cpu()], "n": interval["n"], "time": interval["time"], "images": interval["images"]}
+        meta = {**run_info, "epoch": (step * G) // bpe, "final": final, "eval": last_eval, "time": time.time(),
+                "wall_s": wall_before + time.perf_counter() - t_start, "log_window": window}
         path = save_checkpoint(acc, run_dir / "checkpoints", step, meta, t.keep_last)
+        last_saved = step
         log({"time/checkpoint_s": time.perf_counter() - t0}, step)
         ctx.step, ctx.checkpoint_dir = step, path
         return callbacks.on_checkpoint(ctx)
@@ -238,18 +461,35 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
         last_eval = evaluate(acc, model, ev_loader, data, data.num_classes)
         log({"eval/top1": last_eval["top1"], "eval/loss": last_eval["loss"], "time/eval_s": time.perf_counter() - t0}, step)
 
+    def close() -> None:
+        if bar is not None:
+            bar.close()
+        acc.end_training()  # closes (and flushes) TensorBoard
+
     def diverged(at: int, what: str) -> None:
         """Stop without writing a checkpoint; name the last good one. Every rank sees the same value (grad
         norm / reduced loss), so every rank stops here together."""
         done = list_checkpoints(run_dir / "checkpoints", warn=False)
         keep = f"the last good checkpoint is {done[-1]}" if done else "no checkpoint had been written yet"
-        if bar is not None:
-            bar.close()
-        acc.end_training()
-        raise TrainingDiverged(f"training diverged at step {at}: {what} ({keep}); lower train.lr, raise train.warmup_steps "
-                               "or set train.grad_clip, then resume or start again.")
+        close()
+        raise TrainingDiverged(f"training diverged at step {at}: {what} ({keep}); start a new run (--name NEW) with a lower "
+                               "train.lr, more train.warmup_steps or a train.grad_clip.")
+
+    def stop_if_asked() -> None:
+        """Collective: on SIGTERM / SIGINT to any process, every process checkpoints this step and stops."""
+        if not _any(acc, stop.signum is not None):
+            return
+        if last_saved != step and step > 0:
+            cb_dt = checkpoint(step == t.steps)
+            if cb_dt:
+                log({"time/callbacks_s": cb_dt}, step)
+        close()
+        if step == 0:
+            raise TrainingStopped("stopped before the first step; nothing was trained (run the same command to start).", step)
+        raise TrainingStopped(f"stopped at step {step}; --resume continues", step)
 
     model.train()
+    stop_if_asked()
     while step < t.steps:
         micro = step * G
         epoch, offset = divmod(micro, bpe)
@@ -295,6 +535,7 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
             if bar is not None:
                 bar.update(1)
 
+            # windows end at multiples of log_every (and at the last step): a logged value covers (k - log_every, k]
             if step % t.log_every == 0 or step == t.steps:
                 mean_loss = acc.reduce(interval["loss"] / interval["n"], reduction="mean")
                 if not torch.isfinite(mean_loss):
@@ -303,17 +544,25 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
                 log({"train/loss": mean_loss, "train/lr": lr, "train/throughput_img_s": ips, "train/grad_norm": grad_norm,
                      "train/epoch": step * G / bpe}, step)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{float(mean_loss):.3f}", lr=f"{lr:.2e}", img_s=f"{ips:.0f}", top1=last_eval.get("top1", float("nan")))
+                    shown = {"loss": f"{float(mean_loss):.3f}", "lr": f"{lr:.2e}", "img_s": f"{ips:.0f}"}
+                    if "top1" in last_eval:  # nothing before the first evaluation (not nan)
+                        shown["top1"] = f"{last_eval['top1']:.4f}"
+                    bar.set_postfix(shown)
                 interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0}
             ctx.step, ctx.epoch, ctx.checkpoint_dir = step, step * G // bpe, None
             cb_dt = callbacks.on_step_end(ctx)
             final = step == t.steps
             if final or (t.eval_every and step % t.eval_every == 0):
                 run_eval()
-            if final or (t.checkpoint_every and step % t.checkpoint_every == 0):
+            saved = final or (t.checkpoint_every and step % t.checkpoint_every == 0)
+            if saved:
                 cb_dt += checkpoint(final)
             if cb_dt:
                 log({"time/callbacks_s": cb_dt}, step)
+            if saved and writer is not None:
+                writer.flush()  # what was logged up to a checkpoint survives a kill -9 after it
+            if not final:
+                stop_if_asked()
             if exhausted:
                 break  # restart the outer loop so the sampler position is recomputed from the step
 
@@ -323,11 +572,10 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
         log({"time/callbacks_s": dt}, step)
     if bar is not None:
         bar.close()
-    wall = time.perf_counter() - t_start
     summary = {"run_dir": str(run_dir), "step": step, "top1": last_eval.get("top1"), "eval_loss": last_eval.get("loss"),
-               "wall_s": wall, "num_processes": acc.num_processes}
+               "wall_s": wall_before + time.perf_counter() - t_start, "num_processes": acc.num_processes}
     if main:
-        (run_dir / "result.json").write_text(json.dumps(summary, indent=1))
+        _write_result(run_dir, summary)
     acc.wait_for_everyone()
     acc.end_training()
     return summary

@@ -1,0 +1,346 @@
+"""Processes, signals, logging and resume with real processes: one trainer per run folder, clean stops on SIGTERM /
+SIGINT, kill -9 + resume logs the same curve, --resume that finds nothing, override order, full disk, read-only
+folders, result.json after a death past the final checkpoint."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, read_scalars
+
+from train.checkpoint import list_checkpoints, verify_checkpoint
+from train.recipe import load_recipe
+from train.trainer import RunFolderError, TrainingStopped, run_dir_for, train
+
+# A trainer process with a test callback: at on_step_end of `step` it flushes TensorBoard, writes its pid to
+# `marker` and waits (up to `wait` s) for the file `marker`.release, so the test can signal or kill it at a known step.
+DRIVER = r'''
+import os, sys, time
+from pathlib import Path
+from train.callbacks import Callback, register_callback
+
+@register_callback("test_pause")
+class Pause(Callback):
+    def __init__(self, every=1, step=1, marker="", wait=120.0):
+        super().__init__(every)
+        self.step, self.marker, self.wait = step, marker, wait
+
+    def on_step_end(self, ctx):
+        if ctx.step == self.step:
+            if ctx.writer is not None:
+                ctx.writer.flush()
+            m = Path(f"{self.marker}.{ctx.accelerator.process_index}")
+            m.write_text(str(os.getpid()))
+            t0 = time.time()
+            while time.time() - t0 < self.wait and not Path(self.marker + ".release").exists():
+                time.sleep(0.05)
+
+from train.cli import main
+sys.exit(main())
+'''
+
+exec(DRIVER.split("from train.cli")[0])  # the same callback registered here, so these recipes load in-process too
+
+
+@pytest.fixture
+def driver(tmp_path):
+    p = tmp_path / "driver.py"
+    p.write_text(DRIVER)
+    return p
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def start(cmd: list, tmp_path: Path, tag: str) -> subprocess.Popen:
+    out = open(tmp_path / f"{tag}.log", "w")  # noqa: SIM115 - closed by finish()
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+    p.log_path = tmp_path / f"{tag}.log"
+    return p
+
+
+def finish(p: subprocess.Popen, timeout=300) -> tuple[int, str]:
+    rc = p.wait(timeout=timeout)
+    return rc, p.log_path.read_text()
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout=300) -> None:
+    t0 = time.time()
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended (rc {proc.returncode}) before {path.name}: {proc.log_path.read_text()[-3000:]}")
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {path}")
+        time.sleep(0.05)
+
+
+def train_cmd(driver: Path, recipe: Path, *args) -> list:
+    return [sys.executable, str(driver), str(recipe), "--no-progress", *args]
+
+
+def pause(tmp_path: Path, step: int, wait=120.0) -> dict:
+    return {"name": "test_pause", "every": 1, "step": step, "marker": str(tmp_path / f"paused{step}"), "wait": wait}
+
+
+def one_error_line(out: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert "Traceback" not in out and len(lines) == 1, out[-3000:]
+    return lines[0]
+
+
+def test_second_trainer_is_refused_and_a_killed_one_holds_no_lock(driver, write_recipe, tmp_path):
+    """Trainer A holds the folder; B (with or without --resume) gets one sentence, exit 2, writes nothing.
+    After kill -9 of A, a new trainer takes the folder; A died before its first checkpoint, so --resume says there
+    is nothing to resume and a fresh start shows each step once in TensorBoard."""
+    p = write_recipe(callbacks=[pause(tmp_path, 2)])
+    a = start([sys.executable, str(driver), str(p), "--name", "run", "--no-progress"], tmp_path, "a")
+    try:
+        wait_for(tmp_path / "paused2.0", a)
+        run = tmp_path / "runs/run"
+        before = sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in run.rglob("*"))
+        for extra in ([], ["--resume"]):
+            rc, out = finish(start(train_cmd(driver, p, "--name", "run", *extra), tmp_path, "b"))
+            assert rc == 2
+            line = one_error_line(out)
+            assert "is in use by another trainer" in line and f"pid {a.pid}" in line, line
+        assert sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in run.rglob("*")) == before
+    finally:
+        a.kill()
+        a.wait()
+    assert (run / ".lock").is_file() and list((run / "tb").rglob("events*")), "A had logged steps 1-2"
+    rc, out = finish(start(train_cmd(driver, p, "--name", "run", "--resume"), tmp_path, "c"))
+    assert rc == 2 and "nothing to resume" in one_error_line(out)
+    r = load_recipe(p, ["run.name=run"])
+    r.callbacks = []
+    out = train(r, progress=False)
+    assert out["step"] == 8
+    steps = [s for s, _ in read_scalars(run)["train/loss"]]
+    assert steps == list(range(1, 9)), "the killed attempt's steps 1-2 must not show twice"
+
+
+def test_kill9_then_resume_logs_the_same_curve(driver, write_recipe, tmp_path):
+    """log_every=2 and checkpoints every 5 steps: the checkpoint at 15 is in the middle of the window (14, 16].
+    Killed (kill -9) at step 17 after logging step 16, resumed: every train/loss value equals the straight run's,
+    each step once."""
+    kw = dict(train={"steps": 20, "checkpoint_every": 5, "log_every": 2, "eval_every": 10})
+    straight = train(load_recipe(write_recipe("straight", **kw)), progress=False)
+    p = write_recipe("crash", callbacks=[pause(tmp_path, 17)], **kw)
+    a = start([sys.executable, str(driver), str(p), "--no-progress"], tmp_path, "a")
+    try:
+        wait_for(tmp_path / "paused17.0", a)
+    finally:
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+    run = tmp_path / "runs/crash"
+    assert list_checkpoints(run / "checkpoints")[-1].name == "step_0000015"
+    assert 16 in [s for s, _ in read_scalars(run)["train/loss"]], "the killed attempt had flushed step 16"
+    r = load_recipe(p)
+    r.callbacks = []
+    out = train(r, resume=True, progress=False)
+    assert out["run_dir"] == str(run) and out["step"] == 20
+    a_sc, b_sc = read_scalars(Path(straight["run_dir"])), read_scalars(run)
+    assert [s for s, _ in b_sc["train/loss"]] == list(range(2, 21, 2))
+    assert b_sc["train/loss"] == a_sc["train/loss"]
+    assert b_sc["train/lr"] == a_sc["train/lr"] and b_sc["eval/top1"] == a_sc["eval/top1"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_cleanly_with_a_checkpoint(sig, driver, write_recipe, tmp_path):
+    """SIGTERM / SIGINT (Ctrl-C) at step 3: one line, exit 0, no traceback, a verified checkpoint of step 3."""
+    marker = tmp_path / "paused3"
+    p = write_recipe(callbacks=[pause(tmp_path, 3)])
+    a = start([sys.executable, str(driver), str(p), "--no-progress"], tmp_path, "a")
+    wait_for(Path(f"{marker}.0"), a)
+    a.send_signal(sig)
+    time.sleep(0.3)
+    a.send_signal(sig)  # a second signal while stopping changes nothing
+    Path(f"{marker}.release").touch()
+    rc, out = finish(a)
+    assert rc == 0, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert out.strip().splitlines()[-1] == "stopped at step 3; --resume continues", out[-3000:]
+    ckpts = list_checkpoints(tmp_path / "runs/tiny/checkpoints")
+    assert [c.name for c in ckpts] == ["step_0000003"]
+    assert verify_checkpoint(ckpts[0])["step"] == 3
+    assert not (tmp_path / "runs/tiny/result.json").exists()
+
+
+def test_launch_sh_forwards_sigterm(write_recipe, tmp_path):
+    """./launch.sh (one process) stopped with SIGTERM: the trainer stops cleanly, nothing is left running."""
+    p = write_recipe(train={"steps": 100000, "checkpoint_every": 3, "eval_every": 0})
+    env = {**_env(), "VITLAB_NPROC": "1"}
+    out_f = open(tmp_path / "l.log", "w")  # noqa: SIM115
+    a = subprocess.Popen([str(ROOT / "launch.sh"), str(p), "--no-progress"], cwd=ROOT, env=env, stdout=out_f, stderr=subprocess.STDOUT)
+    a.log_path = tmp_path / "l.log"
+    wait_for(tmp_path / "runs/tiny/checkpoints/step_0000003", a)
+    a.send_signal(signal.SIGTERM)
+    rc, out = finish(a, timeout=120)
+    assert rc == 0 and "Traceback" not in out, out[-3000:]
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("stopped at step ") and line.endswith("; --resume continues"), out[-3000:]
+    step = int(line.split()[3].rstrip(";"))
+    assert list_checkpoints(tmp_path / "runs/tiny/checkpoints")[-1].name == f"step_{step:07d}"
+    rc, out = finish(start(["pgrep", "-f", str(p)], tmp_path, "pgrep"))
+    assert rc == 1, f"a trainer is still running: {out}"
+
+
+def test_resume_finds_the_run_whatever_the_override_order(write_recipe, tmp_path):
+    from test_train import Crash  # noqa: F401 - registers test_crash_at
+
+    p = write_recipe(callbacks=[{"name": "test_crash_at", "step": 2}])
+    ab, ba = ["train.steps=4", "train.checkpoint_every=2"], ["train.checkpoint_every=2", "train.steps=4"]
+    with pytest.raises(Exception, match="simulated crash"):
+        train(load_recipe(p, ab), overrides=ab, progress=False)
+    r = load_recipe(p, ba)
+    r.callbacks = []
+    assert run_dir_for(r, ba) == run_dir_for(r, ab)
+    out = train(r, overrides=ba, resume=True, progress=False)
+    assert out["step"] == 4 and Path(out["run_dir"]) == run_dir_for(r, ab)
+    # a run named before the sort (overrides in the typed order) still resumes from its folder
+    legacy = tmp_path / "runs" / "tiny-train.steps_4-train.checkpoint_every_2"
+    Path(out["run_dir"]).rename(legacy)
+    assert run_dir_for(r, ba) == legacy and run_dir_for(r, ab) == legacy
+    again = train(r, overrides=ba, resume=True, progress=False)
+    assert again["already_finished"] and again["run_dir"] == str(legacy)
+
+
+def test_resume_nothing_and_run_folder_argument(write_recipe, tmp_path, capsys):
+    from train.cli import main
+
+    p = write_recipe(train={"steps": 2, "checkpoint_every": 2, "eval_every": 0})
+    assert main([str(p), "--no-progress", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to resume" in err and "does not exist" in err
+    assert not (tmp_path / "runs").exists(), "nothing written"
+    assert main([str(p), "--no-progress"]) == 0
+    run = tmp_path / "runs/tiny"
+    assert main([str(p), "--no-progress", "--resume", str(run)]) == 0  # its own run folder: the latest checkpoint
+    assert "already finished" in capsys.readouterr().out
+    other = write_recipe("other", train={"steps": 2, "checkpoint_every": 2, "eval_every": 0})
+    assert main([str(other), "--no-progress", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "is a run folder, not a checkpoint" in err and "delete" not in err
+
+
+def test_resume_with_another_process_count_is_refused_unless_allowed(write_recipe):
+    from test_train import Crash  # noqa: F401 - registers test_crash_at
+
+    p = write_recipe(callbacks=[{"name": "test_crash_at", "step": 4}])
+    with pytest.raises(Exception, match="simulated crash"):
+        train(load_recipe(p), progress=False)
+    ckpt = list_checkpoints(Path(run_dir_for(load_recipe(p))) / "checkpoints")[-1]
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "num_processes": 2}))  # as if trained by 2 processes
+    r = load_recipe(p)
+    r.callbacks = []
+    with pytest.raises(RunFolderError, match=r"trained with 2.*--allow-process-change"):
+        train(r, resume=True, progress=False)
+    assert train(r, resume=True, progress=False, allow_process_change=True)["step"] == 8
+
+
+def test_result_json_after_death_past_final_checkpoint_counts_every_segment(write_recipe, tmp_path):
+    from test_train import Crash
+
+    p = write_recipe(callbacks=[{"name": "test_crash_at", "step": 4}])
+    with pytest.raises(Crash):
+        train(load_recipe(p), progress=False)
+    run = tmp_path / "runs/tiny"
+    first = json.loads((run / "checkpoints/step_0000004/meta.json").read_text())["wall_s"]
+    assert first > 0
+    r = load_recipe(p, ["callbacks=[{name: test_crash_at, step: 8}]"])
+    t0 = time.perf_counter()
+    with pytest.raises(Crash):  # dies right after its final checkpoint, before result.json
+        train(r, resume=True, progress=False)
+    second = time.perf_counter() - t0
+    assert not (run / "result.json").exists()
+    final_wall = json.loads((run / "checkpoints/step_0000008/meta.json").read_text())["wall_s"]
+    assert first < final_wall <= first + second
+    r.callbacks = []
+    again = train(r, resume=True, progress=False)
+    assert again["already_finished"]
+    result = json.loads((run / "result.json").read_text())
+    assert result["step"] == 8 and result["wall_s"] == final_wall and 0 <= result["top1"] <= 1
+
+
+def test_full_disk_during_a_checkpoint(write_recipe, tmp_path, monkeypatch, capsys):
+    """ENOSPC while writing step 8: one sentence, exit 2, no staging folder left, step 4 intact and resumable."""
+    from accelerate import Accelerator
+
+    from train.cli import main
+
+    real = Accelerator.save_state
+
+    def full(self, output_dir=None, **kw):
+        real(self, output_dir, **kw)  # the files are (partly) there, then the disk is full
+        if output_dir.endswith("step_0000008"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Accelerator, "save_state", full)
+    p = write_recipe()
+    assert main([str(p), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "No space left on device" in err and "step_0000004 is intact" in err, err
+    ckpts = tmp_path / "runs/tiny/checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000004"]
+    verify_checkpoint(ckpts / "step_0000004")
+    monkeypatch.setattr(Accelerator, "save_state", real)
+    assert main([str(p), "--no-progress", "--resume"]) == 0
+    assert json.loads((tmp_path / "runs/tiny/result.json").read_text())["step"] == 8
+
+
+def test_read_only_run_folder(write_recipe, capsys):
+    """A folder no one may write (/sys, read-only even for root): one sentence, exit 2."""
+    from train.cli import main
+
+    p = write_recipe(train={"steps": 2})
+    for args in (["--set", "run.root=/sys/vitlab-runs"], ["--set", "run.root=/", "--name", "sys"]):
+        assert main([str(p), "--no-progress", *args]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "is not writable" in err, err
+
+
+def test_progress_bar_shows_no_nan(write_recipe, capsys):
+    p = write_recipe(train={"eval_every": 4, "log_every": 1})
+    train(load_recipe(p), progress=True)
+    err = capsys.readouterr().err
+    assert "top1=" in err and "nan" not in err, err[-2000:]
+
+
+def test_stop_request_before_training_in_process(write_recipe, tmp_path):
+    """The stop check is collective and runs before the first step too: a signal during set-up stops there."""
+    import train.trainer as trainer
+
+    class Asked(trainer.StopSignals):
+        def __enter__(self):
+            super().__enter__()
+            self.signum = signal.SIGTERM
+            return self
+
+    p = write_recipe()
+    orig = trainer.StopSignals
+    trainer.StopSignals = Asked
+    try:
+        with pytest.raises(TrainingStopped, match="before the first step"):
+            train(load_recipe(p), progress=False)
+    finally:
+        trainer.StopSignals = orig
+    assert not list_checkpoints(tmp_path / "runs/tiny/checkpoints")
+
+
+def test_launcher_detection_is_by_program_not_by_any_argument():
+    from train.cli import is_launcher
+
+    assert is_launcher(b"/x/.venv/bin/python\0/x/.venv/bin/accelerate\0launch\0--multi_gpu\0-m\0train\0")
+    assert is_launcher(b"torchrun\0--nproc-per-node\x002\0train.py\0")
+    assert is_launcher(b"python3\0-m\0torch.distributed.run\0x.py\0")
+    assert not is_launcher(b"bash\0/home/u/accelerate-runs/go.sh\0")
+    assert not is_launcher(b"/x/python\0-m\0train.sweep\0recipes/accelerate.yaml\0")
+    assert not is_launcher(b"-bash\0")
