@@ -81,7 +81,7 @@ def open_run(path: str | Path) -> Run:
         raise AnalysisError(f"the recipe of run {p} cannot be read: {e}") from None
     ckpts = list_checkpoints(p / "checkpoints", warn=False)
     if not ckpts:
-        raise AnalysisError(f"run {p} has no complete checkpoint: train it first (./launch.sh RECIPE --resume), or pass another run.")
+        raise AnalysisError(f"run {p} has no complete checkpoint: train it until its first checkpoint (./launch.sh RECIPE), or pass another run.")
     return Run(p, p.name, recipe, {int(STEP_RE.match(c.name).group(1)): c for c in ckpts})
 
 
