@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py"))
 RATIO = {  # what each script's RATIO line must hold
     "cka_speed.py": r"^RATIO cka (default|vits) threads=1: new/floor=[\d.]+ old/new=[\d.]+ numpee/new=[\d.]+ .*max_abs_vs_old=",
+    "suite_speed.py": r"^RATIO suite threads=1: suite/forward=[\d.]+ \(suite\+figures\)/forward=[\d.]+$",
     "train_speed.py": r"^RATIO train threads=1: harness/bare fp32=[\d.]+ bf16=[\d.]+; bf16/fp32 harness=[\d.]+$",
 }
 
