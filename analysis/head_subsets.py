@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.measures.attention_distance import AttentionDistance
+from analysis.measures.attention_distance import UNITS, AttentionDistance
 from analysis.reduce import shard
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, grid_of, is_vit, resnet_blocks
@@ -71,8 +71,8 @@ def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 25
     """
     if not is_vit(vit):
         raise ValueError(f"head_subset_cka needs a timm VisionTransformer first, got {type(vit).__name__}")
-    if unit not in ("pixels", "unit_square"):
-        raise ValueError(f"unit must be 'pixels' or 'unit_square', got {unit!r}")
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
     n = len(images)
     tail = n % batch_size
     if n < 4 or 0 < tail < 4:
@@ -99,7 +99,7 @@ def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 25
                 vit(normalize(x.to(vdev)))
             ad.update(block, cap[tap])
         ad.sync(accelerator)
-        dist = (ad.compute() if unit == "pixels" else ad.compute_unit_square())[block].numpy()
+        dist = ad.compute(unit)[block].numpy()
         order = np.argsort(dist, kind="stable")
         subsets = np.stack([order[:k], order[heads - k:]])
 
