@@ -286,7 +286,7 @@ def _raghu2021(study, runs: dict, doc: _Doc, compare) -> list:
     out.append(("Offset local attention heads appear (Walmer)", "Walmer Fig. 3, 14", f"offset local heads per ViT: {m}", _verdict(ok)))
     doc.add("## 7. Offset local attention heads (Walmer et al. 2023 Fig. 3, 14)", "",
             "Rule: held if any ViT of the study has a head whose aligned attention map peaks away from the query, within 2 "
-            "tokens, with at least half its mass in the 3x3 window around the peak (analysis/attention_maps.py).", "",
+            "tokens, with at least half its mass in the 3x3 window around the peak (analysis/measures/aligned_attention.py).", "",
             f"Measured: {m}. Verdict: {_verdict(ok)}.", "")
     d = storage.step_dir(cls.path, max(cls.checkpoints), "figures")
     doc.figure(d / "aligned_attention_mass_maps.png", "aligned_attention", "Aligned aggregated attention maps, CLS ViT")
