@@ -235,8 +235,8 @@ def _raghu2021(study, runs: dict, doc: _Doc, compare) -> list:
             "least twice the upper half's and at least a quarter of the mean distance, and the mean distance is larger in "
             "the upper half.", "", f"Measured: {m}. Verdict: {_verdict(ok)}.", "")
     doc.figure(root / "compare-arch" / "attention_distance.png", "attention_distance", "Mean attention distance per head and block")
-    doc.figure(fig_dir / "head_subsets.png", "head_subsets", "Block-0 heads sorted by attention distance: CKA of each head "
-               "to the ResNet's lower layers (Raghu Fig. 5)")
+    doc.figure(fig_dir / "head_subsets.png", "head_subsets", "Block-0 heads from local to global: CKA of windows of "
+               "consecutive heads (lines) and of single heads (circles) to the ResNet's lower layers (Raghu Fig. 5)")
 
     # 5. CLS vs GAP: localization and spatial-token probes (Fig. 9, 10, 11 left)
     if "vit_gap" in runs:
