@@ -250,12 +250,12 @@ class AlignedAttention(BlockSums):
         blocks, suffix = as_list(r["blocks"]), (f", step {step}" if step is not None else "")
         mark = np.asarray(r["offset_local"], bool)
         peaks = np.asarray(r["peak_offset"])
-        red = "red frame: offset local head, title: its peak offset (dr, dc) on the aligned aggregated map"
+        red = "red frame: offset local head; title: its peak (dr, dc) on the aligned aggregated map"
         return {"aligned_attention/mass_maps": map_grid(
                     np.asarray(r["mass_maps"]), blocks,
-                    f"Aligned Aggregated Attention Maps (Walmer §4.2): mean over queries of the attention at each offset{suffix}\n{red}",
-                    marked=mark, peaks=peaks, midlines=True),
+                    f"Aligned Aggregated Attention Maps (Walmer §4.2): share of the attention at each offset, mean over "
+                    f"queries{suffix}\n{red}", marked=mark, peaks=peaks, midlines=True),
                 "aligned_attention/maps": map_grid(
                     np.asarray(r["maps"]), blocks,
-                    f"per-offset mean over the queries that have each offset (not Walmer's map: edge offsets seen by few "
-                    f"queries){suffix}\n{red}", marked=mark, peaks=peaks, midlines=True)}
+                    f"per-offset mean over the queries that have each offset (not Walmer's map){suffix}\n{red}",
+                    marked=mark, peaks=peaks, midlines=True)}
