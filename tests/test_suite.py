@@ -67,7 +67,7 @@ def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, t
         s = json.loads((d / "summary.json").read_text())
         assert s["step"] == step and len(s["fewshot_probe"]["cls"]) == 2
     sc = read_scalars(run)
-    for tag in ("cka/mean_offdiag", "norm_ratio/attn/cls/block00", "norm_ratio/mlp/spatial/block01", "attn_dist/block01/head01",
+    for tag in ("cka/mean_offdiag", "norm_ratio/attn/cls/block00", "norm_ratio/mlp/spatial/block01", "attn_dist/min/block01",
                 "probe/10shot/cls/block01"):
         assert "analysis/" + tag in sc and [s for s, _ in sc["analysis/" + tag]] == [4, 8], tag
     cb = dict(sc["time/callbacks_s"])

@@ -319,8 +319,9 @@ class AttentionDistanceMeasure(Measure):
     def scalars(r):
         import numpy as np
 
-        px = np.asarray(r["pixels"])
-        return {f"attn_dist/block{i:02d}/head{h:02d}": float(px[i, h]) for i in range(px.shape[0]) for h in range(px.shape[1])}
+        px = np.asarray(r["pixels"])  # per head in the figure and the npz; per block here (a chart per head buries the curves)
+        return {f"attn_dist/{stat}/block{i:02d}": float(f(px[i])) for i in range(px.shape[0])
+                for stat, f in (("mean", np.mean), ("min", np.min), ("max", np.max))}
 
     @staticmethod
     def figures(r, step=None):
