@@ -80,6 +80,7 @@ class Measure:
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     needs_grad: ClassVar[bool] = False  # True: finish() runs its own backward passes
+    version: ClassVar[int] = 1  # raise it when the definition changes: cached results of older versions are recomputed
 
     def __init__(self, ctx: Context, opts=None):
         self.ctx = ctx

@@ -8,8 +8,8 @@
 
 A result's cache key (:func:`cache_key`) is a hash of the checkpoint's weights (their recorded sha256), the
 analysis images (:func:`data_fingerprint`), the measure's name and what the measure depends on
-(:meth:`analysis.suite.SuiteOptions.settings`: the batch size and the measure's own options): changing one
-measure's options recomputes that measure only. A cached result is reused only if its file reads back whole.
+(:meth:`analysis.suite.SuiteOptions.settings`: the batch size, the measure's own options and its definition's
+``version``): changing one measure's options recomputes that measure only. A cached result is reused only if its file reads back whole.
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ class SuiteOptions:
 
     def settings(self, name: str) -> dict:
         """What a result of measure ``name`` depends on besides the weights and the images."""
-        return {"batch_size": self.batch_size, "options": options_dict(self.of(name))}
+        return {"batch_size": self.batch_size, "options": options_dict(self.of(name)), "version": registry()[name].version}
 
 
 def suite_options(measures=None, batch_size: int = 256, options: dict | None = None) -> SuiteOptions:
