@@ -209,16 +209,15 @@ TRAINED_3X3 = [[0.109, 0.082, 0.128],
                [0.126, 0.098, 0.147]]
 
 
-@pytest.mark.xfail(strict=True, reason="aligned_attention's local rule measures the 3x3 window around the PEAK: a head with all "
-                   "its attention within one token of its query but its maximum on a window corner gets peak_mass 0.448 < 0.5")
 def test_a_trained_local_head_with_a_corner_maximum_is_local():
     """The detector gap the trained control found: 100% of the attention within one token of the query (a strictly
-    local head by construction) is not classified local, because the window counted is the one around the peak
-    (+1, +1), which holds only 4 of the head's 9 cells. Attention distance (4.55 px against 14.4 px uniform) does
-    find it. Remove the xfail when the local rule counts such a head."""
+    local head by construction) was not classified local when the window counted was the one around the map's
+    maximum (+1, +1), which holds only 4 of the head's 9 cells (0.448 < 0.5). The rule now takes the best window
+    centred within two tokens: the one around the query itself, with all of the mass."""
     canvas = np.zeros((2 * G - 1, 2 * G - 1))
     canvas[G - 2:G + 1, G - 2:G + 1] = TRAINED_3X3
     canvas /= canvas.sum()
     out = offset_local_heads(canvas)
-    assert tuple(out["peak_offset"]) == (1, 1) and out["peak_mass"] == pytest.approx(0.448, abs=0.002)
-    assert out["local"], "every bit of this head's attention lies within one token of its query"
+    assert tuple(out["map_peak"]) == (1, 1)
+    assert tuple(out["peak_offset"]) == (0, 0) and out["peak_mass"] == pytest.approx(1.0)
+    assert out["local"] and not out["offset_local"], "every bit of this head's attention lies within one token of its query"

@@ -26,16 +26,18 @@
     current token"; Fig. 14 shows peaks one or two tokens from the centre). Walmer finds them by eye on the maps;
     the rule below is ours (thresholds are the options):
 
-    ``peak_offset`` [L, H, 2]  (dr, dc) of the maximum of ``mass_maps`` (ties within a relative 1e-6 of the max go to
-                               the cell nearest the centre: Chebyshev, then Euclidean distance, then row-major order);
-    ``peak_mass``   [L, H]     share of the attention in the (2w+1) x (2w+1) window of ``mass_maps`` around the
-                               peak (w = ``window``, default 1: the 3x3 neighbourhood), clipped at the canvas border;
+    ``peak_mass``   [L, H]     the largest share of the attention in a (2w+1) x (2w+1) window of ``mass_maps``
+                               (w = ``window``, default 1: a 3x3 neighbourhood, clipped at the canvas border) whose
+                               centre is at most ``max_offset`` (default 2) tokens away (Chebyshev) from the query;
+    ``peak_offset`` [L, H, 2]  (dr, dc): that window's centre of mass, rounded to a cell (ties between windows within a
+                               relative 1e-6 go to the centre nearest the query: Chebyshev, Euclidean, row-major);
+    ``map_peak``    [L, H, 2]  the maximum cell of ``mass_maps`` itself, anywhere on the canvas;
     ``mass_centre`` [L, H, 2]  the centre of mass of ``mass_maps``, sum over cells of mass * (dr, dc), in tokens
                                (Walmer's code, ``average_att_offset``, reports it as "avg-att-offset" with the canvas
                                scaled to [-1, 1], i.e. divided by (g - 1));
-    ``local``       [L, H]     max(|dr|, |dc|) <= ``max_offset`` (default 2) and peak_mass >= ``min_mass`` (default
-                               0.5): at least half of the attention, on average over queries, lands within one token
-                               of a point (the peak) at most two tokens away (uniform attention on a 7x7 grid puts
+    ``local``       [L, H]     peak_mass >= ``min_mass`` (default 0.5) and max(|dr|, |dc|) of peak_offset <=
+                               ``max_offset``: at least half of the attention, on average over queries, lands within
+                               one token of a point at most two tokens away, and sits there (uniform attention on a 7x7 grid puts
                                361/2401 = 0.15 in the central 3x3 window, a strict local head ~1);
     ``offset_local`` [L, H]    local and peak_offset != (0, 0).
 
@@ -165,24 +167,48 @@ def mass_centre(mass_maps: np.ndarray) -> np.ndarray:
     return np.stack([(m.sum(-1) * dr).sum(-1) / safe, (m.sum(-2) * dc).sum(-1) / safe], -1)
 
 
+def window_mass(mass_maps: np.ndarray, window: int = WINDOW) -> np.ndarray:
+    """[..., R, C]: the attention mass in the (2 window + 1)-square window of ``mass_maps`` around each cell (clipped
+    at the canvas border), by summed-area tables."""
+    m = np.asarray(mass_maps, dtype=np.float64)
+    k, lead = 2 * window + 1, [(0, 0)] * (m.ndim - 2)
+    c = np.pad(np.pad(m, lead + [(window, window)] * 2).cumsum(-1).cumsum(-2), lead + [(1, 0)] * 2)
+    return c[..., k:, k:] - c[..., :-k, k:] - c[..., k:, :-k] + c[..., :-k, :-k]
+
+
 def offset_local_heads(mass_maps: np.ndarray, max_offset: int = MAX_OFFSET, min_mass: float = MIN_MASS,
                        window: int = WINDOW) -> dict[str, np.ndarray]:
     """Classify heads from their aligned aggregated attention maps ``mass_maps`` [..., 2gh-1, 2gw-1] (Walmer's
-    normalisation, module docstring): ``peak_offset`` [..., 2] (maximum of ``mass_maps``), ``peak_mass`` [...] (share
-    of ``mass_maps`` within ``window`` cells of the peak), ``mass_centre`` [..., 2], ``local`` [...] bool (Chebyshev
-    |peak| <= ``max_offset`` and peak_mass >= ``min_mass``), ``offset_local`` [...] bool (local, peak != 0)."""
+    normalisation, module docstring), as the rule reads: "at least half of the attention, on average over queries,
+    lands within one token of a point at most two tokens away". Over every point p with Chebyshev |p| <=
+    ``max_offset``, the mass in the window of ``window`` cells around p (:func:`window_mass`); the best such window
+    gives ``peak_mass`` [...] (its mass; ties between windows go to the centre nearest the query).
+    ``local`` [...] = peak_mass >= ``min_mass`` and the peak at most ``max_offset`` away; ``peak_offset`` [..., 2] is the window's centre of mass rounded to a
+    cell (a head fixed on the token two to the right has it at (0, +2) even when the best window is centred one
+    nearer); ``offset_local`` = local and peak_offset != (0, 0). Also
+    ``map_peak`` [..., 2] (the maximum cell of the map itself, anywhere) and ``mass_centre`` [..., 2].
+    (Taking the window around the map's maximum instead misses a head that spreads evenly over its neighbourhood
+    with a slight corner maximum: the positive control in tests/test_positive_control.py has one.)"""
     mass_maps = np.asarray(mass_maps, dtype=np.float64)
-    peaks = find_peaks(mass_maps)
     rows, cols = mass_maps.shape[-2:]
-    cr, cc = (rows - 1) // 2, (cols - 1) // 2
-    flat_mass = mass_maps.reshape(-1, rows, cols)
-    flat_peaks = peaks.reshape(-1, 2)
-    pm = np.array([m[max(0, cr + r - window):cr + r + window + 1, max(0, cc + c - window):cc + c + window + 1].sum()
-                   for m, (r, c) in zip(flat_mass, flat_peaks)]).reshape(mass_maps.shape[:-2])
-    cheb = np.abs(peaks).max(-1)
-    local = (cheb <= max_offset) & (pm >= min_mass)
-    return {"peak_offset": peaks, "peak_mass": pm, "mass_centre": mass_centre(mass_maps), "local": local,
-            "offset_local": local & (cheb > 0)}
+    dr = np.arange(rows) - (rows - 1) // 2
+    dc = np.arange(cols) - (cols - 1) // 2
+    near = np.maximum(np.abs(dr)[:, None], np.abs(dc)[None, :]) <= max_offset
+    wm = window_mass(mass_maps, window)
+    centres = find_peaks(np.where(near, wm, -np.inf)).reshape(-1, 2)
+    flat = mass_maps.reshape(-1, rows, cols)
+    pm, peaks = np.zeros(len(flat)), np.zeros((len(flat), 2), dtype=np.int64)
+    for i, (m, (r, c)) in enumerate(zip(flat, centres)):
+        r0, r1 = max(0, (rows - 1) // 2 + r - window), (rows - 1) // 2 + r + window + 1
+        c0, c1 = max(0, (cols - 1) // 2 + c - window), (cols - 1) // 2 + c + window + 1
+        w = m[r0:r1, c0:c1]
+        pm[i] = w.sum()
+        if pm[i] > 0:  # the window's centre of mass, rounded to a cell: where in the window the attention sits
+            peaks[i] = np.rint([(w.sum(1) * dr[r0:r1]).sum() / pm[i], (w.sum(0) * dc[c0:c1]).sum() / pm[i]])
+    pm, peaks = pm.reshape(mass_maps.shape[:-2]), peaks.reshape(*mass_maps.shape[:-2], 2)
+    local = (pm >= min_mass) & (np.abs(peaks).max(-1) <= max_offset)
+    return {"peak_offset": peaks, "peak_mass": pm, "map_peak": find_peaks(mass_maps), "mass_centre": mass_centre(mass_maps),
+            "local": local, "offset_local": local & (np.abs(peaks).max(-1) > 0)}
 
 
 @register
@@ -198,6 +224,7 @@ class AlignedAttention(BlockSums):
     """
 
     name = "aligned_attention"
+    version = 2  # 2: the local rule takes the best window centred within max_offset, not the one around the maximum
     Options = AlignedOptions
 
     def __init__(self, ctx: Context, opts=None):
