@@ -10,6 +10,7 @@ per-block float64 sums reduced over processes (:class:`BlockSums`), entropy and 
 from __future__ import annotations
 
 import re
+import textwrap
 
 import numpy as np
 import torch
@@ -120,6 +121,7 @@ def map_grid(maps: np.ndarray, blocks: list[str], title: str, marked: np.ndarray
                 ax.set_ylabel(block_label(blocks[i], i), fontsize=6)
             if i == n_l - 1:
                 ax.set_xlabel(f"head {h}", fontsize=6)
-    fig.suptitle(title, fontsize=8)
+    chars = max(30, int(fig.get_figwidth() * 72 / (8 * 0.55)))  # characters of 8-pt text across the figure
+    fig.suptitle("\n".join(textwrap.fill(line, chars) for line in title.split("\n")), fontsize=8)
     fig.tight_layout()
     return fig

@@ -6,16 +6,25 @@ A cross-model function (not a single-model Measure): :func:`head_subset_cka`.
 Definitions. ViT block ``block`` (default 0, the first encoder block) has H heads of width dh.
 
 - Head distance: the mean attention distance of each head (:func:`analysis.measures.attention_distance.attention_distance`: spatial
-  queries and keys, rows renormalised over spatial keys, pixels by default) over ALL the given images. Heads are
+  queries and keys, rows renormalised over spatial keys; patch-centre pixels by default, ``unit`` picks another) over ALL the given images. Heads are
   ordered by it, ascending (most local first; stable sort, ties by head index): ``head_order``.
 - Head representation: the head's attention output BEFORE the output projection, ``(A_h V_h)`` [T, dh] per image,
   spatial tokens only (prefix/CLS rows dropped), flattened to [N * dh]. It is read from the input of ``attn.norm``
   (timm's Attention computes ``x = (attn @ v).transpose(1, 2).reshape(B, T, H * dh)``, so channels
   ``h*dh:(h+1)*dh`` are head h; then ``norm`` -- Identity unless scale_norm --, an optional gate, and ``proj``; for
   the default Attention this is the input of ``proj``), through the ``heads`` tap (analysis/taps.py).
-- Subsets (Raghu's "subsets of ViT attention heads ... from the most locally attending heads to the most global"):
-  the k most local heads (``head_order[:k]``) and the k most global (``head_order[-k:]``), k = H // 2 by default,
-  their spatial head outputs concatenated along the channel axis, flattened per image.
+- Subsets (Raghu §4, "we take subsets of the ViT attention heads from the first encoder block, ranging from the
+  subset corresponding to the most local attention heads to a subset of the representation corresponding to the
+  most global attention heads ... plot the mean distance for each subset against CKA similarity"; Fig. 5 caption
+  likewise): the paper states neither the subset size nor how the subsets step, and Raghu's code is not public.
+  We take WINDOWS of k consecutive heads in the distance order, sliding one head at a time from the k most local
+  (``head_order[0:k]``) to the k most global (``head_order[H-k:H]``): H - k + 1 subsets, subset i =
+  ``head_order[i:i+k]``, whose mean distances rise with i. Sliding windows, not growing sets, because the paper's
+  last subset is "the most global attention heads" (a growing set would end with all heads) and because its x axis
+  is each subset's mean distance, which windows spread over the whole range. k = H // 2 by default (at least 1),
+  so the first and last windows are the local and the global half; k = 1 gives the single heads. Each subset's
+  representation: its heads' spatial outputs concatenated along the channel axis, flattened per image. The single
+  heads are kept as their own rows (``cka``).
 - ResNet layers: by default the outputs of the residual blocks of the first two stages (taps ``layer{s}.{j}.out``,
   s = 1, 2), flattened per image.
 - CKA: minibatch linear CKA (:class:`analysis.similarity.MinibatchCKA` with ``ys``, unbiased HSIC by default) over the same
@@ -31,12 +40,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.measures.attention_distance import AttentionDistance
+from analysis.measures.attention_distance import UNITS, AttentionDistance
 from analysis.reduce import shard
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, grid_of, is_vit, resnet_blocks
-
-SUBSETS = ("local", "global")
 
 
 def default_resnet_layers(resnet, stages: tuple[int, ...] = (1, 2)) -> list[str]:
@@ -59,20 +66,23 @@ def split_heads(x: Tensor, num_heads: int, num_prefix_tokens: int) -> Tensor:
 def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 256, block: int = 0,
                     resnet_layers: list[str] | None = None, k: int | None = None, unit: str = "pixels",
                     unbiased: bool = True, accelerator=None) -> dict:
-    """Raghu et al. 2021 Fig. 5: CKA between single ViT attention heads (sorted local -> global) / local and global
-    head subsets, and the ResNet's lower layers (module docstring for the definitions).
+    """Raghu et al. 2021 Fig. 5: CKA between single ViT attention heads (sorted local -> global) / windows of ``k``
+    consecutive heads sliding from the most local to the most global, and the ResNet's lower layers (module docstring).
 
     ``images`` [N, C, H, W] (e.g. uint8), ``normalize`` maps a minibatch to model inputs; both models see the same
-    minibatches. Returns a flat dict: ``head_order`` [H] int (heads by ascending mean attention distance),
-    ``head_distance`` [H] (distance of head ``head_order[i]``, in ``unit``), ``cka`` [H, R] (row i: head
-    ``head_order[i]``; column r: ``resnet_layers[r]``), ``subset_cka`` [2, R] (rows ``subsets`` = local, global),
-    ``subset_heads`` [2, k], ``subset_distance`` [2] (mean distance of the subset's heads), ``resnet_layers`` [R],
-    ``subsets``, ``block``, ``unit``, ``n_images``.
+    minibatches. ``unit``: the attention distance that orders the heads (``pixels``: patch centres, the default;
+    ``unit_square``; ``pixel_level``; see analysis/measures/attention_distance.py). Returns a flat dict:
+    ``head_order`` [H] int (heads by ascending mean attention distance), ``head_distance`` [H] (distance of head
+    ``head_order[i]``, in ``unit``), ``cka`` [H, R] (row i: head ``head_order[i]`` alone; column r:
+    ``resnet_layers[r]``), ``subset_cka`` [S, R] (S = H - k + 1 windows, row i: heads ``head_order[i:i+k]``),
+    ``subset_heads`` [S, k], ``subset_distance`` [S] (mean distance of the window's heads, non-decreasing),
+    ``subsets`` [S] names (``sorted i-j``: positions in the distance order), ``k``, ``resnet_layers`` [R], ``block``,
+    ``unit``, ``n_images``.
     """
     if not is_vit(vit):
         raise ValueError(f"head_subset_cka needs a timm VisionTransformer first, got {type(vit).__name__}")
-    if unit not in ("pixels", "unit_square"):
-        raise ValueError(f"unit must be 'pixels' or 'unit_square', got {unit!r}")
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
     n = len(images)
     tail = n % batch_size
     if n < 4 or 0 < tail < 4:
@@ -80,7 +90,7 @@ def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 25
                          "unbiased CKA needs >= 4 per minibatch: change batch_size or the number of images.")
     layers = list(resnet_layers) if resnet_layers is not None else default_resnet_layers(resnet)
     heads = vit.blocks[block].attn.num_heads
-    k = heads // 2 if k is None else int(k)
+    k = max(1, heads // 2) if k is None else int(k)
     if not 1 <= k <= heads:
         raise ValueError(f"subset size k={k} must be in 1..{heads}")
     prefix = vit.num_prefix_tokens
@@ -99,9 +109,9 @@ def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 25
                 vit(normalize(x.to(vdev)))
             ad.update(block, cap[tap])
         ad.sync(accelerator)
-        dist = (ad.compute() if unit == "pixels" else ad.compute_unit_square())[block].numpy()
+        dist = ad.compute(unit)[block].numpy()
         order = np.argsort(dist, kind="stable")
-        subsets = np.stack([order[:k], order[heads - k:]])
+        subsets = np.stack([order[i:i + k] for i in range(heads - k + 1)])  # windows, local -> global
 
         # pass 2: head outputs and ResNet features, minibatch CKA
         cka = MinibatchCKA(unbiased=unbiased)
@@ -124,32 +134,33 @@ def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 25
         resnet.train(modes[1])
     return {"head_order": order.astype(np.int64), "head_distance": dist[order], "cka": m[:heads], "subset_cka": m[heads:],
             "subset_heads": subsets.astype(np.int64), "subset_distance": np.array([dist[s].mean() for s in subsets]),
-            "subsets": list(SUBSETS), "resnet_layers": layers, "block": int(block), "unit": unit, "n_images": int(n)}
+            "subsets": [f"sorted {i}-{i + k - 1}" for i in range(len(subsets))], "k": int(k), "resnet_layers": layers,
+            "block": int(block), "unit": unit, "n_images": int(n)}
 
 
 def head_subset_figure(r: dict, title: str | None = None):
-    """Raghu Fig. 5 style: x = the block's heads sorted by mean attention distance (tick labels: head index and
-    distance), one line per ResNet layer with its CKA to each head alone; the local / global subsets' CKA drawn as
-    large markers at the subsets' mean distance positions (left: local, right: global)."""
+    """Raghu Fig. 5: x = mean attention distance of a subset of the block's heads, y = its CKA to a ResNet layer; one
+    line per ResNet layer through the sliding windows of k heads (local -> global), and each single head as a small
+    hollow marker at its own distance (same colour)."""
     from analysis.figures import plt  # pyplot with the Agg backend set
     from analysis.measure import as_list
 
     cka, sub = np.asarray(r["cka"]), np.asarray(r["subset_cka"])
-    order, dist = np.asarray(r["head_order"]), np.asarray(r["head_distance"])
+    dist, sub_dist = np.asarray(r["head_distance"]), np.asarray(r["subset_distance"])
     layers, unit = as_list(r["resnet_layers"]), str(np.asarray(r["unit"]))
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * len(order) + 2.5), 3.8))
-    x = np.arange(len(order))
+    k = int(r["k"]) if "k" in r else np.asarray(r["subset_heads"]).shape[1]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
     colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(1, len(layers))))
     for i, name in enumerate(layers):
-        ax.plot(x, cka[:, i], marker="o", ms=3, color=colors[i], label=name)
-        ax.scatter([-1, len(order)], sub[:, i], marker="*", s=80, color=colors[i], edgecolors="k", linewidths=0.4, zorder=3)
-    ax.set_xticks([-1, *x, len(order)], ["local\nsubset", *[f"h{h}\n{d:.3g}" for h, d in zip(order, dist)], "global\nsubset"], fontsize=6)
-    ax.axvline(-0.5, color="grey", lw=0.5, ls=":")
-    ax.axvline(len(order) - 0.5, color="grey", lw=0.5, ls=":")
-    ax.set_xlabel(f"block {int(r['block'])} heads, sorted by mean attention distance ({unit})")
+        ax.plot(sub_dist, sub[:, i], marker="o", ms=4, color=colors[i], label=f"{name}: windows of {k} heads")
+        ax.scatter(dist, cka[:, i], marker="o", s=14, facecolors="none", edgecolors=colors[i], linewidths=0.8, zorder=3)
+    ax.scatter([], [], marker="o", s=14, facecolors="none", edgecolors="grey", label="single heads")
+    ax.set_xlabel(f"mean attention distance of the heads ({unit}), block {int(r['block'])}")
     ax.set_ylabel("CKA to ResNet layer")
-    ax.set_ylim(min(0.0, float(np.nanmin(cka)), float(np.nanmin(sub))), 1)  # unbiased CKA can dip below 0
+    lo = min(0.0, float(np.nanmin(cka)), float(np.nanmin(sub)))  # unbiased CKA can dip below 0
+    ax.set_ylim(lo, 1)
+    ax.ticklabel_format(axis="x", useOffset=False)  # near-equal distances (untrained heads) would get an offset label
     ax.legend(fontsize=6, loc="best")
-    ax.set_title(title or "ViT heads (local -> global) vs ResNet lower layers")
+    ax.set_title(title or "ViT head subsets (local -> global) vs ResNet lower layers", fontsize=9)
     fig.tight_layout()
     return fig

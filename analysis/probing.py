@@ -1,30 +1,53 @@
 """Few-shot linear probes on frozen features.
 
-The probe is the one of the ViT paper (Dosovitskiy et al. 2021, §4.1 "few-shot linear accuracy", Fig. 6 and App. D),
-used per layer by Raghu et al. 2021 (App. A, Fig. 11 and Fig. 13) and implemented in big_vision's
-``evaluators/fewshot_lsr``: a closed-form, L2-regularised least-squares regression of frozen features onto
-{-1, 1}^K targets, scored by top-1 accuracy of the argmax.
+What the papers say. The ViT paper (Dosovitskiy et al. 2021, §4.1 "Metrics"): "Few-shot accuracies are obtained by
+solving a regularized linear regression problem that maps the (frozen) representation of a subset of training images
+to {-1, 1}^K target vectors" (Fig. 4, 6; no regulariser value, no preprocessing stated). Raghu et al. 2021 App. A
+("Additional details on linear probes"), used per layer in Fig. 11 and 13: "regularized least-squares regression,
+following Dosovitskiy et al. [...] {-1, 1}^N target vectors [...] recovered efficiently in closed form", and
+(App. A, training details) the 10-shot probes "tuned hyperparameters on a heldout portion of the training set".
+Neither text gives the regulariser or any feature preprocessing.
 
-Definition (all in float64). With training features ``X`` [n, d], labels ``y`` and ``K`` classes:
+The authors' code (the ViT / Raghu teams' evaluator, published as google-research/big_vision
+``big_vision/evaluators/fewshot_lsr.py`` with ``configs/common_fewshot.py``) fills that in: the features of the
+shots are STANDARDISED by the mean and the population standard deviation (ddof 0) over the shots, plus 1e-5;
+a constant feature ``BIAS_CONSTANT = 100`` is appended (a bias, "large so it's almost unregularized"); the targets
+``2 one_hot(y) - 1`` are NOT centred; ``W = (Z^T Z + l2 I)^-1 Z^T Y`` with ONE fixed ``l2_reg = 2 ** 10``; the
+prediction is ``argmax_k (z W)_k``. Its 3 seeds draw the shots per class with ``np.random.default_rng(seed)``.
 
-    Y      = 2 * one_hot(y, K) - 1                                   targets in {-1, 1}^K, [n, K]
-    Xc     = X - mean(X),   Yc = Y - mean(Y)                          centred by the training means
-    W      = Xc^T (Xc Xc^T + l2 I_n)^-1 Yc                            [d, K], the DUAL ridge solution (n x n system)
-    b      = mean(Y) - mean(X) W                                     [K], the (unregularised) bias
+Two methods here (option ``method`` of the probe measures; all in float64, big_vision runs float32):
+
+``"big_vision"`` (the DEFAULT): big_vision's fit. With the shots ``X`` [n, d], labels ``y``, ``K`` classes:
+
+    mu, sigma = mean(X, 0), std(X, 0, ddof=0) + 1e-5                   over the shots only
+    Z      = [(X - mu) / sigma, 100]                                   [n, d + 1], bias column 100
+    Y      = 2 * one_hot(y, K) - 1                                     [n, K], not centred
+    W      = Z^T (Z Z^T + l2 I_n)^-1 Y                                 [d + 1, K] (dual; = (Z^T Z + l2 I)^-1 Z^T Y)
+    pred   = argmax_k ([(x - mu) / sigma, 100] W)_k
+
+  ``l2`` fixed (``l2=1024.0`` gives big_vision's evaluator exactly), or -- the default, l2 = None -- picked on
+  held-out images from :func:`big_vision_l2_grid` ``2 ** (0, 2, ..., 20)`` (11 values around big_vision's 2 ** 10),
+  because Raghu App. A says the hyperparameters of these probes were tuned on a held-out part of the training set.
+  This default is what the reproduction uses: the papers' text (regularised least squares in closed form onto
+  {-1, 1}, tuned on held-out data) filled in by the authors' code (standardisation, bias feature, the grid's centre).
+
+``"centred"`` (this project's earlier probe; not from either paper or code): features and targets centred by the
+training means, an unregularised bias, ``l2`` by default from a scale-invariant grid on held-out data:
+
+    Xc     = X - mean(X),   Yc = Y - mean(Y)
+    W      = Xc^T (Xc Xc^T + l2 I_n)^-1 Yc,   b = mean(Y) - mean(X) W
     pred   = argmax_k (x W + b)_k
+    grid   = s * 2 ** (-10, -8, ..., 10),  s = mean_i ||x_i - mean(X)||^2   (:func:`default_l2_grid`)
 
-The dual form equals the primal ridge solution ``W = (Xc^T Xc + l2 I_d)^-1 Xc^T Yc`` (push-through identity) and
-costs an n x n solve, which is small in the few-shot regime (n = shots * K) whatever the feature width d.
-
-Default regulariser grid (:func:`default_l2_grid`): ``l2 = s * 2 ** e`` for e in -10, -8, ..., 10 (11 values), where
-``s = mean_i ||x_i - mean(X)||^2`` is the mean squared norm of the centred training features (the mean diagonal of the
-centred Gram matrix), so the grid is invariant to the scale of the features. ``l2`` is picked from the grid by top-1
-on a validation set when one is given, else on a per-class held-out part of the training set (then refit on all of it).
+Held-out selection (l2 None, both methods): top-1 on a validation set when one is given (the probe measures pass
+the second half of the probe-train split), else on a per-class held-out fifth of the shots (then refit on all of
+them); ties go to the largest l2. The dual form costs an n x n solve, small in the few-shot regime (n = shots * K).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,9 +56,20 @@ from torch import Tensor
 from analysis.features import pool_features, pool_tokens  # noqa: F401 -- pooling is part of the probe's definition
 from train.splits import balanced_indices
 
-L2_EXPONENTS: tuple[int, ...] = tuple(range(-10, 11, 2))
+METHODS: tuple[str, ...] = ("big_vision", "centred")
+DEFAULT_METHOD = "big_vision"
+BIG_VISION_L2 = 2.0 ** 10  # big_vision configs/common_fewshot.py: config.l2_reg
+BIG_VISION_BIAS = 100.0  # big_vision evaluators/fewshot_lsr.py: BIAS_CONSTANT
+BIG_VISION_STD_EPS = 1e-5  # added to the shots' standard deviation (fewshot_lsr._precompute_cache)
+BIG_VISION_L2_EXPONENTS: tuple[int, ...] = tuple(range(0, 21, 2))  # held-out grid 2 ** e around big_vision's 2 ** 10
+L2_EXPONENTS: tuple[int, ...] = tuple(range(-10, 11, 2))  # the centred method's grid, times its feature scale
 HOLDOUT_FRACTION_DENOM = 5  # hold out 1/5 of each class (at least 1 when the class has >= 2 examples)
 HOLDOUT_SEED = 0
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown probe method {method!r}: use one of {', '.join(METHODS)}")
 
 
 def signed_one_hot(labels: Tensor, num_classes: int) -> Tensor:
@@ -44,7 +78,7 @@ def signed_one_hot(labels: Tensor, num_classes: int) -> Tensor:
 
 
 def default_l2_grid(train_x: Tensor) -> Tensor:
-    """The default grid ``s * 2 ** arange(-10, 11, 2)`` with ``s = mean_i ||x_i - mean(X)||^2`` (float64, ascending).
+    """The centred method's grid ``s * 2 ** arange(-10, 11, 2)`` with ``s = mean_i ||x_i - mean(X)||^2`` (float64, ascending).
 
     Scaling by ``s`` (the mean diagonal of the centred Gram matrix ``Xc Xc^T``) puts the grid on the scale of the
     eigenvalues the regulariser competes with, so it does not depend on the features' units. ``s = 0`` becomes 1.
@@ -55,44 +89,92 @@ def default_l2_grid(train_x: Tensor) -> Tensor:
     return scale * 2.0 ** torch.tensor(L2_EXPONENTS, dtype=torch.float64)
 
 
-def fit_ridge_dual(x: Tensor, labels: Tensor, l2: float, num_classes: int) -> tuple[Tensor, Tensor]:
-    """Closed-form ridge regression with a bias onto {-1, 1}^K targets, solved in the dual (float64).
+def big_vision_l2_grid() -> Tensor:
+    """The big_vision method's held-out grid ``2 ** (0, 2, ..., 20)`` (float64, ascending; centred on big_vision's
+    fixed ``2 ** 10``). Standardised features have unit variance, so fixed values are on a known scale."""
+    return 2.0 ** torch.tensor(BIG_VISION_L2_EXPONENTS, dtype=torch.float64)
 
-    ``W = Xc^T (Xc Xc^T + l2 I_n)^-1 Yc`` and ``b = mean(Y) - mean(X) W`` with ``Xc, Yc`` centred by the training
-    means (ViT paper §4.1; big_vision fewshot_lsr). Returns ``(W [d, K], b [K])``; scores are ``x @ W + b``.
-    """
-    if l2 <= 0:
-        raise ValueError(f"l2 must be > 0, got {l2}")
+
+def l2_grid_for(train_x: Tensor, method: str = DEFAULT_METHOD) -> Tensor:
+    """The default held-out grid of ``method``: :func:`big_vision_l2_grid` or :func:`default_l2_grid` of ``train_x``."""
+    _check_method(method)
+    return big_vision_l2_grid() if method == "big_vision" else default_l2_grid(train_x)
+
+
+@dataclass
+class LinearProbe:
+    """A fitted probe: ``scores(x) = design(x) @ w + offset`` (see the module docstring for both methods).
+
+    ``big_vision``: ``design(x) = [(x - mean) / std, 100]``, ``offset = 0``; ``centred``: ``design(x) = x - mean``,
+    ``std = None``, ``offset = mean(Y)`` (the bias ``b = mean(Y) - mean(X) W``)."""
+
+    method: str
+    mean: Tensor  # [d]
+    std: Tensor | None  # [d], big_vision only (population std over the shots + 1e-5)
+    w: Tensor  # [d + 1, K] (big_vision) or [d, K] (centred)
+    offset: Tensor  # [K]
+
+    def design(self, x: Tensor) -> Tensor:
+        return _design(x, self.mean, self.std)
+
+    def scores(self, x: Tensor) -> Tensor:
+        return self.design(x) @ self.w + self.offset
+
+
+def _design(x: Tensor, mean: Tensor, std: Tensor | None) -> Tensor:
+    z = x.double() - mean
+    if std is None:
+        return z
+    return torch.nn.functional.pad(z / std, (0, 1), value=BIG_VISION_BIAS)
+
+
+def _prepare(x: Tensor, labels: Tensor, num_classes: int, method: str) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor]:
+    """(mean, std, Z, T, offset): the design of the training features, the regression targets and the score offset."""
+    _check_method(method)
     x = x.double()
     y = signed_one_hot(labels.to(x.device), num_classes)
-    x_mean, y_mean = x.mean(0), y.mean(0)
-    xc, yc = x - x_mean, y - y_mean
-    gram = xc @ xc.T
+    mean = x.mean(0)
+    if method == "big_vision":
+        std = x.std(0, correction=0) + BIG_VISION_STD_EPS
+        offset = torch.zeros(num_classes, dtype=torch.float64, device=x.device)
+    else:
+        std, offset = None, y.mean(0)
+    return mean, std, _design(x, mean, std), y - offset, offset
+
+
+def fit_probe(x: Tensor, labels: Tensor, l2: float, num_classes: int, method: str = DEFAULT_METHOD) -> LinearProbe:
+    """Closed-form ridge regression onto {-1, 1}^K targets by ``method`` (module docstring), solved in the dual
+    ``W = Z^T (Z Z^T + l2 I_n)^-1 T`` (float64) with ``Z`` the design and ``T`` the (centred or not) targets."""
+    if l2 <= 0:
+        raise ValueError(f"l2 must be > 0, got {l2}")
+    mean, std, z, t, offset = _prepare(x, labels, num_classes, method)
+    gram = z @ z.T
     gram.diagonal().add_(l2)
-    alpha = torch.linalg.solve(gram, yc)
-    w = xc.T @ alpha
-    return w, y_mean - x_mean @ w
+    return LinearProbe(method, mean, std, z.T @ torch.linalg.solve(gram, t), offset)
+
+
+def fit_ridge_dual(x: Tensor, labels: Tensor, l2: float, num_classes: int) -> tuple[Tensor, Tensor]:
+    """The ``centred`` method's fit in the original feature space: ``W = Xc^T (Xc Xc^T + l2 I_n)^-1 Yc`` and
+    ``b = mean(Y) - mean(X) W`` with ``Xc, Yc`` centred by the training means. Returns ``(W [d, K], b [K])``; scores
+    are ``x @ W + b``."""
+    p = fit_probe(x, labels, l2, num_classes, "centred")
+    return p.w, p.offset - p.mean @ p.w
 
 
 def _accuracy(scores: Tensor, labels: Tensor) -> float:
     return (scores.argmax(1) == labels.to(scores.device).long()).double().mean().item()
 
 
-def _grid_accuracies(fit_x: Tensor, fit_y: Tensor, eval_x: Tensor, eval_y: Tensor, grid: Tensor, num_classes: int) -> Tensor:
-    """Top-1 on (eval_x, eval_y) of the dual ridge fit on (fit_x, fit_y) for every l2 in ``grid``, sharing one eigh.
-
-    With ``Xc Xc^T = U diag(s) U^T``: ``(Xc Xc^T + l2 I)^-1 = U diag(1 / (s + l2)) U^T``.
-    """
-    x = fit_x.double()
-    x_mean = x.mean(0)
-    xc = x - x_mean
-    y = signed_one_hot(fit_y.to(x.device), num_classes)
-    y_mean = y.mean(0)
-    evals, evecs = torch.linalg.eigh(xc @ xc.T)
+def _grid_accuracies(fit_x: Tensor, fit_y: Tensor, eval_x: Tensor, eval_y: Tensor, grid: Tensor, num_classes: int,
+                     method: str = DEFAULT_METHOD) -> Tensor:
+    """Top-1 on (eval_x, eval_y) of the fit on (fit_x, fit_y) for every l2 in ``grid``, sharing one eigh (as
+    big_vision's cache): with ``Z Z^T = U diag(s) U^T``, ``(Z Z^T + l2 I)^-1 = U diag(1 / (s + l2)) U^T``."""
+    mean, std, z, t, offset = _prepare(fit_x, fit_y, num_classes, method)
+    evals, evecs = torch.linalg.eigh(z @ z.T)
     evals = evals.clamp_min(0)
-    proj = evecs.T @ (y - y_mean)  # [n, K]
-    kern = ((eval_x.double() - x_mean) @ xc.T) @ evecs  # [m, n]
-    accs = [_accuracy(kern @ (proj / (evals + l2)[:, None]) + y_mean, eval_y) for l2 in grid.tolist()]
+    proj = evecs.T @ t  # [n, K]
+    kern = (_design(eval_x.to(z.device), mean, std) @ z.T) @ evecs  # [m, n]
+    accs = [_accuracy(kern @ (proj / (evals + l2)[:, None]) + offset, eval_y) for l2 in grid.tolist()]
     return torch.tensor(accs, dtype=torch.float64)
 
 
@@ -120,56 +202,66 @@ def _num_classes(*label_sets: Tensor | None) -> int:
     return int(max(int(y.max().item()) for y in label_sets if y is not None and y.numel() > 0)) + 1
 
 
-def select_l2(train_x: Tensor, train_y: Tensor, l2_grid: Sequence[float] | Tensor | None = None, val_x: Tensor | None = None,
-              val_y: Tensor | None = None, *, num_classes: int | None = None) -> float:
-    """Pick the ridge ``l2`` from ``l2_grid`` (default :func:`default_l2_grid` of ``train_x``) by top-1 accuracy.
+def _as_grid(l2_grid: Sequence[float] | Tensor | float | None, train_x: Tensor, method: str) -> Tensor:
+    if l2_grid is None:
+        return l2_grid_for(train_x, method)
+    grid = torch.as_tensor(l2_grid, dtype=torch.float64).flatten()
+    if grid.numel() == 0:
+        raise ValueError("l2_grid is empty")
+    return grid
+
+
+def select_l2(train_x: Tensor, train_y: Tensor, l2_grid: Sequence[float] | Tensor | float | None = None, val_x: Tensor | None = None,
+              val_y: Tensor | None = None, *, num_classes: int | None = None, method: str = DEFAULT_METHOD) -> float:
+    """Pick the ridge ``l2`` from ``l2_grid`` (default: ``method``'s grid, :func:`l2_grid_for`) by top-1 accuracy.
 
     One value: that value. Else on ``(val_x, val_y)`` when given (fit on all of train), else on a seeded held-out
     1/5 of each training class (:func:`holdout_split`, fit on the rest). If nothing can be held out (every class
     has a single example) the median of the sorted grid is used. Ties go to the largest l2.
     """
-    grid = default_l2_grid(train_x) if l2_grid is None else torch.as_tensor(l2_grid, dtype=torch.float64).flatten()
-    if grid.numel() == 0:
-        raise ValueError("l2_grid is empty")
+    grid = _as_grid(l2_grid, train_x, method)
     if grid.numel() == 1:
         return grid.item()
     k = num_classes or _num_classes(train_y, val_y)
     if (val_x is None) != (val_y is None):
         raise ValueError("give both val_x and val_y, or neither")
     if val_x is not None:
-        return _best_l2(grid, _grid_accuracies(train_x, train_y, val_x, val_y, grid, k))
+        return _best_l2(grid, _grid_accuracies(train_x, train_y, val_x, val_y, grid, k, method))
     fit_idx, hold_idx = holdout_split(train_y)
     if hold_idx.numel() == 0 or fit_idx.numel() == 0:
         return grid.sort().values[(grid.numel() - 1) // 2].item()
     train_y_cpu = train_y.cpu()
     dev = train_x.device
-    accs = _grid_accuracies(train_x[fit_idx.to(dev)], train_y_cpu[fit_idx], train_x[hold_idx.to(dev)], train_y_cpu[hold_idx], grid, k)
+    accs = _grid_accuracies(train_x[fit_idx.to(dev)], train_y_cpu[fit_idx], train_x[hold_idx.to(dev)], train_y_cpu[hold_idx], grid, k, method)
     return _best_l2(grid, accs)
 
 
 def fewshot_probe_with_l2(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor,
-                          l2_grid: Sequence[float] | Tensor | None = None, val_x: Tensor | None = None, val_y: Tensor | None = None,
-                          *, num_classes: int | None = None) -> tuple[float, float]:
+                          l2_grid: Sequence[float] | Tensor | float | None = None, val_x: Tensor | None = None,
+                          val_y: Tensor | None = None, *, num_classes: int | None = None,
+                          method: str = DEFAULT_METHOD) -> tuple[float, float]:
     """:func:`fewshot_probe` that also returns the chosen regulariser: ``(top1, l2)``."""
     if test_x.shape[0] == 0:
         raise ValueError("empty test set")
     k = num_classes or _num_classes(train_y, test_y, val_y)
-    l2 = select_l2(train_x, train_y, l2_grid, val_x, val_y, num_classes=k)
-    w, b = fit_ridge_dual(train_x, train_y, l2, k)
-    return _accuracy(test_x.double() @ w + b, test_y), l2
+    l2 = select_l2(train_x, train_y, l2_grid, val_x, val_y, num_classes=k, method=method)
+    probe = fit_probe(train_x, train_y, l2, k, method)
+    return _accuracy(probe.scores(test_x.to(probe.w.device)), test_y), l2
 
 
-def fewshot_probe(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, l2_grid: Sequence[float] | Tensor | None = None,
-                  val_x: Tensor | None = None, val_y: Tensor | None = None, *, num_classes: int | None = None) -> float:
-    """Few-shot linear probe top-1 (ViT paper §4.1 / Fig. 6; Raghu et al. 2021 App. A, Fig. 11/13; big_vision fewshot_lsr).
+def fewshot_probe(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, l2_grid: Sequence[float] | Tensor | float | None = None,
+                  val_x: Tensor | None = None, val_y: Tensor | None = None, *, num_classes: int | None = None,
+                  method: str = DEFAULT_METHOD) -> float:
+    """Few-shot linear probe top-1 (ViT paper §4.1 / Fig. 6; Raghu et al. 2021 App. A, Fig. 11/13).
 
-    ``W = Xc^T (Xc Xc^T + l2 I_n)^-1 Yc``, ``b = mean(Y) - mean(X) W`` with ``Y = 2 one_hot(y) - 1`` in {-1, 1}^K and
-    ``Xc, Yc`` centred by the training means (float64, dual n x n solve); returns
-    ``mean_i [argmax_k (x_i W + b)_k == y_i]`` over the test set. ``K = num_classes`` or max label over train/test/val + 1.
-    ``l2`` is chosen by :func:`select_l2` (default grid ``mean ||x - mean(X)||^2 * 2 ** arange(-10, 11, 2)``).
-    Use :func:`fewshot_probe_with_l2` to also get the chosen ``l2``.
+    ``mean_i [argmax_k scores(x_i)_k == y_i]`` over the test set of the probe :func:`fit_probe` by ``method``
+    (default ``"big_vision"``: big_vision fewshot_lsr's standardised features, bias feature 100, {-1, 1} targets;
+    ``"centred"``: centred features and targets, unregularised bias -- module docstring). ``l2``: one value (a
+    number or a one-element grid) is used as is (``l2_grid=1024.0`` with the default method is big_vision's
+    evaluator); else chosen on held-out data by :func:`select_l2` from ``l2_grid`` or the method's grid.
+    ``K = num_classes`` or max label over train/test/val + 1. :func:`fewshot_probe_with_l2` also returns the ``l2``.
     """
-    return fewshot_probe_with_l2(train_x, train_y, test_x, test_y, l2_grid, val_x, val_y, num_classes=num_classes)[0]
+    return fewshot_probe_with_l2(train_x, train_y, test_x, test_y, l2_grid, val_x, val_y, num_classes=num_classes, method=method)[0]
 
 
 def sample_shots(labels: Tensor, shots: int, seed: int) -> Tensor:
@@ -193,12 +285,14 @@ def sample_shots(labels: Tensor, shots: int, seed: int) -> Tensor:
 
 def probe_layers(train_feats: Mapping[str, Tensor], train_y: Tensor, test_feats: Mapping[str, Tensor], test_y: Tensor, shots: int = 10,
                  seeds: Sequence[int] = (0, 1, 2), val_feats: Mapping[str, Tensor] | None = None, val_y: Tensor | None = None,
-                 l2_grid: Sequence[float] | Tensor | None = None, num_classes: int | None = None) -> dict[str, tuple[float, float]]:
+                 l2_grid: Sequence[float] | Tensor | float | None = None, num_classes: int | None = None,
+                 method: str = DEFAULT_METHOD) -> dict[str, tuple[float, float]]:
     """Per-layer few-shot probes (Raghu et al. 2021 App. A, Fig. 11/13; ViT paper §4.1): ``{layer: (mean, std)}`` of top-1.
 
     For every seed, ``idx = sample_shots(train_y, shots, seed)`` (the same images for every layer) and each layer gets
-    ``fewshot_probe(train_feats[layer][idx], train_y[idx], test_feats[layer], test_y)``, its l2 picked on
-    ``val_feats[layer], val_y`` when given. ``mean`` is over seeds; ``std`` is the sample standard deviation over seeds
+    ``fewshot_probe(train_feats[layer][idx], train_y[idx], test_feats[layer], test_y, l2_grid, method=method)``, its
+    l2 (when not fixed) picked on ``val_feats[layer], val_y`` when given. big_vision draws its shots with numpy's
+    ``default_rng(seed)``; ours with :func:`sample_shots` (torch), so the same seed gives other images. ``mean`` is over seeds; ``std`` is the sample standard deviation over seeds
     (Bessel-corrected, n - 1), 0.0 for a single seed. K is fixed once over all labels so every seed uses the same K.
     """
     if set(train_feats) != set(test_feats) or (val_feats is not None and set(val_feats) != set(train_feats)):
@@ -213,7 +307,7 @@ def probe_layers(train_feats: Mapping[str, Tensor], train_y: Tensor, test_feats:
         for name, feats in train_feats.items():
             val_x = None if val_feats is None else val_feats[name]
             accs[name].append(fewshot_probe(feats[idx.to(feats.device)], train_y_cpu[idx], test_feats[name], test_y, l2_grid,
-                                            val_x, val_y, num_classes=k))
+                                            val_x, val_y, num_classes=k, method=method))
     out = {}
     for name, values in accs.items():
         v = torch.tensor(values, dtype=torch.float64)

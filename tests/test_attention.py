@@ -1,4 +1,5 @@
-"""Mean attention distance per head: known answers, prefix handling, units, accumulation and the sum-reduced sync."""
+"""Mean attention distance per head: known answers (patch centres, Walmer's unit square, the ViT paper's pixel-level
+distance), prefix handling, accumulation and the sum-reduced sync."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from analysis.measures.attention_distance import AttentionDistance, attention_distance, grid_distances
+from analysis.measures.attention_distance import UNITS, AttentionDistance, AttentionDistanceMeasure, attention_distance, grid_distances
 
 
 def _self_attention(batch, heads, grid, prefix):
@@ -33,7 +34,50 @@ def test_grid_distances_are_exact():
     d = grid_distances((2, 3), 4)
     assert d.shape == (6, 6) and d.dtype == torch.float64
     assert d.diagonal().eq(0).all() and d[0, 1] == 4 and d[0, 3] == 4 and d[0, 5] == pytest.approx(math.hypot(4, 8))
-    torch.testing.assert_close(grid_distances((2, 3), 4, unit="unit_square")[0, 5], torch.tensor(math.hypot(0.5, 2 / 3), dtype=torch.float64))
+    # Walmer's unit square: token (r, c) at (r / (gh - 1), c / (gw - 1)), so token 5 = (1, 2) sits at the corner (1, 1)
+    torch.testing.assert_close(grid_distances((2, 3), 4, unit="unit_square")[0, 5], torch.tensor(math.sqrt(2), dtype=torch.float64))
+    assert grid_distances((2, 3), 4, unit="unit_square")[0, 1] == 0.5
+
+
+def test_unit_square_on_a_2x2_grid_by_hand():
+    """The four tokens sit at the corners of the unit square: sides 1, diagonals sqrt(2) (Walmer's code)."""
+    s = math.sqrt(2)
+    torch.testing.assert_close(grid_distances((2, 2), 16, unit="unit_square"),
+                               torch.tensor([[0, 1, 1, s], [1, 0, s, 1], [1, s, 0, 1], [s, 1, 1, 0]], dtype=torch.float64))
+    uniform = torch.full((1, 1, 5, 5), 0.2)  # CLS + 4 tokens: each query's spatial row renormalises to 1/4 each
+    assert attention_distance(uniform, (2, 2), 16, 1, unit="unit_square").item() == pytest.approx((2 + s) / 4, rel=1e-12)
+    right = torch.tensor([[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0]], dtype=torch.float32)[None, None]
+    assert attention_distance(right, (2, 2), 16, 0, unit="unit_square").item() == pytest.approx(1.0, rel=1e-12)
+
+
+def test_pixel_level_distance_of_a_purely_local_head_by_hand():
+    """ViT paper App. D.6: an identity head on a 2x2 grid of 2x2-pixel patches. From each of the 4 query pixels the
+    4 pixels of its own patch (weight 1/4 each) are at 0, 1, 1 and sqrt(2): (2 + sqrt(2)) / 4 for every query pixel;
+    the patch-centre distance of the same head is 0."""
+    attn = _self_attention(3, 2, (2, 2), 1)
+    torch.testing.assert_close(attention_distance(attn, (2, 2), 2, 1, unit="pixel_level"),
+                               torch.full((2,), (2 + math.sqrt(2)) / 4, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert attention_distance(attn, (2, 2), 2, 1).eq(0).all()
+    # a head looking one token right (left in the last column), 1x1 grid rows of 2 tokens, patches of 2 pixels:
+    # pixel column offsets 2 + (i - i') with i, i' in {0, 1}: 1, 2, 2, 3 and row offsets 0, 0, 1, 1 (each pair once)
+    right = torch.tensor([[0, 1], [1, 0]], dtype=torch.float32)[None, None]
+    expected = sum(math.hypot(dr, dc) for dr in (0, 0, 1, -1) for dc in (1, 2, 2, 3)) / 16
+    assert attention_distance(right, (1, 2), 2, 0, unit="pixel_level").item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_pixel_level_matches_pixel_loops_and_bounds_patch_centres():
+    grid, patch = (2, 3), 3
+
+    def pixels(t):
+        r, c = divmod(t, grid[1])
+        return [(r * patch + i, c * patch + j) for i in range(patch) for j in range(patch)]
+
+    ref = [[sum(math.dist(u, v) for u in pixels(a) for v in pixels(b)) / patch**4 for b in range(6)] for a in range(6)]
+    d = grid_distances(grid, patch, unit="pixel_level")
+    torch.testing.assert_close(d, torch.tensor(ref, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    assert (d >= grid_distances(grid, patch) - 1e-12).all()  # convexity of the norm: pixel-level >= patch centres
+    attn = _softmax_attention(2, 3, 1 + 6, seed=9)
+    assert (attention_distance(attn, grid, patch, 1, unit="pixel_level") > attention_distance(attn, grid, patch, 1)).all()
 
 
 @pytest.mark.parametrize("prefix", [0, 1, 5])
@@ -77,22 +121,22 @@ def test_fixed_offset_one_row_down_gives_patch_size():
     out = attention_distance(attn, grid, patch, prefix)
     # head 0: the 15 queries with a row below are exactly patch_size away, the 5 in the last row are at 0
     assert out.tolist() == [pytest.approx(patch * 15 / 20, rel=1e-12), pytest.approx(patch, rel=1e-12)]
-    # unit square on a non-square grid: vertical steps are divided by the image height grid[0] * patch
+    # unit square on a non-square grid: vertical steps are divided by (grid[0] - 1) * patch
     unit = attention_distance(attn, grid, patch, prefix, unit="unit_square")
-    torch.testing.assert_close(unit, out / (grid[0] * patch), rtol=1e-12, atol=0)
+    torch.testing.assert_close(unit, out / ((grid[0] - 1) * patch), rtol=1e-12, atol=0)
 
 
-def test_unit_square_is_pixels_over_image_side():
+def test_unit_square_is_pixels_over_corner_centre_span():
     attn = _softmax_attention(3, 4, 1 + 36, seed=0)
     px = attention_distance(attn, (6, 6), 16, 1)
     unit = attention_distance(attn, (6, 6), 16, 1, unit="unit_square")
-    torch.testing.assert_close(unit, px / (6 * 16), rtol=1e-12, atol=0)
-    # non-square grid: horizontal steps are divided by the image width grid[1] * patch
+    torch.testing.assert_close(unit, px / (5 * 16), rtol=1e-12, atol=0)  # (g - 1) patches between corner centres
+    # non-square grid: horizontal steps are divided by (grid[1] - 1) * patch
     n = 3 * 5
     horiz = torch.zeros(1, 1, n, n)
     for q in range(n):
         horiz[0, 0, q, q + 1 if q % 5 < 4 else q - 1] = 1.0
-    assert attention_distance(horiz, (3, 5), 8, 0, unit="unit_square").item() == pytest.approx(1 / 5, rel=1e-12)
+    assert attention_distance(horiz, (3, 5), 8, 0, unit="unit_square").item() == pytest.approx(1 / 4, rel=1e-12)
     with pytest.raises(ValueError):
         attention_distance(attn, (6, 6), 16, 1, unit="patches")
 
@@ -124,12 +168,12 @@ def test_accumulator_over_batches_equals_function_on_concatenation():
     for blk, (x1, x2) in {0: (a1, a2), 3: (b1, b2)}.items():
         acc.update(blk, x1)
         acc.update(blk, x2)
-    px, unit = acc.compute(), acc.compute_unit_square()
+    px = acc.compute()
     assert list(px) == [0, 3] and all(v.dtype == torch.float64 for v in px.values())
-    assert acc.count[0].tolist() == [7 * 16] * 3 and acc.sum_pixels[0].dtype == torch.float64
+    assert acc.count[0].tolist() == [7 * 16] * 3 and acc.sums["pixels"][0].dtype == torch.float64
     for blk, whole in {0: torch.cat([a1, a2]), 3: torch.cat([b1, b2])}.items():
-        torch.testing.assert_close(px[blk], attention_distance(whole, grid, patch, prefix), rtol=1e-12, atol=0)
-        torch.testing.assert_close(unit[blk], attention_distance(whole, grid, patch, prefix, unit="unit_square"), rtol=1e-12, atol=0)
+        for u in UNITS:
+            torch.testing.assert_close(acc.compute(u)[blk], attention_distance(whole, grid, patch, prefix, unit=u), rtol=1e-12, atol=0)
     acc.reset()
     assert acc.compute() == {}
     with pytest.raises(ValueError):
@@ -143,10 +187,10 @@ def test_reduce_sums_state_like_two_processes():
     one.update(1, torch.cat([a1, a2]))
     rank0.update(1, a1)
     rank1.update(1, a2)
-    other = torch.cat([rank1.sum_pixels[1], rank1.sum_unit_square[1], rank1.count[1]])
+    other = torch.cat([*(rank1.sums[u][1] for u in UNITS), rank1.count[1]])
     rank0.reduce_(lambda flat: flat + other)  # what a SUM all_reduce does on rank 0
-    torch.testing.assert_close(rank0.compute()[1], one.compute()[1], rtol=1e-12, atol=0)
-    torch.testing.assert_close(rank0.compute_unit_square()[1], one.compute_unit_square()[1], rtol=1e-12, atol=0)
+    for u in UNITS:
+        torch.testing.assert_close(rank0.compute(u)[1], one.compute(u)[1], rtol=1e-12, atol=0)
     assert rank0.count[1].tolist() == one.count[1].tolist()
     one.sync()  # no process group: nothing happens
     one.sync(_AcceleratorLike())
@@ -180,7 +224,7 @@ def _sync_worker(rank, init_file, out_file):
             acc.update(4, _softmax_attention(2, 2, 10, seed=20))  # a block only rank 1 saw
         acc.sync(None if rank == 0 else _AcceleratorLike())  # rank 1 passes an accelerator-like object (CPU device)
         if rank == 0:
-            torch.save({"px": acc.compute(), "unit": acc.compute_unit_square()}, out_file)
+            torch.save({"px": acc.compute(), "unit": acc.compute("unit_square")}, out_file)
     finally:
         dist.destroy_process_group()
 
@@ -194,3 +238,26 @@ def test_sync_over_two_gloo_processes_equals_one_process(tmp_path):
     torch.testing.assert_close(got["px"][1], attention_distance(both, (3, 3), 8, 1), rtol=1e-12, atol=0)
     torch.testing.assert_close(got["unit"][4], attention_distance(_softmax_attention(2, 2, 10, seed=20), (3, 3), 8, 1, unit="unit_square"),
                                rtol=1e-12, atol=0)
+
+
+def test_measure_result_names_each_distance_and_figures_label_them():
+    import types
+
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ctx = types.SimpleNamespace(grid=(2, 2), patch_size=2, prefix=1, blocks=("blocks.0", "blocks.1"), accelerator=None)
+    m = AttentionDistanceMeasure(ctx)
+    attn = _self_attention(2, 3, (2, 2), 1)
+    m.update(0, {"blocks.0.attn_probs": attn, "blocks.1.attn_probs": torch.full_like(attn, 0.2)}, None, None)
+    r = m.finish()
+    assert set(r) == {"pixels", "unit_square", "pixel_level", "blocks", "patch_size"}
+    np.testing.assert_allclose(r["pixels"][0], 0)
+    np.testing.assert_allclose(r["pixel_level"][0], (2 + math.sqrt(2)) / 4, rtol=1e-12)
+    np.testing.assert_allclose(r["unit_square"][1], (2 + math.sqrt(2)) / 4, rtol=1e-12)  # uniform over the 4 corners
+    assert AttentionDistanceMeasure.summary(r)["mean_px_pixel_level"][0] == pytest.approx((2 + math.sqrt(2)) / 4)
+    figs = AttentionDistanceMeasure.figures(r)
+    assert "patch centres" in figs["attn_dist/heads"].axes[0].get_ylabel()
+    assert "pixel to pixel" in figs["attn_dist/heads_pixel_level"].axes[0].get_ylabel()
+    for f in figs.values():
+        plt.close(f)

@@ -16,6 +16,7 @@ from analysis.measures.aligned_attention import (
     canvas_index,
     coverage,
     find_peaks,
+    mass_centre,
     offset_local_heads,
 )
 from analysis.measures.cls_attention import ClsAttention, cls_attention_maps
@@ -100,16 +101,17 @@ def test_uniform_attention_is_flat_and_not_offset_local():
     maps, mass = aligned_attention_maps(attn, grid, prefix)
     np.testing.assert_allclose(maps.numpy(), 1 / 49, rtol=1e-12)  # per-offset mean: flat
     np.testing.assert_allclose(mass.numpy(), np.broadcast_to(coverage(grid) / 49**2, mass.shape), rtol=1e-12)  # Walmer's: a pyramid
-    cls = offset_local_heads(maps.numpy(), mass.numpy())
+    cls = offset_local_heads(mass.numpy())
     assert cls["peak_offset"].tolist() == [[0, 0]] * 3  # flat: ties go to the centre
     np.testing.assert_allclose(cls["peak_mass"], (6 + 7 + 6) ** 2 / 49**2, rtol=1e-12)  # 3x3 window: sum of (7-|dr|)(7-|dc|)
+    np.testing.assert_allclose(cls["mass_centre"], 0, atol=1e-15)
     assert not cls["local"].any() and not cls["offset_local"].any()
 
 
 def test_attention_to_self_is_local_but_not_offset():
     attn = _pattern_attention((5, 6), 1, lambda r, c: (r, c))
     maps, mass = aligned_attention_maps(attn, (5, 6), 1)
-    cls = offset_local_heads(maps.numpy(), mass.numpy())
+    cls = offset_local_heads(mass.numpy())
     assert cls["peak_offset"].tolist() == [[0, 0]]
     assert cls["peak_mass"].tolist() == [pytest.approx(1.0, rel=1e-12)]
     assert cls["local"].tolist() == [True] and cls["offset_local"].tolist() == [False]
@@ -126,12 +128,48 @@ def test_attention_one_step_right_is_offset_local(edge):
 
     attn = _pattern_attention(grid, 1, right)
     maps, mass = aligned_attention_maps(attn, grid, 1)
-    cls = offset_local_heads(maps.numpy(), mass.numpy())
+    cls = offset_local_heads(mass.numpy())
     assert cls["peak_offset"].tolist() == [[0, 1]]
     assert cls["offset_local"].tolist() == [True] and cls["local"].tolist() == [True]
     expected_mass = 42 / 49 if edge == "wrap" else 1.0  # wrap: the 7 edge queries put their mass 6 columns left
     assert cls["peak_mass"].tolist() == [pytest.approx(expected_mass, rel=1e-12)]
     assert maps[0, 6, 7].item() == pytest.approx(1.0, rel=1e-12)  # every query that has a right neighbour attends to it
+
+
+def test_right_neighbour_head_with_a_few_far_edge_queries_is_offset_local():
+    """Issue 12: every query puts 0.9 of its attention on its right neighbour and 0.1 on itself, except the 7 queries of
+    the last column, which look at the top-left token. On the per-offset mean map the far offset (-6, -6), which only
+    the bottom-right query has, gets 1.0 > 0.9 and would win; on Walmer's aligned map (mean over all queries) the
+    right neighbour holds 42 * 0.9 / 49 of the attention and is the peak."""
+    grid, prefix = (7, 7), 1
+    t = prefix + 49
+    attn = torch.zeros(2, 1, t, t, dtype=torch.float64)
+    attn[:, :, :prefix, 0] = 1.0
+    for q in range(49):
+        r, c = divmod(q, 7)
+        if c < 6:
+            attn[:, 0, prefix + q, prefix + q + 1] = 0.9
+            attn[:, 0, prefix + q, prefix + q] = 0.1
+        else:
+            attn[:, 0, prefix + q, prefix] = 1.0  # token (0, 0)
+    maps, mass = aligned_attention_maps(attn, grid, prefix)
+    assert maps[0, 0, 0].item() == pytest.approx(1.0) and maps[0, 6, 7].item() == pytest.approx(0.9)  # mean map: far cell wins
+    assert mass[0, 6, 7].item() == pytest.approx(42 * 0.9 / 49, rel=1e-12)
+    cls = offset_local_heads(mass.numpy())
+    assert cls["peak_offset"].tolist() == [[0, 1]]
+    assert cls["peak_mass"].tolist() == [pytest.approx(42 / 49, rel=1e-12)]  # (0, +1) and (0, 0) are in the 3x3 window
+    assert cls["local"].tolist() == [True] and cls["offset_local"].tolist() == [True]
+    # Walmer's centre of mass ("avg-att-offset" in his code): 37.8/49 at dc = +1, the 7 edge queries at (-r, -6)
+    expected = [sum(-r for r in range(7)) / 49, (37.8 - 7 * 6) / 49]
+    np.testing.assert_allclose(cls["mass_centre"][0], expected, rtol=1e-12)
+
+
+def test_mass_centre_known_answers():
+    m = np.zeros((2, 5, 7))
+    m[0, 2, 3] = 1.0  # centre
+    m[1, 3, 5], m[1, 1, 3] = 0.75, 0.25  # (+1, +2) and (-1, 0)
+    np.testing.assert_allclose(mass_centre(m), [[0, 0], [0.5, 1.5]], rtol=1e-12)
+    assert mass_centre(np.zeros((5, 7))).tolist() == [0, 0]
 
 
 def test_offset_sign_convention_and_thresholds():
@@ -140,13 +178,13 @@ def test_offset_sign_convention_and_thresholds():
     far = _pattern_attention(grid, 1, lambda r, c: (r, c + 3) if c + 3 < 6 else (r, c - 3))  # 3 columns away
     attn = torch.cat([down_left, far], 1)
     maps, mass = aligned_attention_maps(attn, grid, 1)
-    cls = offset_local_heads(maps.numpy(), mass.numpy())
+    cls = offset_local_heads(mass.numpy())
     assert cls["peak_offset"][0].tolist() == [1, -1]
     assert cls["offset_local"].tolist() == [True, False]  # 3 columns is beyond max_offset = 2
-    assert offset_local_heads(maps.numpy(), mass.numpy(), max_offset=3)["offset_local"].tolist() == [True, True]
+    assert offset_local_heads(mass.numpy(), max_offset=3)["offset_local"].tolist() == [True, True]
     # clamped at the grid edge, the edge queries look at (0, -1), (+1, 0) or (0, 0): inside the 3x3 window, outside a 1x1 one
     assert cls["peak_mass"][0] == pytest.approx(1.0, rel=1e-12)
-    one_cell = offset_local_heads(maps.numpy(), mass.numpy(), window=0, min_mass=0.99)
+    one_cell = offset_local_heads(mass.numpy(), window=0, min_mass=0.99)
     assert one_cell["peak_mass"][0] == pytest.approx(25 / 36, rel=1e-12) and not one_cell["local"][0]
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import class_split, tiny_resnet, tiny_vit
 
-from analysis.baselines import gaussian_like
-from analysis.measure import REGISTRY, Context, load_result, save_result
+from analysis.baselines import gaussian_like, uniform_like
+from analysis.measure import REGISTRY, Context, load_result, make_options, save_result
 from analysis.measures.clustering import ClusteringMeasure, cluster_scores, kmeans, purity
 from analysis.taps import Taps, block_names
 
@@ -205,3 +205,15 @@ def test_measure_gap_vit_and_resnet():
         r = m.finish()
         assert r["pools"] == ["mean_spatial"] and r["purity"].shape == (1, n_layers)
         assert all(math.isfinite(v) for v in r["nmi"].ravel())
+
+
+def test_uniform_baseline_option():
+    """Option baseline=uniform: k-means on uniform [0, 1) features (Walmer et al.'s code) instead of Gaussian ones."""
+    model = tiny_vit()
+    ctx = _ctx(model, "vit", 1)
+    m = ClusteringMeasure(ctx, make_options(ClusteringMeasure, {"baseline": "uniform", "restarts": 2}))
+    _drive(m, ctx)
+    r = m.finish()
+    x = _features_at_once(model, ctx.data.analysis, "blocks.0.out", "cls", 1)
+    b = cluster_scores(kmeans(uniform_like(x.double(), 0), 10, seed=0, n_init=2)[0], ctx.data.analysis.labels)
+    assert r["baseline_nmi"][0, 0] == pytest.approx(b["nmi"], abs=1e-9)

@@ -83,7 +83,7 @@ def test_head_equal_to_resnet_layer_gives_cka_one_and_entries_match_reference():
     finally:
         for h in handles:
             h.remove()
-    assert r["resnet_layers"] == ["layer1.0.out", "layer2.0.out"] and r["cka"].shape == (4, 2) and r["subset_cka"].shape == (2, 2)
+    assert r["resnet_layers"] == ["layer1.0.out", "layer2.0.out"] and r["cka"].shape == (4, 2) and r["subset_cka"].shape == (3, 2)
     row0 = r["head_order"].tolist().index(0)
     assert r["cka"][row0, 0] == pytest.approx(1.0, abs=1e-9)
     assert r6["cka"][r6["head_order"].tolist().index(0), 0] == pytest.approx(1.0, abs=1e-9)
@@ -128,6 +128,8 @@ def test_order_follows_distance_on_hand_built_attention():
     try:
         r = head_subset_cka(vit, resnet, images, normalize, batch_size=6, resnet_layers=["layer1.0.out"])
         ru = head_subset_cka(vit, resnet, images, normalize, batch_size=6, resnet_layers=["layer1.0.out"], unit="unit_square", k=1)
+        r3 = head_subset_cka(vit, resnet, images, normalize, batch_size=6, resnet_layers=["layer1.0.out"], k=3)
+        rp = head_subset_cka(vit, resnet, images, normalize, batch_size=6, resnet_layers=["layer1.0.out"], unit="pixel_level")
         with torch.no_grad():  # the head outputs are the hand-built attention applied to the values
             out = {}
             hook = attn.proj.register_forward_pre_hook(lambda mod, args: out.__setitem__("x", args[0]))
@@ -140,12 +142,34 @@ def test_order_follows_distance_on_hand_built_attention():
     assert expected[1] == 0 and expected[2] == 4 and expected[3] == 8 and expected[0] > 8
     assert r["head_order"].tolist() == [1, 2, 3, 0]
     np.testing.assert_allclose(r["head_distance"], expected[[1, 2, 3, 0]], rtol=1e-6)
-    assert r["subset_heads"].tolist() == [[1, 2], [3, 0]] and list(r["subsets"]) == ["local", "global"]
-    np.testing.assert_allclose(r["subset_distance"], [2.0, (8 + expected[0]) / 2], rtol=1e-6)
-    np.testing.assert_allclose(ru["head_distance"], r["head_distance"] / 28, rtol=1e-6)
-    assert ru["subset_heads"].tolist() == [[1], [0]]
+    # windows of k = 2 consecutive heads in the distance order, sliding from the most local to the most global
+    assert r["subset_heads"].tolist() == [[1, 2], [2, 3], [3, 0]] and list(r["subsets"]) == ["sorted 0-1", "sorted 1-2", "sorted 2-3"]
+    np.testing.assert_allclose(r["subset_distance"], [2.0, 6.0, (8 + expected[0]) / 2], rtol=1e-6)
+    assert r["k"] == 2 and r["subset_cka"].shape == (3, 1) and r["cka"].shape == (4, 1)
+    assert r3["subset_heads"].tolist() == [[1, 2, 3], [2, 3, 0]] and r3["subset_cka"].shape == (2, 1)
+    np.testing.assert_allclose(ru["head_distance"], r["head_distance"] / 24, rtol=1e-6)  # (7 - 1) patches of 4 pixels
+    assert ru["subset_heads"].tolist() == [[1], [2], [3], [0]]
+    np.testing.assert_allclose(ru["subset_cka"], ru["cka"], rtol=1e-9)  # k = 1: the windows are the single heads
+    assert rp["head_order"].tolist() == [1, 2, 3, 0] and rp["head_distance"][0] > 0  # pixel level: a self head is not at 0
     heads = split_heads(out["x"], 4, 1)  # [2, 4, 49, 8]
     torch.testing.assert_close(heads[:, 1], v[:, 1:, 8:16])  # self attention: head 1 outputs its own values
+
+
+def test_sweep_on_tiny_models_has_the_stated_shapes_and_order():
+    """Raghu Fig. 5 sweep on a 4-head tiny ViT: windows of k heads slide along the distance order, local -> global."""
+    vit, resnet, images = _vit(heads=4), _resnet(), _images(8)
+    r = head_subset_cka(vit, resnet, images, normalize, batch_size=4)
+    order = r["head_order"].tolist()
+    assert sorted(order) == [0, 1, 2, 3] and r["k"] == 2
+    assert r["cka"].shape == (4, 2) and r["subset_cka"].shape == (3, 2) and r["subset_heads"].shape == (3, 2)
+    assert r["subset_heads"].tolist() == [order[0:2], order[1:3], order[2:4]]
+    assert np.all(np.diff(r["subset_distance"]) >= 0) and np.all(np.diff(r["head_distance"]) >= 0)
+    np.testing.assert_allclose(r["subset_distance"], [r["head_distance"][i:i + 2].mean() for i in range(3)], rtol=1e-12)
+    assert np.isfinite(r["subset_cka"]).all()
+    r1 = head_subset_cka(vit, resnet, images, normalize, batch_size=4, k=4)  # one window: all heads
+    assert r1["subset_heads"].tolist() == [order] and r1["subset_cka"].shape == (1, 2)
+    with pytest.raises(ValueError):
+        head_subset_cka(vit, resnet, images, normalize, batch_size=4, k=5)
 
 
 def test_runs_on_tiny_timm_models_and_round_trip(tmp_path):

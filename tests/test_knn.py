@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import class_split, tiny_resnet, tiny_vit
 
-from analysis.baselines import gaussian_like, gaussian_like_layers
+from analysis.baselines import gaussian_like, gaussian_like_layers, noise_like, uniform_like
 from analysis.features import pool_features
-from analysis.measure import REGISTRY, Context, load_result, save_result
+from analysis.measure import REGISTRY, Context, load_result, make_options, save_result
 from analysis.measures.knn import KNNMeasure, knn_accuracy, knn_predict
 from analysis.taps import Taps, block_names
 
@@ -120,6 +120,31 @@ def test_gaussian_like():
     layers = gaussian_like_layers({"a": x, "b": x[:, :5]}, 3)
     assert torch.equal(layers["a"], gaussian_like(x, 3)) and torch.equal(layers["b"], gaussian_like(x[:, :5], 4))
     assert [t.shape for t in gaussian_like_layers([x, x], 0)] == [x.shape, x.shape]
+
+
+def test_uniform_like_is_the_authors_code_draw():
+    """Walmer et al.'s code (wrapper_random.py) draws torch.rand: uniform [0, 1), mean 1/2, variance 1/12."""
+    x = torch.zeros(500, 40, dtype=torch.float64)
+    u = uniform_like(x, 0)
+    assert u.shape == x.shape and u.dtype == torch.float64 and torch.equal(u, uniform_like(x, 0)) and not torch.equal(u, uniform_like(x, 1))
+    assert u.min() >= 0 and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    assert torch.equal(noise_like(x, 2, "uniform"), uniform_like(x, 2)) and torch.equal(noise_like(x, 2), gaussian_like(x, 2))
+    assert torch.equal(gaussian_like_layers([x], 4, "uniform")[0], uniform_like(x, 4))
+    with pytest.raises(ValueError):
+        noise_like(x, 0, "normal")
+
+
+def test_uniform_baseline_option():
+    model = tiny_vit()
+    ctx = _ctx(model, "vit", 1)
+    m = KNNMeasure(ctx, make_options(KNNMeasure, {"baseline": "uniform"}))
+    _drive(m, ctx)
+    r = m.finish()
+    bank = _features_at_once(model, ctx.data.probe_train, "blocks.1.out", "mean_spatial", 1)
+    q = _features_at_once(model, ctx.data.analysis, "blocks.1.out", "mean_spatial", 1)
+    noise = uniform_like(torch.cat([bank, q]).double(), 1 * 2 + 1)
+    base = (_reference_predict(noise[:60], ctx.data.probe_train.labels, noise[60:], 20, 0.07, 10) == ctx.data.analysis.labels)
+    assert r["baseline"][1, 1] == pytest.approx(base.double().mean().item(), abs=1e-12)
 
 
 def test_pool_features():

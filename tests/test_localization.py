@@ -205,6 +205,27 @@ def test_resnet_pools_large_maps_and_pads(tmp_path):
     _close(figs)
 
 
+def test_resnet_patch_option_tokens():
+    """resnet_tokens=patch (Raghu App. A's probe patching step, not the default here): with a fixed 2x2 patch the 28x28
+    map of layer 1 becomes 14x14 tokens of 4 * 8 channels, pooled to 7x7: the same grid, other tokens."""
+    model = _resnet()
+    ctx = _ctx(model, n=24)
+    assert LocalizationOptions().resnet_tokens == "pool"
+    r = _run(Localization(ctx, LocalizationOptions(resnet_tokens="patch", resnet_patch=2)), ctx, batch_size=12)
+    # a fixed side applies to every map: layer 3 (7x7) drops its last row and column (3x3), layer 4 (4x4) gives 2x2
+    assert r["grid"].tolist() == [[7, 7], [7, 7], [3, 3], [2, 2]]
+    x = ctx.data.normalize(ctx.data.analysis.images)
+    with Taps(model, ["layer1.0.out"]) as cap:
+        model(x)
+    fmap = cap["layer1.0.out"]
+    patched = torch.nn.functional.pixel_unshuffle(fmap, 2)
+    tokens = torch.nn.functional.adaptive_avg_pool2d(patched, 7).flatten(2).transpose(1, 2)
+    assert tokens.shape == (24, 49, 32)
+    np.testing.assert_allclose(r["cka"][0], localization_cka(tokens, x, (7, 7), 12).numpy(), rtol=1e-9, atol=1e-12)
+    plain = _run(Localization(ctx), ctx, batch_size=12)
+    assert not np.allclose(r["cka"][0], plain["cka"][0])
+
+
 def test_round_trip_and_figures(tmp_path):
     ctx = _ctx(_vit(class_token=False), n=24)
     r = _run(Localization(ctx), ctx, batch_size=12)

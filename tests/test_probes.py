@@ -1,4 +1,5 @@
-"""Few-shot linear probes: closed-form dual ridge with bias onto {-1, 1}^K, shot sampling, token pooling, per-layer runner."""
+"""Few-shot linear probes: big_vision's fewshot_lsr (by hand and against a transcription) and the centred dual ridge
+onto {-1, 1}^K, l2 selection, shot sampling, token pooling, per-layer runner."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,9 +7,13 @@ import pytest
 import torch
 
 from analysis.probing import (
+    BIG_VISION_L2,
+    _grid_accuracies,
+    big_vision_l2_grid,
     default_l2_grid,
     fewshot_probe,
     fewshot_probe_with_l2,
+    fit_probe,
     fit_ridge_dual,
     holdout_split,
     pool_tokens,
@@ -98,13 +103,111 @@ def test_default_grid_is_scaled_by_mean_squared_centred_norm():
 
 def test_l2_is_picked_on_validation_when_given():
     tr_x, tr_y, te_x, te_y = _separable()
-    # a huge l2 shrinks W to ~0 and scores to the bias (all classes tie): chance on validation, so the small one wins
-    acc, l2 = fewshot_probe_with_l2(tr_x, tr_y, te_x, te_y, l2_grid=[1e-3, 1e30], val_x=te_x, val_y=te_y)
+    # centred fit: a huge l2 shrinks W to ~0 and scores to the bias (all classes tie): chance on validation, so the
+    # small one wins. (Not so for big_vision's uncentred targets: there W -> Z^T Y / l2, a class-mean classifier.)
+    acc, l2 = fewshot_probe_with_l2(tr_x, tr_y, te_x, te_y, l2_grid=[1e-3, 1e30], val_x=te_x, val_y=te_y, method="centred")
     assert (acc, l2) == (1.0, 1e-3)
-    assert select_l2(tr_x, tr_y, [1e-3, 1e30]) == 1e-3  # the held-out split agrees
+    assert select_l2(tr_x, tr_y, [1e-3, 1e30], method="centred") == 1e-3  # the held-out split agrees
     assert select_l2(tr_x, tr_y, [7.0]) == 7.0  # a single value is used as is
+    assert select_l2(tr_x, tr_y, 7.0) == 7.0
     with pytest.raises(ValueError):
         select_l2(tr_x, tr_y, [1.0, 2.0], val_x=te_x)
+    with pytest.raises(ValueError):
+        select_l2(tr_x, tr_y, [1.0, 2.0], method="sklearn")
+
+
+# ---------------------------------------------------------------- big_vision's fewshot_lsr
+
+
+def test_big_vision_probe_by_hand():
+    """Four 1-d shots x = 0, 0, 2, 2 with labels 0, 0, 0, 1 (K = 2). big_vision: mean 1, population std 1 (+1e-5), so
+    z = +-a with a = 1 / (1 + 1e-5), design rows [-a, 100], [-a, 100], [a, 100], [a, 100]; targets rows [1, -1] x 3,
+    [-1, 1]. Z^T Z = diag(4a^2, 40000) (the cross terms cancel), Z^T Y = [[-2a, 2a], [200, -200]], so
+    W = [[-2a / (4a^2 + l2), 2a / (4a^2 + l2)], [200 / (40000 + l2), -200 / (40000 + l2)]] and the class-0 score of x
+    is s0(x) = -2a^2 (x - 1) / (4a^2 + l2) + 20000 / (40000 + l2) = -s1(x): class 1 iff s0 < 0."""
+    x = torch.tensor([[0.0], [0.0], [2.0], [2.0]])
+    y = torch.tensor([0, 0, 0, 1])
+    a = 1 / (1 + 1e-5)
+    for l2 in (1.0, 1024.0):
+        p = fit_probe(x, y, l2, 2, "big_vision")
+        assert p.mean.tolist() == [1.0] and p.std.tolist() == pytest.approx([1 + 1e-5], abs=1e-15)
+        want_w = [[-2 * a / (4 * a * a + l2), 2 * a / (4 * a * a + l2)], [200 / (40000 + l2), -200 / (40000 + l2)]]
+        np.testing.assert_allclose(p.w.numpy(), want_w, rtol=1e-10)
+        xs = torch.tensor([[-3.0], [2.0], [3.0], [300.0]])
+        s0 = -2 * a * a * (xs[:, 0].double() - 1) / (4 * a * a + l2) + 20000 / (40000 + l2)
+        np.testing.assert_allclose(p.scores(xs).numpy(), torch.stack([s0, -s0], 1).numpy(), rtol=1e-10, atol=1e-12)
+    # the threshold s0 = 0: x > 1 + 20000 (4a^2 + l2) / (2a^2 (40000 + l2)) -- 2.25 at l2 = 1, 251.6 at big_vision's 1024
+    # (the nearly unregularised bias carries the 3:1 class prior)
+    test_x, test_y = torch.tensor([[2.0], [3.0], [200.0], [300.0]]), torch.tensor([0, 1, 1, 1])
+    assert fewshot_probe(x, y, test_x, test_y, l2_grid=1.0, num_classes=2) == 1.0  # 2 -> 0; 3, 200, 300 -> 1
+    assert fewshot_probe(x, y, test_x, test_y, l2_grid=BIG_VISION_L2, num_classes=2) == 0.5  # 2, 3, 200 -> 0; 300 -> 1
+
+
+def _fewshot_lsr_numpy(x, y, x_test, num_classes, l2):
+    """A line-by-line numpy transcription of big_vision evaluators/fewshot_lsr.py (_precompute_cache and
+    _eig_fewshot_acc_fn: primal when N >= D, dual otherwise; eigh of the Gram), in float64; returns the predictions."""
+    mean = x.mean(0, keepdims=True)
+    std = x.std(0, keepdims=True) + 1e-5
+    x = np.pad((x - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)
+    y = 2.0 * np.eye(num_classes)[y] - 1.0
+    if x.shape[0] >= x.shape[1]:
+        eigs, q = np.linalg.eigh(x.T @ x)
+        rhs, lhs = q.T @ (x.T @ y), q
+    else:
+        eigs, q = np.linalg.eigh(x @ x.T)
+        rhs, lhs = q.T @ y, x.T @ q
+    x_test = np.pad((x_test - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)
+    w = (lhs * (1.0 / (eigs + l2)).reshape(1, -1)) @ rhs
+    return x_test @ w
+
+
+@pytest.mark.parametrize("n_per_class,d", [(10, 5), (3, 40)])  # N >= D (primal branch) and D > N (dual branch)
+def test_big_vision_equals_a_transcription_of_fewshot_lsr(n_per_class, d):
+    g = torch.Generator().manual_seed(d)
+    means = 2.0 * torch.randn(4, d, generator=g, dtype=torch.float64)
+    y = torch.arange(4).repeat_interleave(n_per_class)
+    x = means[y] * torch.linspace(0.1, 10, d, dtype=torch.float64) + 3.0 + torch.randn(len(y), d, generator=g, dtype=torch.float64)
+    x_test = torch.randn(50, d, generator=g, dtype=torch.float64) * 4
+    ref = _fewshot_lsr_numpy(x.numpy(), y.numpy(), x_test.numpy(), 4, BIG_VISION_L2)
+    p = fit_probe(x, y, BIG_VISION_L2, 4, "big_vision")
+    np.testing.assert_allclose(p.scores(x_test).numpy(), ref, rtol=1e-8, atol=1e-10)
+    y_test = torch.as_tensor(ref.argmax(1))
+    assert fewshot_probe(x, y, x_test, y_test, l2_grid=BIG_VISION_L2) == 1.0  # same predictions as big_vision's
+
+
+def test_big_vision_standardises_features_and_centred_does_not():
+    """The label lives in a feature of scale 1e-3, next to a noise feature of scale 1e3. Standardised (big_vision) it
+    weighs as much as the noise and the probe is perfect; centred with the same l2 it is shrunk away: chance."""
+    g = torch.Generator().manual_seed(0)
+
+    def feats(n):
+        y = torch.arange(n) % 2
+        x = torch.stack([1e-3 * (2.0 * y - 1 + 0.1 * torch.randn(n, generator=g)), 1e3 * torch.randn(n, generator=g)], 1)
+        return x.double(), y
+
+    (tr_x, tr_y), (te_x, te_y) = feats(20), feats(400)
+    assert fewshot_probe(tr_x, tr_y, te_x, te_y, l2_grid=1.0, method="big_vision") == 1.0
+    assert fewshot_probe(tr_x, tr_y, te_x, te_y, l2_grid=1.0, method="centred") < 0.65
+
+
+@pytest.mark.parametrize("method", ["big_vision", "centred"])
+def test_grid_accuracies_equal_one_fit_per_l2(method):
+    tr_x, tr_y, te_x, te_y = _separable(dim=8)
+    te_x = te_x + 3.0 * torch.randn(te_x.shape, generator=torch.Generator().manual_seed(3))
+    grid = torch.tensor([1e-2, 1.0, 30.0, 1e3, 1e5], dtype=torch.float64)
+    accs = _grid_accuracies(tr_x, tr_y, te_x, te_y, grid, 10, method)
+    want = [fewshot_probe(tr_x, tr_y, te_x, te_y, l2_grid=float(v), num_classes=10, method=method) for v in grid]
+    assert accs.tolist() == pytest.approx(want, abs=1e-12) and len(set(want)) > 1
+
+
+def test_default_is_big_vision_with_l2_picked_on_held_out_data():
+    tr_x, tr_y, te_x, te_y = _separable(dim=8)
+    te_x = te_x + 6.0 * torch.randn(te_x.shape, generator=torch.Generator().manual_seed(3))
+    acc, l2 = fewshot_probe_with_l2(tr_x, tr_y, te_x, te_y, val_x=te_x, val_y=te_y)
+    assert l2 in big_vision_l2_grid().tolist() and big_vision_l2_grid().tolist() == [2.0 ** e for e in range(0, 21, 2)]
+    assert (acc, l2) == fewshot_probe_with_l2(tr_x, tr_y, te_x, te_y, val_x=te_x, val_y=te_y, method="big_vision",
+                                              l2_grid=big_vision_l2_grid())
+    assert acc == max(fewshot_probe(tr_x, tr_y, te_x, te_y, l2_grid=float(v), method="big_vision") for v in big_vision_l2_grid())
 
 
 def test_holdout_split_is_per_class_fifth():

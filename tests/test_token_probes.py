@@ -1,6 +1,7 @@
 """Per-token few-shot probes (Raghu Fig. 11 left, D.4): a known answer (only token 3 carries the label), agreement
 with probe_layers on single-token features, the suite's shot / validation halves, stride, CLS / GAP / ResNet through
-the protocol, round-trip."""
+the protocol, round-trip; ResNet tokens with Raghu App. A's patching step (a hand-made map, the patch-side rule,
+the measures' defaults)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from analysis.features import final_channels, patchify, pool_features, resnet_patch_side, spatial_tokens
 from analysis.measure import REGISTRY, Context, load_result, save_result
 from analysis.measures.token_probes import TokenProbeOptions, TokenProbes, strided_positions, token_probe_accuracies
 from analysis.probing import probe_layers
@@ -185,3 +187,99 @@ def test_too_few_probe_images_is_explained():
     ctx = _ctx(_vit(), n_train=100)
     assert "probe_train_size to at least 200" in TokenProbes.problem(ctx.data, TokenProbeOptions(shots=10, stride=7))
     assert TokenProbes.problem(ctx.data, TokenProbeOptions(shots=5)) is None
+
+
+# ---------------------------------------------------------------- ResNet tokens: Raghu App. A's patching step
+
+
+def test_patchify_a_hand_made_feature_map():
+    fmap = torch.arange(2 * 4 * 4, dtype=torch.float32).reshape(1, 2, 4, 4)  # channel c, row r, col s: 16c + 4r + s
+    tokens, grid = spatial_tokens(fmap, patch=2)
+    assert grid == (2, 2) and tokens.shape == (1, 4, 8)
+    # each 2x2 patch flattened as (channel, row in patch, col in patch), patches in row-major order
+    assert tokens[0].tolist() == [[0, 1, 4, 5, 16, 17, 20, 21], [2, 3, 6, 7, 18, 19, 22, 23],
+                                  [8, 9, 12, 13, 24, 25, 28, 29], [10, 11, 14, 15, 26, 27, 30, 31]]
+    assert patchify(fmap, 2).shape == (1, 8, 2, 2) and patchify(fmap, 1) is fmap
+    # then pooled like a plain map: max_side 1 averages the four patch tokens
+    pooled, g1 = spatial_tokens(fmap, patch=2, max_side=1)
+    assert g1 == (1, 1) and pooled[0, 0].tolist() == tokens[0].mean(0).tolist()
+    assert pool_features(fmap, "mean_spatial", 0, patch=2)[0].tolist() == tokens[0].mean(0).tolist()
+    # without patching a token is one position's channels (Raghu §7)
+    plain, g = spatial_tokens(fmap)
+    assert g == (4, 4) and plain[0, 5].tolist() == [5, 21]
+    # a 5x5 map: the last row and column do not fill a patch and are dropped
+    odd = torch.arange(25.0).reshape(1, 1, 5, 5)
+    assert patchify(odd, 2)[0, :, 1, 1].tolist() == [12, 13, 17, 18]
+    with pytest.raises(ValueError):
+        patchify(fmap, 5)
+
+
+def test_patch_side_rule():
+    # ResNet-50 at 224 px: C p^2 at most 2048, the pooled 7x7 grid kept
+    sides = [resnet_patch_side((1, c, h, h), 2048) for c, h in ((256, 56), (512, 28), (1024, 14), (2048, 7))]
+    assert sides == [2, 2, 1, 1]
+    assert resnet_patch_side((1, 8, 28, 28), 1024) == 4  # 7 would divide 28 and fit the channels, but shrink the grid below 7
+    assert resnet_patch_side((1, 16, 7, 7), 1024) == 1
+    assert resnet_patch_side((1, 32, 28, 28), 256) == 2  # 3 would give 288 > 256 channels
+    assert resnet_patch_side((1, 8, 28, 28), 1024, mode="pool") == 1 and resnet_patch_side((1, 8, 28, 28), 1024, patch=3) == 3
+    assert final_channels(_resnet()) == 16 and final_channels(types.SimpleNamespace(module=_resnet())) == 16
+
+
+def _resnet_wide():
+    """Channels 8, 16, 32, 64: stages 1 and 2 get 2x2 patches (32 and 64 channels per token), 3 and 4 none."""
+    from timm.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    m = ResNet(block=BasicBlock, layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), in_chans=1, num_classes=10)
+    m.conv1 = torch.nn.Conv2d(1, m.conv1.out_channels, 3, 1, 1, bias=False)
+    m.maxpool = torch.nn.Identity()
+    return m.eval()
+
+
+@torch.no_grad()
+def test_resnet_tokens_are_patched_by_default_and_equal_explicit_probes():
+    ctx = _ctx(_resnet_wide(), n_train=100)
+    opts = dict(shots=5, seeds=(0,), stride=3)
+    r = _run(TokenProbes(ctx, TokenProbeOptions(**opts)), ctx)
+    pooled = _run(TokenProbes(ctx, TokenProbeOptions(resnet_tokens="pool", **opts)), ctx)
+    assert r["token_dim"].tolist() == [32, 64, 32, 64] and pooled["token_dim"].tolist() == [8, 16, 32, 64]
+    assert r["grid"].tolist() == pooled["grid"].tolist() == [[7, 7], [7, 7], [7, 7], [4, 4]]  # same token grid
+    np.testing.assert_array_equal(r["acc"][2:], pooled["acc"][2:])  # unpatched stages are unchanged
+    # explicit reference for stage 1: 2x2 patches of the 28x28 map, pooled to 7x7, probe on token 24
+    feats = {}
+    for name, split in (("test", ctx.data.analysis), ("train", ctx.data.probe_train)):
+        with Taps(ctx.model, ["layer1.0.out"]) as cap:
+            ctx.model(ctx.data.normalize(split.images))
+        feats[name] = spatial_tokens(cap["layer1.0.out"], patch=2)[0]
+    assert feats["test"].shape[1:] == (49, 32)
+    shot, val = probe_halves(ctx.data.probe_train.labels)
+    ytr = ctx.data.probe_train.labels
+    f = feats["train"][:, 24]
+    ref = probe_layers({"t": f[shot]}, ytr[shot], {"t": feats["test"][:, 24]}, ctx.data.analysis.labels, shots=5, seeds=(0,),
+                       val_feats={"t": f[val]}, val_y=ytr[val], num_classes=10)["t"]
+    col = r["token_index"][0].tolist().index(24)
+    assert r["acc"][0, col] == pytest.approx(ref[0], abs=1e-12)
+
+
+@torch.no_grad()
+def test_fewshot_probe_patches_resnet_maps_by_default():
+    from analysis.measures.fewshot_probe import FewShotOptions, FewShotProbeMeasure
+
+    ctx = _ctx(_resnet_wide(), n_train=100)
+    r = _run(FewShotProbeMeasure(ctx, FewShotOptions(shots=5, seeds=(0,))), ctx)
+    pooled = _run(FewShotProbeMeasure(ctx, FewShotOptions(shots=5, seeds=(0,), resnet_tokens="pool")), ctx)
+    assert r["feature_dim"].tolist() == [32, 64, 32, 64] and pooled["feature_dim"].tolist() == [8, 16, 32, 64]
+    assert str(r["method"]) == "big_vision" and r["mean"].shape == (1, 4)
+    np.testing.assert_array_equal(r["mean"][:, 2:], pooled["mean"][:, 2:])
+
+
+def test_probe_options_are_checked():
+    from analysis.measure import MeasureError, make_options
+    from analysis.measures.fewshot_probe import FewShotProbeMeasure
+
+    assert make_options(TokenProbes, {"method": "centred", "l2": "1e3", "resnet_tokens": "pool"}).l2 == 1000.0
+    assert make_options(FewShotProbeMeasure, {}).method == "big_vision" and make_options(FewShotProbeMeasure, {}).l2 is None
+    for cls, bad in ((TokenProbes, {"method": "sklearn"}), (TokenProbes, {"l2": 0}), (FewShotProbeMeasure, {"resnet_tokens": "crop"}),
+                     (FewShotProbeMeasure, {"baseline": "normal"}), (FewShotProbeMeasure, {"resnet_patch": -1})):
+        with pytest.raises(MeasureError):
+            make_options(cls, bad)

@@ -1,36 +1,52 @@
-"""``aligned_attention`` -- Aligned Aggregated Attention Maps, AAAM (Walmer §4.2, Fig. 3, 14, 18) and offset local heads.
+"""``aligned_attention`` -- Aligned Aggregated Attention Maps, AAAM (Walmer et al. 2023 §4.2, App. C.1, Fig. 3, 14,
+18) and offset local heads.
+
     Every spatial query q at grid (r, c) keeps its row over the spatial keys, renormalised (prefix tokens dropped as
     queries and as keys, as Walmer's ``AvgAlignedAttentionOnToken``):
 
         a[b, h, q, k] = A[b, h, p + q, p + k] / sum_{k'} A[b, h, p + q, p + k']
 
     and places it on a (2gh-1) x (2gw-1) canvas centred on the query: key k at (r', c') goes to canvas cell
-    (gh-1 + r'-r, gw-1 + c'-c), i.e. the cell of offset (dr, dc) = (r'-r, c'-c). Two normalisations of the canvas
-    summed over queries and images:
+    (gh-1 + r'-r, gw-1 + c'-c), i.e. the cell of offset (dr, dc) = (r'-r, c'-c) ("before averaging them, we first
+    realigned them so the current spatial token is always in the center of the array", §4.2). Two normalisations of
+    the canvas summed over queries and images:
 
-    ``maps``       sum / (number of (query, image) pairs that can SEE that offset). An offset (dr, dc) exists for
-                   (gh-|dr|) (gw-|dc|) of the queries (``coverage``), so edge offsets are seen by few. ``maps`` is
-                   the mean attention a key at that offset gets, over the queries that have one: uniform attention
-                   gives a flat map (1/N everywhere), with no pyramid from the canvas geometry. Peaks are found here.
-    ``mass_maps``  sum / (number of (query, image) pairs), Walmer's normalisation (his code divides by the number of
-                   queries; up to his constant batch-size factor): the mean over queries of the attention mass at
-                   each offset. Each head's map sums to 1, so window masses are shares of the attention.
+    ``mass_maps``  THE ALIGNED AGGREGATED ATTENTION MAP of Walmer: sum / (number of (query, image) pairs), the mean over
+                   queries of the attention at each offset (an offset a query does not have counts as 0 for it).
+                   Each head's map sums to 1, so a cell is the share of the attention that goes to that offset.
+                   Peaks are found here.
+    ``maps``       The per-offset mean (not in Walmer): sum / (number of (query, image) pairs that can SEE that
+                   offset). An offset (dr, dc) exists for only (gh-|dr|) (gw-|dc|) of the queries (``coverage``), so
+                   an edge offset's value is the mean over the few queries that have one: uniform attention gives a
+                   flat map (1/N everywhere, no pyramid from the canvas geometry), but a far offset that a handful of
+                   edge queries look at can outweigh the offset every other query looks at. It is drawn for
+                   comparison only.
 
     Offset local heads (Walmer §4.2 / App. C.1: "heads that attend locally, but to a point or region offset from the
-    current token"; Fig. 14 shows peaks one or two tokens from the centre), made precise as:
+    current token"; Fig. 14 shows peaks one or two tokens from the centre). Walmer finds them by eye on the maps;
+    the rule below is ours (thresholds are the options):
 
-    ``peak_offset`` [L, H, 2]  (dr, dc) of the maximum of ``maps`` (ties within a relative 1e-6 of the max go to the
-                               cell nearest the centre: Chebyshev, then Euclidean distance, then row-major order);
-    ``peak_mass``   [L, H]     share of the attention mass in the (2w+1) x (2w+1) window of ``mass_maps`` around the
+    ``peak_offset`` [L, H, 2]  (dr, dc) of the maximum of ``mass_maps`` (ties within a relative 1e-6 of the max go to
+                               the cell nearest the centre: Chebyshev, then Euclidean distance, then row-major order);
+    ``peak_mass``   [L, H]     share of the attention in the (2w+1) x (2w+1) window of ``mass_maps`` around the
                                peak (w = ``window``, default 1: the 3x3 neighbourhood), clipped at the canvas border;
+    ``mass_centre`` [L, H, 2]  the centre of mass of ``mass_maps``, sum over cells of mass * (dr, dc), in tokens
+                               (Walmer's code, ``average_att_offset``, reports it as "avg-att-offset" with the canvas
+                               scaled to [-1, 1], i.e. divided by (g - 1));
     ``local``       [L, H]     max(|dr|, |dc|) <= ``max_offset`` (default 2) and peak_mass >= ``min_mass`` (default
                                0.5): at least half of the attention, on average over queries, lands within one token
-                               of a point at most two tokens away (uniform attention on a 7x7 grid puts <= 9/49 in
-                               any 3x3 window, a strict local head ~1);
+                               of a point (the peak) at most two tokens away (uniform attention on a 7x7 grid puts
+                               361/2401 = 0.15 in the central 3x3 window, a strict local head ~1);
     ``offset_local`` [L, H]    local and peak_offset != (0, 0).
 
-    The thresholds are arguments of :func:`offset_local_heads`, which also re-classifies a saved result. A query with no
-    spatial mass (only with hand-built attention) is left out, from the sums and from the counts.
+    Where the authors' code differs (github mwalmer-umd/vit_analysis, analysis/attention_metrics.py,
+    ``AvgAlignedAttentionOnToken``): it divides the canvas sum by the number of (minibatch, query) pairs, not (image,
+    query) pairs, so its maps are ours times the (constant) batch size; it counts a query whose row has no spatial mass
+    (all attention on CLS) as a zero row, which we leave out of sums and counts (possible only with hand-built
+    attention); it drops exactly one prefix token and needs a square grid. We follow the paper's definition with the
+    per-pair normalisation (maps that sum to 1, comparable across batch sizes).
+
+    The thresholds are arguments of :func:`offset_local_heads`, which also re-classifies a saved result.
 """
 from __future__ import annotations
 
@@ -137,31 +153,46 @@ def find_peaks(maps: np.ndarray, rtol: float = PEAK_RTOL) -> np.ndarray:
     return out.reshape(*m.shape[:-2], 2)
 
 
-def offset_local_heads(maps: np.ndarray, mass_maps: np.ndarray, max_offset: int = MAX_OFFSET, min_mass: float = MIN_MASS,
+def mass_centre(mass_maps: np.ndarray) -> np.ndarray:
+    """[..., 2] float64: the centre of mass (dr, dc) in tokens of each [..., 2gh-1, 2gw-1] aligned map (rows with no
+    mass give 0), ``sum mass * (dr, dc) / sum mass``; Walmer's ``average_att_offset`` up to his [-1, 1] scaling."""
+    m = np.asarray(mass_maps, dtype=np.float64)
+    rows, cols = m.shape[-2:]
+    dr = np.arange(rows) - (rows - 1) // 2
+    dc = np.arange(cols) - (cols - 1) // 2
+    total = m.sum((-2, -1))
+    safe = np.where(total > 0, total, 1.0)
+    return np.stack([(m.sum(-1) * dr).sum(-1) / safe, (m.sum(-2) * dc).sum(-1) / safe], -1)
+
+
+def offset_local_heads(mass_maps: np.ndarray, max_offset: int = MAX_OFFSET, min_mass: float = MIN_MASS,
                        window: int = WINDOW) -> dict[str, np.ndarray]:
-    """Classify heads from their aligned maps [..., 2gh-1, 2gw-1] (module docstring): ``peak_offset`` [..., 2] (of
-    ``maps``), ``peak_mass`` [...] (share of ``mass_maps`` within ``window`` cells of the peak), ``local`` [...] bool
-    (Chebyshev |peak| <= ``max_offset`` and peak_mass >= ``min_mass``), ``offset_local`` [...] bool (local, peak != 0)."""
-    maps, mass_maps = np.asarray(maps, dtype=np.float64), np.asarray(mass_maps, dtype=np.float64)
-    peaks = find_peaks(maps)
-    rows, cols = maps.shape[-2:]
+    """Classify heads from their aligned aggregated attention maps ``mass_maps`` [..., 2gh-1, 2gw-1] (Walmer's
+    normalisation, module docstring): ``peak_offset`` [..., 2] (maximum of ``mass_maps``), ``peak_mass`` [...] (share
+    of ``mass_maps`` within ``window`` cells of the peak), ``mass_centre`` [..., 2], ``local`` [...] bool (Chebyshev
+    |peak| <= ``max_offset`` and peak_mass >= ``min_mass``), ``offset_local`` [...] bool (local, peak != 0)."""
+    mass_maps = np.asarray(mass_maps, dtype=np.float64)
+    peaks = find_peaks(mass_maps)
+    rows, cols = mass_maps.shape[-2:]
     cr, cc = (rows - 1) // 2, (cols - 1) // 2
     flat_mass = mass_maps.reshape(-1, rows, cols)
     flat_peaks = peaks.reshape(-1, 2)
     pm = np.array([m[max(0, cr + r - window):cr + r + window + 1, max(0, cc + c - window):cc + c + window + 1].sum()
-                   for m, (r, c) in zip(flat_mass, flat_peaks)]).reshape(maps.shape[:-2])
+                   for m, (r, c) in zip(flat_mass, flat_peaks)]).reshape(mass_maps.shape[:-2])
     cheb = np.abs(peaks).max(-1)
     local = (cheb <= max_offset) & (pm >= min_mass)
-    return {"peak_offset": peaks, "peak_mass": pm, "local": local, "offset_local": local & (cheb > 0)}
+    return {"peak_offset": peaks, "peak_mass": pm, "mass_centre": mass_centre(mass_maps), "local": local,
+            "offset_local": local & (cheb > 0)}
 
 
 @register
 class AlignedAttention(BlockSums):
     """Aligned Aggregated Attention Maps and offset local heads (Walmer et al. 2023 §4.2, Fig. 3, 14, 18), any ViT.
 
-    Result: ``maps`` [L, H, 2gh-1, 2gw-1] (canvas sums over spatial queries and images divided by the (query, image)
-    pairs that see each offset), ``mass_maps`` [L, H, 2gh-1, 2gw-1] (divided by all pairs, Walmer's normalisation;
-    sums to 1), ``coverage`` [2gh-1, 2gw-1], ``peak_offset`` [L, H, 2] (dr, dc), ``peak_mass`` [L, H], ``local`` and
+    Result: ``mass_maps`` [L, H, 2gh-1, 2gw-1] (Walmer's aligned aggregated attention maps: canvas sums over spatial
+    queries and images divided by all (query, image) pairs; each sums to 1), ``maps`` [L, H, 2gh-1, 2gw-1] (the
+    per-offset mean: divided by the pairs that see each offset), ``coverage`` [2gh-1, 2gw-1], ``peak_offset`` [L, H, 2]
+    (dr, dc) and ``peak_mass`` [L, H] (both from ``mass_maps``), ``mass_centre`` [L, H, 2], ``local`` and
     ``offset_local`` [L, H] bool, the thresholds ``max_offset``, ``min_mass``, ``window``, ``blocks``, ``grid``,
     ``n_images``. Exact definitions in the module docstring; thresholds are the options.
     """
@@ -186,7 +217,7 @@ class AlignedAttention(BlockSums):
         out = self._reduced()
         maps, mass = _aligned_finish(out, self.grid)
         r = {"maps": maps.numpy(), "mass_maps": mass.numpy(), "coverage": coverage(self.grid)}
-        r.update(offset_local_heads(r["maps"], r["mass_maps"], self.opts.max_offset, self.opts.min_mass, self.opts.window))
+        r.update(offset_local_heads(r["mass_maps"], self.opts.max_offset, self.opts.min_mass, self.opts.window))
         r.update(max_offset=int(self.opts.max_offset), min_mass=float(self.opts.min_mass), window=int(self.opts.window), blocks=list(self.blocks),
                  grid=np.array(self.grid), n_images=int(out["images"][0, 0].item()))
         return r
@@ -195,10 +226,13 @@ class AlignedAttention(BlockSums):
     def summary(r: dict) -> dict:
         blocks = as_list(r["blocks"])
         ol, loc, peaks = np.asarray(r["offset_local"], bool), np.asarray(r["local"], bool), np.asarray(r["peak_offset"])
+        pm = np.asarray(r["peak_mass"])
         heads = [f"{block_label(blocks[i], i)}.head{h:02d} ({int(peaks[i, h, 0]):+d},{int(peaks[i, h, 1]):+d})"
                  for i, h in zip(*np.nonzero(ol))]
         return {"offset_local_count": int(ol.sum()), "local_count": int(loc.sum()), "offset_local_heads": heads,
                 "offset_local_per_block": {block_label(b, i): int(ol[i].sum()) for i, b in enumerate(blocks)},
+                "peak_per_head": {f"{block_label(b, i)}.head{h:02d}": [int(peaks[i, h, 0]), int(peaks[i, h, 1]), round(float(pm[i, h]), 4)]
+                                  for i, b in enumerate(blocks) for h in range(peaks.shape[1])},
                 "thresholds": {"max_offset": int(r["max_offset"]), "min_mass": float(r["min_mass"]), "window": int(r["window"])}}
 
     @staticmethod
@@ -216,8 +250,12 @@ class AlignedAttention(BlockSums):
         blocks, suffix = as_list(r["blocks"]), (f", step {step}" if step is not None else "")
         mark = np.asarray(r["offset_local"], bool)
         peaks = np.asarray(r["peak_offset"])
-        return {"aligned_attention/maps": map_grid(np.asarray(r["maps"]), blocks, "aligned attention (per-offset mean), red: offset local" + suffix,
-                                                   marked=mark, peaks=peaks, midlines=True),
-                "aligned_attention/mass_maps": map_grid(np.asarray(r["mass_maps"]), blocks,
-                                                        "aligned attention (Walmer: mass share), red: offset local" + suffix,
-                                                        marked=mark, peaks=peaks, midlines=True)}
+        red = "red frame: offset local head; title: its peak (dr, dc) on the aligned aggregated map"
+        return {"aligned_attention/mass_maps": map_grid(
+                    np.asarray(r["mass_maps"]), blocks,
+                    f"Aligned Aggregated Attention Maps (Walmer §4.2): share of the attention at each offset, mean over "
+                    f"queries{suffix}\n{red}", marked=mark, peaks=peaks, midlines=True),
+                "aligned_attention/maps": map_grid(
+                    np.asarray(r["maps"]), blocks,
+                    f"per-offset mean over the queries that have each offset (not Walmer's map){suffix}\n{red}",
+                    marked=mark, peaks=peaks, midlines=True)}

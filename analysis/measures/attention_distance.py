@@ -1,16 +1,50 @@
-"""Mean attention distance per head (ViT paper App. D.6 / Fig. 7 right; Raghu et al. 2021 Fig. 3; Walmer et al. 2023 §4.3).
+"""Mean attention distance per head (ViT paper App. D.6 / Fig. 7 right and Fig. 10; Raghu et al. 2021 §4, Fig. 3;
+Walmer et al. 2023 §4.3, App. C.2, Fig. 4, 15).
 
-Definition. For one image, head h, and a spatial query q (prefix tokens such as CLS or registers are dropped as
+Common part. For one image, head h and a spatial query q (prefix tokens such as CLS or registers are dropped as
 queries), keep the attention row over the SPATIAL keys only (prefix columns dropped) and renormalise it:
 
     A'[q, k] = A[q, k] / sum_{k' spatial} A[q, k']
-    d_h(q)   = sum_{k spatial} A'[q, k] * || pos(q) - pos(k) ||_2
+    d_h(q)   = sum_{k spatial} A'[q, k] * D[q, k]
 
-``pos`` is the (row, col) of a token on the patch grid (row-major token order, as timm lays out patches) in pixels,
-``(row * patch_size, col * patch_size)``; for ``unit="unit_square"`` rows are divided by ``grid[0] * patch_size`` and
-columns by ``grid[1] * patch_size`` so the image side is 1 (for a square grid: pixel distance / (side * patch_size)).
-The head's attention distance is the mean of ``d_h(q)`` over spatial queries and images. A query whose spatial keys
-get no mass at all (possible only with hand-built attention) has no defined distance and is left out of the mean.
+The head's attention distance is the mean of ``d_h(q)`` over spatial queries and images. Tokens are on the patch
+grid in row-major order (as timm lays out patches); token (r, c) covers pixels r*P .. r*P+P-1 (rows) and
+c*P .. c*P+P-1 (columns), P = patch size. Three distance matrices D, one result key each:
+
+``pixels``       PATCH-CENTRE distance in pixels: D[q, k] = P * ||(r_q - r_k, c_q - c_k)||_2, the distance between
+                 the centres of the two patches. Raghu §4 ("we weight the pixel distances by the attention weights")
+                 and the common re-implementations of the ViT figure; a head that attends only to its own token gets
+                 exactly 0. Raghu's code is not public.
+``unit_square``  Walmer §4.3 / App. C.2 ("we normalize the distances so the token grid is embedded on a 1 x 1
+                 square"), exactly as the authors' code (github mwalmer-umd/vit_analysis,
+                 analysis/attention_metrics.py, ``AttentionDistance.convert_to_xy``): token (r, c) sits at
+                 (r / (gh - 1), c / (gw - 1)), so the centres of the corner tokens are the corners of the unit square;
+                 D is the Euclidean distance between those points. It is the patch-centre distance divided by
+                 (g - 1) * P per axis (for a square grid ``pixels / ((g - 1) * P)``). An axis with a single token
+                 (g = 1) has position 0.
+``pixel_level``  PIXEL-LEVEL distance of the ViT paper, App. D.6 / Fig. 10 caption: "Attention distance was computed
+                 ... by averaging the distance between the query pixel and all other pixels, weighted by the attention
+                 weight". Every pixel u of the query token's patch is a query pixel; every pixel v of the image is
+                 weighted by the attention A'[q, k(v)] of the key token k(v) whose patch holds v, spread evenly over
+                 that patch's P^2 pixels (so the weights of one query pixel sum to 1, and the result is in pixels);
+                 the weighted mean distance is averaged over the P^2 query pixels:
+
+                     D[q, k] = mean_{u in patch q, v in patch k} ||u - v||_2        (pixel centres, in pixels)
+
+                 The query pixel itself (distance 0) adds nothing to the weighted sum; it is kept in the weights'
+                 total (leaving it out would divide by 1 - A'[q, q] / P^2 instead). Unlike the patch-centre
+                 distance, a purely local head (all attention on its own token) gets a non-zero distance, the mean
+                 distance between two pixels of one patch (0.5214 P for large P; 0.8536 for P = 2). Since ||.|| is
+                 convex, D_pixel_level >= D_pixels for every pair.
+
+Where the authors' code differs from ours. Walmer's ``AttentionDistance`` drops exactly one prefix token and needs a
+square grid (we drop all ``num_prefix_tokens`` and treat each axis of a non-square grid on its own), and a query
+whose spatial keys get no mass at all (every bit of attention on CLS) counts as distance 0 in its mean; here such a
+query (possible only with hand-built attention) has no defined distance and is left out of the mean. Walmer keeps
+one value per image (mean over queries) and averages images when plotting: the same mean, as every image has the
+same number of queries. We follow the papers' definitions above; ``unit_square`` is the one to compare with Walmer's
+figures, ``pixel_level`` with the ViT paper's Fig. 7 / 10, ``pixels`` with Raghu's Fig. 3 - 4 (all in
+:class:`AttentionDistanceMeasure`'s result).
 
 Everything is computed in float64 and returned as float64.
 """
@@ -25,33 +59,65 @@ from torch import Tensor
 from analysis.measure import Measure, register
 from analysis.reduce import all_reduce_sum
 
-UNITS = ("pixels", "unit_square")
+UNITS = ("pixels", "unit_square", "pixel_level")  # the three distance matrices (module docstring), also the result keys
+UNIT_LABELS = {"pixels": "pixels, patch centres (Raghu)", "unit_square": "unit square, patch centres (Walmer)",
+               "pixel_level": "pixels, pixel to pixel (ViT App. D.6)"}
 _CHUNK_ELEMENTS = 1 << 22  # float64 elements of attention converted at a time (32 MiB)
+
+
+def _check_unit(unit: str) -> None:
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
 
 
 def token_positions(grid: tuple[int, int], patch_size: int, unit: str = "pixels") -> Tensor:
     """Positions [N, 2] (row, col) of the N = grid[0] * grid[1] spatial tokens in row-major order (float64).
 
-    ``"pixels"``: ``(r * patch_size, c * patch_size)``; ``"unit_square"``: ``(r / grid[0], c / grid[1])``, i.e. the
-    pixel position divided by the image height / width.
+    ``"pixels"``: ``(r * patch_size, c * patch_size)`` (patch centres, up to a common shift of ``patch_size / 2``);
+    ``"unit_square"``: ``(r / (grid[0] - 1), c / (grid[1] - 1))`` as Walmer's code (0 on an axis with one token).
     """
-    if unit not in UNITS:
-        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+    if unit not in ("pixels", "unit_square"):
+        raise ValueError(f"token positions exist for 'pixels' and 'unit_square', got {unit!r}")
     rows, cols = grid
     r = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols)
     c = torch.arange(cols, dtype=torch.float64).repeat(rows)
-    pos = torch.stack([r, c], 1) * patch_size
+    pos = torch.stack([r, c], 1)
     if unit == "unit_square":
-        pos = pos / torch.tensor([rows * patch_size, cols * patch_size], dtype=torch.float64)
-    return pos
+        return pos / torch.tensor([max(rows - 1, 1), max(cols - 1, 1)], dtype=torch.float64)
+    return pos * patch_size
+
+
+def pixel_level_offsets(grid: tuple[int, int], patch_size: int) -> Tensor:
+    """[2gh-1, 2gw-1] float64: for two tokens ``(dr, dc)`` patches apart, the mean Euclidean distance between a pixel of
+    one patch and a pixel of the other, ``mean_{u, v} ||u - v||`` over the ``P^4`` pixel pairs (pixel centres, pixels).
+
+    Along one axis the pixel offset is ``d * P + e`` with ``e = i - i'`` in ``-(P-1) .. P-1``, taken by ``P - |e|`` of
+    the ``P^2`` pixel pairs; the two axes are independent, so the mean is a weighted sum over ``(2P-1)^2`` terms."""
+    p = int(patch_size)
+    e = torch.arange(-(p - 1), p, dtype=torch.float64)
+    w = (p - e.abs()) / p**2  # [2P-1], sums to 1
+    out = []
+    for g in grid:
+        d = torch.arange(-(g - 1), g, dtype=torch.float64)
+        out.append(d[:, None] * p + e[None, :])  # [2g-1, 2P-1] pixel offsets along this axis
+    rows, cols = out
+    dist = (rows[:, None, :, None].pow(2) + cols[None, :, None, :].pow(2)).sqrt()  # [2gh-1, 2gw-1, 2P-1, 2P-1]
+    return torch.einsum("abij,i,j->ab", dist, w, w)
 
 
 def grid_distances(grid: tuple[int, int], patch_size: int, unit: str = "pixels") -> Tensor:
-    """Pairwise Euclidean distances [N, N] (float64) between spatial token centres, ``||pos(q) - pos(k)||_2``.
+    """Pairwise distances ``D`` [N, N] (float64) between spatial tokens for one of :data:`UNITS` (module docstring).
 
-    Positions are those of :func:`token_positions` (pixels by default). Computed by explicit differences, so the
-    diagonal is exactly 0 and axis-aligned neighbours are exactly ``patch_size`` apart.
+    ``"pixels"`` / ``"unit_square"``: ``||pos(q) - pos(k)||_2`` of :func:`token_positions`, computed by explicit
+    differences, so the diagonal is exactly 0 and axis-aligned neighbours are exactly ``patch_size`` (pixels) apart.
+    ``"pixel_level"``: the mean pixel-to-pixel distance between the two patches (:func:`pixel_level_offsets`).
     """
+    _check_unit(unit)
+    if unit == "pixel_level":
+        gh, gw = grid
+        r = torch.arange(gh).repeat_interleave(gw)
+        c = torch.arange(gw).repeat(gh)
+        return pixel_level_offsets(grid, patch_size)[r[None, :] - r[:, None] + gh - 1, c[None, :] - c[:, None] + gw - 1]
     pos = token_positions(grid, patch_size, unit)
     return (pos[:, None, :] - pos[None, :, :]).pow(2).sum(-1).sqrt()
 
@@ -94,11 +160,11 @@ def head_distance_sums(attn: Tensor, distances: Sequence[Tensor], num_prefix_tok
 def attention_distance(attn: Tensor, grid: tuple[int, int], patch_size: int, num_prefix_tokens: int, unit: str = "pixels") -> Tensor:
     """Mean attention distance per head [H] (float64) of one block's attention probabilities ``attn`` [B, H, T, T].
 
-    ViT paper App. D.6 / Fig. 7 (right), Raghu et al. 2021 Fig. 3, Walmer et al. 2023 §4.3:
-    ``mean_{b, q spatial} sum_{k spatial} A'[b, h, q, k] * ||pos(q) - pos(k)||`` with ``A'`` the row over spatial keys
-    renormalised to sum to 1 (prefix rows and columns dropped). ``unit="pixels"``: positions ``(r, c) * patch_size``;
-    ``unit="unit_square"``: rows / (grid[0] * patch_size), cols / (grid[1] * patch_size). ``num_prefix_tokens=0``
-    for GAP models without CLS. A head with no countable query gives NaN.
+    ``mean_{b, q spatial} sum_{k spatial} A'[b, h, q, k] * D[q, k]`` with ``A'`` the row over spatial keys
+    renormalised to sum to 1 (prefix rows and columns dropped) and ``D`` the distance matrix of ``unit``
+    (:func:`grid_distances`): ``"pixels"`` patch centres in pixels (Raghu Fig. 3), ``"unit_square"`` patch centres
+    at (r / (gh-1), c / (gw-1)) (Walmer §4.3 and his code), ``"pixel_level"`` pixel to pixel in pixels (ViT paper
+    App. D.6 / Fig. 10). ``num_prefix_tokens=0`` for GAP models without CLS. A head with no countable query gives NaN.
     """
     _check(attn, grid, num_prefix_tokens)
     sums, counts = head_distance_sums(attn.detach(), [grid_distances(grid, patch_size, unit)], num_prefix_tokens)
@@ -109,12 +175,12 @@ class AttentionDistance:
     """Accumulates mean attention distance per head for several blocks, with sum-reduced float64 state.
 
     In the style of a torchmetrics ``Metric`` with ``dist_reduce_fx="sum"``: for every block the state holds per-head
-    SUMS of ``d_h(q)`` (over images and spatial queries; in pixels and in unit-square units) and per-head COUNTS of
+    SUMS of ``d_h(q)`` (over images and spatial queries) for each distance of :data:`UNITS` and per-head COUNTS of
     queries, so ``update`` over several batches equals :func:`attention_distance` on their concatenation, and summing
     the state over processes (:meth:`sync`) gives the same answer as one process seeing all the images.
-    Definition as in :func:`attention_distance` (ViT paper App. D.6 / Fig. 7 right; Raghu et al. 2021 Fig. 3).
+    Definitions in the module docstring.
 
-    State (CPU, float64): ``sum_pixels[block]`` [H], ``sum_unit_square[block]`` [H], ``count[block]`` [H].
+    State (CPU, float64): ``sums[unit][block]`` [H] for every unit of :data:`UNITS`, ``count[block]`` [H].
     """
 
     def __init__(self, grid: tuple[int, int], patch_size: int, num_prefix_tokens: int) -> None:
@@ -127,8 +193,7 @@ class AttentionDistance:
 
     def reset(self) -> None:
         """Empty the state."""
-        self.sum_pixels: dict[int, Tensor] = {}
-        self.sum_unit_square: dict[int, Tensor] = {}
+        self.sums: dict[str, dict[int, Tensor]] = {u: {} for u in UNITS}
         self.count: dict[int, Tensor] = {}
 
     def _dists_on(self, device: torch.device) -> list[Tensor]:
@@ -137,7 +202,7 @@ class AttentionDistance:
         return self._device_distances[device]
 
     def _zeros(self, block: int, heads: int) -> None:
-        for state in (self.sum_pixels, self.sum_unit_square, self.count):
+        for state in (*self.sums.values(), self.count):
             state[block] = torch.zeros(heads, dtype=torch.float64)
 
     def update(self, block: int, attn: Tensor) -> None:
@@ -149,35 +214,37 @@ class AttentionDistance:
         elif self.count[block].numel() != heads:
             raise ValueError(f"block {block} had {self.count[block].numel()} heads, this batch has {heads}")
         sums, counts = head_distance_sums(attn.detach(), self._dists_on(attn.device), self.num_prefix_tokens)
-        self.sum_pixels[block] += sums[0].cpu()
-        self.sum_unit_square[block] += sums[1].cpu()
+        for u, s in zip(UNITS, sums):
+            self.sums[u][block] += s.cpu()
         self.count[block] += counts.cpu()
 
-    def compute(self) -> dict[int, Tensor]:
-        """``{block: mean attention distance per head [H]}`` in pixels (float64)."""
-        return {b: self.sum_pixels[b] / self.count[b] for b in sorted(self.count)}
+    def compute(self, unit: str = "pixels") -> dict[int, Tensor]:
+        """``{block: mean attention distance per head [H]}`` (float64) for one of :data:`UNITS`."""
+        _check_unit(unit)
+        return {b: self.sums[unit][b] / self.count[b] for b in sorted(self.count)}
 
-    def compute_unit_square(self) -> dict[int, Tensor]:
-        """``{block: mean attention distance per head [H]}`` with the image side as unit (float64)."""
-        return {b: self.sum_unit_square[b] / self.count[b] for b in sorted(self.count)}
+    def _packed(self, b: int) -> Tensor:
+        return torch.cat([*(self.sums[u][b] for u in UNITS), self.count[b]])
 
     def reduce_(self, fn: Callable[[Tensor], Tensor]) -> None:
         """Replace the state by ``fn`` of it, in place: the state of all blocks (ascending) is packed into one flat
-        float64 tensor ``[sum_pixels | sum_unit_square | count]`` per block, ``fn(flat)`` must return the same shape
-        (e.g. a sum over processes), and the result is unpacked back."""
+        float64 tensor ``[sums of each unit in UNITS order | count]`` per block, ``fn(flat)`` must return the same
+        shape (e.g. a sum over processes), and the result is unpacked back."""
         blocks = sorted(self.count)
         if not blocks:
             return
-        flat = torch.cat([torch.cat([self.sum_pixels[b], self.sum_unit_square[b], self.count[b]]) for b in blocks])
+        flat = torch.cat([self._packed(b) for b in blocks])
         out = fn(flat)
         if out.shape != flat.shape:
             raise ValueError(f"reduce fn returned shape {tuple(out.shape)}, expected {tuple(flat.shape)}")
         out = out.detach().to("cpu", torch.float64)
-        offset = 0
+        offset, parts = 0, len(UNITS) + 1
         for b in blocks:
             h = self.count[b].numel()
-            self.sum_pixels[b], self.sum_unit_square[b], self.count[b] = out[offset:offset + 3 * h].clone().split(h)
-            offset += 3 * h
+            *sums, self.count[b] = out[offset:offset + parts * h].clone().split(h)
+            for u, s in zip(UNITS, sums):
+                self.sums[u][b] = s
+            offset += parts * h
 
     def sync(self, accelerator=None) -> None:
         """Sum the state over processes with ``torch.distributed.all_reduce`` (SUM) when a process group with more
@@ -204,11 +271,12 @@ class AttentionDistance:
 # ---------------------------------------------------------------- the suite's measure
 
 
-
 @register
 class AttentionDistanceMeasure(Measure):
-    """Raghu et al. 2021 Fig. 3 / ViT paper Fig. 7 right / Walmer §4.3: mean attention distance per head and
-    block (definition in this module's docstring). Result: ``pixels`` and ``unit_square`` [L, H], ``blocks``."""
+    """Raghu et al. 2021 Fig. 3 / ViT paper Fig. 7 right, Fig. 10 / Walmer §4.3, Fig. 4: mean attention distance per
+    head and block, three definitions (module docstring). Result, each [L, H] float64: ``pixels`` (patch-centre
+    distance in pixels, Raghu), ``unit_square`` (patch centres on Walmer's unit square, as his code),
+    ``pixel_level`` (pixel-to-pixel distance in pixels, ViT paper App. D.6); ``blocks`` [L]; ``patch_size``."""
 
     name = "attention_distance"
 
@@ -229,17 +297,23 @@ class AttentionDistanceMeasure(Measure):
 
     def finish(self):
         self.acc.sync(self.ctx.accelerator)
-        px, unit = self.acc.compute(), self.acc.compute_unit_square()
         n = len(self.ctx.blocks)
-        return {"pixels": torch.stack([px[i] for i in range(n)]).numpy(), "unit_square": torch.stack([unit[i] for i in range(n)]).numpy(),
-                "blocks": list(self.ctx.blocks)}
+        out = {}
+        for u in UNITS:
+            d = self.acc.compute(u)
+            out[u] = torch.stack([d[i] for i in range(n)]).numpy()
+        return {**out, "blocks": list(self.ctx.blocks), "patch_size": int(self.ctx.patch_size)}
 
     @staticmethod
     def summary(r):
         import numpy as np
 
         px = np.asarray(r["pixels"])
-        return {"mean_px": [float(v) for v in px.mean(1)], "min_px": [float(v) for v in px.min(1)], "max_px": [float(v) for v in px.max(1)]}
+        out = {"mean_px": [float(v) for v in px.mean(1)], "min_px": [float(v) for v in px.min(1)], "max_px": [float(v) for v in px.max(1)]}
+        if "pixel_level" in r:  # results saved before the pixel-level distance existed lack it
+            out["mean_px_pixel_level"] = [float(v) for v in np.asarray(r["pixel_level"]).mean(1)]
+        out["mean_unit_square"] = [float(v) for v in np.asarray(r["unit_square"]).mean(1)]
+        return out
 
     @staticmethod
     def scalars(r):
@@ -253,4 +327,9 @@ class AttentionDistanceMeasure(Measure):
         from analysis.figures import attention_distance_plot
 
         at = f" (step {step})" if step is not None else ""
-        return {"attn_dist/heads": attention_distance_plot(r["pixels"], title=f"attention distance{at}")}
+        figs = {"attn_dist/heads": attention_distance_plot(r["pixels"], title=f"attention distance, patch centres{at}",
+                                                           unit=UNIT_LABELS["pixels"])}
+        if "pixel_level" in r:
+            figs["attn_dist/heads_pixel_level"] = attention_distance_plot(
+                r["pixel_level"], title=f"attention distance, pixel to pixel (ViT App. D.6){at}", unit=UNIT_LABELS["pixel_level"])
+        return figs

@@ -4,7 +4,7 @@ Fig. 24/25: purity, NMI, ARI).
 Walmer et al. take the CLS token (and, separately, the average-pooled spatial tokens) at the end of every block for
 the evaluation images, run k-means with k = the number of classes (50 for their ImageNet-50 subset), and score the
 cluster assignments against the ground-truth image labels; the random-chance score replaces the features with
-Gaussian noise of the same shape (App. B.3).
+"Gaussian noise" of the same shape (App. B.3; their code draws uniform [0, 1) noise instead, analysis/baselines.py).
 
 Definitions (features ``X`` [N, d] used as they are, no normalisation; labels ``y`` [N]; K clusters):
 
@@ -20,22 +20,24 @@ Definitions (features ``X`` [N, d] used as they are, no normalisation; labels ``
 
 In the suite (:class:`ClusteringMeasure`, name ``"clustering"``): the analysis images' features of every block output
 (tap ``<block>.out``), pooled as in :mod:`analysis.knn` (``"cls"`` for CLS models, ``"mean_spatial"``), with
-K = ``ctx.data.num_classes``. The baseline runs the same k-means (same seed) on
-:func:`analysis.baselines.gaussian_like` features of the same shape, seed ``BASELINE_SEED + p * L + l`` for pool p and
-layer l.
+K = ``ctx.data.num_classes``. The baseline runs the same k-means (same seed) on random features of the same shape,
+seed ``BASELINE_SEED + p * L + l`` for pool p and layer l: standard Gaussian by default
+(:func:`analysis.baselines.gaussian_like`, Walmer's text), uniform [0, 1) with option ``baseline: uniform``
+(:func:`analysis.baselines.uniform_like`, Walmer's code). ResNet features are the plain spatial mean (Walmer study
+ViTs only; Raghu's patching step is for linear probes, see analysis/features.py).
 """
 from __future__ import annotations
 
 import math
 import warnings
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.baselines import gaussian_like
+from analysis.baselines import DEFAULT_BASELINE, noise_like
 from analysis.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
 from analysis.figures import depth_plot
 from analysis.measure import Context, Measure, as_list, register
@@ -174,6 +176,7 @@ class ClusteringOptions:
     restarts: int = N_INIT  # k-means++ initialisations; the lowest inertia wins
     max_iter: int = MAX_ITER  # Lloyd iterations per restart
     seed: int = SEED
+    baseline: Literal["gaussian", "uniform"] = DEFAULT_BASELINE  # random features: Walmer's text / Walmer's code
 
     def check(self):
         if self.restarts < 1 or self.max_iter < 1:
@@ -184,9 +187,9 @@ class ClusteringOptions:
 @register
 class ClusteringMeasure(Measure):
     """k-means purity, NMI and ARI per layer and pool (Walmer et al. 2023 §5.2, Fig. 7; App. D.5, Fig. 24/25) with the
-    Gaussian random-chance baseline (App. B.3). Definitions in the module docstring: the analysis images' features of
+    random-chance baseline (App. B.3; option ``baseline``, Gaussian by default). Definitions in the module docstring: the analysis images' features of
     every block output, pooled ``"cls"`` (CLS models) and ``"mean_spatial"``, K = number of classes; options
-    ``restarts`` (5), ``max_iter`` (100), ``seed`` (0).
+    ``restarts`` (5), ``max_iter`` (100), ``seed`` (0), ``baseline`` (``gaussian`` | ``uniform``).
 
     Result: ``purity``/``nmi``/``ari`` [P, L], ``baseline_purity``/``baseline_nmi``/``baseline_ari`` [P, L],
     ``inertia`` [P, L], ``pools`` [P], ``layers`` [L] (block names), ``num_classes``, ``n_images``, ``n_init``, ``seed``.
@@ -221,7 +224,7 @@ class ClusteringMeasure(Measure):
                 x = feats[f"{pool}|{blk}"].to(self.ctx.device, torch.float64)
                 assign, _, inertia = kmeans(x, k, self.seed, self.n_init, self.max_iter)
                 out["inertia"][p, l_] = inertia
-                noise = gaussian_like(x, BASELINE_SEED + p * shape[1] + l_)
+                noise = noise_like(x, BASELINE_SEED + p * shape[1] + l_, self.opts.baseline)
                 base, _, _ = kmeans(noise, k, self.seed, self.n_init, self.max_iter)
                 for prefix, a in (("", assign), ("baseline_", base)):
                     for m, v in cluster_scores(a, y).items():

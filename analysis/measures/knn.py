@@ -18,21 +18,24 @@ split; the features of every block's output (tap ``<block>.out``) are pooled per
 (the CLS token, models with a prefix token only) and ``"mean_spatial"`` (mean of the tokens after the prefix;
 ResNet: the spatial mean over H, W). Walmer uses the CLS token; the spatial mean is the "average-pooled spatial
 tokens" variant of their §5.2 / Table 6. The random-chance baseline (Walmer App. B.3) is the same k-NN on
-standard Gaussian features of the same shapes (:func:`analysis.baselines.gaussian_like`), drawn for bank and queries
-together, with seed ``BASELINE_SEED + p * L + l`` for pool p and layer l (seed 0 for the first).
+random features of the same shapes, drawn for bank and queries together, with seed ``BASELINE_SEED + p * L + l`` for
+pool p and layer l (seed 0 for the first): by default standard Gaussian (:func:`analysis.baselines.gaussian_like`,
+Walmer's text), with option ``baseline: uniform`` uniform [0, 1) (:func:`analysis.baselines.uniform_like`, Walmer's
+code); why the text is the default in analysis/baselines.py. ResNet features are the plain spatial mean (Walmer
+study ViTs only; Raghu's patching step is for linear probes, see analysis/features.py).
 
 Everything is computed in float64.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.baselines import gaussian_like
+from analysis.baselines import DEFAULT_BASELINE, noise_like
 from analysis.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
 from analysis.figures import depth_plot
 from analysis.measure import Context, Measure, as_list, register
@@ -47,6 +50,7 @@ _CHUNK = 1024  # queries per similarity chunk
 class KNNOptions:
     k: int = K  # neighbours that vote
     temperature: float = TEMPERATURE  # vote weight exp(similarity / temperature)
+    baseline: Literal["gaussian", "uniform"] = DEFAULT_BASELINE  # random features: Walmer's text / Walmer's code
 
     def check(self):
         if self.k < 1 or self.temperature <= 0:
@@ -106,10 +110,11 @@ def knn_accuracy(bank: Tensor, bank_labels: Tensor, queries: Tensor, query_label
 
 @register
 class KNNMeasure(Measure):
-    """k-NN top-1 per layer and pool (Walmer et al. 2023 §6.1, Fig. 9 left; protocol of DINO), with the Gaussian
+    """k-NN top-1 per layer and pool (Walmer et al. 2023 §6.1, Fig. 9 left; protocol of DINO), with the
     random-chance baseline (Walmer App. B.3). Definition in the module docstring: bank = probe-train features,
     queries = analysis features, every block's output pooled by ``"cls"`` (CLS models) and ``"mean_spatial"``;
-    options ``k`` (default 20) and ``temperature`` T (default 0.07).
+    options ``k`` (default 20), ``temperature`` T (default 0.07), ``baseline`` (``gaussian``, Walmer's text, or
+    ``uniform``, Walmer's code).
 
     Result: ``acc`` [P, L], ``baseline`` [P, L] (float64 fractions), ``pools`` [P], ``layers`` [L] (block names),
     ``k`` (effective k = min(k, bank size)), ``temperature``, ``num_classes``, ``n_bank``, ``n_query``.
@@ -152,7 +157,7 @@ class KNNMeasure(Measure):
                 key = f"{pool}|{blk}"
                 bank, queries = b_feats[key].to(dev), q_feats[key].to(dev)
                 res[0, p, l_] = knn_accuracy(bank, b_y, queries, q_y, self.k, self.temperature, c)
-                noise = gaussian_like(torch.cat([bank, queries]).double(), BASELINE_SEED + p * n_layers + l_)
+                noise = noise_like(torch.cat([bank, queries]).double(), BASELINE_SEED + p * n_layers + l_, self.opts.baseline)
                 res[1, p, l_] = knn_accuracy(noise[:len(bank)], b_y, noise[len(bank):], q_y, self.k, self.temperature, c)
         return {"acc": res[0], "baseline": res[1], "pools": list(self.pools), "layers": list(self.blocks),
                 "k": min(self.k, len(b_y)), "temperature": self.temperature, "num_classes": c,

@@ -6,7 +6,12 @@ the block's feature map [B, C, H, W] (Raghu §7: "all the convolutional channels
 A ResNet feature map whose side exceeds ``max_side`` (option ``resnet_max_side``, default 7, the grid of ViT-B/32 and
 of ResNet-50's last stage at 224 px, and of this project's default ViT) is first average-pooled to at most that side
 (``adaptive_avg_pool2d``: a token is then the mean channel vector over the positions it covers); ViT tokens are never
-pooled. The input patch at grid position (i, j) is the block of NORMALISED input pixels it covers,
+pooled. That is option ``resnet_tokens: pool``, the default here because it is §7's definition: Raghu App. A's
+patching step ("before pooling we split the feature map into patches and flattened each patch [...] All results
+presented in the paper include this additional patching step") is described for the linear probes, and Fig. 9
+itself (ResNet-50's final block, 7 x 7) is unchanged by it. ``resnet_tokens: patch`` applies it (p x p patches
+flattened to C p^2 values before the pooling, same token grid; p as in analysis/features.py or option
+``resnet_patch``); Raghu's code is not published, so which one their earlier-layer Fig. D.3 uses is not known. The input patch at grid position (i, j) is the block of NORMALISED input pixels it covers,
 
     rows [floor(i H / gh), ceil((i + 1) H / gh)),  cols [floor(j W / gw), ceil((j + 1) W / gw)),
 
@@ -37,11 +42,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
-from analysis.features import DEFAULT_MAX_SIDE, layer_tag, spatial_tokens
+from analysis.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
 from analysis.measure import Context, Measure, as_list, register
 from analysis.reduce import all_reduce_sum, gather_objects
 from analysis.similarity import MinibatchCKA
@@ -115,11 +121,15 @@ def example_tokens(grid: tuple[int, int]) -> list[int]:
 class LocalizationOptions:
     kinds: tuple[str, ...] = ("out",)  # taps of every block compared with the input patches (analysis/taps.py kinds)
     resnet_max_side: int = DEFAULT_MAX_SIDE  # ResNet maps larger than this per side are average-pooled to it
+    resnet_tokens: Literal["patch", "pool"] = "pool"  # Raghu §7 (pool) or App. A's probe patching step (patch)
+    resnet_patch: int = 0  # patch side for resnet_tokens=patch; 0: automatic (analysis/features.py)
     unbiased: bool = True  # HSIC_1 (false: HSIC_0)
 
     def check(self):
         if "attn_probs" in self.kinds:
             return "localization compares token representations; attn_probs is not one."
+        if self.resnet_patch < 0 or self.resnet_max_side < 1:
+            return f"resnet_patch must be >= 0 and resnet_max_side >= 1, not {self.resnet_patch} and {self.resnet_max_side}."
         return None
 
 
@@ -136,7 +146,8 @@ class Localization(Measure):
     average-pooled to it; input patch = the normalised pixels the position covers), ``own_share[l]`` = share of
     tokens whose best patch is their own, ``contrast[l]`` = mean own-patch CKA - mean other-patch CKA. Exact
     definitions in the module docstring. Options: ``kinds`` (the taps of each block, default ``out``),
-    ``resnet_max_side`` (7), ``unbiased`` (True).
+    ``resnet_max_side`` (7), ``resnet_tokens`` (``pool``, Raghu §7; ``patch``: App. A's patching step),
+    ``resnet_patch`` (0: auto), ``unbiased`` (True).
     """
 
     name = "localization"
@@ -150,6 +161,7 @@ class Localization(Measure):
         super().__init__(ctx, opts)
         self.layers = [f"{b}.{k}" for b in ctx.blocks for k in self.opts.kinds]
         self.max_side = self.opts.resnet_max_side
+        self.final = final_channels(ctx.model) if ctx.arch == "resnet" else None
         self.acc = {lay: MinibatchCKA(unbiased=self.opts.unbiased) for lay in self.layers}
         self.grids: dict[str, tuple[int, int]] = {}
         self.images = 0
@@ -163,7 +175,9 @@ class Localization(Measure):
             return
         self.images += x.shape[0]
         for lay in self.layers:
-            tokens, grid = spatial_tokens(cap[lay], self.ctx.prefix, self.ctx.grid, self.max_side)
+            t = cap[lay]
+            p = resnet_patch_side(t.shape, self.final, self.opts.resnet_tokens, self.opts.resnet_patch, self.max_side) if t.ndim == 4 else 1
+            tokens, grid = spatial_tokens(t, self.ctx.prefix, self.ctx.grid, self.max_side, p)
             if self.grids.setdefault(lay, grid) != grid:
                 raise ValueError(f"{lay}: token grid changed from {self.grids[lay]} to {grid} between minibatches")
             update_localization(self.acc[lay], tokens, x, grid)

@@ -1,40 +1,50 @@
 """Per-token few-shot linear probes (Raghu et al. 2021 §7 "Localization and Linear Probe Classification", Fig. 11 left
 and Fig. D.4).
 
-Definition. For every layer (block output) and every SPATIAL token t of it (its grid position; a ResNet "token" is the
-channel vector at one position of the block's feature map, maps larger than ``resnet_max_side`` -- default 7 --
-average-pooled to it, as Raghu App. A pools ResNet maps to the last stage's size for probes), a 10-shot linear probe
-is trained on that single token's features alone and scored on the analysis images:
+Definition. For every layer (block output) and every SPATIAL token t of it (its grid position), a 10-shot linear
+probe is trained on that single token's features alone and scored on the analysis images. A ResNet "token" follows
+Raghu App. A ("before pooling we split the feature map into patches and flattened each patch [...] All results
+presented in the paper include this additional patching step"): by default (option ``resnet_tokens: patch``) the
+block's map [B, C, H, W] is cut into p x p patches, each flattened to C p^2 values, p the largest with C p^2 at most
+the final block's channels (option ``resnet_patch`` fixes p), then average-pooled to at most ``resnet_max_side``
+(default 7) per side; ``resnet_tokens: pool`` skips the patching (one token = the C channels at a pooled position,
+this project's earlier definition). Exact rule and where it departs from the paper (the pooled size: App. A pools to
+the last stage's size) in analysis/features.py.
 
     acc[l, t] = mean over seeds s of fewshot_probe(F_l,t[shots_s], y[shots_s], F_l,t[analysis], y[analysis])
     std[l, t] = sample std over seeds (0 for one seed)
 
-with the probe of analysis.probing (closed-form ridge onto {-1, 1}^K targets, ViT paper §4.1) run through
-:func:`analysis.probing.probe_layers`, under exactly the conventions of the suite's per-layer probes
+with the probe of analysis.probing (closed-form ridge onto {-1, 1}^K targets, ViT paper §4.1, Raghu App. A; option
+``method``, default ``big_vision``: the features of the shots standardised, a constant bias feature 100 appended, as
+big_vision's fewshot_lsr; ``centred``: the project's earlier centred fit -- exact formulas in analysis/probing.py)
+run through :func:`analysis.probing.probe_layers`, under exactly the conventions of the suite's per-layer probes
 (analysis/probing.py :func:`probe_split`): the probe-train split is halved class-balanced with
 ``train.splits.balanced_indices(labels, n // 2, seed=12345)``; the shots (option ``shots`` per class, default 10) of
 seed s are drawn from that first half by ``sample_shots(labels, shots, s)`` (option ``seeds``, default (0, 1, 2)),
-and the ridge regulariser is picked on the second half. ``mean_over_tokens[l]`` is the mean of ``acc[l]`` over the
-spatial tokens (Fig. 11 left: CLS excluded); a CLS model's class token (token 0) gets the same probe, ``cls_acc[l]``.
+and the ridge regulariser (option ``l2``) is, by default (null), picked on the second half from the method's grid,
+as Raghu App. A tunes on held-out data (a number fixes it; 1024 is big_vision's). ``mean_over_tokens[l]`` is the
+mean of ``acc[l]`` over the spatial tokens (Fig. 11 left: CLS excluded); a CLS model's class token (token 0) gets the same probe, ``cls_acc[l]``.
 With option ``stride`` s > 1 only the grid positions whose row and column are multiples of s are probed.
 
 Result (flat dict): ``layers`` [L] tap names, ``block_index`` [L], ``grid`` [L, 2] (gh, gw), ``token_index``
 [L, Tmax] (row-major grid index of each probed token, -1 padding), ``acc`` / ``std`` [L, Tmax] (NaN padding: a
 layer with fewer probed tokens, e.g. the last ResNet stage), ``mean_over_tokens`` [L], ``cls_acc`` / ``cls_std``
-[L] (CLS models only), ``shots``, ``seeds``, ``stride``, ``chance`` (1 / classes). Features are kept as float32 on
+[L] (CLS models only), ``shots``, ``seeds``, ``stride``, ``chance`` (1 / classes), ``method``, ``token_dim`` [L]
+(features per token: D, or C p^2 for patched ResNet maps). Features are kept as float32 on
 the CPU; the probes themselves run in float64.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
-from analysis.features import DEFAULT_MAX_SIDE, layer_tag, spatial_tokens
+from analysis.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
 from analysis.measure import Context, Measure, as_list, register
-from analysis.probing import probe_layers, probe_split, probe_split_problem
+from analysis.probing import DEFAULT_METHOD, probe_layers, probe_split, probe_split_problem
 from analysis.reduce import collect
 
 
@@ -43,11 +53,19 @@ class TokenProbeOptions:
     shots: int = 10  # examples per class
     seeds: tuple[int, ...] = (0, 1, 2)
     stride: int = 1  # probe the grid positions whose row and column are multiples of stride
+    method: Literal["big_vision", "centred"] = DEFAULT_METHOD  # the probe's fit (analysis/probing.py)
+    l2: float | None = None  # ridge l2; None: picked on the held-out half from the method's grid
+    resnet_tokens: Literal["patch", "pool"] = "patch"  # Raghu App. A patching step, or plain pooling
+    resnet_patch: int = 0  # patch side for resnet_tokens=patch; 0: automatic (analysis/features.py)
     resnet_max_side: int = DEFAULT_MAX_SIDE  # ResNet maps larger than this per side are average-pooled to it
 
     def check(self):
         if self.shots < 1 or self.stride < 1 or not self.seeds:
             return f"shots and stride must be >= 1 and seeds not empty, not shots={self.shots}, stride={self.stride}, seeds={list(self.seeds)}."
+        if self.l2 is not None and self.l2 <= 0:
+            return f"l2 must be a positive number (or null to pick it on held-out images), not {self.l2}."
+        if self.resnet_patch < 0 or self.resnet_max_side < 1:
+            return f"resnet_patch must be >= 0 and resnet_max_side >= 1, not {self.resnet_patch} and {self.resnet_max_side}."
         return None
 
 
@@ -64,15 +82,18 @@ def strided_positions(grid: tuple[int, int], stride: int = 1) -> torch.Tensor:
 
 def token_probe_accuracies(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
                            shots: int = 10, seeds: Sequence[int] = (0, 1, 2), val_x: torch.Tensor | None = None,
-                           val_y: torch.Tensor | None = None, num_classes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                           val_y: torch.Tensor | None = None, num_classes: int | None = None, method: str = DEFAULT_METHOD,
+                           l2: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(acc [T], std [T]): a few-shot probe per token of ``train_x`` [n, T, D] on that token's features only, scored
-    on ``test_x`` [m, T, D] (l2 picked on ``val_x`` [v, T, D] when given), via :func:`analysis.probing.probe_layers`
-    (shots drawn per seed from ``train_y``, the same images for every token)."""
+    on ``test_x`` [m, T, D] (``l2`` fixed, or picked on ``val_x`` [v, T, D] when given), via
+    :func:`analysis.probing.probe_layers` with ``method`` (shots drawn per seed from ``train_y``, the same images for
+    every token)."""
     tokens = range(train_x.shape[1])
     tr = {str(t): train_x[:, t] for t in tokens}
     te = {str(t): test_x[:, t] for t in tokens}
     va = None if val_x is None else {str(t): val_x[:, t] for t in tokens}
-    r = probe_layers(tr, train_y, te, test_y, shots=shots, seeds=tuple(seeds), val_feats=va, val_y=val_y, num_classes=num_classes)
+    r = probe_layers(tr, train_y, te, test_y, shots=shots, seeds=tuple(seeds), val_feats=va, val_y=val_y, num_classes=num_classes,
+                     l2_grid=l2, method=method)
     return np.array([r[str(t)][0] for t in tokens]), np.array([r[str(t)][1] for t in tokens])
 
 
@@ -84,7 +105,8 @@ class TokenProbes(Measure):
     """10-shot linear probe per layer and per token (Raghu et al. 2021 Fig. 11 left: mean over spatial tokens vs depth;
     Fig. D.4: accuracy of every token). ``acc[l, t]`` = top-1 on the analysis images of a probe trained on token t of
     block l alone; exact definition and the shot / regulariser splits (the suite's) in the module docstring.
-    Options: ``shots`` (10), ``seeds`` ((0, 1, 2)), ``stride`` (1), ``resnet_max_side`` (7)."""
+    Options: ``shots`` (10), ``seeds`` ((0, 1, 2)), ``stride`` (1), ``method`` (``big_vision``), ``l2`` (null:
+    held-out), ``resnet_tokens`` (``patch``, Raghu App. A), ``resnet_patch`` (0: auto), ``resnet_max_side`` (7)."""
 
     name = "token_probes"
     Options = TokenProbeOptions
@@ -102,6 +124,7 @@ class TokenProbes(Measure):
         self.layers = [f"{b}.out" for b in ctx.blocks]
         self.shots, self.seeds, self.stride = self.opts.shots, tuple(self.opts.seeds), self.opts.stride
         self.max_side = self.opts.resnet_max_side
+        self.final = final_channels(ctx.model) if ctx.arch == "resnet" else None
         self.cls = ctx.arch == "vit" and ctx.prefix > 0
         self.test_parts: list = []
         self.train_parts: list = []
@@ -116,7 +139,8 @@ class TokenProbes(Measure):
         feats = {}
         for lay in self.layers:
             t = cap[lay]
-            tokens, grid = spatial_tokens(t, self.ctx.prefix, self.ctx.grid, self.max_side)
+            p = resnet_patch_side(t.shape, self.final, self.opts.resnet_tokens, self.opts.resnet_patch, self.max_side) if t.ndim == 4 else 1
+            tokens, grid = spatial_tokens(t, self.ctx.prefix, self.ctx.grid, self.max_side, p)
             feats[f"{lay}|grid"] = torch.tensor([grid], dtype=torch.long).expand(tokens.shape[0], 2)
             feats[lay] = tokens[:, strided_positions(grid, self.stride).to(tokens.device)].float().cpu()
             if self.cls:
@@ -141,7 +165,8 @@ class TokenProbes(Measure):
         accs, stds, cls_acc, cls_std, grids, index = [], [], [], [], [], []
         for lay in self.layers:
             x = pool_x[lay]
-            a, s = token_probe_accuracies(x[shot_idx], tr_y, test_x[lay], test_y, self.shots, self.seeds, x[val_idx], va_y, num_classes=k)
+            a, s = token_probe_accuracies(x[shot_idx], tr_y, test_x[lay], test_y, self.shots, self.seeds, x[val_idx], va_y, num_classes=k,
+                                          method=self.opts.method, l2=self.opts.l2)
             accs.append(a)
             stds.append(s)
             grid = tuple(int(v) for v in test_x[f"{lay}|grid"][0].tolist())
@@ -150,7 +175,8 @@ class TokenProbes(Measure):
             if self.cls:
                 c = pool_x[f"{lay}|cls"]
                 r = probe_layers({"cls": c[shot_idx]}, tr_y, {"cls": test_x[f"{lay}|cls"]}, test_y, shots=self.shots, seeds=self.seeds,
-                                 val_feats={"cls": c[val_idx]}, val_y=va_y, num_classes=k)["cls"]
+                                 val_feats={"cls": c[val_idx]}, val_y=va_y, num_classes=k, l2_grid=self.opts.l2,
+                                 method=self.opts.method)["cls"]
                 cls_acc.append(r[0])
                 cls_std.append(r[1])
         size = max(len(a) for a in accs)
@@ -160,6 +186,7 @@ class TokenProbes(Measure):
                "grid": np.array(grids, dtype=np.int64), "token_index": pad([i.astype(np.int64) for i in index], -1),
                "acc": pad(accs, np.nan), "std": pad(stds, np.nan), "mean_over_tokens": np.array([float(np.mean(a)) for a in accs]),
                "shots": self.shots, "seeds": np.array(self.seeds, dtype=np.int64), "stride": self.stride, "chance": 1.0 / k,
+               "method": self.opts.method, "token_dim": np.array([int(test_x[lay].shape[-1]) for lay in self.layers]),
                "n_images": len(test_y)}
         if self.cls:
             out["cls_acc"], out["cls_std"] = np.array(cls_acc), np.array(cls_std)

@@ -235,8 +235,8 @@ def _raghu2021(study, runs: dict, doc: _Doc, compare) -> list:
             "least twice the upper half's and at least a quarter of the mean distance, and the mean distance is larger in "
             "the upper half.", "", f"Measured: {m}. Verdict: {_verdict(ok)}.", "")
     doc.figure(root / "compare-arch" / "attention_distance.png", "attention_distance", "Mean attention distance per head and block")
-    doc.figure(fig_dir / "head_subsets.png", "head_subsets", "Block-0 heads sorted by attention distance: CKA of each head "
-               "to the ResNet's lower layers (Raghu Fig. 5)")
+    doc.figure(fig_dir / "head_subsets.png", "head_subsets", "Block-0 heads from local to global: CKA of windows of "
+               "consecutive heads (lines) and of single heads (circles) to the ResNet's lower layers (Raghu Fig. 5)")
 
     # 5. CLS vs GAP: localization and spatial-token probes (Fig. 9, 10, 11 left)
     if "vit_gap" in runs:
@@ -286,7 +286,7 @@ def _raghu2021(study, runs: dict, doc: _Doc, compare) -> list:
     out.append(("Offset local attention heads appear (Walmer)", "Walmer Fig. 3, 14", f"offset local heads per ViT: {m}", _verdict(ok)))
     doc.add("## 7. Offset local attention heads (Walmer et al. 2023 Fig. 3, 14)", "",
             "Rule: held if any ViT of the study has a head whose aligned attention map peaks away from the query, within 2 "
-            "tokens, with at least half its mass in the 3x3 window around the peak (analysis/attention_maps.py).", "",
+            "tokens, with at least half its mass in the 3x3 window around the peak (analysis/measures/aligned_attention.py).", "",
             f"Measured: {m}. Verdict: {_verdict(ok)}.", "")
     d = storage.step_dir(cls.path, max(cls.checkpoints), "figures")
     doc.figure(d / "aligned_attention_mass_maps.png", "aligned_attention", "Aligned aggregated attention maps, CLS ViT")
