@@ -23,6 +23,7 @@ Everything here is plain numpy on arrays from the measures (analysis/measures/*.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,7 @@ class Claim:
     figure: str
     claim: str  # the paper's claim, in the paper's direction
     source: str  # paper and section of the passage
-    passage: str  # the exact sentences from the paper
+    passage: str  # the exact sentences from the paper ("[…]" where the paper's layout puts a figure inside them)
     rule: str
     paper_value: str | None = None  # the paper's number where its text states one
 
@@ -77,7 +78,7 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in [
     Claim("noskip_partition", "Raghu Fig. 8", "Removing the skip connections of block i partitions the representations "
           "before and after block i, and costs accuracy (4% for middle blocks)", "Raghu et al. 2021 §6, Fig. 8 caption",
           "The results, in Figure 8, illustrate that removing the skip connections in a block partitions the layer "
-          "representations on either side. (We note a performance drop of 4% when removing skip connections from "
+          "representations on either side. (We note a performance drop of 4% when […] removing skip connections from "
           "middle blocks.)",
           "Per no-skip block i: the mean CKA between layers before block i and layers from block i on, normal ViT minus "
           "no-skip ViT, must exceed the noise floor; for blocks in the middle third of the network the top-1 drop must "
@@ -85,7 +86,7 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in [
           "4% top-1 drop for middle blocks (Fig. 8 caption: \"For middle blocks without skip connections, we observe a "
           "performance drop of 4%.\")"),
     Claim("skip_dominance", "Raghu Fig. 7 right", "Skip connections are much more influential in ViT than in a ResNet: "
-          "much higher norm ratios ||z|| / ||f(z)||", "Raghu et al. 2021 §6",
+          "much higher norm ratios ‖z‖ / ‖f(z)‖", "Raghu et al. 2021 §6",
           "The right pane, which has line plots of these norm ratios across ResNet50, the ViT CLS token and the ViT "
           "spatial tokens additionally demonstrates that skip connection is much more influential in ViT compared to "
           "ResNet: we observe much higher norm ratios for ViT throughout, along with the phase transition from CLS to "
@@ -308,9 +309,15 @@ def _one(name: str, values: list[float], verdict: Verdict, sign: float = 1.0) ->
     return out
 
 
-def _finish(v: Verdict, parts: list[str]) -> Verdict:
-    v.outcome = combine(parts)
+def _finish(v: Verdict, parts: list[str], problem: str | None = None) -> Verdict:
+    """The combined outcome; with a failed precondition ``problem`` not testable, the measured effects still shown."""
+    v.outcome = NOT_TESTABLE if problem else combine(parts)
+    if v.ours is None:
+        v.ours = "; ".join(f"{k} {m['effect']:+.3g}" for k, m in v.measured.items() if isinstance(m, dict) and "effect" in m) or None
     v.why = v.why.rstrip("; ") + "."
+    if problem:
+        effects = re.sub(r" vs threshold [0-9.]+ \([a-z ]+\)|(, )?with [0-9.]+ SE: threshold [0-9.]+ \([a-z ]+\)", "", v.why)
+        v.why = problem[0].upper() + problem[1:] + ". Measured, with no floor to judge it: " + effects
     return v
 
 
@@ -325,18 +332,16 @@ def rule_uniformity(vit: list, resnet: list, identity_blocks: int, resnet_blocks
     if identity_blocks == 0:
         return _untestable(f"the ResNet has no identity shortcut (0 of its {resnet_blocks} blocks): every shortcut is a "
                            "projection, unlike the paper's ResNets", identity_blocks=identity_blocks)
-    if p := _seeds_problem({"vit": vit, "resnet": resnet}):
-        return _untestable(p)
+    p = _seeds_problem({"vit": vit, "resnet": resnet})
     uv, ur = [uniformity(m) for m in vit], [uniformity(m) for m in resnet]
     v = Verdict(INCONCLUSIVE)
     parts = [_part(k, [u[k] for u in uv], [u[k] for u in ur], v) for k in ("mean_offdiag", "first_last")]
-    return _finish(v, parts)
+    return _finish(v, parts, p)
 
 
 def rule_noskip(base: list[dict], noskip: dict[int, list[dict]], depth: int) -> Verdict:
     """``base`` and ``noskip[block]``: per seed {"matrix", "labels", "top1", "n"} (n: eval images)."""
-    if p := _seeds_problem({"vit_cls": base, **{f"noskip_b{b}": r for b, r in noskip.items()}}):
-        return _untestable(p)
+    p = _seeds_problem({"vit_cls": base, **{f"noskip_b{b}": r for b, r in noskip.items()}})
     v, parts, ours = Verdict(INCONCLUSIVE), [], []
     for b, runs in sorted(noskip.items()):
         k = _paired(base, runs)
@@ -356,7 +361,7 @@ def rule_noskip(base: list[dict], noskip: dict[int, list[dict]], depth: int) -> 
             v.why += f"{name} with {SE_FACTOR:g} SE: threshold {thr:.4f} ({parts[-1]}); "
             ours.append(f"block {b}: {100 * eff:.2f} ± {100 * se:.2f} points")
     v.ours = "; ".join(ours) or None
-    return _finish(v, parts)
+    return _finish(v, parts, p)
 
 
 def rule_skip_dominance(vit_ratios: list, resnet_ratios: list, identity_mask) -> Verdict:
@@ -366,20 +371,18 @@ def rule_skip_dominance(vit_ratios: list, resnet_ratios: list, identity_mask) ->
     if not mask.any():
         return _untestable(f"the ResNet has no identity shortcut (0 of its {len(mask)} blocks): its skip path is a 1x1 "
                            "projection everywhere, so there is no skip connection to compare", identity_blocks=0)
-    if p := _seeds_problem({"vit": vit_ratios, "resnet": resnet_ratios}):
-        return _untestable(p)
+    p = _seeds_problem({"vit": vit_ratios, "resnet": resnet_ratios})
     v = Verdict(INCONCLUSIVE, measured={"identity_blocks": int(mask.sum()), "resnet_blocks": len(mask)})
     part = _part("median norm ratio (ViT - ResNet identity blocks)", [skip_dominance(r) for r in vit_ratios],
                  [skip_dominance(r, mask) for r in resnet_ratios], v)
-    return _finish(v, [part])
+    return _finish(v, [part], p)
 
 
 def rule_cls_phase(ratios: list, sublayers, num_prefix_tokens: int) -> Verdict:
     """``ratios``: per seed norm_ratio ``ratio`` [S, L, T] of a CLS ViT; ``sublayers``: names of S."""
     if num_prefix_tokens < 1:
         return _untestable("the model has no CLS token (num_prefix_tokens 0)")
-    if p := _seeds_problem({"vit_cls": ratios}):
-        return _untestable(p)
+    p = _seeds_problem({"vit_cls": ratios})
     v, parts = Verdict(INCONCLUSIVE), []
     for s, name in enumerate(sublayers):
         ph = [cls_phase(r, s, num_prefix_tokens) for r in ratios]
@@ -387,7 +390,7 @@ def rule_cls_phase(ratios: list, sublayers, num_prefix_tokens: int) -> Verdict:
         parts.append(_one(f"{name}: second-half spatial - CLS", [x["gap_second"] for x in ph], v, -1))
         v.measured[f"{name}: first/last block CLS, spatial"] = [[x["cls_first"], x["cls_last"], x["spatial_first"],
                                                                  x["spatial_last"]] for x in ph]
-    return _finish(v, parts)
+    return _finish(v, parts, p)
 
 
 def rule_head_mix(distances: list, uniform: float) -> Verdict:
@@ -398,34 +401,30 @@ def rule_head_mix(distances: list, uniform: float) -> Verdict:
         m = min((h["min"] for h in hm), default=float("nan"))
         return _untestable(f"no head is local: the smallest mean attention distance is {m:.2f} px, uniform attention's "
                            f"{uniform:.2f} px, local means below {local:.2f} px", smallest=m, uniform=uniform)
-    if p := _seeds_problem({"vit_cls": distances}):
-        return _untestable(p)
+    p = _seeds_problem({"vit_cls": distances})
     v = Verdict(INCONCLUSIVE, measured={"uniform_px": uniform, "smallest_px": min(h["min"] for h in hm)})
     parts = [_one("head spread, lower - upper half (px)", [h["spread_lower"] - h["spread_upper"] for h in hm], v),
              _one("mean distance, upper - lower half (px)", [h["mean_upper"] - h["mean_lower"] for h in hm], v)]
-    return _finish(v, parts)
+    return _finish(v, parts, p)
 
 
 def rule_difference(name: str, a: list[float], b: list[float], configs: tuple[str, str]) -> Verdict:
     """A claim that a quantity is larger in configuration a than in b (per seed values)."""
-    if p := _seeds_problem({configs[0]: a, configs[1]: b}):
-        return _untestable(p, **{configs[0]: list(map(float, a)), configs[1]: list(map(float, b))})
     v = Verdict(INCONCLUSIVE)
-    return _finish(v, [_part(name, a, b, v)])
+    return _finish(v, [_part(name, a, b, v)], _seeds_problem({configs[0]: a, configs[1]: b}))
 
 
 def rule_data_drift(curves: dict[float, list]) -> Verdict:
     """``curves``: subset fraction -> per seed same-index CKA to the full-data model of the same seed [L]."""
     if len(curves) < 2:
         return _untestable(f"{len(curves)} subset size(s): the rule needs two")
-    if p := _seeds_problem({f"subset {f:g}": c for f, c in curves.items()}):
-        return _untestable(p)
+    p = _seeds_problem({f"subset {f:g}": c for f, c in curves.items()})
     small, large = min(curves), max(curves)
     ds, dl = [drift(c) for c in curves[small]], [drift(c) for c in curves[large]]
     v = Verdict(INCONCLUSIVE)
     parts = [_one(f"subset {small:g}: lower - upper half", [d["lower"] - d["upper"] for d in ds], v),
              _part(f"upper half: subset {large:g} - subset {small:g}", [d["upper"] for d in dl], [d["upper"] for d in ds], v)]
-    return _finish(v, parts)
+    return _finish(v, parts, p)
 
 
 def rule_offset_heads(runs: dict[str, dict]) -> Verdict:

@@ -198,8 +198,8 @@ def _report(study, runs: dict) -> tuple[str, list, list]:
              "", "| # | claim (the paper's direction) | figure | paper | ours | noise floor (threshold) | verdict |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for i, (claim, v) in enumerate(results, 1):
-        table.append(f"| {i} | {claim.claim} | {claim.figure} | {claim.paper_value or '-'} | {v.ours or '-'} | "
-                     f"{_floor_text(v)} | {_MARK[v.outcome]} |")
+        cells = (str(i), claim.claim, claim.figure, claim.paper_value or "-", v.ours or "-", _floor_text(v), _MARK[v.outcome])
+        table.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     if notes:
         table += ["", "What this study does not yet do:", ""] + [f"- {n}" for n in notes]
     at = doc.lines.index("## Runs")
@@ -223,7 +223,8 @@ def _raghu2021(study, configs: dict, doc: _Doc) -> tuple[list, list]:
     blocks = _resnet_blocks(resnet)
     ident = int(_identity_mask(resnet, blocks).sum())
     if ident == 0:
-        notes.append(f"The ResNet baseline has no identity shortcut (0 of {len(blocks)} blocks): claims 1 and 3 need one.")
+        notes.append(f"The ResNet baseline has no identity shortcut (0 of {len(blocks)} blocks): the uniformity and skip-dominance "
+                     "claims compare against the paper's ResNets, which have them.")
     add("uniformity", C.rule_uniformity([_last(r, "cka")["matrix"] for r in cls_runs],
                                         [_last(r, "cka")["matrix"] for r in res_runs], ident, len(blocks)))
     for r, rr in zip(cls_runs, res_runs):
