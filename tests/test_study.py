@@ -7,7 +7,7 @@ from conftest import ROOT, TINY, _merge
 
 from analysis.reports import claims as C
 from analysis.reports.study import load_study, main
-from train.recipe import RecipeError
+from train.recipe import RecipeError, load_recipe
 
 
 def test_partition_finds_the_block_structure_of_a_no_skip_map():
@@ -26,10 +26,10 @@ def test_claim_numbers_on_constructed_results():
     u = C.uniformity(np.array([[1, 0.5, 0.1], [0.5, 1, 0.3], [0.1, 0.3, 1]]))
     assert u["mean_offdiag"] == pytest.approx(0.3) and u["first_last"] == pytest.approx(0.1)
     ratio = np.ones((2, 4, 5))
-    ratio[0, 0, 0], ratio[0, -1, 0], ratio[0, 0, 1:], ratio[0, -1, 1:] = 0.2, 3.0, 2.0, 1.5
+    ratio[0, :2, 0], ratio[0, 2:, 0], ratio[0, :, 1:] = 5.0, 0.5, 2.0  # CLS high in the first half, low in the second
     ph = C.cls_phase(ratio, 0, 1)
-    assert (ph["cls_first"], ph["cls_last"], ph["spatial_first"], ph["spatial_last"]) == (0.2, 3.0, 2.0, 1.5)
-    assert C.skip_dominance(ratio) == 1.0
+    assert (ph["gap_first"], ph["gap_second"], ph["cls_first"], ph["cls_last"]) == (3.0, -1.5, 5.0, 0.5)
+    assert C.skip_dominance(ratio) == 1.0 and C.skip_dominance(ratio, [True, False, False, False]) == 1.5
     d = np.array([[2, 20], [3, 19], [14, 15], [15, 16]], dtype=float)  # local + global heads low, global high
     hm = C.head_mix(d)
     assert hm["spread_lower"] == pytest.approx(17) and hm["spread_upper"] == pytest.approx(1) and hm["mean_upper"] > hm["mean_lower"]
@@ -51,8 +51,13 @@ def _study(tmp_path, runs: dict, **extra) -> str:
 
 def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
     s = load_study(ROOT / "recipes" / "studies" / "raghu2021.yaml")
-    assert {"vit_cls", "vit_gap", "resnet", "noskip_b1", "noskip_b3", "noskip_b5", "subset_03", "subset_10", "subset_30"} == set(s.runs)
-    assert "erf" in s.runs["vit_cls"].measures and s.runs["resnet"].measures is None and "aligned_attention" in s.measures
+    configs = {"vit_cls", "vit_gap", "resnet", "noskip_b1", "noskip_b3", "noskip_b5", "subset_03", "subset_10", "subset_30"}
+    assert set(s.configs()) == configs and set(s.runs) == {f"{c}_s{i}" for c in configs for i in (0, 1)}
+    assert [r.seed for r in s.configs()["vit_cls"]] == [0, 1] and s.runs["vit_cls_s1"].overrides[-1] == "seed=1"
+    assert s.report == ROOT / "docs" / "reproduction.md" and s.root == ROOT / "runs" / "study-raghu2021"  # the repository's
+    assert "erf" in s.runs["vit_cls_s0"].measures and s.runs["resnet_s0"].measures is None and "aligned_attention" in s.measures
+    assert "data.analysis_size=2560" in s.runs["resnet_s1"].overrides
+    assert s.suite_options(["cka"]).of("cka").layers == "paper"
     bad = _study(tmp_path, {"a": {"recipe": "tiny.yaml", "set": ["model.depht=3"]}})
     with pytest.raises(RecipeError, match="study run 'a': unknown key 'model.depht'"):
         load_study(bad)
@@ -64,23 +69,92 @@ def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
         load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml"}}, studdy=1))
 
 
+@pytest.mark.parametrize("extra, run, message", [
+    ({"seeds": [0, 0]}, {}, "seeds must be a list of distinct non-negative integers"),
+    ({"seeds": "0,1"}, {}, "seeds must be a list"),
+    ({}, {"seeds": [-1]}, "study run 'a': seeds must be"),
+    ({"seeds": [0, 1]}, {"set": ["seed=3"]}, "gives seeds: give the seed in one place only"),
+    ({"options": {"cka": {"layers": "some"}}}, {}, "options:"),
+    ({"options": {"ckka": {"layers": "paper"}}}, {}, "unknown measure 'ckka'"),
+    ({"options": {"cka": {"layerz": "paper"}}}, {}, "options:"),
+    ({"options": ["cka"]}, {}, "options:"),
+])
+def test_seeds_and_options_are_checked(tmp_path, capsys, extra, run, message):
+    p = _study(tmp_path, {"a": {"recipe": "tiny.yaml", **run}}, **extra)
+    with pytest.raises(RecipeError, match=message):
+        load_study(p)
+    assert main([p, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and not (tmp_path / "runs").exists()
+
+
+def test_seeded_runs_and_a_run_of_its_own_seeds(tmp_path):
+    s = load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml"}, "b": {"recipe": "tiny.yaml", "seeds": [5]}},
+                          seeds=[0, 1], options={"cka": {"layers": "paper"}}))
+    assert list(s.runs) == ["a_s0", "a_s1", "b_s5"] and s.runs["b_s5"].run_dir.name == "b_s5"
+    assert {k: [r.seed for r in v] for k, v in s.configs().items()} == {"a": [0, 1], "b": [5]}
+    assert s.options == {"cka": {"layers": "paper"}}
+    with pytest.raises(RecipeError, match="named twice"):
+        load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml", "seeds": [0]}, "a_s0": {"recipe": "tiny.yaml"}}))
+
+
+def test_the_gpu_study_validates_and_lists_its_runs(capsys):
+    """The one-GPU study (recipes/studies/raghu2021_gpu.yaml) checked on the CPU: every run's recipe loads, and the dry
+    run lists 12 runs (6 configurations x 2 seeds) and starts none."""
+    p = ROOT / "recipes" / "studies" / "raghu2021_gpu.yaml"
+    s = load_study(p)
+    assert len(s.runs) == 12 and all(len(v) == 2 for v in s.configs().values())
+    r = load_recipe(s.runs["vit_cls_s0"].recipe, s.runs["vit_cls_s0"].overrides)
+    assert (r.model.patch_size, r.model.depth, r.model.embed_dim, r.train.mixed_precision) == (2, 8, 192, "bf16")
+    assert 50 <= r.train.steps * r.train.batch_size / 60000 <= 100  # epochs of Fashion-MNIST's 60,000 train images
+    assert main([str(p), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "12 runs, 0 already finished, 0 started, 0 failed" in out and "vit_cls_s1: starting" in out
+
+
+def test_the_study_resnet_has_identity_shortcuts():
+    """Raghu's ResNets have identity skips: the study's baseline has ResNet-18's [2, 2, 2, 2] layout and a first stage as
+    wide as the stem, so only each later stage's first (strided) block projects."""
+    from train.models import build_model
+
+    s = load_study(ROOT / "recipes" / "studies" / "raghu2021.yaml")
+    r = load_recipe(s.runs["resnet_s0"].recipe, s.runs["resnet_s0"].overrides)
+    assert r.model.resnet_layers == [2, 2, 2, 2]
+    model = build_model(r, 10)
+    blocks = [m for n, m in model.named_modules() if n.count(".") == 1 and n.startswith("layer")]
+    assert model.conv1.out_channels == r.model.resnet_channels[0]
+    assert sum(b.downsample is None for b in blocks) == 5 and len(blocks) == 8
+
+
 def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
-    resnet = ["model.arch=resnet", "model.resnet_layers=[1,1,1,1]", "model.resnet_channels=[8,8,16,16]"]
+    resnet = ["model.arch=resnet", "model.resnet_layers=[1,1,1,1]", "model.resnet_channels=[8,8,16,16]"]  # no identity skip
     p = _study(tmp_path, {"vit_cls": {"recipe": "tiny.yaml", "measures": "all"}, "resnet": {"recipe": "tiny.yaml", "set": resnet}},
-               measures=["cka", "norm_ratio", "fewshot_probe"])
+               measures=["cka", "norm_ratio", "fewshot_probe"], seeds=[0, 1], options={"cka": {"layers": "paper"}})
     assert main([p]) == 0
     report = tmp_path / "docs" / "repro.md"
     text = report.read_text()
-    for claim in ("## 1. ViT representations are more uniform", "## 3. Skip connections dominate", "## 4. Lower layers mix",
-                  "## 7. Offset local attention heads", "| vit_cls |", "Claims at a glance"):
+    for claim in ("## 1. ViT layer representations are more uniform", "## 2. Skip connections are much more influential",
+                  "## 3. In the first half of the network the CLS token", "## 4. Lower layers mix",
+                  "## 5. Every ViT learns offset local attention heads", "| vit_cls_s1 | vit_cls | 1 |", "Claims at a glance",
+                  "> \"We observe a striking phase transition"):
         assert claim in text, claim
-    assert "held" in text and "missing" not in text
+    assert "missing" not in text
     from analysis.reports.run_report import check_report
 
     assert check_report(report) == []
-    assert (tmp_path / "runs" / "vit_cls" / "analysis" / "step_0000008" / "erf.npz").is_file()  # measures: all
-    assert not (tmp_path / "runs" / "resnet" / "analysis" / "step_0000008" / "knn.npz").exists()  # the study's list
+    back = C.read_json(report.with_suffix(".json"))
+    assert list(back["claims"]) == ["uniformity", "skip_dominance", "cls_phase", "head_mix", "offset_heads"]
+    assert all(c["verdict"] in C.OUTCOMES and c["passage"] and c["rule"] for c in back["claims"].values())
+    for cid in ("uniformity", "skip_dominance"):  # 8-channel stages behind timm's 64-channel stem: every shortcut projects
+        assert back["claims"][cid]["verdict"] == "not testable" and "0 of its 4 blocks" in back["claims"][cid]["why"]
+    assert "not testable" in text and "no identity shortcut" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |", "| 3 |", "| 4 |", "| 5 |"))]
+    assert len(rows) == 5 and all(r.count("|") - r.count("\\|") == 8 for r in rows)  # 7 cells: no stray | in a cell
+    cka = np.load(tmp_path / "runs" / "vit_cls_s1" / "analysis" / "step_0000008" / "cka.npz", allow_pickle=True)
+    assert any(str(lab).endswith("norm1") for lab in cka["labels"])  # the study's option: the paper's layer set
+    assert (tmp_path / "runs" / "vit_cls_s0" / "analysis" / "step_0000008" / "erf.npz").is_file()  # measures: all
+    assert not (tmp_path / "runs" / "resnet_s0" / "analysis" / "step_0000008" / "knn.npz").exists()  # the study's list
     capsys.readouterr()
     assert main([p]) == 0  # rerun: nothing trained again, everything cached, the report regenerated
     out = capsys.readouterr().out
-    assert "2 already finished, 0 started" in out and report.is_file()
+    assert "4 already finished, 0 started" in out and report.is_file()

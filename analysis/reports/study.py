@@ -4,15 +4,22 @@ A study file names runs (a recipe plus overrides each), a root folder and a repo
 
     study: raghu2021
     root: runs/study-raghu2021
-    report: docs/reproduction.md
+    report: docs/reproduction.md     # and docs/reproduction.json beside it
     set: ["callbacks=[]"]            # overrides shared by every run
+    seeds: [0, 1]                    # every run once per seed: vit_cls_s0, vit_cls_s1, ... (recipe key seed=S)
+    options: {cka: {layers: paper}}  # measure options for every analysis of the study {measure: {option: value}}
     runs:
       vit_cls: {recipe: ../default.yaml}
-      noskip_b3: {recipe: ../default.yaml, set: ["interventions.no_skip={blocks: [3]}"]}
+      noskip_b3: {recipe: ../default.yaml, set: ["interventions.no_skip={blocks: [3]}"], seeds: [0, 1, 2]}
+
+With ``seeds`` (the study's, or a run's own, which replaces it) a run is one CONFIGURATION trained once per seed, in
+folders NAME_sSEED; the claims compare configurations seed by seed and judge each effect against the seed-to-seed
+difference of the same configuration (analysis/reports/claims.py). Without seeds a run is trained once, under its
+name, with its recipe's seed.
 
 Stages (``--stage``, default all): ``train`` (finished runs skipped, interrupted ones resumed, every run's
 recipe validated before the first starts), ``analyze`` (the offline suite on every checkpoint, cached), and
-``report`` (cross-run comparisons and the claims document, see analysis/study_report.py).
+``report`` (cross-run comparisons and the claims document, see analysis/reports/study_report.py).
 """
 from __future__ import annotations
 
@@ -25,10 +32,11 @@ import yaml
 
 from analysis.measure import MeasureError, registry, resolve_all
 from analysis.reports.study_report import analyze_study, write_report
+from analysis.suite import SuiteOptions, suite_options
 from train.recipe import RecipeError, load_recipe
 from train.sweep import launch_runs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is analysis/reports/study.py)
 
 
 @dataclass
@@ -38,6 +46,8 @@ class StudyRun:
     overrides: list[str]
     run_dir: Path
     measures: list[str] | None = None  # measured at the last checkpoint (None: the study's list)
+    config: str = ""  # the run's name in the study file (several seeds share it)
+    seed: int | None = None  # None: the recipe's own seed (a study without seeds)
 
 
 @dataclass
@@ -48,6 +58,22 @@ class Study:
     report: Path | None
     runs: dict[str, StudyRun] = field(default_factory=dict)
     measures: list[str] | None = None  # measured at every run's last checkpoint (None: every registered measure)
+    options: dict = field(default_factory=dict)  # {measure: {option: value}} for every analysis of the study
+
+    def suite_options(self, measures=None) -> SuiteOptions:
+        """The suite options of an analysis of this study: ``measures`` with the study's measure options."""
+        return suite_options(measures, options=self.options)
+
+    def configs(self) -> dict[str, list[StudyRun]]:
+        """Configuration name -> its runs, in seed order (seed i of two configurations is compared with each other)."""
+        out: dict[str, list[StudyRun]] = {}
+        for r in self.runs.values():
+            out.setdefault(r.config, []).append(r)
+        return out
+
+
+KEYS = ("study", "root", "report", "set", "seeds", "options", "runs", "measures")
+RUN_KEYS = ("recipe", "set", "measures", "seeds")
 
 
 def load_study(path: str | Path) -> Study:
@@ -59,27 +85,63 @@ def load_study(path: str | Path) -> Study:
         d = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise RecipeError(f"study file '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
-    unknown = set(d) - {"study", "root", "report", "set", "runs", "measures"}
+    if not isinstance(d, dict):
+        raise RecipeError(f"study file '{path}' must be a mapping with keys {', '.join(KEYS)}.")
+    unknown = set(d) - set(KEYS)
     if unknown:
-        raise RecipeError(f"study file '{path}' has unknown key(s) {sorted(unknown)}: allowed are study, root, report, set, runs, measures.")
+        raise RecipeError(f"study file '{path}' has unknown key(s) {sorted(unknown)}: allowed are {', '.join(KEYS)}.")
     if not isinstance(d.get("runs"), dict) or not d["runs"]:
         raise RecipeError(f"study file '{path}' needs a 'runs:' mapping of name -> {{recipe: FILE, set: [KEY=VALUE, ...]}}.")
     shared = list(d.get("set") or [])
     root = Path(d.get("root") or f"runs/study-{d.get('study', path.stem)}")
     root = root if root.is_absolute() else ROOT / root
     report = d.get("report")
-    study = Study(str(d.get("study", path.stem)), path, root, (ROOT / report) if report else None, measures=_measures(d.get("measures"), path))
+    measures = _measures(d.get("measures"), path)
+    options = _options(d.get("options"), path)
+    seeds = _seeds(d.get("seeds"), f"study file '{path}'")
+    study = Study(str(d.get("study", path.stem)), path, root, (ROOT / report) if report else None, measures=measures,
+                  options=options)
     for name, spec in d["runs"].items():
-        if not isinstance(spec, dict) or "recipe" not in spec or set(spec) - {"recipe", "set", "measures"}:
-            raise RecipeError(f"study run '{name}' must be a mapping {{recipe: FILE, set: [KEY=VALUE, ...], measures: [...]}}.")
+        if not isinstance(spec, dict) or "recipe" not in spec or set(spec) - set(RUN_KEYS):
+            raise RecipeError(f"study run '{name}' must be a mapping {{recipe: FILE, set: [KEY=VALUE, ...], measures: [...], seeds: [...]}}.")
         recipe = (path.parent / spec["recipe"]).resolve()
         overrides = shared + list(spec.get("set") or [])
-        try:
-            load_recipe(recipe, overrides)
-        except RecipeError as e:
-            raise RecipeError(f"study run '{name}': {e}") from None
-        study.runs[name] = StudyRun(name, recipe, overrides, root / name, _measures(spec.get("measures"), path))
+        run_seeds = _seeds(spec["seeds"], f"study run '{name}'") if "seeds" in spec else seeds
+        if run_seeds is not None and any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
+            raise RecipeError(f"study run '{name}' sets 'seed=' in set: and the study gives seeds: give the seed in one place only.")
+        for seed in run_seeds if run_seeds is not None else [None]:
+            run_name = name if seed is None else f"{name}_s{seed}"
+            if run_name in study.runs:
+                raise RecipeError(f"study run '{run_name}' is named twice (a run name ending in _sN collides with a seeded run): rename it.")
+            ov = overrides if seed is None else overrides + [f"seed={seed}"]
+            try:
+                load_recipe(recipe, ov)
+            except RecipeError as e:
+                raise RecipeError(f"study run '{run_name}': {e}") from None
+            study.runs[run_name] = StudyRun(run_name, recipe, ov, root / run_name, _measures(spec.get("measures"), path),
+                                            config=name, seed=seed)
     return study
+
+
+def _seeds(value, where: str) -> list[int] | None:
+    """A seeds entry: None, or a non-empty list of distinct non-negative integers."""
+    if value is None:
+        return None
+    if (not isinstance(value, list) or not value or len(set(value)) != len(value)
+            or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in value)):
+        raise RecipeError(f"{where}: seeds must be a list of distinct non-negative integers such as [0, 1], not {value!r}.")
+    return list(value)
+
+
+def _options(value, path) -> dict:
+    """The options entry {measure: {option: value}}, checked against each measure's Options."""
+    if value is None:
+        return {}
+    try:
+        suite_options(None, options=value)
+    except MeasureError as e:
+        raise RecipeError(f"study file '{path}': options: {e}") from None
+    return dict(value)
 
 
 def _measures(value, path) -> list[str] | None:

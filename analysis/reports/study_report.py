@@ -1,10 +1,12 @@
-"""The analysis and report stages of ``./launch.sh study`` (train/study.py).
+"""The analysis and report stages of ``./launch.sh study`` (analysis/reports/study.py).
 
-``analyze_study``: the core suite on every checkpoint of every run and every measure on each run's last
-checkpoint (all cached, see analysis/offline.py). ``write_report``: cross-run comparisons (cached) and the
-study's report — for recipes/studies/raghu2021.yaml, docs/reproduction.md with each claim of Raghu et al. 2021
-(and Walmer et al. 2023's offset heads), its figure, the measured numbers (analysis/claims.py) and whether it
-held. Figures the report shows are copied next to it (docs/figures/<study>/), so the document reads on its own.
+``analyze_study``: the core suite on every checkpoint of every run and the study's measures on each run's last
+checkpoint, all with the study's measure options (cached, see analysis/offline.py). ``write_report``: cross-run
+comparisons (cached) and the study's report — for recipes/studies/raghu2021.yaml, docs/reproduction.md with each
+claim of Raghu et al. 2021 (and Walmer et al. 2023's offset heads): the quoted passage, the rule, the paper's number
+and ours, the measured values, the noise floor and the outcome (analysis/reports/claims.py), and the same as
+docs/reproduction.json beside it so two studies can be diffed. Figures the report shows are copied next to it
+(docs/figures/<study>/), so the document reads on its own.
 """
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ import numpy as np
 
 from analysis import offline as O
 from analysis import storage
-from analysis import suite as S
 from analysis.measure import registry
 from analysis.reports import claims as C
 from analysis.reports.compare import compare
 from analysis.reports.run_report import write_run_report
 from train.checkpoint import read_meta
+from train.models import build_model
 
 
 def _open(study) -> dict:
@@ -53,9 +55,9 @@ def analyze_study(study) -> int:
     try:
         runs = _open(study)
         for name, run in runs.items():
-            O.analyze_run(run, None, S.SuiteOptions())  # the core four on every checkpoint
+            O.analyze_run(run, None, study.suite_options(None))  # the core four on every checkpoint
             measures = study.runs[name].measures or study.measures or sorted(registry())
-            O.analyze_run(run, ["last"], S.suite_options(measures))  # the study's list on the last
+            O.analyze_run(run, ["last"], study.suite_options(measures))  # the study's list on the last
             write_run_report(run)
     except O.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -64,8 +66,13 @@ def analyze_study(study) -> int:
     return 0
 
 
-def _top1(run) -> float:
-    return float(read_meta(run.checkpoints[max(run.checkpoints)]).get("eval", {}).get("top1", float("nan")))
+def _top1(run, step: int | None = None) -> float:
+    step = max(run.checkpoints) if step is None else step
+    return float(read_meta(run.checkpoints[step]).get("eval", {}).get("top1", float("nan")))
+
+
+def _eval_n(run) -> int:
+    return int(read_meta(run.checkpoints[max(run.checkpoints)]).get("eval", {}).get("n", 0))
 
 
 def _train_wall(run) -> float:
@@ -78,17 +85,19 @@ def _train_wall(run) -> float:
 
 def write_report(study) -> int:
     t0 = time.time()
+    out = study.report or (study.root / "report.md")
     try:
         runs = _open(study)
-        text = _report(study, runs)
+        text, records, notes = _report(study, runs)
     except O.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     _save_time(study, "report_s", time.time() - t0)
-    out = study.report or (study.root / "report.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text.replace("{REPORT_S}", f"{_times(study).get('report_s', float('nan')):.0f}"))
-    print(f"study {study.name}: report written to {out}")
+    if records:
+        C.write_json(out.with_suffix(".json"), study.name, records, notes)
+    print(f"study {study.name}: report written to {out}" + (f" and {out.with_suffix('.json')}" if records else ""))
     return 0
 
 
@@ -113,181 +122,189 @@ class _Doc:
         self.add(f"![{caption}]({dst.relative_to(self.base).as_posix()})", "", f"*{caption}*", "")
 
 
-def _last(run, name: str):
-    res = storage.load_results(O.step_dir(run, max(run.checkpoints)), [name])
+def _last(run, name: str, step: int | None = None):
+    res = storage.load_results(O.step_dir(run, max(run.checkpoints) if step is None else step), [name])
     return res.get(name)
 
 
-def _verdict(ok: bool) -> str:
-    return "**held**" if ok else "**did not hold**"
+def _configs(study, runs: dict) -> dict[str, list]:
+    """Configuration name -> its opened runs in seed order."""
+    return {c: [runs[r.name] for r in rs] for c, rs in study.configs().items()}
 
 
-def _direction(diff: float, margin: float) -> str:
-    """'held' when the claimed difference exceeds ``margin``, 'did not hold' when the opposite one does, else
-    'inconclusive'."""
-    return "held" if diff > margin else "did not hold" if diff < -margin else "inconclusive"
+def _identity_mask(run, blocks) -> np.ndarray:
+    """Which of a ResNet run's residual blocks (names as the norm_ratio result lists them) have an identity shortcut,
+    read off the model its recipe builds."""
+    model = build_model(run.recipe, 10)
+    return np.array([getattr(model.get_submodule(str(b)), "downsample", None) is None for b in blocks], dtype=bool)
 
 
-def _combine(parts: list[str]) -> str:
-    if all(p == "held" for p in parts):
-        return "**held**"
-    if "did not hold" in parts:
-        return "**did not hold**" if "held" not in parts else "**partly held**"
-    return "**partly held**" if "held" in parts else "**inconclusive**"
+def _resnet_blocks(run) -> list[str]:
+    model = build_model(run.recipe, 10)
+    return [n for n, m in model.named_modules() if n.count(".") == 1 and n.startswith("layer")]
 
 
-def _report(study, runs: dict) -> str:
+_MARK = {C.HELD: "**held**", C.NOT_HELD: "**did not hold**", C.INCONCLUSIVE: "**inconclusive**", C.NOT_TESTABLE: "**not testable**"}
+
+
+def _floor_text(v: C.Verdict) -> str:
+    if not v.noise_floor:
+        return "-"
+    parts = []
+    for k, f in v.noise_floor.items():
+        if isinstance(f, dict) and "threshold" in f:
+            se = f" (incl. {C.SE_FACTOR:g} SE {f['binomial_se']:.4f})" if "binomial_se" in f else ""
+            parts.append(f"{k}: {f['threshold']:.3g}{se}")
+        else:
+            parts.append(f"{k}: {f}")
+    return "; ".join(parts)
+
+
+def _section(doc: _Doc, n: int, claim: C.Claim, v: C.Verdict) -> None:
+    doc.add(f"## {n}. {claim.claim} ({claim.figure})", "", f"> \"{claim.passage}\" — {claim.source}", "",
+            f"Rule: {claim.rule}", "")
+    if claim.paper_value:
+        doc.add(f"Paper: {claim.paper_value}. Ours: {v.ours or 'see the measured values'}.", "")
+    doc.add(f"Verdict: {_MARK[v.outcome]}. {v.why}", "")
+
+
+def _report(study, runs: dict) -> tuple[str, list, list]:
     doc = _Doc(study)
     times = _times(study)
     train_wall = {n: _train_wall(r) for n, r in runs.items()}
     doc.add(f"# Reproduction: {study.name}", "",
             f"Generated by `./launch.sh study {study.path.relative_to(study.path.parents[2]) if len(study.path.parents) > 2 else study.path}` "
-            "from the saved runs; every number below is computed by the project (analysis/claims.py on the results of "
-            "analysis/*.py), so rerunning the study regenerates this page.", "",
-            "## Runs", "", "| run | recipe overrides | test top-1 | training wall (s) |", "| --- | --- | --- | --- |")
+            "from the saved runs; every number below is computed by the project (analysis/reports/claims.py on the results of "
+            "analysis/measures/*.py), so rerunning the study regenerates this page and its JSON twin.", "",
+            "## Runs", "", "| run | configuration | seed | recipe overrides | test top-1 (± binomial SE) | training wall (s) |",
+            "| --- | --- | --- | --- | --- | --- |")
     for n, r in runs.items():
-        doc.add(f"| {n} | {' '.join(study.runs[n].overrides) or '-'} | {_top1(r):.4f} | {train_wall[n]:.0f} |")
+        sr, p = study.runs[n], _top1(r)
+        doc.add(f"| {n} | {sr.config} | {'-' if sr.seed is None else sr.seed} | {' '.join(sr.overrides) or '-'} | "
+                f"{p:.4f} ± {C.binomial_se(p, _eval_n(r)):.4f} | {train_wall[n]:.0f} |")
     total_train = np.nansum(list(train_wall.values()))
     doc.add("", f"Wall time on this machine: training {total_train / 60:.0f} min in all (each run's own wall time, other jobs "
             f"included); the last invocation's analysis stage {times.get('analyze_s', float('nan')) / 60:.1f} min (results "
-            "cached by earlier invocations are not recomputed); comparisons and this report {REPORT_S} s.", "")
-    claims = _raghu2021(study, runs, doc, compare) if {"vit_cls", "resnet"} <= set(runs) else []
-    if claims:
-        table = ["## Claims at a glance", "", "| # | claim | figure | measured | verdict |", "| --- | --- | --- | --- | --- |"]
-        table += [f"| {i} | {c} | {f} | {m} | {v} |" for i, (c, f, m, v) in enumerate(claims, 1)]
-        doc.lines[doc.lines.index("## Runs"):doc.lines.index("## Runs")] = table + [""]
-    return "\n".join(doc.lines) + "\n"
+            "cached by earlier invocations are not recomputed); comparisons and this report {REPORT_S} s. Measure options: "
+            f"{json.dumps(study.options) if study.options else 'the defaults'}.", "")
+    configs = _configs(study, runs)
+    if not {"vit_cls", "resnet"} <= set(configs):
+        return "\n".join(doc.lines) + "\n", [], []
+    results, notes = _raghu2021(study, configs, doc)
+    table = ["## Claims at a glance", "",
+             f"Outcomes: held / did not hold (the effect, in the paper's direction or against it, exceeds {C.NOISE_FACTOR:g}x "
+             f"the largest seed-to-seed difference of the same configuration, and {C.SE_FACTOR:g} binomial standard errors "
+             "for top-1), inconclusive (within that noise floor), not testable (a precondition failed; the numbers say which).",
+             "", "| # | claim (the paper's direction) | figure | paper | ours | noise floor (threshold) | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for i, (claim, v) in enumerate(results, 1):
+        cells = (str(i), claim.claim, claim.figure, claim.paper_value or "-", v.ours or "-", _floor_text(v), _MARK[v.outcome])
+        table.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    if notes:
+        table += ["", "What this study does not yet do:", ""] + [f"- {n}" for n in notes]
+    at = doc.lines.index("## Runs")
+    doc.lines[at:at] = table + [""]
+    return "\n".join(doc.lines) + "\n", [C.record(c, v) for c, v in results], notes
 
 
-def _raghu2021(study, runs: dict, doc: _Doc, compare) -> list:
-    out = []
-    cls, resnet = runs["vit_cls"], runs["resnet"]
+def _raghu2021(study, configs: dict, doc: _Doc) -> tuple[list, list]:
+    out, notes = [], []
+    opts = study.suite_options(None)
+    cls_runs, res_runs = configs["vit_cls"], configs["resnet"]
+    cls, resnet = cls_runs[0], res_runs[0]
     root = study.root
 
+    def add(claim_id: str, v: C.Verdict):
+        claim = C.CLAIMS[claim_id]
+        out.append((claim, v))
+        _section(doc, len(out), claim, v)
+
     # 1. uniformity (Fig. 1, 2)
-    a = O.against(cls, resnet, max(resnet.checkpoints))
-    cross = next(iter(a["results"].values()))
-    u_v, u_r = C.uniformity(_last(cls, "cka")["matrix"]), C.uniformity(_last(resnet, "cka")["matrix"])
-    ok = u_v["mean_offdiag"] > u_r["mean_offdiag"] and u_v["first_last"] > u_r["first_last"]
-    m = (f"mean off-diagonal CKA ViT {u_v['mean_offdiag']:.3f} vs ResNet {u_r['mean_offdiag']:.3f}; first-last layer "
-         f"{u_v['first_last']:.3f} vs {u_r['first_last']:.3f}")
-    out.append(("ViT layer representations are more uniform than ResNet's", "Fig. 1, 2", m, _verdict(ok)))
-    doc.add("## 1. ViT representations are more uniform than ResNet's (Raghu Fig. 1, 2)", "",
-            "Rule: held if the ViT's mean off-diagonal self-CKA and its first-vs-last-layer CKA both exceed the ResNet's.", "",
-            f"Measured: {m}. Mean cross-model CKA (ViT layers x ResNet layers): {np.asarray(cross['matrix']).mean():.3f}. "
-            f"Verdict: {_verdict(ok)}. The ResNet baseline (recipes/resnet.yaml) has one residual block per stage, so its "
-            "CKA map has 4 layers against the ViT's 12 and its stages are far shallower than Raghu's ResNet-50.", "")
-    compare([cls, runs.get("vit_gap", cls), resnet] if "vit_gap" in runs else [cls, resnet], out=root / "compare-arch", progress=False)
-    doc.figure(root / "compare-arch" / "cka_grid.png", "cka_arch", "CKA between layers: CLS ViT, GAP ViT, ResNet")
+    blocks = _resnet_blocks(resnet)
+    ident = int(_identity_mask(resnet, blocks).sum())
+    if ident == 0:
+        notes.append(f"The ResNet baseline has no identity shortcut (0 of {len(blocks)} blocks): the uniformity and skip-dominance "
+                     "claims compare against the paper's ResNets, which have them.")
+    add("uniformity", C.rule_uniformity([_last(r, "cka")["matrix"] for r in cls_runs],
+                                        [_last(r, "cka")["matrix"] for r in res_runs], ident, len(blocks)))
+    for r, rr in zip(cls_runs, res_runs):
+        O.against(r, rr, max(rr.checkpoints), opts=opts, progress=False)
+    arch = [cls] + ([configs["vit_gap"][0]] if "vit_gap" in configs else []) + [resnet]
+    compare(arch, out=root / "compare-arch", opts=opts, progress=False)
+    doc.figure(root / "compare-arch" / "cka_grid.png", "cka_arch", "CKA between layers: " + ", ".join(r.name for r in arch))
     fig_dir = storage.against_dir(cls.path, max(cls.checkpoints), resnet.name, max(resnet.checkpoints), "figures")
     doc.figure(fig_dir / "cross_cka.png", "cka_vit_vs_resnet", "Cross-model CKA, ViT (x) vs ResNet (y) (Raghu Fig. 2)")
 
     # 2. no-skip partitions (Fig. 8)
-    ns = {n: r for n, r in runs.items() if n.startswith("noskip_b")}
+    ns = {int(k.rsplit("b", 1)[1]): v for k, v in configs.items() if k.startswith("noskip_b")}
     if ns:
-        rows, oks = [], []
-        for n, r in sorted(ns.items()):
-            b = int(n.rsplit("b", 1)[1])
-            c = _last(r, "cka")
-            p = C.partition(c["matrix"], [str(s) for s in c["labels"]], b)
-            base = C.partition(_last(cls, "cka")["matrix"], [str(s) for s in _last(cls, "cka")["labels"]], b)
-            drop = _top1(cls) - _top1(r)
-            ok = p["across"] < base["across"] - 0.05 and drop > 0
-            oks.append(ok)
-            rows.append(f"| {b} | {p['across']:.3f} | {base['across']:.3f} | {p['within']:.3f} | {_top1(r):.4f} | {100 * drop:+.2f} | {_verdict(ok)} |")
-        compare([cls] + [ns[k] for k in sorted(ns)], out=root / "compare-noskip", progress=False)
-        m = "; ".join(r.split("|")[1].strip() + ": across " + r.split("|")[2].strip() + " vs " + r.split("|")[3].strip() for r in rows)
-        out.append(("Removing block i's skip connections partitions the CKA map at i and costs accuracy", "Fig. 8",
-                    f"CKA across the partition (no-skip vs normal) per block: {m}", _verdict(all(oks)) + f" ({sum(oks)}/{len(oks)} blocks)"))
-        doc.add("## 2. No skip connection at block i partitions the representations (Raghu Fig. 8)", "",
-                "Rule, per block i: held if the mean CKA between layers before block i and layers from block i on is at "
-                "least 0.05 lower than in the normal ViT at the same boundary, and test top-1 is lower.", "",
-                "| block i | CKA across, no skip | CKA across, normal ViT | CKA within sides, no skip | top-1 | top-1 drop (points) | verdict |",
-                "| --- | --- | --- | --- | --- | --- | --- |", *rows, "")
+        def rows(rs):
+            return [{"matrix": _last(r, "cka")["matrix"], "labels": [str(s) for s in _last(r, "cka")["labels"]],
+                     "top1": _top1(r), "n": _eval_n(r)} for r in rs]
+        add("noskip_partition", C.rule_noskip(rows(cls_runs), {b: rows(rs) for b, rs in ns.items()}, cls.recipe.model.depth))
+        compare([cls] + [ns[k][0] for k in sorted(ns)], out=root / "compare-noskip", opts=opts, progress=False)
         doc.figure(root / "compare-noskip" / "cka_grid.png", "cka_noskip", "CKA maps: normal ViT, then no skip at blocks " +
-                   ", ".join(k.rsplit("b", 1)[1] for k in sorted(ns)))
+                   ", ".join(str(k) for k in sorted(ns)))
 
     # 3. skip dominance and the CLS phase transition (Fig. 7)
-    nv, nr = _last(cls, "norm_ratio"), _last(resnet, "norm_ratio")
-    dv, dr = C.skip_dominance(nv["ratio"]), C.skip_dominance(nr["ratio"])
-    ph = C.cls_phase(nv["ratio"], 0, int(nv["num_prefix_tokens"]))
-    ok = dv > dr and ph["cls_first"] < ph["spatial_first"] and ph["cls_last"] > 2 * ph["cls_first"]
-    m = (f"median norm ratio ViT {dv:.2f} vs ResNet {dr:.2f}; attention sublayer, CLS {ph['cls_first']:.2f} -> {ph['cls_last']:.2f}, "
-         f"spatial {ph['spatial_first']:.2f} -> {ph['spatial_last']:.2f} (first -> last block)")
-    out.append(("The skip path dominates more in ViT than in ResNet, with a CLS / spatial phase transition", "Fig. 7", m, _verdict(ok)))
-    doc.add("## 3. Skip connections dominate more in ViT, with a CLS-token phase transition (Raghu Fig. 7)", "",
-            "Rule: held if the ViT's median norm ratio ||z||/||f(z)|| exceeds the ResNet's, and in the attention sublayer "
-            "the CLS token's ratio starts below the spatial tokens' and more than doubles by the last block.", "",
-            f"Measured: {m}. Verdict: {_verdict(ok)}.", "")
-    doc.figure(root / "compare-arch" / "norm_ratio.png", "norm_ratio_arch", "Norm ratios per block: CLS ViT, GAP ViT, ResNet")
+    nr = _last(resnet, "norm_ratio")
+    add("skip_dominance", C.rule_skip_dominance([_last(r, "norm_ratio")["ratio"] for r in cls_runs],
+                                                [_last(r, "norm_ratio")["ratio"] for r in res_runs],
+                                                _identity_mask(resnet, [str(b) for b in nr["blocks"]])))
+    nv = _last(cls, "norm_ratio")
+    add("cls_phase", C.rule_cls_phase([_last(r, "norm_ratio")["ratio"] for r in cls_runs], [str(s) for s in nv["sublayers"]],
+                                      int(nv["num_prefix_tokens"])))
+    doc.figure(root / "compare-arch" / "norm_ratio.png", "norm_ratio_arch", "Norm ratios per block: " + ", ".join(r.name for r in arch))
 
     # 4. local and global heads (Fig. 3)
-    hm = C.head_mix(_last(cls, "attention_distance")["pixels"])
-    # a real mix means heads that differ: the lower spread must be at least twice the upper one and a quarter of the
-    # mean distance (near-uniform heads all sit at ~14.4 px on the 7x7 grid and differ by noise)
-    ok = (hm["spread_lower"] > 2 * hm["spread_upper"] and hm["spread_lower"] > 0.25 * hm["mean_lower"]
-          and hm["mean_upper"] > hm["mean_lower"])
-    m = (f"spread of head distances lower / upper half {hm['spread_lower']:.2f} / {hm['spread_upper']:.2f} px; "
-         f"mean distance {hm['mean_lower']:.2f} / {hm['mean_upper']:.2f} px (uniform attention on the 7x7 grid: 14.4 px)")
-    out.append(("Lower layers mix local and global heads, higher layers are global", "Fig. 3", m, _verdict(ok)))
-    doc.add("## 4. Lower layers mix local and global heads, higher layers attend globally (Raghu Fig. 3)", "",
-            "Rule: held if the spread of attention distances over heads (max - min) in the lower half of the blocks is at "
-            "least twice the upper half's and at least a quarter of the mean distance, and the mean distance is larger in "
-            "the upper half.", "", f"Measured: {m}. Verdict: {_verdict(ok)}.", "")
+    m = cls.recipe.model
+    uniform = C.uniform_distance(cls.recipe.data.img_size // m.patch_size, m.patch_size)
+    add("head_mix", C.rule_head_mix([_last(r, "attention_distance")["pixels"] for r in cls_runs], uniform))
     doc.figure(root / "compare-arch" / "attention_distance.png", "attention_distance", "Mean attention distance per head and block")
     doc.figure(fig_dir / "head_subsets.png", "head_subsets", "Block-0 heads from local to global: CKA of windows of "
                "consecutive heads (lines) and of single heads (circles) to the ResNet's lower layers (Raghu Fig. 5)")
 
     # 5. CLS vs GAP: localization and spatial-token probes (Fig. 9, 10, 11 left)
-    if "vit_gap" in runs:
-        gap = runs["vit_gap"]
-        lc, lg = C.last_layer(_last(cls, "localization")["own_share"]), C.last_layer(_last(gap, "localization")["own_share"])
-        tc = C.last_layer(_last(cls, "token_probes")["mean_over_tokens"])
-        tg = C.last_layer(_last(gap, "token_probes")["mean_over_tokens"])
-        parts = [_direction(lc - lg, 0.02), _direction(tg - tc, 0.01)]
-        v = _combine(parts)
-        m = (f"last block, share of tokens most similar to their own input patch: CLS {lc:.3f} vs GAP {lg:.3f} ({parts[0]}); "
-             f"mean 10-shot accuracy of single spatial tokens: CLS {tc:.3f} vs GAP {tg:.3f} ({parts[1]})")
-        out.append(("CLS ViTs keep spatial information better than GAP ViTs, and their spatial tokens probe worse", "Fig. 9-11", m, v))
-        doc.add("## 5. CLS-trained ViTs localize better, GAP-trained spatial tokens probe better (Raghu Fig. 9, 10, 11 left)", "",
-                "Rule, two parts: the CLS model's last-block localization share exceeds the GAP model's by more than 0.02, and "
-                "its mean per-token probe accuracy is lower by more than 0.01 (one 1024-image analysis set: smaller "
-                "differences are called inconclusive).", "", f"Measured: {m}. Verdict: {v}.", "")
-        for r, tag in ((cls, "cls"), (gap, "gap")):
+    if "vit_gap" in configs:
+        gap_runs = configs["vit_gap"]
+        add("cls_localization", C.rule_difference(
+            "last-block own_share, CLS - GAP", [C.last_layer(_last(r, "localization")["own_share"]) for r in cls_runs],
+            [C.last_layer(_last(r, "localization")["own_share"]) for r in gap_runs], ("vit_cls", "vit_gap")))
+        add("gap_token_probes", C.rule_difference(
+            "last-block mean token-probe accuracy, GAP - CLS",
+            [C.last_layer(_last(r, "token_probes")["mean_over_tokens"]) for r in gap_runs],
+            [C.last_layer(_last(r, "token_probes")["mean_over_tokens"]) for r in cls_runs], ("vit_gap", "vit_cls")))
+        for r, tag in ((cls, "cls"), (gap_runs[0], "gap")):
             d = storage.step_dir(r.path, max(r.checkpoints), "figures")
             doc.figure(d / "localization_score.png", f"localization_{tag}", f"Localization scores per block, {tag.upper()} ViT")
             doc.figure(d / "token_probes_mean.png", f"token_probes_{tag}", f"Per-token 10-shot probes, {tag.upper()} ViT")
 
-    # 6. data subsets (Fig. 12)
-    subs = {n: r for n, r in runs.items() if n.startswith("subset_")}
+    # 6. data subsets (Fig. 12): each subset run at its chosen checkpoint against the full-data run of the same seed
+    subs = {k: v for k, v in configs.items() if k.startswith("subset_")}
     if subs:
-        ordered = [subs[k] for k in sorted(subs)]
-        res = compare(ordered, reference=(cls, max(cls.checkpoints)), out=root / "compare-subsets", progress=False)
-        d = {n: C.drift(v) for n, v in res["same_index"].items()}
-        uppers = [d[r.name]["upper"] for r in ordered]
-        smallest = d[ordered[0].name]
-        ok = all(a <= b for a, b in zip(uppers, uppers[1:])) and smallest["upper"] < smallest["lower"]
-        m = "; ".join(f"{n}: lower {v['lower']:.3f}, upper {v['upper']:.3f}" for n, v in d.items())
-        out.append(("With less pretraining data, higher layers drift further from the full-data model", "Fig. 12",
-                    f"same-index CKA to the 100% model: {m}", _verdict(ok)))
-        doc.add("## 6. Less data: higher layers drift further from the full-data model (Raghu Fig. 12)", "",
-                "Rule: held if the mean same-layer CKA to the 100% model over the upper half of the layers rises with the "
-                "subset size, and for the smallest subset it is below the lower half's.", "",
-                f"Measured (per-layer values in compare-subsets/report.md): {m}. Top-1: " +
-                ", ".join(f"{r.name} {_top1(r):.4f}" for r in ordered) + f", 100% {_top1(cls):.4f}. Verdict: {_verdict(ok)}.", "")
+        curves, chosen = {}, []
+        for _name, rs in sorted(subs.items()):
+            ds = rs[0].recipe.interventions.data_subset  # the subset size: a fraction of train, or a count
+            frac = ds.fraction if ds.fraction is not None else float(ds.count)  # only the order matters
+            curves[frac] = []
+            for r, ref in zip(rs, cls_runs):
+                step, why = C.select_checkpoint({s: read_meta(p) for s, p in r.checkpoints.items()})
+                chosen.append(f"{r.name}: {why}")
+                a = O.against(r, ref, max(ref.checkpoints), [step], opts=opts, progress=False)
+                curves[frac].append(np.asarray(a["results"][step]["same_index"]))
+        add("data_drift", C.rule_data_drift(curves))
+        if any("no held-out validation" in c for c in chosen):
+            notes.append("Subset runs choose no checkpoint: the trainer records eval top-1 on the test split only; a held-out "
+                         "validation split carved from train (meta 'val') is missing, so the last checkpoint is read.")
+        doc.add("Checkpoints read: " + "; ".join(chosen) + ".", "")
+        ordered = [subs[k][0] for k in sorted(subs)]
+        compare(ordered, reference=(cls, max(cls.checkpoints)), out=root / "compare-subsets", opts=opts, progress=False)
         doc.figure(root / "compare-subsets" / "similarity_to_reference.png", "subsets", "CKA of each layer to the same layer of the 100% model")
 
-    # 7. offset local heads (Walmer Fig. 3, 14)
-    counts = {n: C.offset_heads(_last(r, "aligned_attention")["offset_local"]) for n, r in runs.items()
-              if _last(r, "aligned_attention") is not None}
-    total = sum(c["count"] for c in counts.values())
-    ok = total > 0
-    m = "; ".join(f"{n}: {c['count']}" + (f" ({', '.join(c['where'][:4])})" if c["where"] else "") for n, c in counts.items())
-    out.append(("Offset local attention heads appear (Walmer)", "Walmer Fig. 3, 14", f"offset local heads per ViT: {m}", _verdict(ok)))
-    doc.add("## 7. Offset local attention heads (Walmer et al. 2023 Fig. 3, 14)", "",
-            "Rule: held if any ViT of the study has a head whose aligned attention map peaks away from the query, within 2 "
-            "tokens, with at least half its mass in the 3x3 window around the peak (analysis/measures/aligned_attention.py).", "",
-            f"Measured: {m}. Verdict: {_verdict(ok)}.", "")
+    # 7. offset local heads (Walmer Fig. 3, 14): the standard ViTs of the study
+    vits = {r.name: _last(r, "aligned_attention") for k in ("vit_cls", "vit_gap") for r in configs.get(k, [])}
+    add("offset_heads", C.rule_offset_heads({n: {"local": a["local"], "offset_local": a["offset_local"]}
+                                             for n, a in vits.items() if a is not None}))
     d = storage.step_dir(cls.path, max(cls.checkpoints), "figures")
     doc.figure(d / "aligned_attention_mass_maps.png", "aligned_attention", "Aligned aggregated attention maps, CLS ViT")
-    return out
+    return out, notes
