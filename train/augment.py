@@ -1,14 +1,17 @@
-"""Augmentation: random-resized crop, random shift and horizontal flip.
+"""Augmentation: random-resized crop, random shift and horizontal flip; mixup / CutMix.
 
 On the device, on whole uint8 batches, from torch's global RNG (the trainer reseeds it every step, so a resumed
 run draws the same): :func:`augment`, :func:`batch_rrc`. Per image in the DataLoader workers for a lazy train
-split, from a generator seeded by (seed, epoch, index): :func:`rrc_box`, :func:`crop_rng`.
+split, from a generator seeded by (seed, epoch, index): :func:`rrc_box`, :func:`crop_rng`. Mixup / CutMix of the
+normalised batch with soft targets: timm's ``Mixup`` (:func:`make_mixer`), which draws from numpy's global RNG
+(the trainer reseeds it every step alongside torch's).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from timm.data import Mixup
 
 RRC_SCALE, RRC_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
 
@@ -89,3 +92,23 @@ def batch_rrc(x: torch.Tensor) -> torch.Tensor:
     grid = F.affine_grid(theta, (b, c, h, w), align_corners=False)
     out = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
     return out.round().clamp(0, 255).to(torch.uint8)
+
+
+def make_mixer(aug, num_classes: int, label_smoothing: float = 0.0) -> Mixup | None:
+    """timm's ``Mixup`` configured from ``data.augment`` (None when both alphas are 0): called as
+    ``x, soft_targets = mixer(x, y)`` on a float batch of even size (x mixed in place), its targets rows of
+    ``num_classes`` that sum to 1, smoothed by ``label_smoothing`` as timm does; train with timm's
+    ``SoftTargetCrossEntropy``. Draws from numpy's global RNG."""
+    if aug.mixup_alpha <= 0 and aug.cutmix_alpha <= 0:
+        return None
+    return Mixup(mixup_alpha=aug.mixup_alpha, cutmix_alpha=aug.cutmix_alpha, prob=aug.mix_prob, switch_prob=aug.switch_prob,
+                 mode=aug.mix_mode, label_smoothing=label_smoothing, num_classes=num_classes)
+
+
+def mix_uint8(x: torch.Tensor, mixer: Mixup) -> torch.Tensor:
+    """A uint8 batch [B, C, H, W] mixed by ``mixer`` (an odd last image left as it is), for showing it."""
+    n = len(x) - len(x) % 2
+    if n == 0:
+        return x
+    mixed, _ = mixer(x[:n].float(), torch.zeros(n, dtype=torch.long, device=x.device))
+    return torch.cat([mixed.round().clamp(0, 255).to(torch.uint8), x[n:]])
