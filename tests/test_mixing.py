@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from timm.loss import SoftTargetCrossEntropy
 
 import train.augment
-from train.augment import make_mixer, mix_uint8
+from train.augment import augment, make_mixer, mix_uint8
 from train.callbacks import Callback, register_callback
 from train.checkpoint import list_checkpoints
 from train.cli import main
@@ -30,6 +30,8 @@ DEFAULT = ROOT / "recipes/default.yaml"
     ("data.augment.mix_prob=1.5", "'data.augment.mix_prob' is 1.5, out of range"),
     ("data.augment.switch_prob=-0.1", "'data.augment.switch_prob' is -0.1, out of range"),
     ("data.augment.mix_mode=image", "'data.augment.mix_mode' must be one of 'batch', 'pair', 'elem'"),
+    ("data.augment.randaugment_magnitude=31", "'data.augment.randaugment_magnitude' is 31, out of range: it must be >= 0 and <= 30"),
+    ("data.augment.randaugment_ops=-1", "'data.augment.randaugment_ops' is -1, out of range"),
 ])
 def test_bad_mixing_keys_are_one_sentence(override, words):
     with pytest.raises(RecipeError, match=words.replace("(", r"\(").replace(".", r"\.")) as e:
@@ -54,10 +56,12 @@ def test_default_hash_unchanged_and_new_keys_hashed_only_when_used():
     r = load_recipe(DEFAULT)
     assert r.hash() == "82a396f18b71fd7d"
     spelled = ["data.augment.mixup_alpha=0.0", "data.augment.cutmix_alpha=0.0", "data.augment.mix_prob=1.0",
-               "data.augment.switch_prob=0.5", "data.augment.mix_mode=batch"]
+               "data.augment.switch_prob=0.5", "data.augment.mix_mode=batch", "data.augment.randaugment_ops=0",
+               "data.augment.randaugment_magnitude=9"]
     assert load_recipe(DEFAULT, spelled).hash() == r.hash()
     for o in ("data.augment.mixup_alpha=0.8", "data.augment.cutmix_alpha=1.0", "data.augment.mix_prob=0.5",
-              "data.augment.switch_prob=0.3", "data.augment.mix_mode=elem"):
+              "data.augment.switch_prob=0.3", "data.augment.mix_mode=elem", "data.augment.randaugment_ops=2",
+              "data.augment.randaugment_magnitude=5"):
         assert load_recipe(DEFAULT, [o]).hash() != r.hash(), o
     cutmix = load_recipe(ROOT / "recipes/vit_cutmix.yaml")
     assert cutmix.data.augment.cutmix_alpha > 0 and cutmix.data.augment.mixup_alpha > 0 and cutmix.hash() != r.hash()
@@ -148,6 +152,21 @@ class NumpyDraw(Callback):
         np.random.rand(3)
 
 
+def test_randaugment_differs_image_by_image_and_follows_torch_seed():
+    """Called on a whole batch, torchvision's RandAugment applies one op to every image; rand_augment draws each
+    image's own ops: 64 copies of one image come out different. The same torch seed gives the same batch."""
+    img = torch.randint(0, 256, (1, 1, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    x = img.expand(64, 1, 28, 28).clone()
+    torch.manual_seed(7)
+    a = augment(x, 0, False, ra_ops=2, ra_magnitude=9)
+    torch.manual_seed(7)
+    b = augment(x, 0, False, ra_ops=2, ra_magnitude=9)
+    assert a.dtype == torch.uint8 and a.shape == x.shape and torch.equal(a, b)
+    distinct = {bytes(im.flatten().tolist()) for im in a}
+    assert len(distinct) >= 10, len(distinct)
+    assert torch.equal(augment(x, 0, False, ra_ops=0), x)
+
+
 class CountingMixer:
     """Wraps a mixer to count the batches it mixed, by batch size (training batches vs sample_images' grid)."""
 
@@ -166,13 +185,13 @@ def _final_weights(run: Path) -> dict:
 
 
 def test_resume_is_exact_with_cutmix_and_mixup(write_recipe, monkeypatch):
-    """8 steps straight == 4 steps, crash, resume 4 more, with CutMix + mixup per image (and the mixed sample grid):
-    same loss curve, same final weights. timm's Mixup draws from numpy's global RNG; a checkpoint keeps that RNG's
+    """8 steps straight == 4 steps, crash, resume 4 more, with CutMix + mixup per image and RandAugment (and the
+    mixed sample grid): same loss curve, same final weights. timm's Mixup draws from numpy's global RNG; a checkpoint keeps that RNG's
     state, but a callback that draws from it after the save (test_numpy_draw) shifts every later draw of the
     straight run and not of the resumed one, unless numpy is reseeded from (seed, step, rank) like torch."""
     real = train.augment.make_mixer
     monkeypatch.setattr(train.augment, "make_mixer", lambda *a, **kw: CountingMixer(real(*a, **kw)))
-    aug = {"augment": {"shift": 2, "hflip": True, "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "mix_mode": "elem"}}
+    aug = {"augment": {"shift": 2, "hflip": True, "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "mix_mode": "elem", "randaugment_ops": 2}}
     CountingMixer.calls = {}
     samples = [{"name": "sample_images", "n": 8}, {"name": "test_numpy_draw"}]
     straight = run_training(load_recipe(write_recipe("straight", data=aug, callbacks=samples)), progress=False)

@@ -182,7 +182,8 @@ class SampleImages(Callback):
         g = torch.Generator().manual_seed(ctx.recipe.seed + ctx.step)
         idx = torch.randperm(len(ctx.data.train), generator=g)[: self.n]
         train = ctx.data.train  # in memory, or lazy (decoded here, cropped as in the current epoch)
-        x = augment(train.take(idx, getattr(ctx, "epoch", 0)), aug.shift, aug.hflip, aug.random_resized_crop and not train.lazy)
+        x = augment(train.take(idx, getattr(ctx, "epoch", 0)), aug.shift, aug.hflip, aug.random_resized_crop and not train.lazy,
+                    aug.randaugment_ops, aug.randaugment_magnitude)
         mixer = make_mixer(aug, ctx.data.num_classes)
         if mixer is not None:  # mixup / CutMix as training sees it
             x = mix_uint8(x, mixer)

@@ -47,6 +47,10 @@ class AugmentConfig:
     mix_prob: float = field(default=1.0, metadata=_range(0.0, 1.0))
     switch_prob: float = field(default=0.5, metadata=_range(0.0, 1.0))
     mix_mode: Literal["batch", "pair", "elem"] = "batch"  # one weight per batch, per pair of images, per image
+    # RandAugment (torchvision's v2.RandAugment, image by image on the device after crop / shift / flip, torch's
+    # per-step RNG): randaugment_ops ops per image (0: off) at magnitude randaugment_magnitude of 0-30
+    randaugment_ops: int = field(default=0, metadata=_range(0, 8))
+    randaugment_magnitude: int = field(default=9, metadata=_range(0, 30))
 
 
 @dataclass
@@ -162,6 +166,8 @@ ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("data", "augment", "mix_prob"): 1.0,
     ("data", "augment", "switch_prob"): 0.5,
     ("data", "augment", "mix_mode"): "batch",
+    ("data", "augment", "randaugment_ops"): 0,
+    ("data", "augment", "randaugment_magnitude"): 9,
 }
 # The interventions that existed when the hash was defined: hashed even when absent (None / []), as they always
 # were. Any other intervention is left out of the hash while absent, so adding one keeps every hash.

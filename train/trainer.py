@@ -530,7 +530,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                     exhausted = True
                 x = x.to(acc.device, non_blocking=True)
                 y = y.to(acc.device, non_blocking=True)
-                x = data.normalize(augment(x, aug.shift, aug.hflip, batch_rrc))
+                x = data.normalize(augment(x, aug.shift, aug.hflip, batch_rrc, aug.randaugment_ops, aug.randaugment_magnitude))
                 if mixer is not None:
                     x, y = mixer(x, y)  # y: soft targets [B, num_classes], smoothed by train.label_smoothing
                 sync = contextlib.nullcontext() if k == G - 1 else acc.no_sync(model)
