@@ -162,7 +162,7 @@ def build_callbacks(specs) -> CallbackList:
 
 @register_callback("sample_images")
 class SampleImages(Callback):
-    """Logs a grid of ``n`` augmented training images (``data/train_samples``) so augmentation can be checked
+    """Logs a grid of ``n`` augmented (and mixed) training images (``data/train_samples``) so augmentation can be checked
     by eye; at train start and then at its cadence (every checkpoint by default)."""
 
     def __init__(self, every: int | None = None, n: int = 32):
@@ -176,13 +176,17 @@ class SampleImages(Callback):
         import torch
         import torchvision.utils as vutils
 
-        from train.augment import augment
+        from train.augment import augment, make_mixer, mix_uint8
 
         aug = ctx.recipe.data.augment
         g = torch.Generator().manual_seed(ctx.recipe.seed + ctx.step)
         idx = torch.randperm(len(ctx.data.train), generator=g)[: self.n]
         train = ctx.data.train  # in memory, or lazy (decoded here, cropped as in the current epoch)
-        x = augment(train.take(idx, getattr(ctx, "epoch", 0)), aug.shift, aug.hflip, aug.random_resized_crop and not train.lazy)
+        x = augment(train.take(idx, getattr(ctx, "epoch", 0)), aug.shift, aug.hflip, aug.random_resized_crop and not train.lazy,
+                    aug.randaugment_ops, aug.randaugment_magnitude)
+        mixer = make_mixer(aug, ctx.data.num_classes)
+        if mixer is not None:  # mixup / CutMix as training sees it
+            x = mix_uint8(x, mixer)
         ctx.writer.add_image("data/train_samples", vutils.make_grid(x, nrow=8, pad_value=255), ctx.step)
 
     def on_step_end(self, ctx):

@@ -38,6 +38,19 @@ class AugmentConfig:
     # training: per image in the DataLoader workers for a lazy train split (seeded by (seed, epoch, index)), on the
     # whole batch on the device for an in-memory one (torch's per-step RNG, like shift and flip)
     random_resized_crop: bool = False
+    # mixup / CutMix of the normalised batch on the device with soft targets (timm's Mixup, SoftTargetCrossEntropy;
+    # train.label_smoothing smooths the mixed targets): on when an alpha is > 0; Beta(alpha, alpha) draws the mixing
+    # weight, mix_prob is the chance a batch (mode batch) or image (pair, elem) is mixed at all, switch_prob the
+    # chance of CutMix rather than mixup when both alphas are > 0. Training only: eval and analyses see plain images.
+    mixup_alpha: float = field(default=0.0, metadata=_range(0.0, 100.0))
+    cutmix_alpha: float = field(default=0.0, metadata=_range(0.0, 100.0))
+    mix_prob: float = field(default=1.0, metadata=_range(0.0, 1.0))
+    switch_prob: float = field(default=0.5, metadata=_range(0.0, 1.0))
+    mix_mode: Literal["batch", "pair", "elem"] = "batch"  # one weight per batch, per pair of images, per image
+    # RandAugment (torchvision's v2.RandAugment, image by image on the device after crop / shift / flip, torch's
+    # per-step RNG): randaugment_ops ops per image (0: off) at magnitude randaugment_magnitude of 0-30
+    randaugment_ops: int = field(default=0, metadata=_range(0, 8))
+    randaugment_magnitude: int = field(default=9, metadata=_range(0, 30))
 
 
 @dataclass
@@ -148,6 +161,13 @@ ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("model", "resnet_block"): "basic",
     ("model", "dropout"): 0.0,
     ("model", "mixer_token_ratio"): 0.5,
+    ("data", "augment", "mixup_alpha"): 0.0,
+    ("data", "augment", "cutmix_alpha"): 0.0,
+    ("data", "augment", "mix_prob"): 1.0,
+    ("data", "augment", "switch_prob"): 0.5,
+    ("data", "augment", "mix_mode"): "batch",
+    ("data", "augment", "randaugment_ops"): 0,
+    ("data", "augment", "randaugment_magnitude"): 9,
 }
 # The interventions that existed when the hash was defined: hashed even when absent (None / []), as they always
 # were. Any other intervention is left out of the hash while absent, so adding one keeps every hash.
@@ -457,6 +477,10 @@ def _cross_checks(r: Recipe) -> None:
         raise RecipeError("key 'data.name' must name a Hugging Face hub data set (e.g. cifar10) when data.source is 'hub'.")
     if d.source in ("imagefolder", "parquet") and not d.path:
         raise RecipeError(f"key 'data.path' must give a folder when data.source is '{d.source}'.")
+    a = d.augment
+    if (a.mixup_alpha > 0 or a.cutmix_alpha > 0) and t.batch_size % 2:
+        raise RecipeError(f"key 'train.batch_size' ({t.batch_size}) must be even when data.augment.mixup_alpha or cutmix_alpha "
+                          "is > 0 (timm's Mixup pairs each image with the batch's mirror image): make it even.")
     if t.min_lr > t.lr:
         raise RecipeError(f"key 'train.min_lr' ({t.min_lr}) must not exceed 'train.lr' ({t.lr}).")
     if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):

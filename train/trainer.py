@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import yaml
@@ -162,6 +164,16 @@ def lr_at(step: int, t) -> float:
 
 def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step) * 4096 + rank
+
+
+def reseed_step(seed: int, step: int, rank: int) -> None:
+    """Torch's, numpy's and Python's global RNGs from (seed, step, rank), before every optimizer step: what a step
+    draws (augmentation, dropout, timm's Mixup, which uses numpy's) is then the same in a resumed run."""
+    s = step_seed(seed, step, rank)
+    torch.manual_seed(s)
+    words = [(s >> (32 * i)) & 0xFFFFFFFF for i in range(max(1, (s.bit_length() + 31) // 32))]
+    np.random.seed(words)  # the legacy global RandomState takes 32-bit words
+    random.seed(s)
 
 
 def _cpu_threads(acc) -> None:
@@ -332,8 +344,10 @@ def _write_result(run_dir: Path, summary: dict) -> None:
 
 def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start) -> dict:
     from accelerate.utils import set_seed
+    from timm.loss import SoftTargetCrossEntropy
 
     from interventions import describe
+    from train.augment import make_mixer
     from train.callbacks import TrainContext, build_callbacks
     from train.data import EpochBatchSampler, augment, batch_collate, build_data
     from train.models import build_model
@@ -425,6 +439,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     G, bpe = t.grad_accum, sampler.batches_per_epoch()
     aug = recipe.data.augment
     batch_rrc = aug.random_resized_crop and not data.train.lazy  # lazy splits were cropped per image in the workers
+    mixer = make_mixer(aug, data.num_classes, t.label_smoothing)  # None: plain cross-entropy on hard labels
+    soft_ce = SoftTargetCrossEntropy()
     last_eval: dict = start_meta.get("eval") or {}
     interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0}
     window = start_meta.get("log_window")
@@ -497,7 +513,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         it = iter(train_loader)
         while step < t.steps:
             t0 = time.perf_counter()
-            torch.manual_seed(step_seed(recipe.seed, step, acc.process_index))
+            reseed_step(recipe.seed, step, acc.process_index)
             lr = lr_at(step, t)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -514,11 +530,16 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                     exhausted = True
                 x = x.to(acc.device, non_blocking=True)
                 y = y.to(acc.device, non_blocking=True)
-                x = data.normalize(augment(x, aug.shift, aug.hflip, batch_rrc))
+                x = data.normalize(augment(x, aug.shift, aug.hflip, batch_rrc, aug.randaugment_ops, aug.randaugment_magnitude))
+                if mixer is not None:
+                    x, y = mixer(x, y)  # y: soft targets [B, num_classes], smoothed by train.label_smoothing
                 sync = contextlib.nullcontext() if k == G - 1 else acc.no_sync(model)
                 with sync:
                     logits = model(x)
-                    loss = F.cross_entropy(logits.float(), y, label_smoothing=t.label_smoothing)
+                    if mixer is not None:
+                        loss = soft_ce(logits.float(), y)
+                    else:
+                        loss = F.cross_entropy(logits.float(), y, label_smoothing=t.label_smoothing)
                     acc.backward(loss / G)
                 loss_acc += loss.detach()
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
