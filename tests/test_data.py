@@ -114,6 +114,16 @@ def test_imagefolder_and_parquet_sources(tmp_path):
     bundle = build_data(cfg)
     assert bundle.train.images.shape == (20, 1, 8, 8) and bundle.eval.labels.tolist() == [i % 2 for i in range(10)]
 
+    # the same data saved with save_to_disk (an offline cluster's copy of a hub data set)
+    datasets.load_dataset("parquet", data_files={"train": str(pq / "train.parquet"), "test": str(pq / "test.parquet")}).save_to_disk(
+        str(tmp_path / "saved"))
+    cfg = from_dict({"data": {"source": "disk", "path": str(tmp_path / "saved"), "img_size": 8, "probe_train_size": 4,
+                              "analysis_size": 4}, "model": {"patch_size": 4}})
+    saved = build_data(cfg)
+    assert torch.equal(saved.train.images, bundle.train.images) and torch.equal(saved.eval.labels, bundle.eval.labels)
+    with pytest.raises(DataError, match="not a data set saved with DatasetDict.save_to_disk"):
+        build_data(from_dict({"data": {"source": "disk", "path": str(pq)}}))
+
 
 def test_missing_split_is_one_sentence():
     r = from_dict({"data": {"eval_split": "validation"}})

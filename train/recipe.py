@@ -55,7 +55,7 @@ class AugmentConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["fashion_mnist", "hub", "imagefolder", "parquet"] = "fashion_mnist"
+    source: Literal["fashion_mnist", "hub", "imagefolder", "parquet", "disk"] = "fashion_mnist"
     name: Optional[str] = None  # hub data set name (e.g. cifar10) when source=hub
     path: Optional[str] = None  # folder for imagefolder/parquet (or the Fashion-MNIST folder)
     train_split: str = "train"
@@ -475,7 +475,7 @@ def _cross_checks(r: Recipe) -> None:
             raise RecipeError("keys 'model.resnet_layers' and 'model.resnet_channels' must hold positive integers.")
     if d.source == "hub" and not d.name:
         raise RecipeError("key 'data.name' must name a Hugging Face hub data set (e.g. cifar10) when data.source is 'hub'.")
-    if d.source in ("imagefolder", "parquet") and not d.path:
+    if d.source in ("imagefolder", "parquet", "disk") and not d.path:
         raise RecipeError(f"key 'data.path' must give a folder when data.source is '{d.source}'.")
     a = d.augment
     if (a.mixup_alpha > 0 or a.cutmix_alpha > 0) and t.batch_size % 2:

@@ -69,6 +69,15 @@ def load_source(cfg):
 
     if cfg.source == "fashion_mnist":
         return load_fashion_mnist(cfg.path)
+    if cfg.source == "disk":  # a DatasetDict written by save_to_disk, the usual pattern on offline clusters
+        path = Path(cfg.path)
+        if not (path / "dataset_dict.json").is_file():
+            raise DataError(f"data.path '{path}' is not a data set saved with DatasetDict.save_to_disk (no dataset_dict.json): "
+                            "save one with datasets.load_dataset(NAME).save_to_disk(PATH) where there is a network.")
+        try:
+            return datasets.load_from_disk(str(path))
+        except Exception as e:  # noqa: BLE001 - any reader error becomes one sentence
+            raise DataError(f"could not read the saved data set at '{path}' ({type(e).__name__}: {str(e)[:200]}).") from None
     if cfg.source in ("imagefolder", "parquet"):
         path = Path(cfg.path)
         if not path.exists():
