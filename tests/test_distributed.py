@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, two_process_launch
 
 from train.checkpoint import list_checkpoints, load_weights
 from train.data import build_data
@@ -22,11 +22,7 @@ from train.trainer import eval_loader, evaluate, make_accelerator
 def test_two_process_eval_top1_equals_one_process(write_recipe, tmp_path):
     # 250 eval images in batches of 64 over 2 processes: the last batches are uneven and get padded
     p = write_recipe(train={"mixed_precision": "no", "steps": 4, "checkpoint_every": 4, "eval_every": 4, "eval_batch_size": 64})
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["ACCELERATE_USE_CPU"] = "true"
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
-           "-m", "train", "--recipe", str(p), "--no-progress"]
+    cmd, env = two_process_launch(p, 29533)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     run = tmp_path / "runs" / "tiny"
     # judged by what it wrote: gloo can rarely abort at interpreter exit after all work is done (seen with torch 2.x on CPU)

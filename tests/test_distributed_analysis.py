@@ -1,13 +1,10 @@
 """Every measure on 2 real processes (gloo, accelerate launch) when there are fewer analysis minibatches than
 processes: the process without a minibatch adds zeros, and the numbers equal one process's."""
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, two_process_launch
 
 from analysis import offline as O
 from analysis import suite as S
@@ -23,11 +20,7 @@ OPTS = {"fewshot_probe": {"shots": 5, "seeds": [0]}, "token_probes": {"shots": 5
 def test_every_measure_on_two_processes_with_one_minibatch(write_recipe, tmp_path):
     cb = {"name": "analysis_suite", "measures": "all", "batch_size": 64, "figures": False, **OPTS}
     p = write_recipe(data={"analysis_size": 32}, train={"steps": 4, "checkpoint_every": 4, "eval_every": 4}, callbacks=[cb])
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["ACCELERATE_USE_CPU"] = "true"
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29541",
-           "-m", "train", "--recipe", str(p), "--no-progress"]
+    cmd, env = two_process_launch(p, 29541)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     run = tmp_path / "runs" / "tiny"
     ckpts = list_checkpoints(run / "checkpoints")
