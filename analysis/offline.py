@@ -198,6 +198,9 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
     opts = opts or S.SuiteOptions()
     steps = sorted(run.step(s) for s in (steps or sorted(run.checkpoints)))
     data, fp = load_data(run), fingerprint(run)
+    problem = S.problem(data, opts)  # e.g. too few probe-train images for the shots: one sentence, nothing written
+    if problem:
+        raise AnalysisError(f"run {run.path}: {problem}")
     stats: dict = {"computed": [], "reused": [], "steps": steps}
     # every checkpoint is checked before any result is written (a corrupted one stops the run here, not midway)
     wkeys = {step: weights_key(run, step) for step in steps}

@@ -110,6 +110,21 @@ def test_compare_draws_runs_side_by_side(runs, tmp_path):
     assert "| vit |" in (out / "report.md").read_text()
 
 
+def test_compare_on_runs_too_small_for_the_probe_is_one_sentence(runs, tmp_path, capsys):
+    from analysis.reports.compare import main as compare_main
+
+    small = tmp_path / "small"
+    shutil.copytree(runs["vit"], small)
+    r = yaml.safe_load((small / "recipe.yaml").read_text())
+    r["data"]["probe_train_size"] = 100  # 10-shot probes need 200 (the shots come from half of it)
+    (small / "recipe.yaml").write_text(yaml.safe_dump(r))
+    before = _tree(small)
+    assert compare_main([str(small), "--no-progress", "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert "probe_train_size to at least 200" in err and err.count("\n") == 1
+    assert _tree(small) == before and not (tmp_path / "cmp").exists()
+
+
 def test_a_model_not_trained_here(tmp_path, write_recipe):
     import timm
     from safetensors.torch import save_file

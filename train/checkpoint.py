@@ -175,6 +175,14 @@ def load_weights(model, path: Path, strict: bool = True) -> None:
         raise CheckpointError(f"weights file {f} cannot be read ({type(e).__name__}): it is corrupted or not a safetensors file.") from None
     try:
         model.load_state_dict(state, strict=strict)
-    except RuntimeError as e:
-        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)[:200]
-        raise CheckpointError(f"weights in {f} do not fit this model ({first}): check that the recipe's model section matches the run that wrote them.") from None
+    except RuntimeError:
+        own = model.state_dict()
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
+        shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
+        parts = [f"{len(v)} {what} (e.g. {v[0]}{detail(v[0])})" for v, what, detail in (
+            (missing, "tensors missing", lambda k: ""), (unexpected, "unexpected tensors", lambda k: ""),
+            (shapes, "of other shapes", lambda k: f": {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"))
+            if v]
+        raise CheckpointError(f"weights in {f} do not fit this model ({'; '.join(parts) or 'load_state_dict refused them'}): check that the "
+                              "recipe's model section matches the run that wrote them.") from None
