@@ -28,25 +28,15 @@ from analysis import offline as O
 from analysis import storage
 from analysis.measure import MeasureError
 from analysis.suite import run_suite, suite_options
-
-
-@dataclass
-class Images:
-    """An in-memory split: images [N, C, H, W] and labels [N] (-1 where unknown)."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
-
-    def __len__(self) -> int:
-        return len(self.labels)
+from train.splits import TensorBatches
 
 
 @dataclass
 class Data:
     """The data a suite needs (what train's data bundle provides for a run)."""
 
-    analysis: Images
-    probe_train: Images
+    analysis: TensorBatches
+    probe_train: TensorBatches
     num_classes: int
     normalize_fn: object = None
 
@@ -56,7 +46,8 @@ class Data:
         return x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
 
 
-def _images(images, labels) -> Images:
+def _images(images, labels) -> TensorBatches:
+    """An in-memory split (labels -1 where unknown) from a tensor or an iterable of (images, labels) batches."""
     if isinstance(images, torch.Tensor):
         x = images
         y = torch.as_tensor(labels) if labels is not None else torch.full((len(x),), -1, dtype=torch.long)
@@ -74,7 +65,7 @@ def _images(images, labels) -> Images:
         raise ValueError(f"images must be [N, C, H, W], not of shape {tuple(x.shape)}.")
     if len(y) != len(x):
         raise ValueError(f"{len(x)} images but {len(y)} labels.")
-    return Images(x, y.long())
+    return TensorBatches(x, y.long())
 
 
 def analyze(model, images=None, labels=None, *, measures=None, options: dict | None = None, probe_images=None, probe_labels=None,
@@ -99,7 +90,7 @@ def analyze(model, images=None, labels=None, *, measures=None, options: dict | N
         if images is None:
             raise ValueError("give images to analyse a model object (a tensor [N, C, H, W] or a DataLoader).")
         x = _images(images, labels)
-        px = _images(probe_images, probe_labels) if probe_images is not None else Images(x.images[:0], x.labels[:0])
+        px = _images(probe_images, probe_labels) if probe_images is not None else TensorBatches(x.images[:0], x.labels[:0])
         known = torch.cat([x.labels, px.labels])
         k = num_classes or (int(known.max()) + 1 if len(known) and int(known.max()) >= 0 else getattr(model, "num_classes", 1))
         data = Data(x, px, int(k), normalize)

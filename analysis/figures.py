@@ -44,6 +44,20 @@ def norm_ratio_heatmap(ratio: np.ndarray, blocks: list[str], title: str, max_tok
     return fig
 
 
+def finish_block_axes(fig, ax, blocks: list[str], ylabel: str, title: str, ylim=None, legend_size: int = 7):
+    """The common end of a per-block line figure: block names on x (at most ~12 shown), labels, legend, title."""
+    step = max(1, len(blocks) // 12)
+    ax.set_xticks(range(0, len(blocks), step), blocks[::step], rotation=90, fontsize=6)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_xlabel("block")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=legend_size)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
 def norm_ratio_lines(curves: dict[str, np.ndarray], title: str = "norm ratio ||z|| / ||f(z)||"):
     """Raghu Fig. 7 right: norm ratio per block, e.g. {'attn CLS': [...], 'attn spatial': [...], ...}."""
     fig, ax = plt.subplots(figsize=(5, 3.5))

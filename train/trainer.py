@@ -492,7 +492,11 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                                "train.lr, more train.warmup_steps or a train.grad_clip.")
 
     def stop_if_asked() -> None:
-        """Collective: on SIGTERM / SIGINT to any process, every process checkpoints this step and stops."""
+        """Collective: on SIGTERM / SIGINT to any process, every process checkpoints this step and stops. With several
+        processes the agreement (an all-reduce and a host sync) is made every ``log_every`` steps and at the last
+        step, not every step, so the training loop's hot path does not wait on it."""
+        if acc.num_processes > 1 and step % t.log_every and step != t.steps:
+            return
         if not _any(acc, stop.signum is not None):
             return
         if last_saved != step and step > 0:

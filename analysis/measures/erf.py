@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 from matplotlib.patches import Rectangle
 
-from analysis.figures import plt
+from analysis.figures import finish_block_axes, plt
 from analysis.measure import Context, Measure, as_list, register
 from analysis.reduce import all_reduce_sum, shard
 from analysis.taps import Taps, block_names
@@ -365,16 +365,7 @@ def concentration_plot(r: dict, title: str = "ERF concentration"):
         for i, v in enumerate(as_list(r["variants"])):
             line, = ax.plot(range(conc.shape[0]), conc[:, i], marker="o", ms=3, label=f"{label}{v}: centre window")
             ax.plot(range(rad.shape[0]), rad[:, i], ls="--", color=line.get_color(), lw=1, label=f"{label}{v}: r <= {float(np.asarray(r['radius'])):g} px")
-    blocks = as_list(r["blocks"])
-    step = max(1, len(blocks) // 12)
-    ax.set_xticks(range(0, len(blocks), step), blocks[::step], rotation=90, fontsize=6)
-    ax.set_ylim(0, 1.02)
-    ax.set_xlabel("block")
-    ax.set_ylabel("share of ERF mass")
-    ax.legend(fontsize=6)
-    ax.set_title(title)
-    fig.tight_layout()
-    return fig
+    return finish_block_axes(fig, ax, as_list(r["blocks"]), "share of ERF mass", title, ylim=(0, 1.02), legend_size=6)
 
 
 __all__ = ["EffectiveReceptiveField", "centre_features", "centre_index", "centre_window", "effective_receptive_fields", "erf_sums", "feature_shapes",

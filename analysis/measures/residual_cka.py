@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 import analysis.figures as figs
-from analysis.figures import plt
+from analysis.figures import finish_block_axes, plt
 from analysis.measure import Context, Measure, as_list, register
 from analysis.similarity import MinibatchCKA, cka, represent
 
@@ -135,12 +135,4 @@ def residual_cka_lines(r: dict, title: str = "residual CKA"):
         line, = ax.plot(range(len(blocks)), np.asarray(r["skip_branch"])[i], marker="o", ms=3, label=f"{s}: skip vs branch")
         ax.plot(range(len(blocks)), np.asarray(r["skip_out"])[i], marker="s", ms=3, ls="--", color=line.get_color(),
                 label=f"{s}: skip vs output")
-    step = max(1, len(blocks) // 12)
-    ax.set_xticks(range(0, len(blocks), step), blocks[::step], rotation=90, fontsize=6)
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("block")
-    ax.set_ylabel("linear CKA")
-    ax.legend(fontsize=7)
-    ax.set_title(title)
-    fig.tight_layout()
-    return fig
+    return finish_block_axes(fig, ax, blocks, "linear CKA", title, ylim=(-0.05, 1.05))

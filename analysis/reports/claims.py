@@ -109,7 +109,8 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in [
           "Precondition: a local head exists (mean attention distance below half of uniform attention's on the same "
           "grid). Two parts per seed: the spread of head distances (max - min over heads, mean over blocks) in the lower "
           "half of the blocks minus the upper half's, and the mean distance of the upper half minus the lower half's; "
-          "each must exceed the noise floor."),
+          "each must exceed the noise floor. "
+          "A \"not testable\" or \"did not hold\" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml)."),
     Claim("cls_localization", "Raghu Fig. 9, 10", "CLS-token ViTs keep spatial location in higher layers better than GAP "
           "ViTs", "Raghu et al. 2021 §7",
           "The results, shown in Figure 10, demonstrate that global average pooling does indeed reduce localization in "
@@ -138,7 +139,7 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in [
           "We find instances of Offset Local Attention Heads in all the models examined, suggesting they are "
           "fundamentally necessary for ViTs.",
           "Precondition: some ViT of the study has a local head (aligned_attention local). Held if every ViT run has an "
-          "offset local head, did not hold if none has, inconclusive if only some seeds have.",
+          "offset local head, did not hold if none has, inconclusive if only some seeds have. A \"not testable\" or \"did not hold\" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml).",
           "location only (App. C.1: \"Offset Local Attention Heads typically only occur in the first 3 to 6 layers\" for "
           "supervised models)"),
 ]}
