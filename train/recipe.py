@@ -24,6 +24,8 @@ from interventions import InterventionsConfig
 from interventions import check as check_interventions
 from train.callbacks import is_callback_name, known_callbacks
 from train.errors import RecipeError
+from train.objectives import ObjectivesConfig
+from train.objectives import check as check_objective
 
 
 def _range(lo=None, hi=None, lo_open=False):
@@ -124,6 +126,9 @@ class TrainConfig:
     checkpoint_every: int = field(default=500, metadata=_range(0))  # 0: only at the end
     keep_last: int = field(default=3, metadata=_range(1))
     log_every: int = field(default=10, metadata=_range(1))
+    # how the model is taught: supervised (cross-entropy on labels), dino, mae (train/objectives/<name>.py; options
+    # in the recipe section objectives.<name>)
+    objective: str = "supervised"
 
 
 @dataclass
@@ -168,6 +173,7 @@ ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("data", "augment", "mix_mode"): "batch",
     ("data", "augment", "randaugment_ops"): 0,
     ("data", "augment", "randaugment_magnitude"): 9,
+    ("train", "objective"): "supervised",
 }
 # The interventions that existed when the hash was defined: hashed even when absent (None / []), as they always
 # were. Any other intervention is left out of the hash while absent, so adding one keeps every hash.
@@ -193,6 +199,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     callbacks: list[CallbackConfig] = field(default_factory=list)
     interventions: InterventionsConfig = field(default_factory=InterventionsConfig)
+    objectives: ObjectivesConfig = field(default_factory=ObjectivesConfig)  # options of train.objective
     run: RunConfig = field(default_factory=RunConfig)
     # ./launch.sh sweep without --grid uses this grid: {dotted key: [value, ...]}, one run per combination
     sweep: dict = field(default_factory=dict)
@@ -212,6 +219,8 @@ class Recipe:
                 sec = sec.get(p, {})
             if leaf in sec and sec[leaf] == default and type(sec[leaf]) is type(default):
                 sec.pop(leaf)
+        if all(v is None for v in d["objectives"].values()):  # added with objectives: absent keeps older hashes
+            d.pop("objectives")
         for name in list(d["interventions"]):
             if name not in _HASHED_WHEN_ABSENT and d["interventions"][name] in (None, []):
                 d["interventions"].pop(name)
@@ -495,7 +504,7 @@ def _cross_checks(r: Recipe) -> None:
     name = r.run.name
     if name is not None and (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name):
         raise RecipeError(f"key 'run.name' ({name!r}, also --name) must be a folder name, not a path: no '/', '\\' or '..' (the folder goes under run.root).")
-    msg = check_interventions(r)
+    msg = check_interventions(r) or check_objective(r)
     if msg:
         raise RecipeError(msg)
 

@@ -20,21 +20,21 @@ import itertools
 import json
 import math
 import os
-import random
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import yaml
 
 from train.checkpoint import CheckpointError, list_checkpoints, resolve_resume, save_checkpoint, verify_checkpoint
 from train.recipe import Recipe, RecipeError, dump, flatten, resume_conflicts, run_name
+from train.seeding import reseed_step, step_seed  # noqa: F401  (step_seed: re-exported for callers of train.trainer)
 
 
 class TrainingDiverged(RuntimeError):
@@ -160,20 +160,6 @@ def lr_at(step: int, t) -> float:
     if t.schedule == "cosine":
         return t.min_lr + (t.lr - t.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return t.min_lr + (t.lr - t.min_lr) * (1.0 - progress)
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    return (seed * 1_000_003 + step) * 4096 + rank
-
-
-def reseed_step(seed: int, step: int, rank: int) -> None:
-    """Torch's, numpy's and Python's global RNGs from (seed, step, rank), before every optimizer step: what a step
-    draws (augmentation, dropout, timm's Mixup, which uses numpy's) is then the same in a resumed run."""
-    s = step_seed(seed, step, rank)
-    torch.manual_seed(s)
-    words = [(s >> (32 * i)) & 0xFFFFFFFF for i in range(max(1, (s.bit_length() + 31) // 32))]
-    np.random.seed(words)  # the legacy global RandomState takes 32-bit words
-    random.seed(s)
 
 
 def _cpu_threads(acc) -> None:
@@ -344,13 +330,13 @@ def _write_result(run_dir: Path, summary: dict) -> None:
 
 def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start) -> dict:
     from accelerate.utils import set_seed
-    from timm.loss import SoftTargetCrossEntropy
 
     from interventions import describe
-    from train.augment import make_mixer
     from train.callbacks import TrainContext, build_callbacks
     from train.data import EpochBatchSampler, augment, batch_collate, build_data
+    from train.knn import knn_monitor
     from train.models import build_model
+    from train.objectives import build_objective, uses_labels
 
     callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
     acc = make_accelerator(recipe, run_dir)
@@ -377,7 +363,11 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     set_seed(recipe.seed)
     data = build_data(recipe)
     callbacks.validate(recipe, data)
-    model = build_model(recipe, data.num_classes)
+    labelled = uses_labels(recipe)
+    # an objective without labels trains a backbone without classifier head: its output is the pooled features
+    backbone = build_model(recipe, data.num_classes if labelled else 0)
+    objective = build_objective(recipe, backbone, data.num_classes)
+    model = objective.trained_module()  # the backbone (supervised) or the objective holding it and its own parts
     import timm.optim
 
     opt = timm.optim.create_optimizer_v2(model, opt="adamw", lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
@@ -390,6 +380,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         prefetch_factor=4 if data.train.lazy and recipe.data.num_workers > 0 else None,
     )
     ev_loader = eval_loader(data.eval, t.eval_batch_size, recipe.data.num_workers)
+    # the k-NN monitor's memory bank (objectives without labels): the probe-train split, unaugmented
+    bank_loader = None if labelled else acc.prepare(eval_loader(data.probe_train, t.eval_batch_size, recipe.data.num_workers))
     model, opt, ev_loader = acc.prepare(model, opt, ev_loader)
 
     step = 0
@@ -422,7 +414,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     run_info = {
         "recipe_hash": recipe.hash(), "resume_hash": recipe.resume_hash(), "interventions": describe(recipe), "data": data.meta,
         "num_processes": acc.num_processes, "global_batch": global_batch, "num_classes": data.num_classes,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "objective": objective.describe(),
     }
     if main and step == 0:
         _write_hparams(writer, recipe, {"run": {k: v for k, v in run_info.items() if k != "interventions"}})
@@ -430,7 +422,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     def log(values: dict, at: int) -> None:
         acc.log({k: float(v) for k, v in values.items()}, step=at)
 
-    unwrapped = acc.unwrap_model(model)
+    unwrapped = objective.network  # what callbacks measure: the backbone (the student of a self-distillation)
     ctx = TrainContext(acc, unwrapped, recipe, data, run_dir, step=step, writer=writer, log=log)
     cb_time = callbacks.on_train_start(ctx)
     if cb_time:
@@ -439,14 +431,15 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     G, bpe = t.grad_accum, sampler.batches_per_epoch()
     aug = recipe.data.augment
     batch_rrc = aug.random_resized_crop and not data.train.lazy  # lazy splits were cropped per image in the workers
-    mixer = make_mixer(aug, data.num_classes, t.label_smoothing)  # None: plain cross-entropy on hard labels
-    soft_ce = SoftTargetCrossEntropy()
     last_eval: dict = start_meta.get("eval") or {}
-    interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0}
+    interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0, "terms": {}}
     window = start_meta.get("log_window")
     if window and len(window["loss"]) == acc.num_processes:  # the unfinished log window of the checkpoint
-        interval = {"loss": torch.tensor(window["loss"][acc.process_index], dtype=torch.float32, device=acc.device),
-                    "n": window["n"], "time": window["time"], "images": window["images"]}
+        mine = acc.process_index
+        interval = {"loss": torch.tensor(window["loss"][mine], dtype=torch.float32, device=acc.device),
+                    "n": window["n"], "time": window["time"], "images": window["images"],
+                    "terms": {k: torch.tensor(v[mine], dtype=torch.float32, device=acc.device)
+                              for k, v in window.get("terms", {}).items()}}
     last_saved = step if start_ckpt is not None else -1
     bar = None
     if progress and main:
@@ -462,7 +455,11 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         if interval["n"]:  # each process's loss sum of the unfinished log window, so a resume logs the same mean
             mine = torch.as_tensor(interval["loss"], dtype=torch.float32, device=acc.device).reshape(1)
             sums = acc.gather(mine) if acc.num_processes > 1 else mine
-            window = {"loss": [float(v) for v in sums.cpu()], "n": interval["n"], "time": interval["time"], "images": interval["images"]}
+            window = {"loss": [float(v) for v in sums.cpu()], "n": interval["n"], "time": interval["time"], "images": interval["images"],
+                      "terms": {}}
+            for k, v in sorted(interval["terms"].items()):  # the objective's terms, likewise per process
+                v = torch.as_tensor(v, dtype=torch.float32, device=acc.device).reshape(1)
+                window["terms"][k] = [float(u) for u in (acc.gather(v) if acc.num_processes > 1 else v).cpu()]
         meta = {**run_info, "epoch": (step * G) // bpe, "final": final, "eval": last_eval, "time": time.time(),
                 "wall_s": wall_before + time.perf_counter() - t_start, "log_window": window}
         path = save_checkpoint(acc, run_dir / "checkpoints", step, meta, t.keep_last)
@@ -474,8 +471,12 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     def run_eval() -> None:
         nonlocal last_eval
         t0 = time.perf_counter()
-        last_eval = evaluate(acc, model, ev_loader, data, data.num_classes)
-        log({"eval/top1": last_eval["top1"], "eval/loss": last_eval["loss"], "time/eval_s": time.perf_counter() - t0}, step)
+        if labelled:
+            last_eval = evaluate(acc, model, ev_loader, data, data.num_classes)
+            log({"eval/top1": last_eval["top1"], "eval/loss": last_eval["loss"], "time/eval_s": time.perf_counter() - t0}, step)
+        else:  # no classifier: k-NN top-1 of the backbone's features (DINO's monitor)
+            last_eval = knn_monitor(acc, unwrapped, bank_loader, ev_loader, data.normalize, data.num_classes)
+            log({"eval/knn_top1": last_eval["top1"], "time/eval_s": time.perf_counter() - t0}, step)
 
     def close() -> None:
         if bar is not None:
@@ -535,17 +536,13 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                 x = x.to(acc.device, non_blocking=True)
                 y = y.to(acc.device, non_blocking=True)
                 x = data.normalize(augment(x, aug.shift, aug.hflip, batch_rrc, aug.randaugment_ops, aug.randaugment_magnitude))
-                if mixer is not None:
-                    x, y = mixer(x, y)  # y: soft targets [B, num_classes], smoothed by train.label_smoothing
                 sync = contextlib.nullcontext() if k == G - 1 else acc.no_sync(model)
                 with sync:
-                    logits = model(x)
-                    if mixer is not None:
-                        loss = soft_ce(logits.float(), y)
-                    else:
-                        loss = F.cross_entropy(logits.float(), y, label_smoothing=t.label_smoothing)
+                    loss, terms = objective.loss(model, x, y, step)
                     acc.backward(loss / G)
                 loss_acc += loss.detach()
+                for name, v in terms.items():
+                    interval["terms"][name] = interval["terms"].get(name, 0.0) + v.detach().float() / G
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
             grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
             if recipe.train.mixed_precision != "fp16" and not torch.isfinite(grad_norm):
@@ -553,6 +550,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            objective.after_step(step)
             interval["loss"] += loss_acc / G
             interval["n"] += 1
             interval["time"] += time.perf_counter() - t0
@@ -566,14 +564,15 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                 if not torch.isfinite(mean_loss):
                     diverged(step, f"the mean loss became {float(mean_loss)}")
                 ips = interval["images"] / max(interval["time"], 1e-9)
+                terms = {f"train/{name}": acc.reduce(v / interval["n"], reduction="mean") for name, v in sorted(interval["terms"].items())}
                 log({"train/loss": mean_loss, "train/lr": lr, "train/throughput_img_s": ips, "train/grad_norm": grad_norm,
-                     "train/epoch": step * G / bpe}, step)
+                     "train/epoch": step * G / bpe, **terms}, step)
                 if bar is not None:
                     shown = {"loss": f"{float(mean_loss):.3f}", "lr": f"{lr:.2e}", "img_s": f"{ips:.0f}"}
                     if "top1" in last_eval:  # nothing before the first evaluation (not nan)
                         shown["top1"] = f"{last_eval['top1']:.4f}"
                     bar.set_postfix(shown)
-                interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0}
+                interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0, "terms": {}}
             ctx.step, ctx.epoch, ctx.checkpoint_dir = step, step * G // bpe, None
             cb_dt = callbacks.on_step_end(ctx)
             final = step == t.steps
@@ -599,6 +598,11 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         bar.close()
     summary = {"run_dir": str(run_dir), "step": step, "top1": last_eval.get("top1"), "eval_loss": last_eval.get("loss"),
                "wall_s": wall_before + time.perf_counter() - t_start, "num_processes": acc.num_processes}
+    own = objective.summary()
+    if own:
+        summary["objective"] = {"name": objective.name, **own}
+        if main and own.get("warning"):
+            print(f"warning: {own['warning']}", file=sys.stderr, flush=True)
     if main:
         _write_result(run_dir, summary)
     acc.wait_for_everyone()

@@ -33,17 +33,14 @@ from typing import ClassVar, Literal
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from analysis.baselines import DEFAULT_BASELINE, noise_like
 from analysis.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
 from analysis.figures import depth_plot
 from analysis.measure import Context, Measure, as_list, register
+from train.knn import TEMPERATURE, K, knn_accuracy, knn_predict  # noqa: F401  (the definition; re-exported)
 
-K = 20
-TEMPERATURE = 0.07
 BASELINE_SEED = 0
-_CHUNK = 1024  # queries per similarity chunk
 
 
 @dataclass(frozen=True)
@@ -62,46 +59,7 @@ class KNNOptions:
 # the definition
 # ----------------------------------------------------------------------------------------------------------------
 
-def knn_predict(bank: Tensor, bank_labels: Tensor, queries: Tensor, k: int = K, temperature: float = TEMPERATURE,
-                num_classes: int | None = None) -> Tensor:
-    """Weighted k-NN predictions [Q] (DINO eval_knn; Walmer §6.1) of ``queries`` [Q, d] from ``bank`` [n, d].
-
-    Cosine similarity of L2-normalised features, the ``min(k, n)`` most similar bank entries vote for their label with
-    weight ``exp(sim / temperature)``, prediction = argmax of the per-class summed weights. float64 throughout,
-    on ``queries``' device, in chunks of queries.
-    """
-    if bank.ndim != 2 or queries.ndim != 2 or bank.shape[1] != queries.shape[1]:
-        raise ValueError(f"bank [n, d] and queries [Q, d] must share d, got {tuple(bank.shape)} and {tuple(queries.shape)}")
-    if bank.shape[0] == 0:
-        raise ValueError("the memory bank is empty")
-    if bank_labels.shape != (bank.shape[0],):
-        raise ValueError(f"bank_labels must be [{bank.shape[0]}], got {tuple(bank_labels.shape)}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    dev = queries.device
-    labels = bank_labels.to(dev).long()
-    c = int(num_classes) if num_classes else int(labels.max()) + 1
-    k = min(int(k), bank.shape[0])
-    b = torch.nn.functional.normalize(bank.to(dev, torch.float64), dim=1)
-    out = []
-    for q in queries.split(_CHUNK):
-        q = torch.nn.functional.normalize(q.to(torch.float64), dim=1)
-        sim, idx = (q @ b.T).topk(k, dim=1)
-        scores = torch.zeros(q.shape[0], c, dtype=torch.float64, device=dev)
-        scores.scatter_add_(1, labels[idx], (sim / temperature).exp())
-        out.append(scores.argmax(1))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=dev)
-
-
-def knn_accuracy(bank: Tensor, bank_labels: Tensor, queries: Tensor, query_labels: Tensor, k: int = K,
-                 temperature: float = TEMPERATURE, num_classes: int | None = None) -> float:
-    """Top-1 accuracy (fraction in [0, 1]) of :func:`knn_predict` on ``queries`` with labels ``query_labels``."""
-    if queries.shape[0] == 0:
-        raise ValueError("no queries")
-    pred = knn_predict(bank, bank_labels, queries, k, temperature, num_classes)
-    return (pred.cpu() == query_labels.cpu().long()).double().mean().item()
+# knn_predict / knn_accuracy live in train/knn.py (the trainer's k-NN monitor uses the same definition)
 
 
 # ----------------------------------------------------------------------------------------------------------------
