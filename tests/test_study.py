@@ -98,6 +98,17 @@ def test_seeded_runs_and_a_run_of_its_own_seeds(tmp_path):
         load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml", "seeds": [0]}, "a_s0": {"recipe": "tiny.yaml"}}))
 
 
+def test_study_only_and_jobs_are_checked(tmp_path, capsys):
+    p = _study(tmp_path, {"a": {"recipe": "tiny.yaml"}, "b": {"recipe": "tiny.yaml"}}, seeds=[0, 1])
+    assert main([p, "--only", "b", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "b_s0: starting" in out and "b_s1: starting" in out and "a_s0" not in out
+    assert main([p, "--only", "c"]) == 2
+    assert "--only names c, which the study does not have: choose from a, b." in capsys.readouterr().err
+    assert main([p, "--jobs", "0"]) == 2
+    assert not (tmp_path / "runs").exists()
+
+
 def test_the_gpu_study_validates_and_lists_its_runs(capsys):
     """The one-GPU study (recipes/studies/raghu2021_gpu.yaml) checked on the CPU: every run's recipe loads, and the dry
     run lists 12 runs (6 configurations x 2 seeds) and starts none."""
@@ -130,7 +141,10 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
     resnet = ["model.arch=resnet", "model.resnet_layers=[1,1,1,1]", "model.resnet_channels=[8,8,16,16]"]  # no identity skip
     p = _study(tmp_path, {"vit_cls": {"recipe": "tiny.yaml", "measures": "all"}, "resnet": {"recipe": "tiny.yaml", "set": resnet}},
                measures=["cka", "norm_ratio", "fewshot_probe"], seeds=[0, 1], options={"cka": {"layers": "paper"}})
-    assert main([p]) == 0
+    assert main([p, "--jobs", "2"]) == 0  # two runs at a time, 1 thread each, each one's output in runs/logs/
+    assert sorted(f.name for f in (tmp_path / "runs" / "logs").iterdir()) == [
+        "resnet_s0.log", "resnet_s1.log", "vit_cls_s0.log", "vit_cls_s1.log"]
+    assert "step" in (tmp_path / "runs" / "logs" / "vit_cls_s1.log").read_text()
     report = tmp_path / "docs" / "repro.md"
     text = report.read_text()
     for claim in ("## 1. ViT layer representations are more uniform", "## 2. Skip connections are much more influential",

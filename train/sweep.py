@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from train.checkpoint import list_checkpoints, read_meta
@@ -57,14 +58,27 @@ def is_finished(run_dir: Path) -> bool:
     return bool(ckpts) and bool(read_meta(ckpts[-1]).get("final"))
 
 
-def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False) -> tuple[list, int, int]:
-    """Train each (recipe, overrides, run_dir) of ``plan`` in its own ``./launch.sh`` process, one after the
-    other: finished runs are skipped, interrupted ones resume, a failed run is reported and the rest go on.
-    Returns (failed [(name, exit code)], started, skipped)."""
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _log_path(run_dir: Path) -> Path:
+    return run_dir.parent / "logs" / f"{run_dir.name}.log"
+
+
+def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False, jobs: int = 1) -> tuple[list, int, int]:
+    """Train each (recipe, overrides, run_dir) of ``plan`` in its own ``./launch.sh`` process: finished runs are
+    skipped, interrupted ones resume, a failed run is reported and the rest go on. Returns (failed [(name, exit
+    code)], started, skipped).
+
+    ``jobs`` > 1 trains that many runs at once, each with an equal share of this machine's cores (VITLAB_THREADS),
+    its output in ``<runs root>/logs/<run>.log``: small models train faster side by side than one after the other with all
+    threads (two 1-thread runs of the default ViT on 2 cores: ~1.3x the images per second of one 2-thread run)."""
     from train.checkpoint import list_checkpoints
 
     launcher = [str(ROOT / "launch.sh")] if (ROOT / "launch.sh").is_file() else [sys.executable, "-m", "train"]
     failed, started, skipped = [], 0, 0
+    todo = []
     for i, (recipe, overrides, run_dir) in enumerate(plan, 1):
         run_dir = Path(run_dir)
         label = f"[{i}/{len(plan)}] {run_dir.name}"
@@ -73,16 +87,56 @@ def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False) 
             skipped += 1
             continue
         resumable = bool(list_checkpoints(run_dir / "checkpoints", warn=False))  # --resume refuses to start a run
-        state = "resuming" if resumable else "starting"
-        print(f"{label}: {state}", flush=True)
         if dry_run:
+            print(f"{label}: {'resuming' if resumable else 'starting'}", flush=True)
             continue
-        cmd = launcher + [str(recipe), "--set", *overrides, f"run.root={run_dir.resolve().parent}", f"run.name={run_dir.name}"] + (["--resume"] if resumable else [])
-        started += 1
-        rc = subprocess.run(cmd, env=os.environ.copy()).returncode
-        if rc != 0 or not is_finished(run_dir):
-            failed.append((run_dir.name, rc))
-            print(f"{label}: failed with exit code {rc}; the rest go on (run this again to resume it)", flush=True)
+        cmd = launcher + [str(recipe), "--set", *overrides, f"run.root={run_dir.resolve().parent}", f"run.name={run_dir.name}"]
+        todo.append((label, cmd, run_dir))
+    env = os.environ.copy()
+    if jobs > 1:
+        env["VITLAB_THREADS"] = str(max(1, _cores() // jobs))
+    running: list[tuple[str, Path, subprocess.Popen, object]] = []
+
+    def reap(block: bool) -> None:
+        while running and (block or any(p.poll() is not None for _, _, p, _ in running)):
+            for entry in list(running):
+                label, run_dir, proc, log = entry
+                if proc.poll() is None:
+                    continue
+                running.remove(entry)
+                if log is not None:
+                    log.close()
+                if proc.returncode != 0 or not is_finished(run_dir):
+                    failed.append((run_dir.name, proc.returncode))
+                    where = f"; its output is in {_log_path(run_dir)}" if log is not None else ""
+                    print(f"{label}: failed with exit code {proc.returncode}{where}; the rest go on (run this again to resume it)", flush=True)
+                elif log is not None:
+                    print(f"{label}: finished", flush=True)
+            if block and running:
+                time.sleep(1.0)
+            block = block and bool(running)
+
+    try:
+        for label, cmd, run_dir in todo:
+            while len(running) >= jobs:
+                reap(block=False)
+                time.sleep(1.0)
+            # decided at launch, not when planned: with jobs > 1 an earlier run may have written this folder meanwhile
+            resume = bool(list_checkpoints(run_dir / "checkpoints", warn=False))
+            print(f"{label}: {'resuming' if resume else 'starting'}", flush=True)
+            log = None
+            if jobs > 1:
+                _log_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+                log = open(_log_path(run_dir), "a")  # beside the run folder: the trainer owns what is inside it
+            proc = subprocess.Popen(cmd + (["--resume"] if resume else []), env=env,
+                                    stdout=log, stderr=subprocess.STDOUT if log is not None else None)
+            started += 1
+            running.append((label, run_dir, proc, log))
+        reap(block=True)
+    except KeyboardInterrupt:  # the children got the same SIGINT: they checkpoint and stop; wait for them
+        for _, _, proc, _ in running:
+            proc.wait()
+        raise
     return failed, started, skipped
 
 
@@ -93,7 +147,11 @@ def main(argv=None) -> int:
     p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="overrides shared by every run")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their state, start nothing")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each with an equal share of the cores (default 1)")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        print(f"error: --jobs must be at least 1, not {args.jobs}.", file=sys.stderr)
+        return 2
 
     plan = []
     try:
@@ -116,7 +174,7 @@ def main(argv=None) -> int:
         print("error: two grid points map to the same run folder: make the grid values distinct.", file=sys.stderr)
         return 2
 
-    failed, started, skipped = launch_runs([(args.recipe, list(args.overrides) + combo, d) for combo, d in plan], args.dry_run)
+    failed, started, skipped = launch_runs([(args.recipe, list(args.overrides) + combo, d) for combo, d in plan], args.dry_run, args.jobs)
     print(f"sweep: {len(plan)} runs, {skipped} already finished, {started} started, {len(failed)} failed")
     return 1 if failed else 0
 

@@ -18,7 +18,8 @@ difference of the same configuration (analysis/reports/claims.py). Without seeds
 name, with its recipe's seed.
 
 Stages (``--stage``, default all): ``train`` (finished runs skipped, interrupted ones resumed, every run's
-recipe validated before the first starts), ``analyze`` (the offline suite on every checkpoint, cached), and
+recipe validated before the first starts; ``--jobs N`` trains N runs at once with 1/N of the cores each, ``--only
+CONFIG ...`` those configurations only), ``analyze`` (the offline suite on every checkpoint, cached), and
 ``report`` (cross-run comparisons and the claims document, see analysis/reports/study_report.py).
 """
 from __future__ import annotations
@@ -163,7 +164,13 @@ def main(argv=None) -> int:
     p.add_argument("study", help="study YAML, e.g. recipes/studies/raghu2021.yaml")
     p.add_argument("--stage", choices=("all", "train", "analyze", "report"), default="all")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their state, start nothing")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at once, each with an equal share of the cores, output in ROOT/logs/ (default 1)")
+    p.add_argument("--only", nargs="+", metavar="CONFIG", help="train only these configurations (names in the study file)")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        print(f"error: --jobs must be at least 1, not {args.jobs}.", file=sys.stderr)
+        return 2
     try:
         study = load_study(args.study)
     except RecipeError as e:
@@ -171,8 +178,14 @@ def main(argv=None) -> int:
         return 2
     rc = 0
     if args.stage in ("all", "train"):
-        plan = [(r.recipe, r.overrides, r.run_dir) for r in study.runs.values()]
-        failed, started, skipped = launch_runs(plan, args.dry_run)
+        configs = study.configs()
+        unknown = sorted(set(args.only or []) - set(configs))
+        if unknown:
+            print(f"error: --only names {', '.join(unknown)}, which the study does not have: choose from {', '.join(configs)}.",
+                  file=sys.stderr)
+            return 2
+        plan = [(r.recipe, r.overrides, r.run_dir) for r in study.runs.values() if not args.only or r.config in args.only]
+        failed, started, skipped = launch_runs(plan, args.dry_run, args.jobs)
         print(f"study {study.name}: {len(plan)} runs, {skipped} already finished, {started} started, {len(failed)} failed")
         if failed:
             return 1
