@@ -55,7 +55,7 @@ def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
     assert set(s.configs()) == configs and set(s.runs) == {f"{c}_s{i}" for c in configs for i in (0, 1)}
     assert [r.seed for r in s.configs()["vit_cls"]] == [0, 1] and s.runs["vit_cls_s1"].overrides[-1] == "seed=1"
     assert s.report == ROOT / "docs" / "reproduction.md" and s.root == ROOT / "runs" / "study-raghu2021"  # the repository's
-    assert "erf" in s.runs["vit_cls_s0"].measures and s.runs["resnet_s0"].measures is None and "aligned_attention" in s.measures
+    assert "erf" in s.runs["vit_cls_s0"].measures and "localization" in s.runs["resnet_s0"].measures and "aligned_attention" in s.measures
     assert "data.analysis_size=2560" in s.runs["resnet_s1"].overrides
     assert s.suite_options(["cka"]).of("cka").layers == "paper"
     bad = _study(tmp_path, {"a": {"recipe": "tiny.yaml", "set": ["model.depht=3"]}})
@@ -138,7 +138,8 @@ def test_the_study_resnet_has_identity_shortcuts():
 
 
 def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
-    resnet = ["model.arch=resnet", "model.resnet_layers=[1,1,1,1]", "model.resnet_channels=[8,8,16,16]"]  # no identity skip
+    # timm's 64-channel 7x7/2 stem in front of 8-channel stages: every shortcut projects (no identity skip)
+    resnet = ["model.arch=resnet", "model.resnet_layers=[1,1,1,1]", "model.resnet_channels=[8,8,16,16]", "model.small_stem=false"]
     p = _study(tmp_path, {"vit_cls": {"recipe": "tiny.yaml", "measures": "all"}, "resnet": {"recipe": "tiny.yaml", "set": resnet}},
                measures=["cka", "norm_ratio", "fewshot_probe"], seeds=[0, 1], options={"cka": {"layers": "paper"}})
     assert main([p, "--jobs", "2"]) == 0  # two runs at a time, 1 thread each, each one's output in runs/logs/
@@ -159,7 +160,7 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
     back = C.read_json(report.with_suffix(".json"))
     assert list(back["claims"]) == ["uniformity", "skip_dominance", "cls_phase", "head_mix", "offset_heads"]
     assert all(c["verdict"] in C.OUTCOMES and c["passage"] and c["rule"] for c in back["claims"].values())
-    for cid in ("uniformity", "skip_dominance"):  # 8-channel stages behind timm's 64-channel stem: every shortcut projects
+    for cid in ("uniformity", "skip_dominance"):  # see `resnet` above: every shortcut projects
         assert back["claims"][cid]["verdict"] == "not testable" and "0 of its 4 blocks" in back["claims"][cid]["why"]
     assert "not testable" in text and "no identity shortcut" in text
     rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |", "| 3 |", "| 4 |", "| 5 |"))]

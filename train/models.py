@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from timm.models.mlp_mixer import MixerBlock, MlpMixer
-from timm.models.resnet import BasicBlock, Bottleneck, ResNet
+from timm.models.resnet import BasicBlock, Bottleneck, ResNet, make_blocks
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from interventions import apply_model, block_fn_for, model_interventions
@@ -73,17 +73,30 @@ def build_mixer(m, img_size: int, in_chans: int, num_classes: int) -> nn.Module:
 def build_resnet(m, in_chans: int, num_classes: int) -> nn.Module:
     """timm ResNet with BasicBlocks or (``resnet_block: bottleneck``) Bottlenecks: ResNet-50 is bottleneck blocks
     with layers [3, 4, 6, 3] and channels [64, 128, 256, 512] (x4 expansion), the 7x7/2 stem and max-pool
-    (``small_stem: false``). ``small_stem`` swaps that stem for one 3x3/1 conv, so 28-32 px images keep their
-    resolution into the first stage (as CIFAR ResNets do)."""
-    model = ResNet(
-        block=Bottleneck if m.resnet_block == "bottleneck" else BasicBlock,
-        layers=tuple(m.resnet_layers),
-        channels=tuple(m.resnet_channels),
-        in_chans=in_chans,
-        num_classes=num_classes,
-        drop_path_rate=m.drop_path,
-    )
+    (``small_stem: false``, timm's stem: always 64 channels wide).
+
+    ``small_stem`` swaps that stem for one 3x3/1 conv without max-pool, so 28-32 px images keep their resolution into
+    the first stage (as CIFAR ResNets do), and makes the stem exactly as wide as the first stage
+    (``resnet_channels[0]``). timm's ResNet ties a one-conv stem to 64 channels, which would give the first stage's
+    first block a 1x1-conv projection shortcut whenever ``resnet_channels[0] != 64``; so the stages are built with
+    timm's own ``make_blocks`` from the stem's width instead. With BasicBlocks every block of the first stage then
+    has an IDENTITY shortcut at any width, and of each later stage only the first (strided) block projects, as in
+    ResNet-18/34. (With Bottlenecks the first block widens to 4 x ``resnet_channels[0]`` and projects, as in
+    ResNet-50.)"""
+    block = Bottleneck if m.resnet_block == "bottleneck" else BasicBlock
+    layers, channels = tuple(m.resnet_layers), tuple(m.resnet_channels)
+    model = ResNet(block=block, layers=layers, channels=channels, in_chans=in_chans, num_classes=num_classes,
+                   drop_path_rate=m.drop_path)
     if m.small_stem:
-        model.conv1 = nn.Conv2d(in_chans, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        width = channels[0]
+        model.conv1 = nn.Conv2d(in_chans, width, kernel_size=3, stride=1, padding=1, bias=False)
+        model.bn1 = nn.BatchNorm2d(width)
         model.maxpool = nn.Identity()
+        stages, stage_info = make_blocks((block,) * len(channels), channels, layers, inplanes=width, drop_path_rate=m.drop_path)
+        for name, stage in stages:
+            setattr(model, name, stage)
+        # strides relative to the input: timm's counts assume its /4 stem (conv /2 and max-pool /2)
+        model.feature_info = [dict(num_chs=width, reduction=1, module="act1")] + [
+            dict(info, reduction=info["reduction"] // 4) for info in stage_info]
+        model.init_weights()  # timm's init (kaiming convs, zero last BN of each branch) for the new modules too
     return model
