@@ -24,7 +24,7 @@ Following the authors' code (facebookresearch/mae, models_mae.py):
   process draws its own (micro-batches of one step continue the step's stream).
 * The decoder: a linear embedding of the encoder's output to ``decoder_dim``, mask tokens (normal, std 0.02), fixed
   2-D sin-cos position embeddings (the CLS token's is zero, as theirs), ``decoder_depth`` timm ``Block``s of
-  ``decoder_heads`` heads, a LayerNorm and a linear prediction of ``patch_size^2 * in_chans`` pixels; Linear layers
+  ``decoder_heads`` heads (LayerNorm eps 1e-6), a LayerNorm and a linear prediction of ``patch_size^2 * in_chans`` pixels; Linear layers
   xavier-uniform with zero bias (their init). With a CLS model the CLS token goes through the decoder and its output
   is dropped (theirs); a GAP model has no CLS token.
 
@@ -54,6 +54,7 @@ The checkpoint holds the backbone under ``backbone.`` (part ``student``) and the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -146,9 +147,10 @@ class Objective(_Base):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dd))
         # fixed 2-D sin-cos embedding of the grid (not saved: a function of the grid and width)
         self.register_buffer("decoder_pos_embed", build_sincos2d_pos_embed(list(grid), dd).unsqueeze(0), persistent=False)
-        self.decoder_blocks = nn.Sequential(*[Block(dd, cfg.decoder_heads, cfg.decoder_mlp_ratio, qkv_bias=True)
+        norm = partial(nn.LayerNorm, eps=1e-6)  # the authors' LayerNorm
+        self.decoder_blocks = nn.Sequential(*[Block(dd, cfg.decoder_heads, cfg.decoder_mlp_ratio, qkv_bias=True, norm_layer=norm)
                                               for _ in range(cfg.decoder_depth)])
-        self.decoder_norm = nn.LayerNorm(dd, eps=1e-6)
+        self.decoder_norm = norm(dd)
         self.decoder_pred = nn.Linear(dd, self.patch_size ** 2 * recipe.data.in_chans)
         for mod in (self.decoder_embed, self.decoder_blocks, self.decoder_norm, self.decoder_pred):
             mod.apply(_init_mae)
