@@ -391,6 +391,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     )
     ev_loader = eval_loader(data.eval, t.eval_batch_size, recipe.data.num_workers)
     model, opt, ev_loader = acc.prepare(model, opt, ev_loader)
+    # data.val_size > 0: the held-out validation split, evaluated at every evaluation exactly as the eval split
+    val_loader = acc.prepare(eval_loader(data.val, t.eval_batch_size, recipe.data.num_workers)) if data.val is not None else None
 
     step = 0
     if start_ckpt is not None:
@@ -442,6 +444,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     mixer = make_mixer(aug, data.num_classes, t.label_smoothing)  # None: plain cross-entropy on hard labels
     soft_ce = SoftTargetCrossEntropy()
     last_eval: dict = start_meta.get("eval") or {}
+    last_val: dict = start_meta.get("val") or {}
     interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0}
     window = start_meta.get("log_window")
     if window and len(window["loss"]) == acc.num_processes:  # the unfinished log window of the checkpoint
@@ -464,7 +467,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
             sums = acc.gather(mine) if acc.num_processes > 1 else mine
             window = {"loss": [float(v) for v in sums.cpu()], "n": interval["n"], "time": interval["time"], "images": interval["images"]}
         meta = {**run_info, "epoch": (step * G) // bpe, "final": final, "eval": last_eval, "time": time.time(),
-                "wall_s": wall_before + time.perf_counter() - t_start, "log_window": window}
+                "wall_s": wall_before + time.perf_counter() - t_start, "log_window": window,
+                **({"val": last_val} if val_loader is not None else {})}  # what checkpoint selection reads (not eval: test)
         path = save_checkpoint(acc, run_dir / "checkpoints", step, meta, t.keep_last)
         last_saved = step
         log({"time/checkpoint_s": time.perf_counter() - t0}, step)
@@ -472,10 +476,14 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         return callbacks.on_checkpoint(ctx)
 
     def run_eval() -> None:
-        nonlocal last_eval
+        nonlocal last_eval, last_val
         t0 = time.perf_counter()
         last_eval = evaluate(acc, model, ev_loader, data, data.num_classes)
-        log({"eval/top1": last_eval["top1"], "eval/loss": last_eval["loss"], "time/eval_s": time.perf_counter() - t0}, step)
+        logged = {"eval/top1": last_eval["top1"], "eval/loss": last_eval["loss"]}
+        if val_loader is not None:
+            last_val = evaluate(acc, model, val_loader, data, data.num_classes)
+            logged.update({"val/top1": last_val["top1"], "val/loss": last_val["loss"]})
+        log({**logged, "time/eval_s": time.perf_counter() - t0}, step)  # both splits' time
 
     def close() -> None:
         if bar is not None:
