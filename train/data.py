@@ -1,9 +1,13 @@
-"""Data: a recipe's ``data`` section -> the four split roles every part of vitlab uses (:func:`build_data`).
+"""Data: a recipe's ``data`` section -> the split roles every part of vitlab uses (:func:`build_data`).
 
-* ``train``       the training split (after ``data.train_size`` and a train-split intervention such as
-                  ``data_subset``, if any);
+* ``val``         (``data.val_size`` > 0) a held-out validation split: ``val_size`` class-balanced images of the
+                  train split chosen from the fixed seed :data:`VAL_SEED`, removed from it before anything else
+                  uses it; the trainer evaluates it beside ``eval`` so checkpoints can be chosen without the test split;
+* ``train``       the training split: what is left after ``val``, then ``data.train_size`` of it, then a
+                  train-split intervention such as ``data_subset`` (a fraction of what ``train_size`` left), in
+                  that order;
 * ``eval``        the evaluation split (top-1 is measured here; probes are tested here);
-* ``probe_train`` a seeded, class-balanced part of the train split: few-shot probes draw their shots here;
+* ``probe_train`` a seeded, class-balanced part of the train split less ``val``: few-shot probes draw their shots here;
 * ``analysis``    a fixed, seeded, class-balanced part of the eval split, in a fixed order, that every
                   analysis (training-time or offline) uses.
 
@@ -45,7 +49,12 @@ __all__ = ["DataBundle", "DataError", "EpochBatch", "EpochBatchSampler", "FASHIO
            "build_data", "crop_rng", "decode_rows", "indices_hash", "load_fashion_mnist", "load_source", "rrc_box", "to_tensors"]
 
 MAX_IN_MEMORY_BYTES = 16 * 2**30  # data.in_memory auto: a train split above this stays lazy; eval above it is an error
-STATS_IMAGES = 10000  # mean / std come from the first this many train images (no crop, no augmentation)
+STATS_IMAGES = 10000  # mean / std come from the first this many train images less val (no crop, no augmentation)
+# data.val_size's images come from this fixed seed, not the recipe's: every run of a study (every configuration and
+# every recipe seed) then holds out the same images and trains on the same rest, so seed-to-seed differences are
+# training noise rather than a different split, val top-1 is comparable across runs, and data_subset's nesting (it
+# has its own seed) holds across recipe seeds. Arbitrary, and distinct from the recipe-seed offsets used below.
+VAL_SEED = 7919
 
 
 @dataclass
@@ -59,6 +68,7 @@ class DataBundle:
     mean: torch.Tensor  # [C], of the train split in [0, 1] units
     std: torch.Tensor
     meta: dict = field(default_factory=dict)
+    val: "Split | None" = None  # data.val_size > 0: held out of train, in memory, evaluated like eval
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 [B, C, H, W] -> float (x/255 - mean) / std on x's device."""
@@ -74,14 +84,15 @@ def train_is_lazy(cfg, ds) -> bool:
     return len(ds) * cfg.in_chans * cfg.img_size ** 2 > MAX_IN_MEMORY_BYTES
 
 
-def _check_size(key: str, size, available: int, split: str) -> None:
-    """A size the recipe asks of a split must fit in it: refused, not clamped."""
+def _check_size(key: str, size, available: int, split: str, held_out: int = 0) -> None:
+    """A size the recipe asks of a split must fit in it (less ``held_out`` data.val_size images): refused, not clamped."""
     if size is not None and size > available:
-        raise DataError(f"data.{key} is {size} but the {split} split holds {available} images: lower it"
+        less = f" once data.val_size ({held_out}) are held out" if held_out else ""
+        raise DataError(f"data.{key} is {size} but the {split} split holds {available} images{less}: lower it"
                         f"{' (or leave it out for the whole split)' if key in ('train_size', 'eval_size') else ''}.")
 
 
-_SHRINK = {"train": "data.train_size (or set data.in_memory: false)", "eval": "data.eval_size, data.analysis_size"}
+_SHRINK = {"train": "data.train_size (or set data.in_memory: false)", "eval": "data.eval_size, data.analysis_size", "val": "data.val_size"}
 
 
 def _in_memory(ds, rows, cfg, lab_col: str, what: str) -> Split:
@@ -93,7 +104,7 @@ def _in_memory(ds, rows, cfg, lab_col: str, what: str) -> Split:
 
 
 def build_data(recipe, quiet: bool = False) -> DataBundle:
-    """Load the recipe's data set and cut it into the four split roles (see the module docstring).
+    """Load the recipe's data set and cut it into the split roles (see the module docstring).
 
     The train split is decoded into memory, or (data.in_memory false, or auto and too big) kept as a
     :class:`LazySplit` decoded in the DataLoader workers; eval / probe_train / analysis are always in memory,
@@ -106,8 +117,11 @@ def build_data(recipe, quiet: bool = False) -> DataBundle:
     train_ds, eval_ds = dsd[cfg.train_split], dsd[cfg.eval_split]
     _, lab_col = columns(train_ds, cfg)
     _, eval_lab_col = columns(eval_ds, cfg)
-    _check_size("train_size", cfg.train_size, len(train_ds), "train")
-    _check_size("probe_train_size", cfg.probe_train_size, len(train_ds), "train")
+    if cfg.val_size >= len(train_ds):
+        raise DataError(f"data.val_size is {cfg.val_size} but the train split holds {len(train_ds)} images: lower it so "
+                        "that some are left to train on.")
+    _check_size("train_size", cfg.train_size, len(train_ds) - cfg.val_size, "train", cfg.val_size)
+    _check_size("probe_train_size", cfg.probe_train_size, len(train_ds) - cfg.val_size, "train", cfg.val_size)
     _check_size("eval_size", cfg.eval_size, len(eval_ds), "eval")
     _check_size("analysis_size", cfg.analysis_size, len(eval_ds), "eval")
     lazy = train_is_lazy(cfg, train_ds)
@@ -123,10 +137,17 @@ def build_data(recipe, quiet: bool = False) -> DataBundle:
     num_classes = len(names) or int(max(train_full.labels.max(), eval_labels.max())) + 1
     names = names or [str(i) for i in range(num_classes)]
 
-    meta = {"train_in_memory": not lazy}
-    train = train_full
-    if cfg.train_size is not None and cfg.train_size < len(train_full):
-        train = subset(train_full, balanced_indices(train_full.labels, cfg.train_size, recipe.seed))
+    meta = {"train_in_memory": not lazy, "val_size": cfg.val_size}
+    # val first: every later step (train_size, data_subset, probe_train, the statistics) sees only the rest, `pool`
+    val, pool = None, train_full
+    if cfg.val_size:
+        val_idx = balanced_indices(train_full.labels, cfg.val_size, VAL_SEED)
+        pool = subset(train_full, np.setdiff1d(all_rows, val_idx))
+        val = _in_memory(train_ds, val_idx, cfg, lab_col, "val") if lazy else subset(train_full, val_idx)
+        meta["val_hash"] = indices_hash(val_idx)
+    train = pool
+    if cfg.train_size is not None and cfg.train_size < len(pool):
+        train = subset(pool, balanced_indices(pool.labels, cfg.train_size, recipe.seed))
     try:
         idx, chosen_by = interventions.select_train(recipe.interventions, train.labels.numpy(), balanced_indices)
     except ValueError as e:
@@ -147,19 +168,19 @@ def build_data(recipe, quiet: bool = False) -> DataBundle:
         held = _in_memory(eval_ds, needed, cfg, eval_lab_col, "eval")
         eval_ = subset(held, np.searchsorted(needed, eval_idx))
         analysis = subset(held, np.searchsorted(needed, analysis_idx))
-    probe = subset(train_full, balanced_indices(train_full.labels, cfg.probe_train_size, recipe.seed + 1))
+    probe = subset(pool, balanced_indices(pool.labels, cfg.probe_train_size, recipe.seed + 1))
     if isinstance(probe, LazySplit):
         probe = probe.in_memory()
 
-    if isinstance(train_full, LazySplit):
-        first = LazySplit(train_ds, np.arange(min(STATS_IMAGES, len(train_full))), train_full.labels[:STATS_IMAGES], cfg)
+    if isinstance(pool, LazySplit):
+        first = LazySplit(train_ds, pool.rows[:STATS_IMAGES], pool.labels[:STATS_IMAGES], cfg)
         stats = _decode_in_workers(first, cfg.num_workers).double() / 255.0
     else:
-        stats = train_full.images[:STATS_IMAGES].double() / 255.0
+        stats = pool.images[:STATS_IMAGES].double() / 255.0
     mean = stats.mean(dim=(0, 2, 3)).float()
     std = stats.std(dim=(0, 2, 3)).clamp_min(1e-3).float()
     meta.update({"train_size": len(train), "eval_size": len(eval_), "analysis_hash": indices_hash(analysis_idx)})
-    return DataBundle(train, eval_, probe, analysis, num_classes, names, mean, std, meta)
+    return DataBundle(train, eval_, probe, analysis, num_classes, names, mean, std, meta, val)
 
 
 def _decode_in_workers(split: LazySplit, num_workers: int, batch: int = 256) -> torch.Tensor:

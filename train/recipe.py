@@ -70,6 +70,9 @@ class DataConfig:
     analysis_size: int = field(default=1024, metadata=_range(0))  # fixed, seeded, class-balanced part of eval
     eval_size: Optional[int] = field(default=None, metadata=_range(1))  # None: the whole eval split
     train_size: Optional[int] = field(default=None, metadata=_range(1))  # None: the whole train split
+    # images held out of the train split as a validation split (0: none), chosen first, from a fixed seed
+    # (train.data.VAL_SEED): train_size, a data_subset, probe_train and the normalisation statistics use the rest
+    val_size: int = field(default=0, metadata=_range(0))
     num_workers: int = field(default=0, metadata=_range(0, 64))
     # auto: the train split is decoded into memory when it fits under train.data.MAX_IN_MEMORY_BYTES, else it stays
     # a memory-mapped datasets.Dataset decoded batch by batch in the DataLoader workers (ImageNet-scale data)
@@ -174,6 +177,7 @@ ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("data", "augment", "randaugment_ops"): 0,
     ("data", "augment", "randaugment_magnitude"): 9,
     ("train", "objective"): "supervised",
+    ("data", "val_size"): 0,
 }
 # The interventions that existed when the hash was defined: hashed even when absent (None / []), as they always
 # were. Any other intervention is left out of the hash while absent, so adding one keeps every hash.
@@ -486,6 +490,9 @@ def _cross_checks(r: Recipe) -> None:
         raise RecipeError("key 'data.name' must name a Hugging Face hub data set (e.g. cifar10) when data.source is 'hub'.")
     if d.source in ("imagefolder", "parquet", "disk") and not d.path:
         raise RecipeError(f"key 'data.path' must give a folder when data.source is '{d.source}'.")
+    if d.val_size and d.train_split == d.eval_split:
+        raise RecipeError(f"key 'data.val_size' ({d.val_size}) holds out part of the train split, which is also the eval split "
+                          f"('{d.eval_split}') here: give data.eval_split another split, or set data.val_size to 0.")
     a = d.augment
     if (a.mixup_alpha > 0 or a.cutmix_alpha > 0) and t.batch_size % 2:
         raise RecipeError(f"key 'train.batch_size' ({t.batch_size}) must be even when data.augment.mixup_alpha or cutmix_alpha "

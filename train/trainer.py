@@ -383,6 +383,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     # the k-NN monitor's memory bank (objectives without labels): the probe-train split, unaugmented
     bank_loader = None if labelled else acc.prepare(eval_loader(data.probe_train, t.eval_batch_size, recipe.data.num_workers))
     model, opt, ev_loader = acc.prepare(model, opt, ev_loader)
+    # data.val_size > 0: the held-out validation split, evaluated at every evaluation exactly as the eval split
+    val_loader = acc.prepare(eval_loader(data.val, t.eval_batch_size, recipe.data.num_workers)) if data.val is not None else None
 
     step = 0
     if start_ckpt is not None:
@@ -432,6 +434,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     aug = recipe.data.augment
     batch_rrc = aug.random_resized_crop and not data.train.lazy  # lazy splits were cropped per image in the workers
     last_eval: dict = start_meta.get("eval") or {}
+    last_val: dict = start_meta.get("val") or {}
     interval = {"loss": 0.0, "n": 0, "time": 0.0, "images": 0, "terms": {}}
     window = start_meta.get("log_window")
     if window and len(window["loss"]) == acc.num_processes:  # the unfinished log window of the checkpoint
@@ -461,7 +464,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                 v = torch.as_tensor(v, dtype=torch.float32, device=acc.device).reshape(1)
                 window["terms"][k] = [float(u) for u in (acc.gather(v) if acc.num_processes > 1 else v).cpu()]
         meta = {**run_info, "epoch": (step * G) // bpe, "final": final, "eval": last_eval, "time": time.time(),
-                "wall_s": wall_before + time.perf_counter() - t_start, "log_window": window}
+                "wall_s": wall_before + time.perf_counter() - t_start, "log_window": window,
+                **({"val": last_val} if val_loader is not None else {})}  # what checkpoint selection reads (not eval: test)
         path = save_checkpoint(acc, run_dir / "checkpoints", step, meta, t.keep_last)
         last_saved = step
         log({"time/checkpoint_s": time.perf_counter() - t0}, step)
@@ -469,14 +473,21 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         return callbacks.on_checkpoint(ctx)
 
     def run_eval() -> None:
-        nonlocal last_eval
+        nonlocal last_eval, last_val
         t0 = time.perf_counter()
         if labelled:
             last_eval = evaluate(acc, model, ev_loader, data, data.num_classes)
-            log({"eval/top1": last_eval["top1"], "eval/loss": last_eval["loss"], "time/eval_s": time.perf_counter() - t0}, step)
+            logged = {"eval/top1": last_eval["top1"], "eval/loss": last_eval["loss"]}
+            if val_loader is not None:
+                last_val = evaluate(acc, model, val_loader, data, data.num_classes)
+                logged.update({"val/top1": last_val["top1"], "val/loss": last_val["loss"]})
         else:  # no classifier: k-NN top-1 of the backbone's features (DINO's monitor)
             last_eval = knn_monitor(acc, unwrapped, bank_loader, ev_loader, data.normalize, data.num_classes)
-            log({"eval/knn_top1": last_eval["top1"], "time/eval_s": time.perf_counter() - t0}, step)
+            logged = {"eval/knn_top1": last_eval["top1"]}
+            if val_loader is not None:  # the held-out images as k-NN queries: what checkpoint selection may read
+                last_val = knn_monitor(acc, unwrapped, bank_loader, val_loader, data.normalize, data.num_classes)
+                logged["val/knn_top1"] = last_val["top1"]
+        log({**logged, "time/eval_s": time.perf_counter() - t0}, step)  # both splits' time
 
     def close() -> None:
         if bar is not None:
