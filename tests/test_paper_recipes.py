@@ -16,14 +16,15 @@ def test_default_recipe_hash_is_unchanged_by_the_new_fields():
     assert r.hash() == "82a396f18b71fd7d"
     spelled = load_recipe(ROOT / "recipes/default.yaml", ["data.in_memory=auto", "data.augment.random_resized_crop=false",
                                                           "model.resnet_block=basic", "model.dropout=0.0",
-                                                          "model.mixer_token_ratio=0.5"])
+                                                          "model.mixer_token_ratio=0.5", "train.objective=supervised",
+                                                          "data.val_size=0"])
     assert spelled.hash() == r.hash()  # written out at their defaults: still the old hash
     for o in ("data.in_memory=false", "data.augment.random_resized_crop=true", "model.resnet_block=bottleneck", "model.dropout=0.1",
               "model.mixer_token_ratio=0.25"):
         assert load_recipe(ROOT / "recipes/default.yaml", [o]).hash() != r.hash(), o
     assert {k[-1] for k in ADDED_FIELDS} == {"in_memory", "random_resized_crop", "resnet_block", "dropout", "mixer_token_ratio",
                                          "mixup_alpha", "cutmix_alpha", "mix_prob", "switch_prob", "mix_mode",
-                                         "randaugment_ops", "randaugment_magnitude", "val_size"}
+                                         "randaugment_ops", "randaugment_magnitude", "val_size", "objective"}
 
 
 def test_paper_recipes_are_the_papers_hyper_parameters():
