@@ -181,3 +181,13 @@ def test_cka_floors_against_the_maps_and_the_random_init():
     assert len(other["taps"]) == len(layers) and other["taps"][-1].endswith(".out")
     with pytest.raises(ValueError, match="fewer than 4"):
         B.cka_floors(model, model, split.images[:18], data.normalize, layers, ctx.prefix, batch_size=16)
+
+
+def test_analyze_and_report_stages_go_on_without_the_pilot_runs(tmp_path, capsys):
+    s = _study(tmp_path, ("vit_local", "vit_local_nomix"))
+    assert R.analyze_study(s) == 0 and R.write_report(s) == 0
+    out = capsys.readouterr().out
+    assert "pilot run vit_local_s1: not started (no run folder); left out of the analysis" in out
+    text = s.report.read_text()
+    assert "| vit_local_nomix_s0 | vit_local_nomix | 0 |" in text and text.count("not started (no run folder)") == 6
+    assert not s.report.with_suffix(".json").exists()  # no claims without vit_cls and a ResNet
