@@ -1,4 +1,11 @@
-"""Random-chance baselines: the same metric on random features of the same shape (Walmer et al. 2023, App. B.3).
+"""Baselines: what a metric gives without learned features. Two kinds:
+
+- random-chance scores: the same metric on random features of the same shape (Walmer et al. 2023, App. B.3),
+  below;
+- CKA floors (:func:`cka_floors`): each layer's CKA with the raw pixels and with the same layer of the same
+  architecture at random initialisation, the references a CKA map is read against (end of this docstring).
+
+Random-chance baselines (Walmer et al. 2023, App. B.3).
 
 Walmer et al. report a "random chance score" beside every clustering and downstream-task curve (§5.2, §6, App. B.3):
 "we repeat the task analysis replacing all ViT features with [...] Gaussian noise [...] with the exact same
@@ -22,13 +29,26 @@ from ``torch.Generator().manual_seed(seed)`` in float32 (then cast to ``x``'s fl
 device), so a seed gives the same numbers on every machine, device and process count. Draw bank and query noise in
 ONE call (e.g. on ``torch.cat([bank, queries])``) or with different seeds: two calls with the same seed give
 identical leading rows.
+
+CKA floors. Raghu et al. 2021 read their CKA maps (Fig. 1, 2, 8, 12) as learned structure, and compare tokens with
+input patches (Fig. 9); a map means something only above what needs no learning: (1) the raw pixels -- a layer's CKA
+with the flattened input image (the model's normalised input, one row per image) says how much of that layer's
+similarity structure the input already has; (2) the architecture at random initialisation -- a randomly initialised
+ViT carries its input through every block on the skip connections, so its own map is already near-uniform (its mean
+off-diagonal CKA is the floor of "ViT maps are uniform"), and a trained layer's CKA with the same layer at
+initialisation says how far training moved it. :func:`cka_floors` computes both in one pass over the images, with the
+same minibatch CKA estimator (analysis/similarity.py) and layer representation as the maps.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from analysis.similarity import MinibatchCKA, represent
+from analysis.taps import Taps
 
 BASELINES: tuple[str, ...] = ("gaussian", "uniform")
 DEFAULT_BASELINE = "gaussian"
@@ -71,3 +91,46 @@ def gaussian_like_layers(feats: Mapping[str, Tensor] | Sequence[Tensor], seed: i
     if isinstance(feats, Mapping):
         return {name: noise_like(x, seed + i, kind) for i, (name, x) in enumerate(feats.items())}
     return [noise_like(x, seed + i, kind) for i, x in enumerate(feats)]
+
+
+@torch.no_grad()
+def cka_floors(model, init_model, images: Tensor, normalize, layers: Sequence[tuple[str, str]], num_prefix_tokens: int,
+               how: str = "flatten", batch_size: int = 256, unbiased: bool = True) -> dict:
+    """The CKA floors of a trained ``model`` (module docstring): ``init_model`` is the same architecture at random
+    initialisation, ``layers`` (tap name, label) pairs as :func:`analysis.measures.cka.cka_layers` gives them (the same
+    taps exist in both models), ``how`` the layer representation (``flatten``, ``cls``, ``mean_spatial``; the pixels
+    are always the flattened normalised image). ``images`` [N, C, H, W] go through ``normalize`` in minibatches of
+    ``batch_size`` (each >= 4 images). One self-CKA over [pixels, trained layers, init layers]; returns ``labels`` [L],
+    ``taps`` [L],
+    ``pixels`` [L] (trained layer vs pixels), ``init_pixels`` [L] (init layer vs pixels), ``init_same`` [L] (trained
+    layer vs the same layer at init), ``matrix`` [L, L] (the trained model's map, for the same images) and
+    ``init_matrix`` [L, L] (the random-init model's map)."""
+    n = len(images)
+    if n < 4 or 0 < n % batch_size < 4:
+        raise ValueError(f"{n} images in minibatches of {batch_size} leave a minibatch of fewer than 4 images: CKA needs >= 4.")
+    taps = [t for t, _ in layers]
+    modes = model.training, init_model.training
+    model.eval()
+    init_model.eval()
+    dev, idev = next(model.parameters()).device, next(init_model.parameters()).device
+    acc = MinibatchCKA(unbiased=unbiased)
+    try:
+        for j in range((n + batch_size - 1) // batch_size):
+            x = normalize(images[j * batch_size:(j + 1) * batch_size])
+            with Taps(model, taps) as cap:
+                model(x.to(dev))
+            with Taps(init_model, taps) as icap:
+                init_model(x.to(idev))
+            reps = [x.reshape(len(x), -1).to(dev)]
+            reps += [represent(cap[t], how, num_prefix_tokens) for t in taps]
+            reps += [represent(icap[t], how, num_prefix_tokens).to(dev) for t in taps]
+            acc.update(reps)
+    finally:
+        model.train(modes[0])
+        init_model.train(modes[1])
+    m = acc.compute().cpu().numpy()
+    k = len(taps)
+    trained, init = slice(1, 1 + k), slice(1 + k, 1 + 2 * k)
+    return {"labels": [lab for _, lab in layers], "taps": taps, "pixels": m[0, trained].copy(), "init_pixels": m[0, init].copy(),
+            "init_same": np.diag(m[trained, init]).copy(), "matrix": m[trained, trained].copy(),
+            "init_matrix": m[init, init].copy()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 
 import matplotlib
 
@@ -81,6 +82,57 @@ def attention_distance_plot(dist: np.ndarray, title: str = "mean attention dista
     ax.set_xlabel("block")
     ax.set_ylabel(f"attention distance ({unit})")
     ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def attention_distance_panels(panels: dict[str, tuple[np.ndarray, float]], threshold: float | None = None,
+                              title: str = "mean attention distance per head", unit: str = "pixels"):
+    """Raghu Fig. 3 / Fig. 4 (ViT Fig. 7 right) for several runs: one panel per run ``{title: (dist [blocks, heads],
+    uniform)}``, x = block (by depth), y = each head's mean attention distance (one dot per head, coloured by head),
+    dotted line = uniform attention's distance on the run's grid, dashed = ``threshold`` x uniform when given."""
+    n = max(1, len(panels))
+    cols = min(4, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.9 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for i, (ax, (name, (dist, uniform))) in enumerate(zip(axes.flat, panels.items())):
+        d = np.asarray(dist, dtype=float)
+        for b in range(d.shape[0]):
+            ax.scatter(np.full(d.shape[1], b), d[b], s=10, c=np.arange(d.shape[1]), cmap="tab10", vmin=0, vmax=9)
+        ax.axhline(uniform, color="k", ls=":", lw=1, label=f"uniform attention ({uniform:.1f})")
+        if threshold is not None:
+            ax.axhline(threshold * uniform, color="grey", ls="--", lw=1, label=f"{threshold:g} x uniform")
+        ax.set_xticks(range(d.shape[0]))
+        ax.set_ylim(0, max(1.15 * uniform, 1.05 * float(np.nanmax(d)) if np.isfinite(d).any() else uniform))
+        ax.set_xlabel("block (by depth)")
+        ax.set_ylabel(f"mean distance ({unit})", fontsize=8)
+        ax.set_title(name, fontsize=8)
+        if i == 0:
+            ax.legend(fontsize=6, loc="lower right")
+    fig.suptitle(textwrap.fill(title, int(16 * 3.4 * cols)), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def layer_lines(panels: dict[str, tuple[list[str], dict[str, np.ndarray]]], ylabel: str, title: str, ylim=(0, 1.02)):
+    """One panel per model ``{name: (layer labels, {curve: values per layer})}``: the curves against the layers in
+    forward order (at most ~12 labels shown), e.g. a layer's CKA with the pixels and with its random initialisation."""
+    n = max(1, len(panels))
+    fig, axes = plt.subplots(1, n, figsize=(4.4 * n, 3.4), squeeze=False)
+    for ax, (name, (labels, curves)) in zip(axes[0], panels.items()):
+        for curve, v in curves.items():
+            ax.plot(range(len(v)), v, marker="o", ms=2, lw=1, label=curve)
+        step = max(1, len(labels) // 12)
+        ax.set_xticks(range(0, len(labels), step), labels[::step], rotation=90, fontsize=6)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(ylabel)
+        ax.set_title(name, fontsize=8)
+        ax.legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -128,6 +128,60 @@ def test_head_mix_four_outcomes():
     assert v.outcome == C.NOT_TESTABLE and "No head is local" in v.why and "7.22" in v.why
 
 
+def test_head_mix_names_the_configuration_it_read():
+    u = C.uniform_distance(7, 4)
+    paper = np.array([[2, 4, 14, 15], [3, 6, 14, 16], [13, 14, 15, 16], [14, 15, 15, 16]], dtype=float)
+    v = C.rule_head_mix([paper], u, "vit_local")
+    assert v.outcome == C.NOT_TESTABLE and "vit_local (1)" in v.why
+
+
+# -------------------------------------------------------------- head subsets (Fig. 5)
+
+def _subsets(cka_local, cka_global, block0_min=2.0, windows=5, layers=3):
+    """A head-subset result: windows from local to global with CKA falling linearly from cka_local to cka_global."""
+    cka = np.linspace(cka_local, cka_global, windows)[:, None] + np.zeros(layers)
+    heads = np.r_[block0_min, np.linspace(max(block0_min, 8.0), 15.0, windows + 2)]
+    return {"subset_cka": cka, "subset_distance": np.linspace(block0_min + 3, 15, windows), "head_distance": heads}
+
+
+def test_head_subsets_four_outcomes():
+    u = C.uniform_distance(7, 4)
+    paper = [_subsets(0.8, 0.4), _subsets(0.78, 0.41)]  # local heads most like the ResNet's lower layers
+    v = C.rule_head_subsets(paper, u, "vit_local")
+    assert v.outcome == C.HELD and v.measured["rank_corr"] == [pytest.approx(-1.0)] * 2, v.why
+    assert v.measured["smallest_block0_px"] == 2.0
+    assert C.rule_head_subsets([_subsets(0.4, 0.8), _subsets(0.41, 0.78)], u).outcome == C.NOT_HELD
+    noisy = [_subsets(0.7, 0.6), _subsets(0.5, 0.6)]  # effects +0.1 and -0.1: seed spread 0.2
+    assert C.rule_head_subsets(noisy, u).outcome == C.INCONCLUSIVE
+    flat = [_subsets(0.6, 0.5, block0_min=13.0), _subsets(0.6, 0.5, block0_min=12.9)]  # no block-0 head below 7.22 px
+    v = C.rule_head_subsets(flat, u)
+    assert v.outcome == C.NOT_TESTABLE and "12.90 px" in v.why and "7.22 px" in v.why
+    one = C.rule_head_subsets(paper[:1], u, "vit_local")
+    assert one.outcome == C.NOT_TESTABLE and "vit_local (1)" in one.why
+
+
+# -------------------------------------------------------------- the pilot check
+
+def test_go_no_go_reads_the_second_checkpoint():
+    u = C.uniform_distance(7, 4)  # 14.44 px; the threshold is 0.7 x = 10.11 px
+    flat = np.full((6, 8), 14.0)
+    local = flat.copy()
+    local[1, 3] = 5.0  # block 1, head 3 is local
+    late = flat.copy()
+    late[4, 0] = 2.0  # a local head, but in block 4: not an early block
+    out, why = C.go_no_go({1500: flat, 3000: local, 4500: local}, u)
+    assert out == C.GO and "step 3000" in why and "block 1, head 3" in why and "0.35 x" in why
+    out, why = C.go_no_go({1500: local, 3000: late}, u)  # only the SECOND checkpoint counts, and only blocks 0-1
+    assert out == C.NO_GO and "0.97 x" in why and "10.11 px" in why
+    assert C.go_no_go({1500: local}, u)[0] == C.UNDECIDED
+    out, why = C.go_no_go({1500: flat, 3000: None}, u)
+    assert out == C.UNDECIDED and "run the analyze stage" in why
+    assert C.go_no_go({}, u)[0] == C.UNDECIDED
+    edge = flat.copy()
+    edge[0, 0] = C.GO_FRACTION * u  # exactly at the threshold: not below it
+    assert C.go_no_go({1: flat, 2: edge}, u)[0] == C.NO_GO
+
+
 # -------------------------------------------------------------- CLS vs GAP (Fig. 9-11), data subsets (Fig. 12)
 
 def test_difference_rule():
@@ -193,11 +247,16 @@ def test_every_passage_is_quoted_from_its_paper():
 def test_claims_state_the_papers_direction_and_the_json_reads_back(tmp_path):
     assert "first half" in C.CLAIMS["cls_phase"].claim and "reversed" in C.CLAIMS["cls_phase"].claim
     assert "4%" in C.CLAIMS["noskip_partition"].paper_value
+    # every claim says the paper's number, or that its text states none
+    assert all(c.paper_value for c in C.CLAIMS.values())
+    assert [c.id for c in C.CLAIMS.values() if not c.paper_value.startswith("not stated as a number")] == [
+        "noskip_partition", "offset_heads"]
     v = C.rule_difference("x", [0.7, 0.72], [0.6, 0.61], ("a", "b"))
     recs = [C.record(C.CLAIMS["cls_localization"], v), C.record(C.CLAIMS["offset_heads"], C.rule_offset_heads({}))]
-    C.write_json(tmp_path / "r.json", "mini", recs, ["a note"])
+    C.write_json(tmp_path / "r.json", "mini", recs, ["a note"], {"pilots": {"a_s0": {"go": C.GO, "smallest": {3000: 5.0}}}})
     back = C.read_json(tmp_path / "r.json")
-    assert back["noise_factor"] == C.NOISE_FACTOR and back["notes"] == ["a note"]
+    assert back["noise_factor"] == C.NOISE_FACTOR and back["notes"] == ["a note"] and back["go_fraction"] == C.GO_FRACTION
+    assert back["pilots"] == {"a_s0": {"go": "go", "smallest": {"3000": 5.0}}}
     loc = back["claims"]["cls_localization"]
     assert loc["verdict"] == "held" and loc["figure"] == "Raghu Fig. 9, 10" and loc["passage"].startswith("The results, shown in Figure 10")
     assert loc["measured"]["x"]["a"] == [0.7, 0.72] and loc["noise_floor"]["x"]["threshold"] == pytest.approx(0.04)

@@ -51,8 +51,15 @@ def _study(tmp_path, runs: dict, **extra) -> str:
 
 def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
     s = load_study(ROOT / "recipes" / "studies" / "raghu2021.yaml")
-    configs = {"vit_cls", "vit_gap", "resnet", "noskip_b1", "noskip_b3", "noskip_b5", "subset_03", "subset_10", "subset_30"}
-    assert set(s.configs()) == configs and set(s.runs) == {f"{c}_s{i}" for c in configs for i in (0, 1)}
+    configs = {"vit_cls", "vit_gap", "resnet", "noskip_b1", "noskip_b3", "noskip_b5", "subset_03", "subset_10", "subset_30",
+               "vit_local"}
+    assert set(s.configs()) == configs | {"vit_local_nomix"}
+    assert set(s.runs) == {f"{c}_s{i}" for c in configs for i in (0, 1)} | {"vit_local_nomix_s0"}  # the pilot: one seed
+    # the locality-capable family measures attention distance during training (the pilot check) despite callbacks=[]
+    for name, mixup in (("vit_local_s1", 0.8), ("vit_local_nomix_s0", 0.0)):
+        r = load_recipe(s.runs[name].recipe, s.runs[name].overrides)
+        assert [c.name for c in r.callbacks] == ["attention_distance"] and r.data.augment.mixup_alpha == mixup
+        assert (r.model.num_heads, r.train.steps, r.train.checkpoint_every) == (8, 9000, 1500)
     assert [r.seed for r in s.configs()["vit_cls"]] == [0, 1] and s.runs["vit_cls_s1"].overrides[-1] == "seed=1"
     assert s.report == ROOT / "docs" / "reproduction.md" and s.root == ROOT / "runs" / "study-raghu2021"  # the repository's
     assert "erf" in s.runs["vit_cls_s0"].measures and "localization" in s.runs["resnet_s0"].measures and "aligned_attention" in s.measures
@@ -150,21 +157,37 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
     text = report.read_text()
     for claim in ("## 1. ViT layer representations are more uniform", "## 2. Skip connections are much more influential",
                   "## 3. In the first half of the network the CLS token", "## 4. Lower layers mix",
-                  "## 5. Every ViT learns offset local attention heads", "| vit_cls_s1 | vit_cls | 1 |", "Claims at a glance",
-                  "> \"We observe a striking phase transition"):
+                  "## 5. The first block's local heads are the most similar", "## 6. Every ViT learns offset local attention heads",
+                  "| vit_cls_s1 | vit_cls | 1 |", "Claims at a glance", "> \"We observe a striking phase transition",
+                  # the pilot section covers every vit_* configuration, the locality claims say what they read
+                  "## Pilot runs: choosing a regime where local heads can appear", "**vit_cls_s0** (finished (step 8)",
+                  "| block | step 4 | step 8 |", "## Which configuration the locality claims read",
+                  "The study has no vit_local configuration, so the locality claims read vit_cls",
+                  # the CKA floors beside the maps: every block output against the pixels and the random init
+                  "What the maps are read against", "| vit_cls_s0 | 0.mlp |", "| vit_cls_s0 | 1.mlp |", "| resnet_s0 | layer1.0 |",
+                  "figures/mini/cka_floors.png", "figures/mini/pilot_attention_distance.png",
+                  "Paper: not stated as a number (Fig. 1"):
         assert claim in text, claim
+    assert text.count("Paper: ") == 6 and text.count("Ours: ") == 6  # every claim section shows both
+    assert "Go/no-go: **go**" in text or "Go/no-go: **no-go**" in text
+    assert "| resnet_s0 | 0." in text and "| resnet_s0 | nan" not in text  # zero-initialised BatchNorms: left out, said
+    assert "constant at random initialisation" in text
     assert "missing" not in text
     from analysis.reports.run_report import check_report
 
     assert check_report(report) == []
     back = C.read_json(report.with_suffix(".json"))
-    assert list(back["claims"]) == ["uniformity", "skip_dominance", "cls_phase", "head_mix", "offset_heads"]
+    assert list(back["claims"]) == ["uniformity", "skip_dominance", "cls_phase", "head_mix", "head_subsets", "offset_heads"]
+    assert back["locality_configuration"]["config"] == "vit_cls" and set(back["pilots"]) == {"vit_cls_s0", "vit_cls_s1"}
+    assert all(back["claims"][c]["measured"]["configuration"] == "vit_cls" for c in ("head_mix", "head_subsets", "offset_heads"))
+    assert back["pilots"]["vit_cls_s0"]["go"] in (C.GO, C.NO_GO)
     assert all(c["verdict"] in C.OUTCOMES and c["passage"] and c["rule"] for c in back["claims"].values())
     for cid in ("uniformity", "skip_dominance"):  # see `resnet` above: every shortcut projects
         assert back["claims"][cid]["verdict"] == "not testable" and "0 of its 4 blocks" in back["claims"][cid]["why"]
     assert "not testable" in text and "no identity shortcut" in text
-    rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |", "| 3 |", "| 4 |", "| 5 |"))]
-    assert len(rows) == 5 and all(r.count("|") - r.count("\\|") == 8 for r in rows)  # 7 cells: no stray | in a cell
+    glance = text.split("## Runs")[0]  # the claims table (the pilot tables below also have rows "| 1 |")
+    rows = [line for line in glance.splitlines() if line.startswith(("| 1 |", "| 2 |", "| 3 |", "| 4 |", "| 5 |", "| 6 |"))]
+    assert len(rows) == 6 and all(r.count("|") - r.count("\\|") == 8 for r in rows)  # 7 cells: no stray | in a cell
     cka = np.load(tmp_path / "runs" / "vit_cls_s1" / "analysis" / "step_0000008" / "cka.npz", allow_pickle=True)
     assert any(str(lab).endswith("norm1") for lab in cka["labels"])  # the study's option: the paper's layer set
     assert (tmp_path / "runs" / "vit_cls_s0" / "analysis" / "step_0000008" / "erf.npz").is_file()  # measures: all

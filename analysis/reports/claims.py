@@ -18,6 +18,11 @@ the claim is about) counts when it exceeds :data:`NOISE_FACTOR` times that floor
 when every part holds, did not hold when any part did not, is not testable when any part is not, and is inconclusive
 otherwise.
 
+The locality claims (head mix, head subsets, offset heads) need a model that can learn local heads at all: Raghu
+Fig. 4 shows that with "not enough data" ViT "does not learn to attend locally" in earlier layers. The study report
+reads them from its locality-capable configuration when that is trained (analysis/reports/study_report.py), and the
+pilot check :func:`go_no_go` says early in training whether a run is heading there (:data:`GO_FRACTION`).
+
 Everything here is plain numpy on arrays from the measures (analysis/measures/*.py); nothing is typed by hand.
 """
 from __future__ import annotations
@@ -35,6 +40,16 @@ NOISE_FACTOR = 2.0  # an effect counts when it exceeds 2x the largest seed-to-se
 SE_FACTOR = 2.0  # ... and, for top-1 differences, 2 binomial standard errors of the difference
 LOCAL_FRACTION = 0.5  # a head is local when its mean attention distance is below half of uniform attention's
 MIN_SEEDS = 2
+# The pilot check (go_no_go): a run is "go" when, at its SECOND checkpoint, some head of its first GO_BLOCKS blocks
+# attends at less than GO_FRACTION x uniform attention's distance. Why 0.7: a head is local (LOCAL_FRACTION) below
+# 0.5 x uniform -- on the 7x7 grid that is a head spreading its attention evenly over the 5x5 window around its query
+# (0.48 x; the positive control's forced 3x3-window head, recipes/positive_control.yaml, sits at 0.28 x) -- while in
+# the default 4-epoch regime, which has no local head, every head lies between 0.93 and 1.09 x uniform. Early in
+# training (the second checkpoint of vit_local is a third of its steps) a head on its way to local need not be local
+# yet, but it must have left that band clearly: 0.7 is the midpoint of 0.5 and 0.93, rounded.
+GO_FRACTION = 0.7
+GO_BLOCKS = 2
+GO, NO_GO, UNDECIDED = "go", "no-go", "undecided"
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,10 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in [
           "lower and higher layers in ViT show much greater similarity than in the ResNet, where similarity is divided "
           "into different (lower/higher) stages.",
           "Precondition: the ResNet has identity shortcuts (the paper's ResNets do). Two parts, ViT minus ResNet per seed: "
-          "mean off-diagonal self-CKA, and CKA of the first and the last layer; each must exceed the noise floor."),
+          "mean off-diagonal self-CKA, and CKA of the first and the last layer; each must exceed the noise floor. "
+          "The same numbers of a randomly initialised model of each architecture are shown beside the maps (the floor "
+          "that the architecture alone gives).",
+          "not stated as a number (Fig. 1: ViT maps near-uniform, ResNet maps in stages)"),
     Claim("noskip_partition", "Raghu Fig. 8", "Removing the skip connections of block i partitions the representations "
           "before and after block i, and costs accuracy (4% for middle blocks)", "Raghu et al. 2021 §6, Fig. 8 caption",
           "The results, in Figure 8, illustrate that removing the skip connections in a block partitions the layer "
@@ -93,37 +111,56 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in [
           "spatial token propagation (shown for the MLP and self-attention layers.)",
           "Precondition: the ResNet has identity shortcuts. The median norm ratio of the ViT (all sublayers, blocks, "
           "tokens) minus the ResNet's (identity-shortcut blocks only: a projection shortcut is not a skip connection) "
-          "must exceed the noise floor."),
+          "must exceed the noise floor.",
+          "not stated as a number (Fig. 7 right: ViT ratios above ResNet-50's in every block)"),
     Claim("cls_phase", "Raghu Fig. 7", "In the first half of the network the CLS token's norm ratio is higher than the "
           "spatial tokens' (it is carried by the skip path); in the second half this is reversed", "Raghu et al. 2021 §6",
           R_SEC6,
           "Precondition: a CLS token. For the attention and the MLP sublayer, gap = CLS ratio minus the mean spatial-token "
           "ratio, averaged over the blocks of each half: the first half's gap must be above +floor x factor and the "
-          "second half's below -floor x factor (four parts)."),
+          "second half's below -floor x factor (four parts).",
+          "not stated as a number (Fig. 7 left: the reversal at about the middle block)"),
     Claim("head_mix", "Raghu Fig. 3; ViT App. D.6", "Lower layers mix local and global heads; higher layers attend "
           "globally", "Raghu et al. 2021 §5",
           "In agreement with Dosovitskiy et al. [14], we observe that even in the lowest layers of ViT, self-attention "
           "layers have a mix of local heads (small distances) and global heads (large distances). This is in contrast to "
           "CNNs, which are hardcoded to attend only locally in the lower layers. At higher layers, all self-attention "
           "heads are global.",
-          "Precondition: a local head exists (mean attention distance below half of uniform attention's on the same "
-          "grid). Two parts per seed: the spread of head distances (max - min over heads, mean over blocks) in the lower "
-          "half of the blocks minus the upper half's, and the mean distance of the upper half minus the lower half's; "
-          "each must exceed the noise floor. "
-          "A \"not testable\" or \"did not hold\" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml)."),
+          "Read on the locality configuration (vit_local when the study has it trained, else vit_cls; see the pilot "
+          "runs). Precondition: a local head exists (mean attention distance below half of uniform attention's on the "
+          "same grid). Two parts per seed: the spread of head distances (max - min over heads, mean over blocks) in the "
+          "lower half of the blocks minus the upper half's, and the mean distance of the upper half minus the lower "
+          "half's; each must exceed the noise floor. "
+          "A \"not testable\" or \"did not hold\" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml).",
+          "not stated as a number (Fig. 3: lowest blocks span near-zero to near-image-size distances, highest blocks "
+          "all large)"),
+    Claim("head_subsets", "Raghu Fig. 5", "The first block's local heads are the most similar to the ResNet's lower "
+          "layers; similarity falls as the heads get more global", "Raghu et al. 2021 §5",
+          "The results, shown in Figure 5, which plot the mean distance for each subset against CKA similarity, clearly "
+          "show a monotonic decrease in similarity as mean attention distance grows, demonstrating that access to more "
+          "global information also leads to quantitatively different features than computed by the local receptive "
+          "fields in the lower layers of the ResNet.",
+          "Read on the locality configuration, each seed against the ResNet of the same seed. Precondition: a head of "
+          "the first block is local (below half of uniform attention's distance). Per seed, the CKA of the most local "
+          "window of heads (analysis/head_subsets.py: windows of half the heads, sorted by distance) minus that of the "
+          "most global window, averaged over the ResNet's first two stages, must exceed the noise floor; the rank "
+          "correlation of window distance and CKA (the paper's \"monotonic\") is shown beside it.",
+          "not stated as a number (Fig. 5: CKA falls monotonically from the most local to the most global subset)"),
     Claim("cls_localization", "Raghu Fig. 9, 10", "CLS-token ViTs keep spatial location in higher layers better than GAP "
           "ViTs", "Raghu et al. 2021 §7",
           "The results, shown in Figure 10, demonstrate that global average pooling does indeed reduce localization in "
           "the higher layers.",
           "Last block's localization own_share (share of tokens most similar to their own input patch), CLS minus GAP, "
-          "must exceed the noise floor."),
+          "must exceed the noise floor.",
+          "not stated as a number (Fig. 9, 10: heatmaps)"),
     Claim("gap_token_probes", "Raghu Fig. 11 left", "Single spatial tokens of GAP ViTs probe better in higher layers than "
           "those of CLS ViTs", "Raghu et al. 2021 §7",
           "The left pane shows average accuracy of classifiers trained on individual tokens, where we see that ResNet50 "
           "and ViT with GAP model tokens perform well at higher layers, while in the standard ViT trained with a CLS "
           "token the spatial tokens do poorly – likely because their representations remain spatially localized at "
           "higher layers, which makes global classification challenging.",
-          "Last block's mean 10-shot accuracy of single spatial tokens, GAP minus CLS, must exceed the noise floor."),
+          "Last block's mean 10-shot accuracy of single spatial tokens, GAP minus CLS, must exceed the noise floor.",
+          "not stated as a number (Fig. 11 left, App. Fig. D.4: per-token accuracies in plots only)"),
     Claim("data_drift", "Raghu Fig. 12", "With less pretraining data lower layers stay similar to the full-data model "
           "while higher layers drift away", "Raghu et al. 2021 §8",
           "Even with 3% of the entire dataset, lower layer representations are very similar to the model trained on the "
@@ -138,8 +175,9 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in [
           "Walmer et al. 2023 §4.2",
           "We find instances of Offset Local Attention Heads in all the models examined, suggesting they are "
           "fundamentally necessary for ViTs.",
-          "Precondition: some ViT of the study has a local head (aligned_attention local). Held if every ViT run has an "
-          "offset local head, did not hold if none has, inconclusive if only some seeds have. A \"not testable\" or \"did not hold\" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml).",
+          "Read on every seed of the locality configuration (vit_local when the study has it trained, else the standard "
+          "ViTs vit_cls and vit_gap). Precondition: one of those runs has a local head (aligned_attention local). Held "
+          "if every run has an offset local head, did not hold if none has, inconclusive if only some seeds have. A \"not testable\" or \"did not hold\" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml).",
           "location only (App. C.1: \"Offset Local Attention Heads typically only occur in the first 3 to 6 layers\" for "
           "supervised models)"),
 ]}
@@ -207,6 +245,45 @@ def head_mix(distance) -> dict:
     lo, hi = d[:h], d[h:]
     return {"spread_lower": float((lo.max(1) - lo.min(1)).mean()), "spread_upper": float((hi.max(1) - hi.min(1)).mean()),
             "mean_lower": float(lo.mean()), "mean_upper": float(hi.mean()), "min": float(d.min())}
+
+
+def head_subsets(result) -> dict:
+    """Raghu Fig. 5 from one :func:`analysis.head_subsets.head_subset_cka` result: ``local_minus_global`` the mean over
+    ResNet layers of the most local window's CKA minus the most global window's; ``rank_corr`` the Spearman rank
+    correlation of the windows' mean distance and their mean CKA over ResNet layers (-1: a monotonic decrease);
+    ``min_head`` the smallest head distance of the block, in the result's unit."""
+    sub = np.asarray(result["subset_cka"], dtype=float).mean(1)  # [S] mean over ResNet layers
+    dist = np.asarray(result["subset_distance"], dtype=float)
+    rank = np.nan
+    if len(sub) > 1 and np.ptp(dist) > 0 and np.ptp(sub) > 0:
+        rank = float(np.corrcoef(np.argsort(np.argsort(dist)), np.argsort(np.argsort(sub)))[0, 1])
+    return {"local_minus_global": float(sub[0] - sub[-1]), "rank_corr": rank,
+            "min_head": float(np.min(np.asarray(result["head_distance"], dtype=float)))}
+
+
+def go_no_go(by_step: dict, uniform: float) -> tuple[str, str]:
+    """The pilot check of a run: ``by_step`` {step: attention distances [L, H] in pixels, or None where not measured} at
+    every checkpoint the run has; ``uniform`` uniform attention's distance on its grid. :data:`GO` when some head of the
+    first :data:`GO_BLOCKS` blocks is below :data:`GO_FRACTION` x ``uniform`` at the SECOND checkpoint, :data:`NO_GO`
+    when none is, :data:`UNDECIDED` when that checkpoint or its measurement does not exist yet; and one sentence with
+    the numbers."""
+    steps = sorted(by_step)
+    thr = GO_FRACTION * uniform
+    if len(steps) < 2:
+        return UNDECIDED, (f"only {len(steps)} checkpoint(s) so far ({', '.join(map(str, steps)) or 'none'}); the check "
+                           "reads the second")
+    s = steps[1]
+    d = by_step[s]
+    if d is None or not np.isfinite(np.asarray(d, dtype=float)[:GO_BLOCKS]).any():
+        return UNDECIDED, f"no attention distance measured at the second checkpoint (step {s}) yet: run the analyze stage"
+    early = np.asarray(d, dtype=float)[:GO_BLOCKS]
+    b, h = np.unravel_index(np.nanargmin(early), early.shape)
+    m = float(early[b, h])
+    where = (f"at the second checkpoint (step {s}) the most local head of blocks 0-{len(early) - 1} (block {b}, head {h}) "
+             f"attends at {m:.2f} px = {m / uniform:.2f} x uniform attention's {uniform:.2f} px")
+    if m < thr:
+        return GO, f"{where}, below the {GO_FRACTION:g} x threshold ({thr:.2f} px)"
+    return NO_GO, f"{where}, not below the {GO_FRACTION:g} x threshold ({thr:.2f} px)"
 
 
 def last_layer(values) -> float:
@@ -394,19 +471,36 @@ def rule_cls_phase(ratios: list, sublayers, num_prefix_tokens: int) -> Verdict:
     return _finish(v, parts, p)
 
 
-def rule_head_mix(distances: list, uniform: float) -> Verdict:
-    """``distances``: per seed attention distances [L, H] (pixels, patch centres); ``uniform``: uniform attention's."""
+def rule_head_mix(distances: list, uniform: float, config: str = "vit_cls") -> Verdict:
+    """``distances``: per seed attention distances [L, H] (pixels, patch centres) of configuration ``config``;
+    ``uniform``: uniform attention's."""
     hm = [head_mix(d) for d in distances]
     local = LOCAL_FRACTION * uniform
     if not distances or min(h["min"] for h in hm) >= local:
         m = min((h["min"] for h in hm), default=float("nan"))
         return _untestable(f"no head is local: the smallest mean attention distance is {m:.2f} px, uniform attention's "
                            f"{uniform:.2f} px, local means below {local:.2f} px", smallest=m, uniform=uniform)
-    p = _seeds_problem({"vit_cls": distances})
+    p = _seeds_problem({config: distances})
     v = Verdict(INCONCLUSIVE, measured={"uniform_px": uniform, "smallest_px": min(h["min"] for h in hm)})
     parts = [_one("head spread, lower - upper half (px)", [h["spread_lower"] - h["spread_upper"] for h in hm], v),
              _one("mean distance, upper - lower half (px)", [h["mean_upper"] - h["mean_lower"] for h in hm], v)]
     return _finish(v, parts, p)
+
+
+def rule_head_subsets(results: list, uniform: float, config: str = "vit_cls") -> Verdict:
+    """``results``: per seed the head-subset result of configuration ``config``'s first block against the ResNet of the
+    same seed (analysis/head_subsets.py, patch-centre pixels); ``uniform``: uniform attention's distance."""
+    hs = [head_subsets(r) for r in results]
+    local = LOCAL_FRACTION * uniform
+    smallest = min((h["min_head"] for h in hs), default=float("nan"))
+    measured = {"uniform_px": uniform, "smallest_block0_px": smallest, "rank_corr": [h["rank_corr"] for h in hs]}
+    if not results or not smallest < local:
+        return _untestable(f"no head of the first block is local: its smallest mean attention distance is {smallest:.2f} px, "
+                           f"uniform attention's {uniform:.2f} px, local means below {local:.2f} px; windows of near-uniform "
+                           "heads have no local-to-global order to test", **measured)
+    v = Verdict(INCONCLUSIVE, measured=measured)
+    part = _one("CKA to ResNet lower layers, most local - most global window", [h["local_minus_global"] for h in hs], v)
+    return _finish(v, [part], _seeds_problem({config: results}))
 
 
 def rule_difference(name: str, a: list[float], b: list[float], configs: tuple[str, str]) -> Verdict:
@@ -468,9 +562,12 @@ def _plain(x):
     return x
 
 
-def write_json(path: Path, study: str, records: list[dict], notes: list[str]) -> None:
-    doc = {"study": study, "noise_factor": NOISE_FACTOR, "se_factor": SE_FACTOR, "outcomes": list(OUTCOMES),
-           "claims": records, "notes": notes}
+def write_json(path: Path, study: str, records: list[dict], notes: list[str], extra: dict | None = None) -> None:
+    """docs/reproduction.json: the claims' records, the notes, and ``extra`` (e.g. ``pilots``: each pilot run's
+    go/no-go; ``locality_configuration``: which configuration the locality claims read and why)."""
+    doc = {"study": study, "noise_factor": NOISE_FACTOR, "se_factor": SE_FACTOR, "go_fraction": GO_FRACTION,
+           "local_fraction": LOCAL_FRACTION, "outcomes": list(OUTCOMES), "claims": records, "notes": notes,
+           **_plain(extra or {})}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")

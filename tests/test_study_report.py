@@ -1,0 +1,193 @@
+"""The study report's pilot section, its choice of the configuration the locality claims read, and the CKA floors
+(analysis/reports/study_report.py, analysis/baselines.py), on synthetic run folders: a recipe.yaml, checkpoint
+meta.json files and saved attention distances, no training. The full report on trained tiny runs is in
+tests/test_study.py."""
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import TINY, _merge, class_split
+
+from analysis import baselines as B
+from analysis.measure import save_result
+from analysis.measures.cka import cka_layers
+from analysis.reports import claims as C
+from analysis.reports import study_report as R
+from analysis.reports.study import load_study
+from analysis.suite import make_context, run_suite, suite_options
+from train.checkpoint import step_dir_name
+from train.models import build_model
+from train.recipe import dump, from_dict
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HEADS, DEPTH, STEPS = 4, 3, 4500
+UNIFORM = C.uniform_distance(7, 4)  # 14.44 px on the 7x7 grid of 4-pixel patches
+
+
+def _recipe(tmp_path) -> str:
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(_merge(TINY, {
+        "model": {"depth": DEPTH, "num_heads": HEADS}, "callbacks": [],
+        "train": {"steps": STEPS, "eval_every": 1500, "checkpoint_every": 1500}})))
+    return "tiny.yaml"
+
+
+def _study(tmp_path, configs=("vit_cls", "vit_local", "vit_local_nomix")):
+    runs = {c: {"recipe": _recipe(tmp_path)} for c in configs}
+    if "vit_local_nomix" in runs:
+        runs["vit_local_nomix"]["seeds"] = [0]
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({"study": "mini", "root": str(tmp_path / "runs"), "report": str(tmp_path / "docs" / "r.md"),
+                                 "seeds": [0, 1], "runs": runs}))
+    return load_study(p)
+
+
+def _fake_run(study, name: str, distances: dict, final: bool = False) -> None:
+    """A run folder of study run ``name`` with a checkpoint (meta.json only) at every step of ``distances`` and, where
+    the value is not None, a saved attention distance [DEPTH, HEADS] there."""
+    sr = study.runs[name]
+    d = sr.run_dir
+    d.mkdir(parents=True)
+    recipe = from_dict(yaml.safe_load((sr.recipe.parent / sr.recipe.name).read_text()), name=name)
+    (d / "recipe.yaml").write_text(dump(recipe))
+    for step, dist in distances.items():
+        ck = d / "checkpoints" / step_dir_name(step)
+        ck.mkdir(parents=True)
+        meta = {"step": step, "final": final and step == max(distances), "eval": {"top1": 0.8, "n": 250}, "files": {}}
+        (ck / "meta.json").write_text(json.dumps(meta))
+        if dist is not None:
+            a = d / "analysis" / step_dir_name(step)
+            a.mkdir(parents=True)
+            px = np.asarray(dist, dtype=float)
+            save_result({"pixels": px, "unit_square": px / 24, "pixel_level": px + 1, "blocks": [f"blocks.{i}" for i in range(DEPTH)],
+                         "patch_size": 4}, a / "attention_distance.npz")
+
+
+FLAT = np.full((DEPTH, HEADS), 14.0)
+LOCAL = FLAT.copy()
+LOCAL[0, 2] = 5.0  # block 0, head 2: 0.35 x uniform, a local head
+
+
+def test_pilot_section_go_no_go_and_runs_missing_or_unfinished(tmp_path):
+    s = _study(tmp_path)
+    _fake_run(s, "vit_cls_s0", {1500: FLAT, 3000: FLAT, 4500: FLAT}, final=True)
+    _fake_run(s, "vit_cls_s1", {1500: FLAT}, final=False)
+    _fake_run(s, "vit_local_s0", {1500: FLAT, 3000: LOCAL, 4500: None})  # unfinished, last checkpoint not measured yet
+    _fake_run(s, "vit_local_nomix_s0", {1500: FLAT, 3000: FLAT, 4500: FLAT}, final=True)
+    (s.runs["vit_local_s1"].run_dir / "checkpoints").mkdir(parents=True)  # started, no complete checkpoint
+    runs, absent = R._open(s)
+    assert set(runs) == {"vit_cls_s0", "vit_cls_s1", "vit_local_s0", "vit_local_nomix_s0"}
+    assert absent == {"vit_local_s1": "no complete checkpoint yet"}
+    text, records, notes, extra = R._report(s, runs, absent)  # no ResNet: the runs and the pilots, no claims
+    assert records == [] and "## Pilot runs: choosing a regime where local heads can appear" in text
+    assert f"below {C.GO_FRACTION:g} x uniform" in text and "0.28 x" in text  # the threshold and its justification
+    go = extra["pilots"]
+    assert {k: v["go"] for k, v in go.items()} == {"vit_cls_s0": C.NO_GO, "vit_cls_s1": C.UNDECIDED, "vit_local_s0": C.GO,
+                                                  "vit_local_s1": C.UNDECIDED, "vit_local_nomix_s0": C.NO_GO}
+    assert "**vit_local_s0** (unfinished (step 4500 of 4500); 7x7 grid of 4-pixel patches, 4 heads; uniform attention 14.44 px)" in text
+    assert "Go/no-go: **go**: at the second checkpoint (step 3000) the most local head of blocks 0-1 (block 0, head 2) " \
+           "attends at 5.00 px = 0.35 x uniform" in text
+    assert "**vit_local_s1**: no complete checkpoint yet: no attention distance to show. Go/no-go: **undecided**." in text
+    assert "only 1 checkpoint(s) so far (1500)" in text  # vit_cls_s1
+    # the table: smallest head / mean over heads by block at every checkpoint, "-" where not measured
+    assert "| block | step 1500 | step 3000 | step 4500 |" in text
+    assert "| 0 | 14.0 / 14.0 | 5.0 / 11.8 | - |" in text and "| blocks 0-1: smallest / uniform | 0.97 | 0.35 | - |" in text
+    # the runs table says which runs are missing or unfinished
+    assert "| vit_local_s1 | vit_local | 1 |" in text and "no complete checkpoint yet | - |" in text
+    assert "(unfinished (step 1500 of 4500))" in text
+    fig = tmp_path / "docs" / "figures" / "mini" / "pilot_attention_distance.png"
+    assert fig.is_file() and "figures/mini/pilot_attention_distance.png" in text
+    assert go["vit_local_s0"]["smallest_early_px"] == {1500: 14.0, 3000: 5.0, 4500: None}
+
+
+def test_a_missing_pilot_is_said_but_a_missing_study_run_is_an_error(tmp_path):
+    s = _study(tmp_path)
+    _fake_run(s, "vit_cls_s0", {1500: FLAT}, final=True)
+    _fake_run(s, "vit_cls_s1", {1500: FLAT}, final=True)
+    runs, absent = R._open(s)  # no vit_local run exists at all
+    assert set(absent) == {"vit_local_s0", "vit_local_s1", "vit_local_nomix_s0"}
+    assert set(absent.values()) == {"not started (no run folder)"}
+    text = R._report(s, runs, absent)[0]
+    assert text.count("not started (no run folder): no attention distance to show") == 3
+    (tmp_path / "b").mkdir()
+    s2 = _study(tmp_path / "b")  # a second study with nothing trained: vit_cls missing is an error, not a pilot
+    with pytest.raises(R.O.AnalysisError, match="study run 'vit_cls_s0' is not trained yet"):
+        R._open(s2)
+
+
+def test_the_locality_claims_prefer_vit_local_when_all_its_seeds_have_finished(tmp_path):
+    s = _study(tmp_path)
+    for n in ("vit_cls_s0", "vit_cls_s1", "vit_local_s0"):
+        _fake_run(s, n, {1500: FLAT, 3000: LOCAL, 4500: LOCAL}, final=True)
+    _fake_run(s, "vit_local_s1", {1500: FLAT, 3000: LOCAL})  # still training
+
+    def choice():
+        runs, absent = R._open(s)
+        return R._locality(s, runs, absent, R._configs(s, runs))
+
+    loc = choice()
+    assert loc["config"] == "vit_cls" and [r.name for r in loc["runs"]] == ["vit_cls_s0", "vit_cls_s1"]
+    assert "vit_local has not finished (vit_local_s1: unfinished (step 3000 of 4500))" in loc["why"]
+    assert "not enough data" in loc["why"]
+    meta = s.runs["vit_local_s1"].run_dir / "checkpoints" / step_dir_name(4500)
+    meta.mkdir()
+    (meta / "meta.json").write_text(json.dumps({"step": 4500, "final": True, "eval": {"top1": 0.8, "n": 250}, "files": {}}))
+    loc = choice()
+    assert loc["config"] == "vit_local" and [r.name for r in loc["runs"]] == ["vit_local_s0", "vit_local_s1"]
+    assert "seeds 0, 1" in loc["why"] and "not enough data" in loc["why"]
+    # a study without the configuration reads vit_cls and says so
+    (tmp_path / "c").mkdir()
+    s3 = _study(tmp_path / "c", ("vit_cls",))
+    for n in ("vit_cls_s0", "vit_cls_s1"):
+        _fake_run(s3, n, {1500: FLAT}, final=True)
+    runs, absent = R._open(s3)
+    loc = R._locality(s3, runs, absent, R._configs(s3, runs))
+    assert loc["config"] == "vit_cls" and "has no vit_local configuration" in loc["why"]
+
+
+# -------------------------------------------------------------- CKA floors (analysis/baselines.py)
+
+def _vit(seed: int):
+    torch.manual_seed(seed)
+    return build_model(from_dict(_merge(TINY, {"model": {"depth": 2}})), 10).eval()
+
+
+class _Split(types.SimpleNamespace):
+    def __len__(self):
+        return len(self.labels)
+
+
+def test_cka_floors_against_the_maps_and_the_random_init():
+    split = _Split(**vars(class_split(32, seed=3)))
+    data = types.SimpleNamespace(analysis=split, probe_train=split, normalize=lambda x: x.float() / 255, num_classes=10)
+    model = _vit(0)
+    ctx = make_context(model, data, 16)
+    layers = cka_layers(ctx, "paper")
+    same = B.cka_floors(model, _vit(0), split.images, data.normalize, layers, ctx.prefix, batch_size=16)
+    other = B.cka_floors(model, _vit(1), split.images, data.normalize, layers, ctx.prefix, batch_size=16)
+    # the floors' map of the trained model is the map the cka measure draws (same layers, images, estimator)
+    cka = run_suite(model, data, suite_options(["cka"], 16, {"cka": {"layers": "paper"}}))["cka"]
+    assert [str(x) for x in same["labels"]] == [str(x) for x in cka["labels"]]
+    np.testing.assert_allclose(same["matrix"], cka["matrix"], atol=1e-6)
+    # the same weights at "init": every layer matches itself, and the init map and pixel CKA are the trained ones
+    np.testing.assert_allclose(same["init_same"], 1.0, atol=1e-6)
+    np.testing.assert_allclose(same["init_matrix"], same["matrix"], atol=1e-6)
+    np.testing.assert_allclose(same["init_pixels"], same["pixels"], atol=1e-6)
+    # another initialisation: a layer is no longer identical to its counterpart, and pixel CKA is a proper CKA
+    assert other["init_same"].min() < 0.99 and np.all((other["pixels"] > -0.1) & (other["pixels"] <= 1 + 1e-6))
+    assert len(other["taps"]) == len(layers) and other["taps"][-1].endswith(".out")
+    with pytest.raises(ValueError, match="fewer than 4"):
+        B.cka_floors(model, model, split.images[:18], data.normalize, layers, ctx.prefix, batch_size=16)
+
+
+def test_analyze_and_report_stages_go_on_without_the_pilot_runs(tmp_path, capsys):
+    s = _study(tmp_path, ("vit_local", "vit_local_nomix"))
+    assert R.analyze_study(s) == 0 and R.write_report(s) == 0
+    out = capsys.readouterr().out
+    assert "pilot run vit_local_s1: not started (no run folder); left out of the analysis" in out
+    text = s.report.read_text()
+    assert "| vit_local_nomix_s0 | vit_local_nomix | 0 |" in text and text.count("not started (no run folder)") == 6
+    assert not s.report.with_suffix(".json").exists()  # no claims without vit_cls and a ResNet
