@@ -7,6 +7,10 @@ checkpoints, cached, with figures, TensorBoard and report.md.
     python -m analysis runs/vit --against runs/resnet        cross-model CKA (Raghu Fig. 2) at the last checkpoints
     python -m analysis runs/subset --against runs/full:1800  + per-layer CKA of same-index layers (Fig. 12)
     python -m analysis --model timm:vit_tiny_patch16_224 --weights vit.safetensors --recipe recipes/my_data.yaml
+    python -m analysis runs/dino --part teacher              DINO's EMA teacher (results in analysis/teacher/)
+    python -m analysis runs/dino --part teacher --against runs/dino   teacher vs student, layer by layer
+    python -m analysis --model timm:vit_small_patch16_224.dino --weights dino_vits16.safetensors \
+        --set data.img_size=224 data.in_chans=3               a public DINO ViT-S/16 (a hub model.safetensors)
 
 Exit codes: 0 done; 2 bad input (one sentence on stderr naming the problem; nothing is written).
 """
@@ -34,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("run", nargs="?", help="run folder (runs/<name>)")
     p.add_argument("--steps", help="comma-separated checkpoint steps, or 'last' (default: every checkpoint)")
     p.add_argument("--measures", help="comma-separated measure names, or 'all' (default: cka,norm_ratio,attention_distance,fewshot_probe)")
+    p.add_argument("--part", help="the network of a self-supervised checkpoint to analyse: student (default; the backbone) "
+                   "or another part its objective saves, e.g. teacher (DINO); results go to analysis/<part>/, labelled")
     p.add_argument("--against", action="append", default=[], metavar="OTHER_RUN[:STEP]",
                    help="cross-run CKA against another run's checkpoint (default its last); repeatable")
     p.add_argument("--model", help="analyse a model not trained here: timm:<architecture>")
@@ -73,6 +79,7 @@ def main(argv=None) -> int:
             run = O.open_run(args.run)
         else:
             raise O.AnalysisError("no run given: pass a run folder (python -m analysis runs/default) or --model timm:<arch> --weights FILE.")
+        O.select_part(run, args.part)
         steps = [s.strip() for s in args.steps.split(",")] if args.steps else None
         if steps:
             [run.step(s) for s in steps]  # check them all before any work
@@ -88,16 +95,17 @@ def main(argv=None) -> int:
         for other, ostep in others:
             a = O.against(run, other, ostep, steps[-1:] if steps else None, opts, force=args.force, progress=not args.no_progress)
             for step, res in a["results"].items():
-                line = f"{run.name}@{step} vs {other.name}@{ostep}: mean CKA {res['matrix'].mean():.3f}"
+                line = f"{run.label}@{step} vs {other.label}@{ostep}: mean CKA {res['matrix'].mean():.3f}"
                 if "same_index" in res:
                     line += ", same-index layers " + " ".join(f"{v:.2f}" for v in res["same_index"])
                 print(line)
     except O.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = write_run_report(run)
-    print(f"{run.name}: {len(stats['computed'])} results computed, {len(stats['reused'])} reused from cache "
-          f"(steps {', '.join(map(str, stats['steps']))}); report: {report}")
+    report = write_run_report(run)  # the report shows the default part; another part's results are in its own folder
+    where = f"results in {O.step_dir(run, stats['steps'][-1]).parent}" if run.part != O.DEFAULT_PART else f"report: {report}"
+    print(f"{run.label}: {len(stats['computed'])} results computed, {len(stats['reused'])} reused from cache "
+          f"(steps {', '.join(map(str, stats['steps']))}); {where}")
     return 0
 
 

@@ -12,7 +12,8 @@ suite the training-time callback and ``python -m analysis`` run.
 
 ``model`` is a timm VisionTransformer, ResNet or MLP-Mixer object, or a run folder (``"runs/default"``, or
 ``"runs/default:600"`` for a checkpoint), whose own analysis and probe-train images are used unless ``images`` are
-given. ``images`` is a tensor [N, C, H, W] (uint8 or float) or an iterable of ``(images, labels)`` batches (a
+given; ``part`` picks the network of a self-supervised checkpoint (``"student"``, the default, or e.g. ``"teacher"``
+for DINO's EMA teacher: train/objectives). ``images`` is a tensor [N, C, H, W] (uint8 or float) or an iterable of ``(images, labels)`` batches (a
 DataLoader); measures that read labels (probes, k-NN, clustering) need ``labels`` and, for probes and k-NN,
 ``probe_images`` / ``probe_labels`` to train on. ``normalize`` maps a batch to model inputs (default: uint8 /
 255, float unchanged). Bad input raises ``ValueError`` with one sentence.
@@ -69,7 +70,7 @@ def _images(images, labels) -> TensorBatches:
 
 
 def analyze(model, images=None, labels=None, *, measures=None, options: dict | None = None, probe_images=None, probe_labels=None,
-            normalize=None, num_classes: int | None = None, batch_size: int = 256, figures: bool = True) -> dict:
+            normalize=None, num_classes: int | None = None, batch_size: int = 256, figures: bool = True, part: str | None = None) -> dict:
     """Run ``measures`` (default: CKA, norm ratios, attention distances, few-shot probes; ``"all"`` for every one)
     with ``options`` ({measure: {option: value}}) on ``images``. Returns ``{"results": {measure: arrays},
     "summary": {measure: key numbers}, "figures": {tag: matplotlib Figure}}`` (figures only if ``figures``)."""
@@ -79,6 +80,7 @@ def analyze(model, images=None, labels=None, *, measures=None, options: dict | N
         raise ValueError(str(e)) from None
     if isinstance(model, (str, Path)):
         run, step = O.parse_against(str(model))  # "runs/x" (last checkpoint) or "runs/x:STEP"; AnalysisError is a ValueError
+        O.select_part(run, part)
         run_data = O.load_data(run)
         model = O.load_model(run, step, run_data)
         if images is None:
@@ -87,6 +89,8 @@ def analyze(model, images=None, labels=None, *, measures=None, options: dict | N
             data = Data(_images(images, labels), _images(probe_images, probe_labels) if probe_images is not None else run_data.probe_train,
                         num_classes or run_data.num_classes, normalize or run_data.normalize)
     else:
+        if part is not None:
+            raise ValueError(f"part='{part}' picks a network of a run folder's checkpoint: pass the network object itself instead.")
         if images is None:
             raise ValueError("give images to analyse a model object (a tensor [N, C, H, W] or a DataLoader).")
         x = _images(images, labels)
@@ -97,5 +101,5 @@ def analyze(model, images=None, labels=None, *, measures=None, options: dict | N
     res = run_suite(model, data, opts)
     out = {"results": {k: v for k, v in res.items() if k != "meta"}, "meta": res["meta"], "summary": storage.summary_of(res)}
     if figures:
-        out["figures"] = storage.make_figures(res)
+        out["figures"] = storage.make_figures(res, part=part)
     return out

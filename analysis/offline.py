@@ -10,7 +10,15 @@ cross-run comparisons on the same analysis images.
   earlier) checkpoint on the same images: the full layer-by-layer matrix (Raghu Fig. 2: ViT vs ResNet) and,
   when both models have the same layers, the per-layer CKA of same-index layers (Fig. 12: subset vs full data;
   App. G: a fine-tuned model vs its start).
-- :func:`model_from_timm` loads a model that was not trained here (``timm:<arch>`` + a safetensors file).
+- :func:`model_from_timm` loads a model that was not trained here (``timm:<arch>`` + a safetensors file), e.g. a
+  public DINO or MAE ViT (``timm:vit_small_patch16_224.dino``): a pretrained tag names timm's configuration and is
+  built without its weights, then the file is loaded.
+- Self-supervised checkpoints: an objective other than ``supervised`` saves one module holding the backbone and
+  its own networks under key prefixes (``Objective.parts`` in train/objectives, recorded in every checkpoint's
+  meta.json). :func:`load_model` builds the backbone (without classifier head when the objective does not use
+  labels: no measure reads the head; probes, k-NN and clustering read features) and loads the network ``run.part``
+  (default ``student``, the backbone; ``teacher`` for DINO's EMA teacher). Another part's results are kept apart
+  (:func:`analysis.storage.step_dir`) and labelled.
 
 Every user error raises :class:`AnalysisError` with one sentence, before anything is written.
 """
@@ -33,10 +41,23 @@ from analysis.measure import as_list, load_result, save_result
 from analysis.measures.cka import cka_layers
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, arch_of
-from train.checkpoint import STEP_RE, CheckpointError, list_checkpoints, load_weights, sha256_file, verify_checkpoint
+from train.checkpoint import (
+    STEP_RE,
+    CheckpointError,
+    fit_report,
+    list_checkpoints,
+    load_weights,
+    read_meta,
+    read_weights,
+    sha256_file,
+    verify_checkpoint,
+)
 from train.data import DataError, build_data
 from train.models import build_model
+from train.objectives import uses_labels
 from train.recipe import RecipeError, load_recipe
+
+DEFAULT_PART = storage.DEFAULT_PART
 
 
 class AnalysisError(ValueError):
@@ -52,6 +73,7 @@ class Run:
     recipe: object
     checkpoints: dict[int, Path] = field(default_factory=dict)
     external: dict | None = None  # {"arch": "timm:...", "weights": FILE or "pretrained"} for models not trained here
+    part: str = DEFAULT_PART  # the network analysed: a name in the checkpoints' objective parts (select_part)
     _data: object = field(default=None, repr=False)  # the data bundle and its fingerprint, built once (load_data)
     _fingerprint: str | None = field(default=None, repr=False)
 
@@ -67,9 +89,15 @@ class Run:
             raise AnalysisError(f"run {self.path} has no checkpoint at step {s}: it has {sorted(self.checkpoints)}.")
         return s
 
+    @property
+    def label(self) -> str:
+        """The run's name in figures and printed lines, with the part when it is not the default one."""
+        return self.name if self.part == DEFAULT_PART else f"{self.name} ({self.part})"
 
-def open_run(path: str | Path) -> Run:
-    """A trained run folder (``runs/<name>``); raise AnalysisError when it is missing or has no checkpoints."""
+
+def open_run(path: str | Path, part: str | None = None) -> Run:
+    """A trained run folder (``runs/<name>``), analysing its network ``part`` (default student: :func:`select_part`);
+    raise AnalysisError when it is missing or has no checkpoints."""
     p = Path(path)
     if not p.is_dir():
         raise AnalysisError(f"run folder '{p}' does not exist: pass a folder such as runs/default.")
@@ -82,7 +110,41 @@ def open_run(path: str | Path) -> Run:
     ckpts = list_checkpoints(p / "checkpoints", warn=False)
     if not ckpts:
         raise AnalysisError(f"run {p} has no complete checkpoint: train it until its first checkpoint (./launch.sh RECIPE), or pass another run.")
-    return Run(p, p.name, recipe, {int(STEP_RE.match(c.name).group(1)): c for c in ckpts})
+    run = Run(p, p.name, recipe, {int(STEP_RE.match(c.name).group(1)): c for c in ckpts})
+    return select_part(run, part) if part is not None else run
+
+
+def checkpoint_parts(run: Run, step: int) -> dict[str, str]:
+    """The networks of checkpoint ``step``: {part name: its key prefix in model.safetensors}, from the objective's
+    ``parts`` in meta.json (``{"student": "backbone.", "teacher": "teacher_backbone."}`` for DINO); a supervised
+    run, a run from before objectives and a model from elsewhere hold one network, saved unprefixed: ``{"student": ""}``."""
+    if run.external:
+        return {DEFAULT_PART: ""}
+    try:
+        meta = read_meta(run.checkpoints[step])
+    except CheckpointError as e:
+        raise AnalysisError(str(e)) from None
+    parts = (meta.get("objective") or {}).get("parts") or {}
+    return dict(parts) if isinstance(parts, dict) and parts else {DEFAULT_PART: ""}
+
+
+def part_prefix(run: Run, step: int) -> str:
+    """The key prefix of ``run.part`` in checkpoint ``step``; AnalysisError naming the parts it has."""
+    parts = checkpoint_parts(run, step)
+    if run.part not in parts:
+        if run.external:
+            raise AnalysisError(f"model {run.external['arch']} has no part '{run.part}': a model from elsewhere is one network "
+                                f"({DEFAULT_PART}), so leave --part out.")
+        raise AnalysisError(f"run {run.path} has no part '{run.part}' (objective {run.recipe.train.objective} saves "
+                            f"{', '.join(parts)}): pass --part {' or --part '.join(parts)}.")
+    return parts[run.part]
+
+
+def select_part(run: Run, part: str | None) -> Run:
+    """``run`` analysing its network ``part`` (None: the default, student), checked against its last checkpoint."""
+    run.part = part or DEFAULT_PART
+    part_prefix(run, max(run.checkpoints))
+    return run
 
 
 def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: list[str], out: str | Path | None) -> Run:
@@ -103,9 +165,21 @@ def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: li
 
 
 def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, img_size: int) -> torch.nn.Module:
-    """timm.create_model(arch) for the data's shape, with weights from a safetensors file (or timm's pretrained)."""
+    """timm.create_model(arch) for the data's shape, with weights from a safetensors file (or timm's pretrained).
+
+    ``arch`` may carry timm's pretrained tag (``timm:vit_small_patch16_224.dino``, ``timm:vit_base_patch16_224.mae``):
+    with a file, the tag only picks timm's configuration (``pretrained=False``, no network) and the file's tensors,
+    keyed as timm's own (a hub ``model.safetensors``), are loaded. The classifier head follows the file: none when it
+    holds no head (DINO's and MAE's backbones), the file's class count when it holds one (no measure reads the head)."""
     name = arch[5:]
-    kw = {"num_classes": num_classes, "in_chans": in_chans, "pretrained": weights == "pretrained"}
+    pretrained = weights == "pretrained"
+    state = None
+    if not pretrained:
+        try:
+            state, _ = read_weights(Path(weights))
+        except CheckpointError as e:
+            raise AnalysisError(str(e)) from None
+    kw = {"num_classes": num_classes, "in_chans": in_chans, "pretrained": pretrained}
     try:
         try:
             model = timm.create_model(name, img_size=img_size, **kw)
@@ -114,16 +188,36 @@ def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, im
     except RuntimeError as e:
         if "Unknown model" in str(e):
             raise AnalysisError(f"timm has no architecture '{name}': see timm.list_models().") from None
+        if "Invalid pretrained tag" in str(e):
+            raise AnalysisError(f"timm has no pretrained tag '{name.partition('.')[2]}' for {name.partition('.')[0]}: see "
+                                f"timm.list_models('{name.partition('.')[0]}*', pretrained=True).") from None
         raise
     except OSError as e:  # also what huggingface_hub raises offline (its errors subclass OSError)
         raise AnalysisError(f"timm could not download the pretrained weights of '{name}' ({type(e).__name__}): pass a local "
                             "--weights FILE.safetensors when offline.") from None
-    if weights != "pretrained":
+    if state is not None:
+        _head_like(model, state)
         try:
-            load_weights(model, Path(weights))
-        except CheckpointError as e:
-            raise AnalysisError(str(e)) from None
+            model.load_state_dict(state)
+        except RuntimeError:
+            raise AnalysisError(f"weights in {weights} do not fit this model ({arch} at data.img_size={img_size}, data.in_chans={in_chans}: "
+                                f"{fit_report(model.state_dict(), state) or 'load_state_dict refused them'}): pass the architecture "
+                                "they belong to and the image size and channels they were trained at (e.g. --set data.img_size=224 "
+                                "data.in_chans=3).") from None
     return model
+
+
+def _head_like(model: torch.nn.Module, state: dict) -> None:
+    """Give ``model`` the classifier head ``state`` holds: none when it holds no head weights, else as many classes."""
+    head = model.get_classifier() if hasattr(model, "get_classifier") else None
+    if not isinstance(head, torch.nn.Linear):
+        return
+    name = next(n for n, m in model.named_modules() if m is head)
+    w = state.get(f"{name}.weight")
+    if w is None:
+        model.reset_classifier(0)
+    elif w.ndim == 2 and w.shape[0] != head.out_features:
+        model.reset_classifier(int(w.shape[0]))
 
 
 def load_model(run: Run, step: int, data) -> torch.nn.Module:
@@ -131,16 +225,20 @@ def load_model(run: Run, step: int, data) -> torch.nn.Module:
     if run.external:
         r = run.recipe.data
         return model_from_timm(run.external["arch"], run.external["weights"], data.num_classes, r.in_chans, r.img_size).eval()
-    model = build_model(run.recipe, data.num_classes)
+    prefix = part_prefix(run, step)
+    # an objective without labels trains a backbone without classifier head (as the trainer builds it)
+    model = build_model(run.recipe, data.num_classes if uses_labels(run.recipe) else 0)
     try:
         verify_checkpoint(run.checkpoints[step])
-        load_weights(model, run.checkpoints[step])
+        load_weights(model, run.checkpoints[step], prefix=prefix)
     except CheckpointError as e:
         raise AnalysisError(str(e)) from None
     return model.eval()
 
 
 def weights_key(run: Run, step: int) -> str:
+    """What a result's cache key says about the network analysed: the weights' sha256 (plus the part when it is not
+    the default one: a student and a teacher share one model.safetensors)."""
     if run.external:
         w = run.external["weights"]
         if w == "pretrained":
@@ -149,7 +247,7 @@ def weights_key(run: Run, step: int) -> str:
     wid = storage.weights_id(run.checkpoints[step])
     if wid is None:
         raise AnalysisError(f"checkpoint {run.checkpoints[step]} records no model.safetensors checksum: it was not written by vitlab.")
-    return wid
+    return wid if run.part == DEFAULT_PART else f"{wid}:{run.part}"
 
 
 def load_data(run: Run):
@@ -170,7 +268,7 @@ def fingerprint(run: Run) -> str:
 
 
 def step_dir(run: Run, step: int, kind: str = "analysis") -> Path:
-    return storage.step_dir(run.path, step, kind)
+    return storage.step_dir(run.path, step, kind, run.part)
 
 
 class _Writer:
@@ -210,6 +308,7 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
                 verify_checkpoint(run.checkpoints[step])
             except CheckpointError as e:
                 raise AnalysisError(str(e)) from None
+            part_prefix(run, step)
     writer = _Writer(run, tensorboard)
     try:
         for step in tqdm(steps, desc=f"analyse {run.name}", disable=not progress, unit="ckpt"):
@@ -230,7 +329,7 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
 
 def publish_step(run: Run, step: int, res: dict, writer, keys: dict) -> None:
     """Arrays and cache keys to analysis/step_X/, PNGs to figures/step_X/, scalars and images to TensorBoard."""
-    storage.publish(res, step_dir(run, step), writer, step, keys=keys, figure_dir=step_dir(run, step, "figures"))
+    storage.publish(res, step_dir(run, step), writer, step, keys=keys, figure_dir=step_dir(run, step, "figures"), part=run.part)
 
 
 # ---------------------------------------------------------------- cross-run comparisons
@@ -283,7 +382,8 @@ def check_same_images(run: Run, other: Run) -> tuple:
 
 
 def against_dir(run: Run, step: int, other: Run, other_step: int, kind: str = "analysis") -> Path:
-    return storage.against_dir(run.path, step, other.name, other_step, kind)
+    other_name = other.name if other.part == DEFAULT_PART else f"{other.name}.{other.part}"
+    return storage.against_dir(run.path, step, other_name, other_step, kind, run.part)
 
 
 def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOptions | None = None, force: bool = False,
@@ -317,7 +417,7 @@ def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOpti
             save_result(heads, out / "head_subsets.npz")
         (out / "cache.json").write_text(json.dumps({"cross_cka": key}))
         fig_dir = against_dir(run, step, other, other_step, "figures")
-        draw_cross(res, fig_dir, f"{run.name}@{step}", f"{other.name}@{other_step}", heads)
+        draw_cross(res, fig_dir, f"{run.label}@{step}", f"{other.label}@{other_step}", heads)
         stats["results"][step] = load_result(out / "cross_cka.npz")
         stats["computed"].append(step)
     return stats

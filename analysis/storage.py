@@ -5,6 +5,13 @@
     runs/<name>/analysis/step_XXXXXXX/cache.json        {measure: cache key} of the results in the folder
     runs/<name>/figures/step_XXXXXXX/<tag>.png          figures (TensorBoard image tag with / -> _)
     runs/<name>/analysis/against/<other>_step_Y/step_X/ cross-run results (cross_cka.npz, head_subsets.npz)
+    runs/<name>/analysis/<part>/step_XXXXXXX/           the same for another network of the checkpoint than the one
+    runs/<name>/figures/<part>/step_XXXXXXX/            trained as the backbone (``--part teacher``: DINO's EMA teacher)
+
+A self-supervised checkpoint holds several networks (``Objective.parts`` in train/objectives: ``student``, the
+backbone, and e.g. ``teacher``); results of the default part (``student``, also a supervised run's one network) live
+where they always did, those of any other part in a folder named after it, with their TensorBoard tags and figure
+titles labelled by it (``analysis/teacher/cka/mean_offdiag``, image ``teacher/cka/self``).
 
 A result's cache key (:func:`cache_key`) is a hash of the checkpoint's weights (their recorded sha256), the
 analysis images (:func:`data_fingerprint`), the measure's name and what the measure depends on
@@ -23,14 +30,43 @@ from analysis.figures import render, write_png
 from analysis.measure import load_result, registry, save_result
 from train.checkpoint import step_dir_name
 
-
-def step_dir(run_path: Path, step: int, kind: str = "analysis") -> Path:
-    """``run/analysis/step_XXXXXXX`` (``kind="figures"`` for the figures)."""
-    return Path(run_path) / kind / step_dir_name(step)
+DEFAULT_PART = "student"  # the network analysed unless told: the backbone a run trains (a supervised run's only one)
 
 
-def against_dir(run_path: Path, step: int, other_name: str, other_step: int, kind: str = "analysis") -> Path:
-    return Path(run_path) / kind / "against" / f"{other_name}_{step_dir_name(other_step)}" / step_dir_name(step)
+def _part_root(run_path: Path, kind: str, part: str | None) -> Path:
+    root = Path(run_path) / kind
+    return root if part in (None, DEFAULT_PART) else root / part
+
+
+def step_dir(run_path: Path, step: int, kind: str = "analysis", part: str | None = None) -> Path:
+    """``run/analysis/step_XXXXXXX`` (``kind="figures"`` for the figures); ``run/analysis/<part>/step_XXXXXXX`` for
+    a part other than the default one."""
+    return _part_root(run_path, kind, part) / step_dir_name(step)
+
+
+def against_dir(run_path: Path, step: int, other_name: str, other_step: int, kind: str = "analysis", part: str | None = None) -> Path:
+    return _part_root(run_path, kind, part) / "against" / f"{other_name}_{step_dir_name(other_step)}" / step_dir_name(step)
+
+
+def part_label(part: str | None) -> str | None:
+    """The label of a part's results (tags, titles): None for the default part, whose results are unlabelled."""
+    return None if part in (None, DEFAULT_PART) else part
+
+
+def label_figure(fig, label: str | None):
+    """Prefix ``label: `` to the figure's title (its suptitle, else every titled panel, else a new suptitle)."""
+    if not label:
+        return fig
+    sup = getattr(fig, "_suptitle", None)
+    titled = [ax for ax in fig.axes if ax.get_title()]
+    if sup is not None and sup.get_text():
+        sup.set_text(f"{label}: {sup.get_text()}")
+    elif titled:
+        for ax in titled:
+            ax.set_title(f"{label}: {ax.get_title()}")
+    else:
+        fig.suptitle(label)
+    return fig
 
 
 def data_fingerprint(data) -> str:
@@ -136,44 +172,54 @@ def load_results(out_dir: Path, measures=None) -> dict:
     return res
 
 
-def make_figures(res: dict, step: int | None = None) -> dict:
+def make_figures(res: dict, step: int | None = None, part: str | None = None) -> dict:
+    """{tag: figure} of every measure; for a part other than the default, tags ``<part>/...`` and titles labelled."""
     reg = registry()
+    label = part_label(part)
     figs = {}
     for name, r in res.items():
         if name in reg:
             figs.update(reg[name].figures(r, step))
+    if label:
+        figs = {f"{label}/{tag}": label_figure(fig, label) for tag, fig in figs.items()}
     return figs
 
 
 SCALAR_PREFIX = "analysis/"  # one TensorBoard group for every analysis scalar, beside train/, eval/ and time/
 
 
-def log_results(res: dict, writer, step: int) -> None:
-    """TensorBoard scalars of every measure under ``analysis/`` (e.g. ``analysis/cka/mean_offdiag``), so the
-    training and eval curves are not spread among dozens of analysis groups; through the raw SummaryWriter."""
+def log_results(res: dict, writer, step: int, part: str | None = None) -> None:
+    """TensorBoard scalars of every measure under ``analysis/`` (e.g. ``analysis/cka/mean_offdiag``; another part
+    than the default under ``analysis/<part>/``), so the training and eval curves are not spread among dozens of
+    analysis groups; through the raw SummaryWriter."""
     if writer is None:
         return
     reg = registry()
+    label = part_label(part)
+    prefix = SCALAR_PREFIX + (f"{label}/" if label else "")
     for name, r in res.items():
         if name in reg:
             for tag, v in reg[name].scalars(r).items():
-                writer.add_scalar(SCALAR_PREFIX + tag, v, step)
+                writer.add_scalar(prefix + tag, v, step)
 
 
 def publish(res: dict, out_dir: Path, writer=None, step: int | None = None, figures: bool = True, keys: dict | None = None,
-            figure_dir: Path | None = None, png: bool = True) -> Path:
+            figure_dir: Path | None = None, png: bool = True, part: str | None = None) -> Path:
     """Write arrays + summary.json (+ cache keys) to ``out_dir``, log scalars, and draw each figure ONCE, as an
-    image that goes to TensorBoard and (``png``) to ``figure_dir`` (default ``out_dir``)."""
+    image that goes to TensorBoard and (``png``) to ``figure_dir`` (default ``out_dir``); ``part``: the network the
+    results are of, labelling tags and titles unless it is the default one."""
     write_results(res, out_dir, step, keys)
-    log_results(res, writer, step)
+    log_results(res, writer, step, part)
     if figures and (png or writer is not None):
         fig_dir = Path(figure_dir or out_dir)
         if png:
             fig_dir.mkdir(parents=True, exist_ok=True)
-        for name, fig in make_figures(res, step).items():
+        label = part_label(part)
+        for name, fig in make_figures(res, step, part).items():
             rgb = render(fig)
             if writer is not None:
                 writer.add_image(name, rgb, step, dataformats="HWC")
-            if png:
-                write_png(rgb, fig_dir / f"{name.replace('/', '_')}.png")
+            if png:  # the file name without the part: the part's own folder says it
+                stem = name[len(label) + 1:] if label else name
+                write_png(rgb, fig_dir / f"{stem.replace('/', '_')}.png")
     return Path(out_dir)

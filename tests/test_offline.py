@@ -175,7 +175,7 @@ def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path
     (other / "recipe.yaml").write_text(yaml.safe_dump(r))
     _bad(capsys, [str(run), "--against", str(other)], "analyse different images", tmp_path)
     # weights that do not fit the architecture
-    save_file(timm.create_model("resnet10t", num_classes=3, in_chans=1).state_dict(), tmp_path / "w.safetensors")
+    save_file(timm.create_model("resnet10t", num_classes=10, in_chans=3).state_dict(), tmp_path / "w.safetensors")
     p = write_recipe(data={"probe_train_size": 200})
     _bad(capsys, ["--model", "timm:resnet10t", "--weights", str(tmp_path / "w.safetensors"), "--recipe", str(p), "--out",
                   str(tmp_path / "ext")], "do not fit this model", tmp_path)

@@ -24,7 +24,8 @@ def test_default_recipe_hash_is_unchanged_by_the_new_fields():
         assert load_recipe(ROOT / "recipes/default.yaml", [o]).hash() != r.hash(), o
     assert {k[-1] for k in ADDED_FIELDS} == {"in_memory", "random_resized_crop", "resnet_block", "dropout", "mixer_token_ratio",
                                          "mixup_alpha", "cutmix_alpha", "mix_prob", "switch_prob", "mix_mode",
-                                         "randaugment_ops", "randaugment_magnitude", "val_size", "objective"}
+                                         "randaugment_ops", "randaugment_magnitude", "val_size", "objective", "init_from",
+                                         "init_part", "freeze_backbone"}
 
 
 def test_paper_recipes_are_the_papers_hyper_parameters():

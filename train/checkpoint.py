@@ -161,8 +161,10 @@ def resolve_resume(ckpt_root: Path, explicit: str | None, run_dir: Path | None =
     return complete[-1] if complete else None
 
 
-def load_weights(model, path: Path, strict: bool = True) -> None:
-    """Load ``model.safetensors`` of a checkpoint folder (or a .safetensors file) into ``model``."""
+def read_weights(path: Path, prefix: str = "") -> tuple[dict, Path]:
+    """The tensors of ``model.safetensors`` in a checkpoint folder (or of a .safetensors file) and the file read.
+    With ``prefix`` (a network's key prefix in an objective's checkpoint, e.g. ``teacher_backbone.``: see
+    ``Objective.parts`` in train/objectives), only the tensors under it, the prefix stripped."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -173,16 +175,33 @@ def load_weights(model, path: Path, strict: bool = True) -> None:
         state = load_file(str(f))
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
         raise CheckpointError(f"weights file {f} cannot be read ({type(e).__name__}): it is corrupted or not a safetensors file.") from None
+    if prefix:
+        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if not state:
+            raise CheckpointError(f"weights in {f} hold no tensors under '{prefix}': the checkpoint's meta.json names parts that "
+                                  "its model.safetensors does not have, so it was not written by this objective.")
+    return state, f
+
+
+def fit_report(own: dict, state: dict) -> str:
+    """What keeps ``state`` from loading into a model whose state_dict is ``own``: counts and one example each."""
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
+    parts = [f"{len(v)} {what} (e.g. {v[0]}{detail(v[0])})" for v, what, detail in (
+        (missing, "tensors missing", lambda k: ""), (unexpected, "unexpected tensors", lambda k: ""),
+        (shapes, "of other shapes", lambda k: f": {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"))
+        if v]
+    return "; ".join(parts)
+
+
+def load_weights(model, path: Path, strict: bool = True, prefix: str = "") -> None:
+    """Load ``model.safetensors`` of a checkpoint folder (or a .safetensors file) into ``model``; ``prefix``: the
+    network under that key prefix (:func:`read_weights`)."""
+    state, f = read_weights(path, prefix)
     try:
         model.load_state_dict(state, strict=strict)
     except RuntimeError:
-        own = model.state_dict()
-        missing = [k for k in own if k not in state]
-        unexpected = [k for k in state if k not in own]
-        shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
-        parts = [f"{len(v)} {what} (e.g. {v[0]}{detail(v[0])})" for v, what, detail in (
-            (missing, "tensors missing", lambda k: ""), (unexpected, "unexpected tensors", lambda k: ""),
-            (shapes, "of other shapes", lambda k: f": {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"))
-            if v]
-        raise CheckpointError(f"weights in {f} do not fit this model ({'; '.join(parts) or 'load_state_dict refused them'}): check that the "
+        why = fit_report(model.state_dict(), state)
+        raise CheckpointError(f"weights in {f} do not fit this model ({why or 'load_state_dict refused them'}): check that the "
                               "recipe's model section matches the run that wrote them.") from None

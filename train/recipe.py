@@ -132,6 +132,11 @@ class TrainConfig:
     # how the model is taught: supervised (cross-entropy on labels), dino, mae (train/objectives/<name>.py; options
     # in the recipe section objectives.<name>)
     objective: str = "supervised"
+    # start from a pretrained run (train/init_from.py): a run folder (its last checkpoint), a checkpoint folder, or a
+    # run's name under run.root; every weight but the classifier head is loaded from its network init_part
+    init_from: Optional[str] = None
+    init_part: str = "student"  # the network of init_from's checkpoint: student (the backbone) or e.g. teacher (DINO)
+    freeze_backbone: bool = False  # linear evaluation: only the classifier head trains, the backbone stays in eval mode
 
 
 @dataclass
@@ -178,6 +183,9 @@ ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("data", "augment", "randaugment_magnitude"): 9,
     ("train", "objective"): "supervised",
     ("data", "val_size"): 0,
+    ("train", "init_from"): None,
+    ("train", "init_part"): "student",
+    ("train", "freeze_backbone"): False,
 }
 # The interventions that existed when the hash was defined: hashed even when absent (None / []), as they always
 # were. Any other intervention is left out of the hash while absent, so adding one keeps every hash.

@@ -332,6 +332,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     from accelerate.utils import set_seed
 
     from interventions import describe
+    from train import init_from
     from train.callbacks import TrainContext, build_callbacks
     from train.data import EpochBatchSampler, augment, batch_collate, build_data
     from train.knn import knn_monitor
@@ -367,6 +368,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     # an objective without labels trains a backbone without classifier head: its output is the pooled features
     backbone = build_model(recipe, data.num_classes if labelled else 0)
     objective = build_objective(recipe, backbone, data.num_classes)
+    # fine-tuning / linear evaluation: a fresh start loads train.init_from (not a resume), the frozen backbone stays frozen
+    init_record = init_from.apply(recipe, objective, start_meta if start_ckpt is not None else None)
     model = objective.trained_module()  # the backbone (supervised) or the objective holding it and its own parts
     import timm.optim
 
@@ -417,6 +420,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         "recipe_hash": recipe.hash(), "resume_hash": recipe.resume_hash(), "interventions": describe(recipe), "data": data.meta,
         "num_processes": acc.num_processes, "global_batch": global_batch, "num_classes": data.num_classes,
         "torch_threads": torch.get_num_threads(), "objective": objective.describe(),
+        **({"init_from": init_record} if init_record else {}),
     }
     if main and step == 0:
         _write_hparams(writer, recipe, {"run": {k: v for k, v in run_info.items() if k != "interventions"}})
