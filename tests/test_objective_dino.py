@@ -249,6 +249,19 @@ def test_every_part_loads_into_a_fresh_backbone():
             assert torch.equal(fresh(x), net(x)), name
 
 
+def test_a_gap_vit_with_hooked_interventions_has_a_teacher_of_its_own():
+    """The teacher is a deep copy: a hook an intervention put on the student's block is the teacher's own copy on
+    the teacher's block (head_mask), so the teacher computes what the student's architecture computes."""
+    r = from_dict({"model": {**TINY_MODEL, "head": "gap"}, "train": {"objective": "dino"}, "objectives": {"dino": DINO},
+                   "interventions": {"head_mask": {"block": 0, "heads": [1]}}})
+    obj = build_objective(r, build_model(r, 0), 10)
+    t_attn, s_attn = obj.teacher_backbone.blocks[0].attn, obj.backbone.blocks[0].attn
+    (hook,) = t_attn.proj._forward_pre_hooks.values()
+    assert hook is t_attn.head_mask and hook is not s_attn.head_mask
+    loss, _ = obj(torch.randn(3, 1, 28, 28), None, 0)
+    assert torch.isfinite(loss)
+
+
 # ---------------------------------------------------------------- through the trainer
 
 
