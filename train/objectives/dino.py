@@ -336,8 +336,8 @@ class Objective(_Base):
         collapsed = None
         if h >= UNIFORM_SHARE * log_k:
             collapsed = (f"DINO collapsed to the uniform distribution: the teacher's mean entropy is {h:.3f} nats, "
-                         f"{h / log_k:.0%} of log(out_dim) = {log_k:.3f}, so its outputs no longer tell images apart (try a lower "
-                         f"objectives.dino.teacher_temp or a higher center_momentum).")
+                         f"{h / log_k:.0%} of log(out_dim) = {log_k:.3f}, so its outputs no longer tell images apart (sharpen more: "
+                         f"a lower objectives.dino.teacher_temp).")
         elif st["top_share"] >= DOMINANT_SHARE:
             collapsed = (f"DINO collapsed to one prototype: prototype {int(st['top_prototype'])} holds {st['top_share']:.0%} of the "
                          f"teacher's probability over the last step's {int(st['views'])} global views (teacher entropy {h:.3f} nats "
