@@ -209,8 +209,9 @@ def dino_loss(student_out: Tensor, teacher_out: Tensor, center: Tensor, teacher_
     softmax(student_v / student_temp), the teacher probabilities [n_global * B, K])."""
     n_views = student_out.shape[0] * n_global // teacher_out.shape[0]
     b = teacher_out.shape[0] // n_global
-    with torch.autocast(student_out.device.type, enabled=False):  # float32: autocast would run the einsum in bf16
-        student_out, teacher_out, center = student_out.float(), teacher_out.float(), center.float()
+    dt = torch.promote_types(student_out.dtype, torch.float32)  # at least float32 (float64 stays)
+    with torch.autocast(student_out.device.type, enabled=False):  # autocast would run the einsum in bf16
+        student_out, teacher_out, center = student_out.to(dt), teacher_out.to(dt), center.to(dt)
         q = F.softmax((teacher_out - center) / teacher_temp, dim=-1)
         log_p = F.log_softmax(student_out / student_temp, dim=-1)
         # ce[i, v] = batch mean of H(q_i, p_v): one contraction over (batch, prototypes) for every pair
