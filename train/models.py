@@ -14,7 +14,9 @@ def build_model(recipe, num_classes: int) -> nn.Module:
     """The recipe's model with its interventions applied (see interventions/)."""
     m, d = recipe.model, recipe.data
     if m.arch == "vit":
-        model = build_vit(m, d.img_size, d.in_chans, num_classes, recipe.interventions)
+        # DINO's local crops are smaller than data.img_size: timm's dynamic_img_size resamples the position embedding
+        model = build_vit(m, d.img_size, d.in_chans, num_classes, recipe.interventions,
+                          dynamic_img_size=recipe.train.objective == "dino")
     elif model_interventions(recipe.interventions):  # each intervention's check says so first, in recipe terms
         raise ValueError(f"interventions {', '.join(model_interventions(recipe.interventions))} apply to ViTs only, not to model.arch {m.arch!r}.")
     elif m.arch == "mixer":
@@ -27,9 +29,11 @@ def build_model(recipe, num_classes: int) -> nn.Module:
     return model
 
 
-def build_vit(m, img_size: int, in_chans: int, num_classes: int, interventions=None) -> nn.Module:
+def build_vit(m, img_size: int, in_chans: int, num_classes: int, interventions=None, dynamic_img_size: bool = False) -> nn.Module:
     """timm VisionTransformer. ``head: cls`` classifies the class token (global_pool='token');
-    ``head: gap`` has no class token and classifies the mean of the final tokens (global_pool='avg')."""
+    ``head: gap`` has no class token and classifies the mean of the final tokens (global_pool='avg').
+    ``dynamic_img_size``: inputs of another size (a multiple of the patch) are accepted, the position embedding
+    resampled (bicubic) to their grid; at ``img_size`` the outputs and the state dict are the same as without it."""
     cls = m.head == "cls"
     return VisionTransformer(
         img_size=img_size,
@@ -46,6 +50,7 @@ def build_vit(m, img_size: int, in_chans: int, num_classes: int, interventions=N
         drop_rate=m.dropout,  # after the position embedding (and before the head)
         proj_drop_rate=m.dropout,  # after the attention output projection and each MLP layer
         block_fn=block_fn_for(interventions, Block),
+        dynamic_img_size=dynamic_img_size,
     )
 
 

@@ -22,9 +22,14 @@ def reseed_step(seed: int, step: int, rank: int) -> None:
     random.seed(s)
 
 
+# step_generator's stream is apart from the global RNGs that reseed_step seeds with step_seed itself: a generator
+# seeded with the same number would repeat their draws (e.g. the first torch.rand of a crop would be the flip's)
+_GENERATOR_STREAM = 0x9E3779B97F4A7C15
+
+
 def step_generator(seed: int, step: int, rank: int, device) -> torch.Generator:
     """A torch generator for step ``step`` on process ``rank`` (e.g. an objective's masks): the same draws after a
-    resume, different on every process."""
+    resume, different on every process, and independent of the augmentation's draws from torch's global RNG."""
     g = torch.Generator(device=device)
-    g.manual_seed(step_seed(seed, step, rank))
+    g.manual_seed((step_seed(seed, step, rank) ^ _GENERATOR_STREAM) & 0xFFFFFFFFFFFFFFFF)
     return g
