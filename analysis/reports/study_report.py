@@ -22,6 +22,7 @@ from analysis import offline as O
 from analysis import storage
 from analysis.measure import registry
 from analysis.reports import claims as C
+from analysis.reports import walmer_report
 from analysis.reports.compare import compare
 from analysis.reports.run_report import write_run_report
 from train.checkpoint import read_meta
@@ -188,9 +189,12 @@ def _report(study, runs: dict) -> tuple[str, list, list]:
             "cached by earlier invocations are not recomputed); comparisons and this report {REPORT_S} s. Measure options: "
             f"{json.dumps(study.options) if study.options else 'the defaults'}.", "")
     configs = _configs(study, runs)
-    if not {"vit_cls", "resnet"} <= set(configs):
+    if walmer_report.applies(configs):  # objectives compared: supervised / dino / mae (Walmer et al. 2023)
+        results, notes = walmer_report.walmer2023(study, configs, doc, _section)
+    elif not {"vit_cls", "resnet"} <= set(configs):
         return "\n".join(doc.lines) + "\n", [], []
-    results, notes = _raghu2021(study, configs, doc)
+    else:
+        results, notes = _raghu2021(study, configs, doc)
     table = ["## Claims at a glance", "",
              f"Outcomes: held / did not hold (the effect, in the paper's direction or against it, exceeds {C.NOISE_FACTOR:g}x "
              f"the largest seed-to-seed difference of the same configuration, and {C.SE_FACTOR:g} binomial standard errors "
