@@ -137,6 +137,24 @@ def test_supervised_most_semantic_and_mae_above_chance():
     assert W.rule_above_chance([], []).outcome == C.NOT_TESTABLE
 
 
+def test_contrastive_semantics_emerge_earlier():
+    # Walmer Fig. 9 left / 24: DINO rises fast, supervised catches up at the end
+    dino, sup = [0.5, 0.65, 0.72, 0.76, 0.78, 0.8], [0.3, 0.4, 0.5, 0.65, 0.8, 0.88]
+
+    def knn(curve, eps=0.003):
+        return [{"curve": np.array(curve), "n": 2560}, {"curve": _jitter(curve, eps), "n": 2560}]
+
+    purity = {"dino": _seeds(np.array(dino) - 0.2), "supervised": _seeds(np.array(sup) - 0.2)}
+    v = W.rule_semantic_earlier({"dino": knn(dino), "supervised": knn(sup)}, purity)
+    assert v.outcome == C.HELD and v.noise_floor["first-half k-NN top-1, dino - supervised"]["binomial_se"] > 0
+    swapped = {"dino": purity["supervised"], "supervised": purity["dino"]}
+    assert W.rule_semantic_earlier({"dino": knn(sup), "supervised": knn(dino)}, swapped).outcome == C.NOT_HELD
+    assert W.rule_semantic_earlier({"dino": knn(dino), "supervised": [knn(dino)[0], knn(sup)[0]]},
+                                   {"dino": purity["dino"], "supervised": [purity["dino"][0], purity["supervised"][0]]}
+                                   ).outcome == C.INCONCLUSIVE
+    assert W.rule_semantic_earlier({"dino": knn(dino)}, purity).outcome == C.NOT_TESTABLE
+
+
 # -------------------------------------------------------------- cross-model CKA (Fig. 6)
 
 def test_objectives_agree_early_and_diverge_late():

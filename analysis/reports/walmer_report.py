@@ -341,6 +341,7 @@ def walmer2023(study, configs: dict, doc, section) -> tuple[list, list]:
     add("supervised_most_semantic", W.rule_more_semantic(knn, {o: [p["value"] for p in v] for o, v in purity.items()},
                                                          "supervised", "dino"))
     add("reconstruction_cls_above_chance", W.rule_above_chance(knn.get("mae", []), purity.get("mae", [])))
+    add("contrastive_semantic_earlier", W.rule_semantic_earlier(knn, {o: [p["curve"] for p in v] for o, v in purity.items()}))
     if any(knn.values()) or any(purity.values()):
         doc.figure(_panels_figure({
             "k-NN top-1 (k = 20), CLS token": ({o: [k["curve"] for k in v] for o, v in knn.items() if v}, "top-1",
