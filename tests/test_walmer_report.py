@@ -105,3 +105,13 @@ def test_a_tiny_objectives_study_reports_every_claim(tmp_path, capsys):
     assert np.allclose(cls["a"], 1.0) and np.allclose(cls["b"], 1.0)
     sem = back["claims"]["supervised_most_semantic"]
     assert sem["verdict"] == C.INCONCLUSIVE and sem["measured"]["last-block k-NN top-1, supervised - dino"]["effect"] == 0
+    # the same runs without dino: the report stage alone (all cached); the claims that need dino are not testable
+    capsys.readouterr()
+    assert main([_study(tmp_path, "no_dino", ["supervised", "mae"]), "--stage", "report"]) == 0
+    back = C.read_json(tmp_path / "docs" / "no_dino.json")
+    for cid in ("reconstruction_cls_covers_more", "supervised_cls_sparse", "contrastive_beats_reconstruction",
+                "supervised_most_semantic", "contrastive_semantic_earlier", "cls_similar_by_supervision",
+                "residual_shift_supervised"):
+        assert back["claims"][cid]["verdict"] == C.NOT_TESTABLE and "dino" in back["claims"][cid]["why"], cid
+    assert len(back["claims"]["reconstruction_stays_local"]["measured"]) == 1  # supervised - mae only
+    assert "The study has no dino configuration" in (tmp_path / "docs" / "no_dino.md").read_text()
