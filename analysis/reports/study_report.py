@@ -38,6 +38,7 @@ from analysis.figures import attention_distance_panels, layer_lines, save
 from analysis.measure import load_result, registry, save_result
 from analysis.measures.cka import cka_layers
 from analysis.reports import claims as C
+from analysis.reports import walmer_report
 from analysis.reports.compare import compare
 from analysis.reports.run_report import write_run_report
 from analysis.suite import make_context
@@ -445,10 +446,13 @@ def _report(study, runs: dict, absent: dict | None = None) -> tuple[str, list, l
             "cached by earlier invocations are not recomputed); comparisons and this report {REPORT_S} s. Measure options: "
             f"{json.dumps(study.options) if study.options else 'the defaults'}.", "")
     configs = _configs(study, runs)
-    _pilot_section(study, runs, absent, doc)
-    if not {"vit_cls", "resnet"} <= set(configs):
-        return "\n".join(doc.lines) + "\n", [], [], doc.data
-    results, notes = _raghu2021(study, configs, doc, _locality(study, runs, absent, configs))
+    if walmer_report.applies(configs):  # objectives compared: supervised / dino / mae (Walmer et al. 2023)
+        results, notes = walmer_report.walmer2023(study, configs, doc, _section)
+    else:
+        _pilot_section(study, runs, absent, doc)
+        if not {"vit_cls", "resnet"} <= set(configs):
+            return "\n".join(doc.lines) + "\n", [], [], doc.data
+        results, notes = _raghu2021(study, configs, doc, _locality(study, runs, absent, configs))
     table = ["## Claims at a glance", "",
              f"Outcomes: held / did not hold (the effect, in the paper's direction or against it, exceeds {C.NOISE_FACTOR:g}x "
              f"the largest seed-to-seed difference of the same configuration, and {C.SE_FACTOR:g} binomial standard errors "
