@@ -65,6 +65,11 @@ run_accelerate() {
 accelerate_launch() {
     local nproc=${VITLAB_NPROC:-1}
     local cfg="${HF_HOME:-$HOME/.cache/huggingface}/accelerate/default_config.yaml"
+    if [ "$nproc" -gt 1 ] || [ -f "$cfg" ] || [ -n "${ACCELERATE_CONFIG_FILE:-}" ]; then
+        # several processes (or accelerate's own config): check the recipe first, so bad input is one sentence and
+        # exit 2 here rather than one error per process and accelerate's traceback of the failed launch
+        "$VENV/bin/python" -m "${@:2}" --check || exit $?
+    fi
     if [ "$nproc" -gt 1 ] && ! command -v nvidia-smi >/dev/null 2>&1; then
         # CPU, several processes: the combination that really starts N ranks (see README)
         ACCELERATE_USE_CPU=true run_accelerate --multi_gpu --num_processes "$nproc" --num_machines 1 \

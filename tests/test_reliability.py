@@ -173,6 +173,18 @@ def test_signal_stops_cleanly_with_a_checkpoint(sig, driver, write_recipe, tmp_p
     assert not (tmp_path / "runs/tiny/result.json").exists()
 
 
+def test_launch_sh_several_processes_bad_recipe_is_one_sentence(write_recipe, tmp_path):
+    """VITLAB_NPROC=2 ./launch.sh with a misspelt key: the recipe is checked before accelerate starts any process, so
+    the user reads one sentence and exit 2 (not an error per process and accelerate's traceback), nothing written."""
+    p = write_recipe()
+    env = {**_env(), "VITLAB_NPROC": "2"}
+    r = subprocess.run([str(ROOT / "launch.sh"), str(p), "--set", "model.depht=3"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: unknown key 'model.depht'"), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and not (tmp_path / "runs").exists()
+
+
 def test_launch_sh_forwards_sigterm(write_recipe, tmp_path):
     """./launch.sh (one process) stopped with SIGTERM: the trainer stops cleanly, nothing is left running."""
     p = write_recipe(train={"steps": 100000, "checkpoint_every": 3, "eval_every": 0})

@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the data order change from there on)")
     p.add_argument("--name", help="run folder name under run.root (default: recipe name plus overrides)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--check", action="store_true",
+                   help="validate the recipe and overrides, then exit (0, or 2 with one sentence): what ./launch.sh runs "
+                        "before starting several processes, so bad input is one sentence, not one traceback per process")
     return p.parse_args(argv)
 
 
@@ -99,6 +102,8 @@ def main(argv=None) -> int:
         recipe = load_recipe(path, overrides)
     except RecipeError as e:
         return fail(str(e))
+    if args.check:
+        return 0
 
     from train.checkpoint import CheckpointError
     from train.data import DataError
