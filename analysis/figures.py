@@ -45,14 +45,19 @@ def norm_ratio_heatmap(ratio: np.ndarray, blocks: list[str], title: str, max_tok
     return fig
 
 
-def finish_block_axes(fig, ax, blocks: list[str], ylabel: str, title: str, ylim=None, legend_size: int = 7):
-    """The common end of a per-block line figure: block names on x (at most ~12 shown), labels, legend, title."""
-    step = max(1, len(blocks) // 12)
-    ax.set_xticks(range(0, len(blocks), step), blocks[::step], rotation=90, fontsize=6)
+def _depth_axis(ax, labels: list[str], xlabel: str, ylabel: str, ylim=None) -> None:
+    """Layer or block names on x in forward order (at most ~12 shown, rotated), axis labels and y limits."""
+    step = max(1, len(labels) // 12)
+    ax.set_xticks(range(0, len(labels), step), labels[::step], rotation=90, fontsize=6)
     if ylim is not None:
         ax.set_ylim(*ylim)
-    ax.set_xlabel("block")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+
+
+def finish_block_axes(fig, ax, blocks: list[str], ylabel: str, title: str, ylim=None, legend_size: int = 7):
+    """The common end of a per-block line figure: block names on x (at most ~12 shown), labels, legend, title."""
+    _depth_axis(ax, blocks, "block", ylabel, ylim)
     ax.legend(fontsize=legend_size)
     ax.set_title(title)
     fig.tight_layout()
@@ -124,12 +129,7 @@ def layer_lines(panels: dict[str, tuple[list[str], dict[str, np.ndarray]]], ylab
     for ax, (name, (labels, curves)) in zip(axes[0], panels.items()):
         for curve, v in curves.items():
             ax.plot(range(len(v)), v, marker="o", ms=2, lw=1, label=curve)
-        step = max(1, len(labels) // 12)
-        ax.set_xticks(range(0, len(labels), step), labels[::step], rotation=90, fontsize=6)
-        if ylim is not None:
-            ax.set_ylim(*ylim)
-        ax.set_xlabel("layer")
-        ax.set_ylabel(ylabel)
+        _depth_axis(ax, labels, "layer", ylabel, ylim)
         ax.set_title(name, fontsize=8)
         ax.legend(fontsize=6)
     fig.suptitle(title, fontsize=9)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import ROOT, read_scalars
 from safetensors.torch import load_file
+from test_train import Crash  # noqa: F401  (registers the test_crash_at callback)
 
 from analysis.reports.claims import select_checkpoint
-from train.callbacks import Callback, register_callback
 from train.checkpoint import list_checkpoints
 from train.cli import main
 from train.data import VAL_SEED, DataError, balanced_indices, build_data
@@ -126,17 +126,6 @@ def test_bad_val_size_is_one_sentence_exit_2_before_the_run_folder(tmp_path, cap
     assert not root.exists()
 
 
-@register_callback("test_val_crash_at")
-class CrashAt(Callback):
-    def __init__(self, every=None, step=4):
-        super().__init__(every)
-        self.step = step
-
-    def on_checkpoint(self, ctx):
-        if ctx.step == self.step:
-            raise RuntimeError(f"simulated crash at step {ctx.step}")
-
-
 def _metas(run: Path) -> dict:
     return {int(c.name.split("_")[1]): json.loads((c / "meta.json").read_text()) for c in list_checkpoints(run / "checkpoints")}
 
@@ -165,7 +154,7 @@ def test_every_evaluation_measures_val_and_every_checkpoint_records_it(write_rec
 
 def test_resume_is_exact_with_a_val_split(write_recipe):
     straight = train(load_recipe(write_recipe("s", **VAL_RUN)), progress=False)
-    p = write_recipe("r", callbacks=[{"name": "test_val_crash_at", "step": 4}], **VAL_RUN)
+    p = write_recipe("r", callbacks=[{"name": "test_crash_at", "step": 4}], **VAL_RUN)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(load_recipe(p), progress=False)
     resumed = train(load_recipe(p), resume=True, progress=False)

@@ -1,17 +1,10 @@
 """Weighted k-NN classification per layer (Walmer et al. 2023 §6.1 / Fig. 9 left; DINO, Caron et al. 2021 §4.1, App.).
 
 The protocol is DINO's ``knn_classifier`` (eval_knn.py), which Walmer et al. apply to the features of every block.
-With a memory bank of training features ``B`` [n, d] with labels ``y_B`` and a query ``q`` [d]:
-
-    b_i  = B_i / ||B_i||,  q' = q / ||q||                     L2-normalised features
-    s_i  = <q', b_i>                                          cosine similarity to every bank entry
-    N(q) = the k entries with the largest s_i                 k = 20 (Walmer §6.1; DINO uses 20 for ImageNet)
-    w_i  = exp(s_i / T)                                       T = 0.07 (DINO)
-    S_c  = sum_{i in N(q), y_B[i] = c} w_i                     class score
-    pred = argmax_c S_c                                       (ties: the lowest class index, torch.argmax)
-
-and the reported number is top-1 accuracy (a fraction in [0, 1]) over the queries. When the bank has fewer than k
-entries, k is reduced to the bank size (all entries vote); the effective k is stored in the result.
+The definition (cosine similarity of L2-normalised features, the k = 20 nearest bank entries vote with weight
+exp(similarity / T), T = 0.07) is written once, in train/knn.py, which the trainer's k-NN monitor uses too. The
+reported number is top-1 accuracy (a fraction in [0, 1]) over the queries. When the bank has fewer
+than k entries, k is reduced to the bank size (all entries vote); the effective k is stored in the result.
 
 In the suite (:class:`KNNMeasure`, name ``"knn"``): the bank is the probe-train split, the queries are the analysis
 split; the features of every block's output (tap ``<block>.out``) are pooled per image to one vector: ``"cls"``
