@@ -144,6 +144,37 @@ def test_the_study_resnet_has_identity_shortcuts():
     assert sum(b.downsample is None for b in blocks) == 5 and len(blocks) == 8
 
 
+def test_go_no_go_trains_a_pilot_to_its_check_and_on_only_after_a_go(tmp_path, capsys):
+    from train.checkpoint import list_checkpoints, read_meta
+
+    # free heads after 4 tiny steps: every head near uniform attention (no-go); the positive control's forced 3x3-window
+    # head in block 0 (interventions.local_attention): go
+    pilot = ["callbacks=[attention_distance]", "train.checkpoint_every=2", "train.eval_every=4", "train.steps=6"]
+    forced = pilot + ["interventions.local_attention=[{blocks: [0], heads: [0], offset: [0, 0], radius: 1}]"]
+    p = _study(tmp_path, {"vit_local": {"recipe": "tiny.yaml", "set": pilot, "go_no_go": True},
+                          "forced": {"recipe": "tiny.yaml", "set": forced, "go_no_go": True}}, seeds=[0, 1])
+    assert main([p, "--stage", "train", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    root = tmp_path / "runs"
+
+    def last(run):
+        ck = list_checkpoints(root / run / "checkpoints", warn=False)[-1]
+        return read_meta(ck)["step"], bool(read_meta(ck).get("final"))
+
+    assert last("vit_local_s0") == (4, False) and not (root / "vit_local_s1").exists()
+    assert "vit_local: no-go at the pilot check: at the second checkpoint (step 4)" in out
+    assert last("forced_s0") == (6, True) and last("forced_s1") == (6, True)
+    assert "forced: go at the pilot check" in out
+    capsys.readouterr()
+    assert main([p, "--stage", "train"]) == 0  # rerun: the decision stands, nothing trains
+    out = capsys.readouterr().out
+    assert "(to step 4): at step 4 already, skipped" in out and "0 started" in out and "no-go" in out
+    with pytest.raises(RecipeError, match="go_no_go needs"):  # the check reads the attention distance measured in training
+        load_study(_study(tmp_path, {"x": {"recipe": "tiny.yaml", "go_no_go": True}}))
+    assert main([_study(tmp_path, {"x": {"recipe": "tiny.yaml", "go_no_go": True}}), "--dry-run"]) == 2
+    assert "go_no_go needs a ViT with train.checkpoint_every set and the attention_distance callback" in capsys.readouterr().err
+
+
 def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
     # timm's 64-channel 7x7/2 stem in front of 8-channel stages: every shortcut projects (no identity skip)
     resnet = ["model.arch=resnet", "model.resnet_layers=[1,1,1,1]", "model.resnet_channels=[8,8,16,16]", "model.small_stem=false"]

@@ -91,7 +91,7 @@ def test_pilot_section_go_no_go_and_runs_missing_or_unfinished(tmp_path):
     assert "Go/no-go: **go**: at the second checkpoint (step 3000) the most local head of blocks 0-1 (block 0, head 2) " \
            "attends at 5.00 px = 0.35 x uniform" in text
     assert "**vit_local_s1**: no complete checkpoint yet: no attention distance to show. Go/no-go: **undecided**." in text
-    assert "only 1 checkpoint(s) so far (1500)" in text  # vit_cls_s1
+    assert "the check reads the second scheduled checkpoint (step 3000), which the run has not reached yet" in text  # vit_cls_s1
     # the table: smallest head / mean over heads by block at every checkpoint, "-" where not measured
     assert "| block | step 1500 | step 3000 | step 4500 |" in text
     assert "| 0 | 14.0 / 14.0 | 5.0 / 11.8 | - |" in text and "| blocks 0-1: smallest / uniform | 0.97 | 0.35 | - |" in text
@@ -146,6 +146,24 @@ def test_the_locality_claims_prefer_vit_local_when_all_its_seeds_have_finished(t
     runs, absent = R._open(s3)
     loc = R._locality(s3, runs, absent, R._configs(s3, runs))
     assert loc["config"] == "vit_cls" and "has no vit_local configuration" in loc["why"]
+
+
+def test_the_check_reads_the_second_scheduled_checkpoint_and_a_no_go_stops_the_locality_family(tmp_path):
+    # a clean stop wrote a checkpoint at 2614 between the scheduled 1500 and 3000: the check still reads 3000
+    by = {1500: FLAT, 2614: LOCAL, 3000: FLAT}
+    assert C.go_no_go(by, UNIFORM, 3000)[0] == C.NO_GO and C.go_no_go(by, UNIFORM)[0] == C.GO  # (unscheduled: shifted)
+    outcome, why = C.go_no_go({1500: FLAT, 2614: FLAT}, UNIFORM, 3000)
+    assert outcome == C.UNDECIDED and "has not reached yet (checkpoints: 1500, 2614)" in why
+    s = _study(tmp_path)
+    for n in ("vit_cls_s0", "vit_cls_s1"):
+        _fake_run(s, n, {1500: FLAT, 3000: FLAT, 4500: FLAT}, final=True)
+    _fake_run(s, "vit_local_s0", {1500: FLAT, 2614: LOCAL, 3000: FLAT})  # stopped at its check: no-go
+    runs, absent = R._open(s)
+    assert R.pilot_check(runs["vit_local_s0"])[0] == C.NO_GO
+    loc = R._locality(s, runs, absent, R._configs(s, runs))
+    assert loc["config"] == "vit_cls" and loc.get("stopped")
+    assert "vit_local stopped at its go/no-go check (vit_local_s0: at the second checkpoint (step 3000)" in loc["why"]
+    assert "0.97 x uniform" in loc["why"] and "not enough data" in loc["why"]
 
 
 # -------------------------------------------------------------- CKA floors (analysis/baselines.py)

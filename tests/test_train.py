@@ -12,7 +12,7 @@ from conftest import ROOT, read_scalars
 from safetensors.torch import load_file
 
 from train.callbacks import Callback, register_callback
-from train.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+from train.checkpoint import CheckpointError, list_checkpoints, read_meta, verify_checkpoint
 from train.recipe import load_recipe
 from train.trainer import RunExists, TrainingDiverged, lr_at, train
 
@@ -138,6 +138,25 @@ def test_resume_is_exact(write_recipe, tmp_path):
     # a finished run resumed again does nothing
     again = train(load_recipe(p), resume=True, progress=False)
     assert again.get("already_finished") and again["step"] == 8
+
+
+def test_stop_after_checkpoints_there_and_resumes_exactly(write_recipe):
+    """--stop-after 3 (not a checkpoint step): checkpointed at 3, not final, TrainingStopped; the resumed run equals a
+    straight one (the schedule is the recipe's), and asking again at or past the step trains nothing."""
+    from train.trainer import TrainingStopped
+
+    straight = train(load_recipe(write_recipe("straight")), progress=False)
+    p = write_recipe("paused")
+    with pytest.raises(TrainingStopped, match="stopped after step 3 as asked"):
+        train(load_recipe(p), progress=False, stop_after=3)
+    ck = list_checkpoints(Path(straight["run_dir"]).parent / "paused" / "checkpoints")
+    assert [c.name for c in ck] == ["step_0000003"] and not read_meta(ck[-1]).get("final")
+    with pytest.raises(TrainingStopped, match="stopped after step 3"):  # already there: nothing more
+        train(load_recipe(p), resume=True, progress=False, stop_after=2)
+    resumed = train(load_recipe(p), resume=True, progress=False)
+    wa, wb = _final_weights(Path(straight["run_dir"])), _final_weights(Path(resumed["run_dir"]))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert read_scalars(Path(straight["run_dir"]))["train/loss"] == read_scalars(Path(resumed["run_dir"]))["train/loss"]
 
 
 def test_resume_with_grad_accum_across_epoch_boundary(write_recipe):

@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the data order change from there on)")
     p.add_argument("--name", help="run folder name under run.root (default: recipe name plus overrides)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--stop-after", type=int, metavar="STEP",
+                   help="checkpoint at step STEP and stop there (exit 0), resumable with --resume: the schedule stays the "
+                        "recipe's (e.g. train a pilot to an early check, then decide whether to finish it)")
     p.add_argument("--check", action="store_true",
                    help="validate the recipe and overrides, then exit (0, or 2 with one sentence): what ./launch.sh runs "
                         "before starting several processes, so bad input is one sentence, not one traceback per process")
@@ -102,6 +105,8 @@ def main(argv=None) -> int:
         recipe = load_recipe(path, overrides)
     except RecipeError as e:
         return fail(str(e))
+    if args.stop_after is not None and args.stop_after < 1:
+        return fail(f"--stop-after must be a step of at least 1, not {args.stop_after}.")
     if args.check:
         return 0
 
@@ -112,7 +117,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     try:
         summary = train(recipe, overrides=list(args.overrides), resume=args.resume, progress=not args.no_progress,
-                        allow_process_change=args.allow_process_change)
+                        allow_process_change=args.allow_process_change, stop_after=args.stop_after)
     except (RecipeError, DataError, CheckpointError, RunFolderError) as e:
         return fail(str(e))
     except TrainingDiverged as e:

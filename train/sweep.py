@@ -58,6 +58,12 @@ def is_finished(run_dir: Path) -> bool:
     return bool(ckpts) and bool(read_meta(ckpts[-1]).get("final"))
 
 
+def reached(run_dir: Path, step: int) -> bool:
+    """Whether the run has a complete checkpoint at ``step`` or later."""
+    ckpts = list_checkpoints(Path(run_dir) / "checkpoints", warn=False)
+    return bool(ckpts) and int(read_meta(ckpts[-1]).get("step", -1)) >= step
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -66,10 +72,11 @@ def _log_path(run_dir: Path) -> Path:
     return run_dir.parent / "logs" / f"{run_dir.name}.log"
 
 
-def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False, jobs: int = 1) -> tuple[list, int, int]:
+def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tuple[list, int, int]:
     """Train each (recipe, overrides, run_dir) of ``plan`` in its own ``./launch.sh`` process: finished runs are
     skipped, interrupted ones resume, a failed run is reported and the rest go on. Returns (failed [(name, exit
-    code)], started, skipped).
+    code)], started, skipped). A plan entry may carry a fourth item, a step: that run trains only to it (``--stop-after``)
+    and counts as done, or is skipped, once it has a checkpoint there.
 
     ``jobs`` > 1 trains that many runs at once, each with an equal share of this machine's cores (VITLAB_THREADS),
     its output in ``<runs root>/logs/<run>.log``: small models train faster side by side than one after the other with all
@@ -79,11 +86,16 @@ def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False, 
     launcher = [str(ROOT / "launch.sh")] if (ROOT / "launch.sh").is_file() else [sys.executable, "-m", "train"]
     failed, started, skipped = [], 0, 0
     todo = []
-    for i, (recipe, overrides, run_dir) in enumerate(plan, 1):
+    for i, (recipe, overrides, run_dir, *until) in enumerate(plan, 1):
         run_dir = Path(run_dir)
-        label = f"[{i}/{len(plan)}] {run_dir.name}"
+        stop = until[0] if until else None
+        label = f"[{i}/{len(plan)}] {run_dir.name}" + (f" (to step {stop})" if stop else "")
         if is_finished(run_dir):
             print(f"{label}: finished, skipped", flush=True)
+            skipped += 1
+            continue
+        if stop and reached(run_dir, stop):
+            print(f"{label}: at step {stop} already, skipped", flush=True)
             skipped += 1
             continue
         resumable = bool(list_checkpoints(run_dir / "checkpoints", warn=False))  # --resume refuses to start a run
@@ -91,22 +103,24 @@ def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False, 
             print(f"{label}: {'resuming' if resumable else 'starting'}", flush=True)
             continue
         cmd = launcher + [str(recipe), "--set", *overrides, f"run.root={run_dir.resolve().parent}", f"run.name={run_dir.name}"]
-        todo.append((label, cmd, run_dir))
+        if stop:
+            cmd += ["--stop-after", str(stop)]
+        todo.append((label, cmd, run_dir, stop))
     env = os.environ.copy()
     if jobs > 1:
         env["VITLAB_THREADS"] = str(max(1, _cores() // jobs))
-    running: list[tuple[str, Path, subprocess.Popen, object]] = []
+    running: list[tuple[str, Path, subprocess.Popen, object, int | None]] = []
 
     def reap(block: bool) -> None:
-        while running and (block or any(p.poll() is not None for _, _, p, _ in running)):
+        while running and (block or any(e[2].poll() is not None for e in running)):
             for entry in list(running):
-                label, run_dir, proc, log = entry
+                label, run_dir, proc, log, stop = entry
                 if proc.poll() is None:
                     continue
                 running.remove(entry)
                 if log is not None:
                     log.close()
-                if proc.returncode != 0 or not is_finished(run_dir):
+                if proc.returncode != 0 or not (is_finished(run_dir) or (stop and reached(run_dir, stop))):
                     failed.append((run_dir.name, proc.returncode))
                     where = f"; its output is in {_log_path(run_dir)}" if log is not None else ""
                     print(f"{label}: failed with exit code {proc.returncode}{where}; the rest go on (run this again to resume it)", flush=True)
@@ -117,7 +131,7 @@ def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False, 
             block = block and bool(running)
 
     try:
-        for label, cmd, run_dir in todo:
+        for label, cmd, run_dir, stop in todo:
             while len(running) >= jobs:
                 reap(block=False)
                 time.sleep(1.0)
@@ -131,11 +145,11 @@ def launch_runs(plan: list[tuple[str, list[str], Path]], dry_run: bool = False, 
             proc = subprocess.Popen(cmd + (["--resume"] if resume else []), env=env,
                                     stdout=log, stderr=subprocess.STDOUT if log is not None else None)
             started += 1
-            running.append((label, run_dir, proc, log))
+            running.append((label, run_dir, proc, log, stop))
         reap(block=True)
     except KeyboardInterrupt:  # the children got the same SIGINT: they checkpoint and stop; wait for them
-        for _, _, proc, _ in running:
-            proc.wait()
+        for entry in running:
+            entry[2].wait()
         raise
     return failed, started, skipped
 

@@ -287,16 +287,19 @@ def prepare_run(recipe: Recipe, overrides=(), resume: bool | str = False, run_di
 
 
 def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bool = True,
-          allow_process_change: bool = False) -> dict:
+          allow_process_change: bool = False, stop_after: int | None = None) -> dict:
     """Train ``recipe``; return a summary dict (final step, eval top-1, wall time, run folder).
 
-    Raises TrainingStopped after a clean stop on SIGTERM / SIGINT (the current step checkpointed)."""
+    Raises TrainingStopped after a clean stop on SIGTERM / SIGINT (the current step checkpointed), and after step
+    ``stop_after`` when given (checkpointed there; the schedule is the recipe's, so ``--resume`` continues exactly as if
+    the run had not stopped: the study's go/no-go check trains a pilot to its second checkpoint this way)."""
     t_start = time.perf_counter()
     run_dir = run_dir_for(recipe, overrides)
     lock = RunLock(run_dir)
     with StopSignals() as stop:
         try:
-            return _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start)
+            return _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start,
+                          stop_after)
         finally:
             lock.release()
 
@@ -328,7 +331,8 @@ def _write_result(run_dir: Path, summary: dict) -> None:
                              "writable, then --resume writes it.") from None
 
 
-def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start) -> dict:
+def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start,
+           stop_after=None) -> dict:
     from accelerate.utils import set_seed
 
     from interventions import describe
@@ -524,8 +528,20 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
             raise TrainingStopped("stopped before the first step; nothing was trained (run the same command to start).", step)
         raise TrainingStopped(f"stopped at step {step}; --resume continues", step)
 
+    def stop_if_reached() -> None:
+        """``stop_after``: every process reaches the same step, so every process stops there together."""
+        if stop_after is None or step < stop_after or step >= t.steps:
+            return
+        if last_saved != step and step > 0:
+            cb_dt = checkpoint(False)
+            if cb_dt:
+                log({"time/callbacks_s": cb_dt}, step)
+        close()
+        raise TrainingStopped(f"stopped after step {step} as asked (stop after step {stop_after}); --resume continues", step)
+
     model.train()
     stop_if_asked()
+    stop_if_reached()
     while step < t.steps:
         micro = step * G
         epoch, offset = divmod(micro, bpe)
@@ -602,6 +618,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                 writer.flush()  # what was logged up to a checkpoint survives a kill -9 after it
             if not final:
                 stop_if_asked()
+                stop_if_reached()
             if exhausted:
                 break  # restart the outer loop so the sampler position is recomputed from the step
 

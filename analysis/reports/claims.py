@@ -261,18 +261,24 @@ def head_subsets(result) -> dict:
             "min_head": float(np.min(np.asarray(result["head_distance"], dtype=float)))}
 
 
-def go_no_go(by_step: dict, uniform: float) -> tuple[str, str]:
+def go_no_go(by_step: dict, uniform: float, at_step: int | None = None) -> tuple[str, str]:
     """The pilot check of a run: ``by_step`` {step: attention distances [L, H] in pixels, or None where not measured} at
-    every checkpoint the run has; ``uniform`` uniform attention's distance on its grid. :data:`GO` when some head of the
-    first :data:`GO_BLOCKS` blocks is below :data:`GO_FRACTION` x ``uniform`` at the SECOND checkpoint, :data:`NO_GO`
-    when none is, :data:`UNDECIDED` when that checkpoint or its measurement does not exist yet; and one sentence with
-    the numbers."""
+    every checkpoint the run has; ``uniform`` uniform attention's distance on its grid; ``at_step`` the run's second
+    scheduled checkpoint (2 x train.checkpoint_every; None: the second step of ``by_step``, which a checkpoint written
+    by a clean stop in between would shift). :data:`GO` when some head of the first :data:`GO_BLOCKS` blocks is below
+    :data:`GO_FRACTION` x ``uniform`` there, :data:`NO_GO` when none is, :data:`UNDECIDED` when that checkpoint or its
+    measurement does not exist yet; and one sentence with the numbers."""
     steps = sorted(by_step)
     thr = GO_FRACTION * uniform
-    if len(steps) < 2:
-        return UNDECIDED, (f"only {len(steps)} checkpoint(s) so far ({', '.join(map(str, steps)) or 'none'}); the check "
-                           "reads the second")
-    s = steps[1]
+    if at_step is None:
+        if len(steps) < 2:
+            return UNDECIDED, (f"only {len(steps)} checkpoint(s) so far ({', '.join(map(str, steps)) or 'none'}); the "
+                               "check reads the second")
+        at_step = steps[1]
+    elif at_step not in by_step:
+        return UNDECIDED, (f"the check reads the second scheduled checkpoint (step {at_step}), which the run has not "
+                           f"reached yet (checkpoints: {', '.join(map(str, steps)) or 'none'})")
+    s = at_step
     d = by_step[s]
     if d is None or not np.isfinite(np.asarray(d, dtype=float)[:GO_BLOCKS]).any():
         return UNDECIDED, f"no attention distance measured at the second checkpoint (step {s}) yet: run the analyze stage"

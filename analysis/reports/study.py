@@ -21,6 +21,11 @@ Stages (``--stage``, default all): ``train`` (finished runs skipped, interrupted
 recipe validated before the first starts; ``--jobs N`` trains N runs at once with 1/N of the cores each, ``--only
 CONFIG ...`` those configurations only), ``analyze`` (the offline suite on every checkpoint, cached), and
 ``report`` (cross-run comparisons and the claims document, see analysis/reports/study_report.py).
+
+``go_no_go: true`` on a run makes its configuration a pilot: its first seed trains to the second scheduled
+checkpoint (``--stop-after``), where its training-time attention distance callback decides (analysis/reports/claims.py
+``go_no_go``): on a go every seed trains to the end, on a no-go the configuration stops there and the report says
+why. A study thereby spends its hours on a long regime only when that regime shows what it was chosen for.
 """
 from __future__ import annotations
 
@@ -32,7 +37,9 @@ from pathlib import Path
 import yaml
 
 from analysis.measure import MeasureError, registry, resolve_all
-from analysis.reports.study_report import analyze_study, write_report
+from analysis.offline import open_run
+from analysis.reports.claims import NO_GO
+from analysis.reports.study_report import analyze_study, check_step, pilot_check, write_report
 from analysis.suite import SuiteOptions, suite_options
 from train.recipe import RecipeError, load_recipe
 from train.sweep import launch_runs
@@ -49,6 +56,7 @@ class StudyRun:
     measures: list[str] | None = None  # measured at the last checkpoint (None: the study's list)
     config: str = ""  # the run's name in the study file (several seeds share it)
     seed: int | None = None  # None: the recipe's own seed (a study without seeds)
+    go_no_go: bool = False  # its configuration trains on only after its first run passes the pilot check
 
 
 @dataclass
@@ -74,7 +82,7 @@ class Study:
 
 
 KEYS = ("study", "root", "report", "set", "seeds", "options", "runs", "measures")
-RUN_KEYS = ("recipe", "set", "measures", "seeds")
+RUN_KEYS = ("recipe", "set", "measures", "seeds", "go_no_go")
 
 
 def load_study(path: str | Path) -> Study:
@@ -108,6 +116,9 @@ def load_study(path: str | Path) -> Study:
         recipe = (path.parent / spec["recipe"]).resolve()
         overrides = shared + list(spec.get("set") or [])
         run_seeds = _seeds(spec["seeds"], f"study run '{name}'") if "seeds" in spec else seeds
+        gate = spec.get("go_no_go", False)
+        if not isinstance(gate, bool):
+            raise RecipeError(f"study run '{name}': go_no_go must be true or false, not {gate!r}.")
         if run_seeds is not None and any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
             raise RecipeError(f"study run '{name}' sets 'seed=' in set: and the study gives seeds: give the seed in one place only.")
         for seed in run_seeds if run_seeds is not None else [None]:
@@ -116,11 +127,16 @@ def load_study(path: str | Path) -> Study:
                 raise RecipeError(f"study run '{run_name}' is named twice (a run name ending in _sN collides with a seeded run): rename it.")
             ov = overrides if seed is None else overrides + [f"seed={seed}"]
             try:
-                load_recipe(recipe, ov)
+                rec = load_recipe(recipe, ov)
             except RecipeError as e:
                 raise RecipeError(f"study run '{run_name}': {e}") from None
+            if gate and (rec.model.arch != "vit" or not rec.train.checkpoint_every
+                         or "attention_distance" not in [c.name for c in rec.callbacks]):
+                raise RecipeError(f"study run '{name}': go_no_go needs a ViT with train.checkpoint_every set and the "
+                                  "attention_distance callback (set: [\"callbacks=[attention_distance]\"]), which it "
+                                  "measures at the second checkpoint.")
             study.runs[run_name] = StudyRun(run_name, recipe, ov, root / run_name, _measures(spec.get("measures"), path),
-                                            config=name, seed=seed)
+                                            config=name, seed=seed, go_no_go=gate)
     return study
 
 
@@ -159,6 +175,33 @@ def _measures(value, path) -> list[str] | None:
         raise RecipeError(f"study file '{path}': {e}") from None
 
 
+def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, ungated: bool = False):
+    """Train the study's runs (of the configurations in ``only``, or all); returns launch_runs' (failed, started,
+    skipped). A configuration marked ``go_no_go`` first trains its first run to its check step (the second scheduled
+    checkpoint), beside the other runs; it trains on (every seed, to the end) only when the pilot check there says go
+    (or undecided: nothing measured), and stops there on a no-go, saying so with the numbers. ``ungated``: no check."""
+    selected = [r for r in study.runs.values() if not only or r.config in only]
+    gated = {} if ungated else {r.config: r for r in selected if r.go_no_go and r.name == study.configs()[r.config][0].name}
+    first = [(r.recipe, r.overrides, r.run_dir, check_step(load_recipe(r.recipe, r.overrides))) for r in gated.values()]
+    rest = [(r.recipe, r.overrides, r.run_dir) for r in selected if r.config not in gated]
+    failed, started, skipped = launch_runs(first + rest, dry_run, jobs)
+    if dry_run or not gated:
+        return failed, started, skipped
+    on = []
+    for config, r in gated.items():
+        if r.run_dir.name in {name for name, _ in failed}:
+            continue
+        outcome, why = pilot_check(open_run(r.run_dir))
+        if outcome == NO_GO:
+            print(f"study {study.name}: {config}: no-go at the pilot check: {why}; its runs stop here (the report says so; "
+                  "--no-go-no-go trains them to the end anyway)", flush=True)
+            continue
+        print(f"study {study.name}: {config}: {outcome} at the pilot check: {why}; training it to the end", flush=True)
+        on += [(x.recipe, x.overrides, x.run_dir) for x in study.configs()[config]]
+    more = launch_runs(on, dry_run, jobs) if on else ([], 0, 0)
+    return failed + more[0], started + more[1], skipped + more[2]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="./launch.sh study", description=__doc__.split("\n")[0])
     p.add_argument("study", help="study YAML, e.g. recipes/studies/raghu2021.yaml")
@@ -167,6 +210,8 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1,
                    help="runs trained at once, each with an equal share of the cores, output in ROOT/logs/ (default 1)")
     p.add_argument("--only", nargs="+", metavar="CONFIG", help="train only these configurations (names in the study file)")
+    p.add_argument("--no-go-no-go", action="store_true",
+                   help="train configurations marked go_no_go to the end whatever their pilot check says")
     args = p.parse_args(argv)
     if args.jobs < 1:
         print(f"error: --jobs must be at least 1, not {args.jobs}.", file=sys.stderr)
@@ -184,9 +229,10 @@ def main(argv=None) -> int:
             print(f"error: --only names {', '.join(unknown)}, which the study does not have: choose from {', '.join(configs)}.",
                   file=sys.stderr)
             return 2
-        plan = [(r.recipe, r.overrides, r.run_dir) for r in study.runs.values() if not args.only or r.config in args.only]
-        failed, started, skipped = launch_runs(plan, args.dry_run, args.jobs)
-        print(f"study {study.name}: {len(plan)} runs, {skipped} already finished, {started} started, {len(failed)} failed")
+        failed, started, skipped = train_stage(study, args.only, args.dry_run, args.jobs, args.no_go_no_go)
+        n = sum(1 for r in study.runs.values() if not args.only or r.config in args.only)
+        print(f"study {study.name}: {n} runs, {skipped} already finished, {started} started, "
+              f"{len(failed)} failed")
         if failed:
             return 1
     if args.dry_run:

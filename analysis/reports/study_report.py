@@ -225,6 +225,18 @@ def _uniform(run) -> tuple[int, float]:
     return grid, C.uniform_distance(grid, m.patch_size)
 
 
+def check_step(recipe) -> int:
+    """The step of a pilot's go/no-go check: its second scheduled checkpoint."""
+    return 2 * recipe.train.checkpoint_every
+
+
+def pilot_check(run) -> tuple[str, str]:
+    """claims.go_no_go of an opened run (analysis.offline.open_run) at :func:`check_step`, from the attention distance
+    its training-time callback (or the analyze stage) measured there: (outcome, one sentence with the numbers)."""
+    _, uniform = _uniform(run)
+    return C.go_no_go(_attention_by_step(run), uniform, check_step(run.recipe))
+
+
 def _distance_table(by_step: dict, uniform: float) -> list[str]:
     """Attention distance by block (rows) at every checkpoint (columns): smallest head / mean over heads, pixels."""
     steps = sorted(by_step)
@@ -251,7 +263,9 @@ def _pilot_section(study, runs: dict, absent: dict, doc) -> None:
             "ViT configuration: the mean attention distance (patch centres, pixels) by block at every checkpoint, as "
             "smallest head / mean over heads, against uniform attention's distance on the same grid. "
             f"Go/no-go: **go** when some head of the first {C.GO_BLOCKS} blocks is below {C.GO_FRACTION:g} x uniform at "
-            f"the run's second checkpoint, else **no-go**. Why {C.GO_FRACTION:g}: a head counts as local below "
+            f"the run's second scheduled checkpoint, else **no-go**; the study's train stage (a configuration with "
+            "`go_no_go: true`) trains the first seed to that checkpoint, and trains the configuration on only after a "
+            "go. Why {C.GO_FRACTION:g}: a head counts as local below "
             f"{C.LOCAL_FRACTION:g} x uniform (on a 7x7 grid, a head spread evenly over the 5x5 window around its query is "
             "at 0.48 x; the positive control's forced 3x3-window head, recipes/positive_control.yaml, at 0.28 x), while "
             "the default 4-epoch regime, which has no local head, keeps every head between 0.93 and 1.09 x uniform; "
@@ -272,7 +286,7 @@ def _pilot_section(study, runs: dict, absent: dict, doc) -> None:
                 continue
             grid, uniform = _uniform(run)
             by = _attention_by_step(run)
-            outcome, why = C.go_no_go(by, uniform)
+            outcome, why = pilot_check(run)
             doc.add(f"**{sr.name}** ({state}; {grid}x{grid} grid of {run.recipe.model.patch_size}-pixel patches, "
                     f"{run.recipe.model.num_heads} heads; uniform attention {uniform:.2f} px). Go/no-go: **{outcome}**: {why}.",
                     "", *_distance_table(by, uniform), "")
@@ -304,6 +318,14 @@ def _locality(study, runs: dict, absent: dict, configs: dict) -> dict:
     if not srs:
         return {"config": FALLBACK, "runs": configs[FALLBACK],
                 "why": f"The study has no {LOCALITY} configuration, so the locality claims read {FALLBACK}, {regime}."}
+    first = srs[0]
+    if first.name in runs and not _progress(runs[first.name])[0]:
+        outcome, verdict = pilot_check(runs[first.name])
+        if outcome == C.NO_GO:
+            return {"config": FALLBACK, "runs": configs[FALLBACK], "stopped": True,
+                    "why": f"{LOCALITY} stopped at its go/no-go check ({first.name}: {verdict}), so the locality "
+                           f"claims read {FALLBACK}, {regime}; the longer regime this study affords did not show "
+                           "local heads either (see the pilot section)."}
     pending = []
     for sr in srs:
         if sr.name not in runs:
