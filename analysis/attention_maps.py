@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from analysis.figures import plt  # pyplot with the Agg backend set
 from analysis.measure import Context, Measure
 from analysis.reduce import all_reduce_tree
 
@@ -95,8 +96,6 @@ def map_grid(maps: np.ndarray, blocks: list[str], title: str, marked: np.ndarray
     """Grid of maps [L, H, h, w]: rows are blocks, columns heads, each map on its own colour scale from 0 to its maximum
     (Walmer Fig. 2, 3, 17, 18). ``marked`` [L, H] heads get a red frame and their ``peaks`` offset as title; ``midlines`` draws the canvas
     centre lines (Walmer's red mid-lines)."""
-    from analysis.figures import plt  # pyplot with the Agg backend set
-
     m = np.asarray(maps)
     n_l, n_h = m.shape[:2]
     size = min(1.1, 14.0 / max(n_l, n_h))

@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from analysis.figures import plt  # pyplot with the Agg backend set
+from analysis.measure import as_list
 from analysis.measures.attention_distance import UNITS, AttentionDistance
 from analysis.reduce import shard
 from analysis.similarity import MinibatchCKA, represent
@@ -142,9 +144,6 @@ def head_subset_figure(r: dict, title: str | None = None):
     """Raghu Fig. 5: x = mean attention distance of a subset of the block's heads, y = its CKA to a ResNet layer; one
     line per ResNet layer through the sliding windows of k heads (local -> global), and each single head as a small
     hollow marker at its own distance (same colour)."""
-    from analysis.figures import plt  # pyplot with the Agg backend set
-    from analysis.measure import as_list
-
     cka, sub = np.asarray(r["cka"]), np.asarray(r["subset_cka"])
     dist, sub_dist = np.asarray(r["head_distance"]), np.asarray(r["subset_distance"])
     layers, unit = as_list(r["resnet_layers"]), str(np.asarray(r["unit"]))

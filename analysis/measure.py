@@ -144,7 +144,7 @@ def registry() -> dict[str, type[Measure]]:
     """Every known measure, {name: class}: the modules of analysis/measures/ and the ``vitlab.measures`` entry points."""
     global _discovered
     if not _discovered:
-        import analysis.measures as pkg
+        import analysis.measures as pkg  # deferred: its modules import this one (they register on import)
 
         for m in pkgutil.iter_modules(pkg.__path__):
             importlib.import_module(f"{pkg.__name__}.{m.name}")

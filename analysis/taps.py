@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from timm.models.mlp_mixer import MixerBlock
 
 VIT_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "attn_probs", "heads", "norm1", "norm2")
 RESNET_KINDS = ("in", "branch", "shortcut", "out")  # every residual block; the layers inside: RESNET_INNER_KINDS
@@ -82,8 +83,6 @@ def is_vit(model: nn.Module) -> bool:
 
 def is_mixer(model: nn.Module) -> bool:
     """A timm MlpMixer made of MixerBlocks (timm's ResMLP/gMLP variants use other blocks and are not tapped)."""
-    from timm.models.mlp_mixer import MixerBlock
-
     blocks = getattr(model, "blocks", None)
     return (hasattr(model, "stem") and isinstance(blocks, nn.Sequential) and len(blocks) > 0
             and all(isinstance(b, MixerBlock) for b in blocks))

@@ -42,7 +42,7 @@ def _failed_anywhere(accelerator, err: OSError | None) -> OSError | bool | None:
     """Collective: this process's error, or True when only another process failed, or None."""
     if accelerator.num_processes == 1:
         return err
-    import torch
+    import torch  # deferred: the study launcher and `python -m train --check` list checkpoints without torch
 
     flag = torch.tensor([0.0 if err is None else 1.0], device=accelerator.device)
     anywhere = accelerator.reduce(flag, reduction="sum").item() > 0
@@ -165,7 +165,7 @@ def read_weights(path: Path, prefix: str = "") -> tuple[dict, Path]:
     """The tensors of ``model.safetensors`` in a checkpoint folder (or of a .safetensors file) and the file read.
     With ``prefix`` (a network's key prefix in an objective's checkpoint, e.g. ``teacher_backbone.``: see
     ``Objective.parts`` in train/objectives), only the tensors under it, the prefix stripped."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # deferred: as torch above (safetensors.torch imports torch)
 
     path = Path(path)
     f = path / "model.safetensors" if path.is_dir() else path

@@ -81,7 +81,6 @@ def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tupl
     ``jobs`` > 1 trains that many runs at once, each with an equal share of this machine's cores (VITLAB_THREADS),
     its output in ``<runs root>/logs/<run>.log``: small models train faster side by side than one after the other with all
     threads (two 1-thread runs of the default ViT on 2 cores: ~1.3x the images per second of one 2-thread run)."""
-    from train.checkpoint import list_checkpoints
 
     launcher = [str(ROOT / "launch.sh")] if (ROOT / "launch.sh").is_file() else [sys.executable, "-m", "train"]
     failed, started, skipped = [], 0, 0

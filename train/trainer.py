@@ -28,11 +28,24 @@ import threading
 import time
 from pathlib import Path
 
+import timm.optim
 import torch
 import torch.nn.functional as F
 import yaml
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
+from torch.utils.tensorboard.summary import hparams
+from torchmetrics.classification import MulticlassAccuracy
+from tqdm.auto import tqdm
 
+from interventions import describe
+from train import init_from
+from train.callbacks import TrainContext, build_callbacks
 from train.checkpoint import CheckpointError, list_checkpoints, resolve_resume, save_checkpoint, verify_checkpoint
+from train.data import EpochBatchSampler, augment, batch_collate, build_data
+from train.knn import knn_monitor
+from train.models import build_model
+from train.objectives import build_objective, uses_labels
 from train.recipe import Recipe, RecipeError, dump, flatten, resume_conflicts, run_name
 from train.seeding import reseed_step, step_seed  # noqa: F401  (step_seed: re-exported for callers of train.trainer)
 
@@ -135,7 +148,6 @@ def _broadcast(acc, value):
     """The main process's ``value`` on every process."""
     if acc.num_processes == 1:
         return value
-    from accelerate.utils import broadcast_object_list
 
     return broadcast_object_list([value])[0]
 
@@ -179,8 +191,6 @@ def _cpu_threads(acc) -> None:
 
 
 def make_accelerator(recipe: Recipe, run_dir: Path | None = None, log: bool = True):
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
 
     kwargs = {}
     if run_dir is not None and log:
@@ -197,7 +207,6 @@ def make_accelerator(recipe: Recipe, run_dir: Path | None = None, log: bool = Tr
 
 
 def eval_loader(split, batch_size: int, num_workers: int = 0):
-    from train.data import batch_collate
 
     return torch.utils.data.DataLoader(split.dataset(), batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=batch_collate)
 
@@ -206,7 +215,6 @@ def eval_loader(split, batch_size: int, num_workers: int = 0):
 def evaluate(accelerator, model, loader, data, num_classes: int) -> dict:
     """Top-1 and loss over the whole eval split, exact under any number of processes
     (``gather_for_metrics`` drops the padding that evens out the last batch)."""
-    from torchmetrics.classification import MulticlassAccuracy
 
     was_training = model.training
     model.eval()
@@ -224,7 +232,6 @@ def evaluate(accelerator, model, loader, data, num_classes: int) -> dict:
 
 def _write_hparams(writer, recipe: Recipe, extra: dict) -> None:
     """HParams into the run's own events file (SummaryWriter.add_hparams would open a second folder)."""
-    from torch.utils.tensorboard.summary import hparams
 
     hp = flatten({**recipe.to_dict(), **extra})
     exp, ssi, sei = hparams(hp, {"eval/top1": 0.0})
@@ -333,15 +340,7 @@ def _write_result(run_dir: Path, summary: dict) -> None:
 
 def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start,
            stop_after=None) -> dict:
-    from accelerate.utils import set_seed
 
-    from interventions import describe
-    from train import init_from
-    from train.callbacks import TrainContext, build_callbacks
-    from train.data import EpochBatchSampler, augment, batch_collate, build_data
-    from train.knn import knn_monitor
-    from train.models import build_model
-    from train.objectives import build_objective, uses_labels
 
     callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
     acc = make_accelerator(recipe, run_dir)
@@ -375,7 +374,6 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     # fine-tuning / linear evaluation: a fresh start loads train.init_from (not a resume), the frozen backbone stays frozen
     init_record = init_from.apply(recipe, objective, start_meta if start_ckpt is not None else None)
     model = objective.trained_module()  # the backbone (supervised) or the objective holding it and its own parts
-    import timm.optim
 
     opt = timm.optim.create_optimizer_v2(model, opt="adamw", lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
     sampler = EpochBatchSampler(len(data.train), t.batch_size, recipe.seed, acc.process_index, acc.num_processes)
@@ -454,7 +452,6 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     last_saved = step if start_ckpt is not None else -1
     bar = None
     if progress and main:
-        from tqdm.auto import tqdm
 
         bar = tqdm(total=t.steps, initial=step, desc=run_dir.name, dynamic_ncols=True)
 

@@ -53,9 +53,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from analysis.figures import attention_distance_plot
 from analysis.measure import Measure, register
 from analysis.reduce import all_reduce_sum
 
@@ -251,7 +254,6 @@ class AttentionDistance:
         than one process is initialised (otherwise nothing). Blocks seen only by some processes are added as zeros
         elsewhere first. The packed state is summed by :func:`analysis.reduce.all_reduce_sum`. Call it once, after the last ``update`` and before
         ``compute``: calling it twice sums twice."""
-        import torch.distributed as dist
 
         if accelerator is not None and accelerator.num_processes == 1:
             return
@@ -306,7 +308,6 @@ class AttentionDistanceMeasure(Measure):
 
     @staticmethod
     def summary(r):
-        import numpy as np
 
         px = np.asarray(r["pixels"])
         out = {"mean_px": [float(v) for v in px.mean(1)], "min_px": [float(v) for v in px.min(1)], "max_px": [float(v) for v in px.max(1)]}
@@ -317,7 +318,6 @@ class AttentionDistanceMeasure(Measure):
 
     @staticmethod
     def scalars(r):
-        import numpy as np
 
         px = np.asarray(r["pixels"])  # per head in the figure and the npz; per block here (a chart per head buries the curves)
         return {f"attn_dist/{stat}/block{i:02d}": float(f(px[i])) for i in range(px.shape[0])
@@ -325,7 +325,6 @@ class AttentionDistanceMeasure(Measure):
 
     @staticmethod
     def figures(r, step=None):
-        from analysis.figures import attention_distance_plot
 
         at = f" (step {step})" if step is not None else ""
         figs = {"attn_dist/heads": attention_distance_plot(r["pixels"], title=f"attention distance, patch centres{at}",

@@ -12,6 +12,7 @@ from typing import Literal
 
 import numpy as np
 
+from analysis.figures import cka_heatmap
 from analysis.measure import Measure, as_list, register
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import block_kinds
@@ -158,7 +159,6 @@ class CKAMeasure(Measure):
 
     @staticmethod
     def figures(r, step=None):
-        from analysis.figures import cka_heatmap
 
         at = f" (step {step})" if step is not None else ""
         layers = f", {r['layers']} layers" if "layers" in r else ""

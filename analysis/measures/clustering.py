@@ -36,6 +36,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 from torch import Tensor
+from torchmetrics.functional.clustering import adjusted_rand_score, normalized_mutual_info_score
 
 from analysis.baselines import DEFAULT_BASELINE, noise_like
 from analysis.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
@@ -157,7 +158,6 @@ def purity(pred: Tensor, target: Tensor) -> float:
 def cluster_scores(pred: Tensor, target: Tensor) -> dict[str, float]:
     """``{"purity", "nmi", "ari"}`` of cluster assignments ``pred`` against labels ``target`` (NMI and ARI from
     torchmetrics.clustering; NMI with the arithmetic-mean normaliser)."""
-    from torchmetrics.functional.clustering import adjusted_rand_score, normalized_mutual_info_score
 
     pred, target = pred.cpu().long().flatten(), target.cpu().long().flatten()
     with warnings.catch_warnings():

@@ -46,8 +46,10 @@ from typing import Literal
 
 import numpy as np
 import torch
+from matplotlib.patches import Rectangle
 
 from analysis.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
+from analysis.figures import plt  # pyplot with the Agg backend set
 from analysis.measure import Context, Measure, as_list, register
 from analysis.reduce import all_reduce_sum, gather_objects
 from analysis.similarity import MinibatchCKA
@@ -248,19 +250,9 @@ class Localization(Measure):
 # ---------------------------------------------------------------- figures
 
 
-def _pyplot():
-    """matplotlib.pyplot, imported after analysis.figures has set the Agg backend."""
-    from analysis import figures
-
-    return figures.plt
-
-
 def token_patch_maps(cka: np.ndarray, grid: tuple[int, int], tokens: list[int] | None = None, title: str = ""):
     """Fig. 9 / 10 / D.1-D.3: for each chosen token, the [gh, gw] map of its CKA with every input patch (own position
     outlined in cyan)."""
-    from matplotlib.patches import Rectangle
-
-    plt = _pyplot()
 
     gh, gw = int(grid[0]), int(grid[1])
     tokens = example_tokens((gh, gw)) if tokens is None else tokens
@@ -291,7 +283,6 @@ def token_patch_maps(cka: np.ndarray, grid: tuple[int, int], tokens: list[int] |
 def score_plot(layers: list[str], own_share: np.ndarray, contrast: np.ndarray, chance: np.ndarray | None = None,
                title: str = "localization vs depth"):
     """Localization scores per layer: share of tokens most similar to their own patch, and the CKA contrast."""
-    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     x = np.arange(len(layers))

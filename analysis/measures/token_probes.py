@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from analysis.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
+from analysis.figures import plt  # pyplot with the Agg backend set
 from analysis.measure import Context, Measure, as_list, register
 from analysis.probing import DEFAULT_METHOD, probe_layers, probe_split, probe_split_problem
 from analysis.reduce import collect
@@ -226,16 +227,8 @@ class TokenProbes(Measure):
 # ---------------------------------------------------------------- figures
 
 
-def _pyplot():
-    """matplotlib.pyplot, imported after analysis.figures has set the Agg backend."""
-    from analysis import figures
-
-    return figures.plt
-
-
 def layer_token_heatmap(acc: np.ndarray, layers: list[str], title: str = ""):
     """Fig. D.4 as one matrix: probe top-1 per token (columns, probed tokens in row-major grid order) and layer (rows)."""
-    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 0.35 * len(layers) + 1.5))
     im = ax.imshow(np.ma.masked_invalid(acc), aspect="auto", origin="lower", cmap="viridis", vmin=0,
@@ -251,7 +244,6 @@ def layer_token_heatmap(acc: np.ndarray, layers: list[str], title: str = ""):
 
 def token_maps(acc: np.ndarray, grids: np.ndarray, token_index: np.ndarray, layers: list[str], title: str = ""):
     """Fig. D.4: per layer, the probe top-1 of every token at its grid position (unprobed positions blank)."""
-    plt = _pyplot()
 
     n = len(layers)
     cols = min(4, n)
@@ -279,7 +271,6 @@ def token_maps(acc: np.ndarray, grids: np.ndarray, token_index: np.ndarray, laye
 
 def mean_plot(mean: np.ndarray, cls_acc: np.ndarray | None, chance: float, title: str = ""):
     """Fig. 11 left: single-token probe top-1 averaged over spatial tokens vs normalised depth (and the CLS token's)."""
-    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     x = np.linspace(0, 1, len(mean)) if len(mean) > 1 else np.array([1.0])
