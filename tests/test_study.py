@@ -53,8 +53,11 @@ def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
     s = load_study(ROOT / "recipes" / "studies" / "raghu2021.yaml")
     configs = {"vit_cls", "vit_gap", "resnet", "noskip_b1", "noskip_b3", "noskip_b5", "subset_03", "subset_10", "subset_30",
                "vit_local"}
-    assert set(s.configs()) == configs | {"vit_local_nomix"}
-    assert set(s.runs) == {f"{c}_s{i}" for c in configs for i in (0, 1)} | {"vit_local_nomix_s0"}  # the pilot: one seed
+    assert set(s.configs()) == configs | {"vit_local_nomix", "control"}
+    # the pilot and the positive control: one seed
+    assert set(s.runs) == {f"{c}_s{i}" for c in configs for i in (0, 1)} | {"vit_local_nomix_s0", "control_s0"}
+    assert s.runs["vit_local_s0"].go_no_go and not s.runs["vit_cls_s0"].go_no_go
+    assert load_recipe(s.runs["control_s0"].recipe, s.runs["control_s0"].overrides).interventions.local_attention
     # the locality-capable family measures attention distance during training (the pilot check) despite callbacks=[]
     for name, mixup in (("vit_local_s1", 0.8), ("vit_local_nomix_s0", 0.0)):
         r = load_recipe(s.runs[name].recipe, s.runs[name].overrides)

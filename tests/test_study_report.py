@@ -166,6 +166,43 @@ def test_the_check_reads_the_second_scheduled_checkpoint_and_a_no_go_stops_the_l
     assert "0.97 x uniform" in loc["why"] and "not enough data" in loc["why"]
 
 
+def test_the_positive_control_section_says_whether_the_detectors_find_the_forced_heads(tmp_path):
+    forced = [{"blocks": [0], "heads": [0], "offset": [0, 0], "radius": 1}, {"blocks": [0], "heads": [1], "offset": [0, 1], "radius": 0}]
+    (tmp_path / "control.yaml").write_text(yaml.safe_dump(_merge(yaml.safe_load((tmp_path / _recipe(tmp_path)).read_text()),
+                                                                {"interventions": {"local_attention": forced}})))
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({"study": "mini", "root": str(tmp_path / "runs"), "report": str(tmp_path / "docs" / "r.md"),
+                                 "runs": {"control": {"recipe": "control.yaml", "seeds": [0]}}}))
+    s = load_study(p)
+    dist = FLAT.copy()
+    dist[0, 0], dist[0, 1], dist[2, 3] = 4.1, 3.5, 6.0  # the forced heads, and a free head that is local too
+    _fake_run(s, "control_s0", {1500: dist}, final=True)
+    local = np.zeros((DEPTH, HEADS), bool)
+    local[0, :2] = True
+    peaks = np.zeros((DEPTH, HEADS, 2), int)
+    peaks[0, 1] = (0, 1)
+
+    def aligned(peak):
+        peaks[0, 1] = peak
+        save_result({"local": local, "offset_local": local & (np.abs(peaks).max(-1) > 0), "peak_offset": peaks},
+                    s.runs["control_s0"].run_dir / "analysis" / step_dir_name(1500) / "aligned_attention.npz")
+        runs, _ = R._open(s)
+        return R.control_check(runs["control_s0"], UNIFORM)
+
+    c = aligned((0, 1))
+    assert c["passed"] and [(x["block"], x["head"]) for x in c["heads"]] == [(0, 0), (0, 1)]
+    assert c["heads"][1]["distance_px"] == 3.5 and c["free_local"] == ["block 2 head 3"]
+    c = aligned((1, 0))  # the offset head found local but at the wrong offset: the detector failed
+    assert not c["passed"] and c["heads"][1]["found"] == {"distance": True, "aligned_local": True, "offset": False}
+    runs, _ = R._open(s)
+    doc = R._Doc(s)
+    R._control_section(s, R._configs(s, runs), doc)
+    text = "\n".join(doc.lines)
+    assert doc.data["positive_control"]["passed"] is False
+    assert "| block 0 head 1 | offset (0, 1), radius 0 | 3.50 (0.24 x) | yes | yes | **no** (1, 0) |" in text
+    assert "Detectors: **FAILED**; heads that are local without being forced: block 2 head 3." in text
+
+
 # -------------------------------------------------------------- CKA floors (analysis/baselines.py)
 
 def _vit(seed: int):
