@@ -266,3 +266,25 @@ def test_claims_state_the_papers_direction_and_the_json_reads_back(tmp_path):
     assert back["claims"]["offset_heads"]["verdict"] == "not testable"
     with pytest.raises(ValueError):
         C.Verdict("partly held")
+
+
+# -------------------------------------------------------------- effective receptive fields (Fig. 6), probes (Fig. 13)
+
+def test_erf_four_outcomes():
+    vit = [np.array([6.0, 8.0, 11.0, 12.0, 12.5, 13.0]) + e for e in (0.0, 0.1)]  # wide early, global midway
+    res = [np.array([1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0, 9.0]) + e for e in (0.0, 0.2)]  # local, growing gradually
+    v = C.rule_erf(vit, res)
+    assert v.outcome == C.HELD, v.why
+    assert "lowest block ERF mean distance, ViT - ResNet (px): effect +4.9" in v.why
+    assert C.rule_erf(res, vit).outcome == C.NOT_HELD  # the negation
+    noisy = [vit[0], vit[0] * 0.3]  # the ViT's seeds disagree by more than the effect
+    assert C.rule_erf(noisy, res).outcome == C.INCONCLUSIVE
+    assert C.rule_erf(vit[:1], res[:1]).outcome == C.NOT_TESTABLE  # one seed: no floor
+
+
+def test_middle_mean_reads_the_middle_half_of_any_depth():
+    assert C.middle_mean([0, 1, 2, 3]) == pytest.approx(1.5)  # (l+1)/L = .25 .5 .75 1 -> blocks 1, 2
+    assert C.middle_mean([0, 1, 2, 3, 4, 5, 6, 7]) == pytest.approx(3.5)  # blocks 2-5 of 8
+    assert C.middle_mean([0, 10, 20, 30, 40, 50]) == pytest.approx(20.0)  # blocks 1-3 of 6 (.33 .5 .67)
+    v = C.rule_difference("middle-half 10-shot accuracy, ViT - ResNet", [0.8, 0.81], [0.6, 0.62], ("vit_cls", "resnet"))
+    assert v.outcome == C.HELD

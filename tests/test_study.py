@@ -191,7 +191,8 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
     text = report.read_text()
     for claim in ("## 1. ViT layer representations are more uniform", "## 2. Skip connections are much more influential",
                   "## 3. In the first half of the network the CLS token", "## 4. Lower layers mix",
-                  "## 5. The first block's local heads are the most similar", "## 6. Every ViT learns offset local attention heads",
+                  "## 5. The first block's local heads are the most similar", "## 6. ViT's intermediate layers are stronger",
+                  "## 7. Every ViT learns offset local attention heads",
                   "| vit_cls_s1 | vit_cls | 1 |", "Claims at a glance", "> \"We observe a striking phase transition",
                   # the pilot section covers every vit_* configuration, the locality claims say what they read
                   "## Pilot runs: choosing a regime where local heads can appear", "**vit_cls_s0** (finished (step 8)",
@@ -202,7 +203,7 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
                   "figures/mini/cka_floors.png", "figures/mini/pilot_attention_distance.png",
                   "Paper: not stated as a number (Fig. 1"):
         assert claim in text, claim
-    assert text.count("Paper: ") == 6 and text.count("Ours: ") == 6  # every claim section shows both
+    assert text.count("Paper: ") == 7 and text.count("Ours: ") == 7  # every claim section shows both
     assert "Go/no-go: **go**" in text or "Go/no-go: **no-go**" in text
     assert "| resnet_s0 | 0." in text and "| resnet_s0 | nan" not in text  # zero-initialised BatchNorms: left out, said
     assert "constant at random initialisation" in text
@@ -211,7 +212,8 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
 
     assert check_report(report) == []
     back = C.read_json(report.with_suffix(".json"))
-    assert list(back["claims"]) == ["uniformity", "skip_dominance", "cls_phase", "head_mix", "head_subsets", "offset_heads"]
+    assert list(back["claims"]) == ["uniformity", "skip_dominance", "cls_phase", "head_mix", "head_subsets",
+                                    "intermediate_probes", "offset_heads"]
     assert back["locality_configuration"]["config"] == "vit_cls" and set(back["pilots"]) == {"vit_cls_s0", "vit_cls_s1"}
     assert all(back["claims"][c]["measured"]["configuration"] == "vit_cls" for c in ("head_mix", "head_subsets", "offset_heads"))
     assert back["pilots"]["vit_cls_s0"]["go"] in (C.GO, C.NO_GO)
@@ -220,8 +222,8 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
         assert back["claims"][cid]["verdict"] == "not testable" and "0 of its 4 blocks" in back["claims"][cid]["why"]
     assert "not testable" in text and "no identity shortcut" in text
     glance = text.split("## Runs")[0]  # the claims table (the pilot tables below also have rows "| 1 |")
-    rows = [line for line in glance.splitlines() if line.startswith(("| 1 |", "| 2 |", "| 3 |", "| 4 |", "| 5 |", "| 6 |"))]
-    assert len(rows) == 6 and all(r.count("|") - r.count("\\|") == 8 for r in rows)  # 7 cells: no stray | in a cell
+    rows = [line for line in glance.splitlines() if line.startswith(tuple(f"| {i} |" for i in range(1, 8)))]
+    assert len(rows) == 7 and all(r.count("|") - r.count("\\|") == 8 for r in rows)  # 7 cells: no stray | in a cell
     cka = np.load(tmp_path / "runs" / "vit_cls_s1" / "analysis" / "step_0000008" / "cka.npz", allow_pickle=True)
     assert any(str(lab).endswith("norm1") for lab in cka["labels"])  # the study's option: the paper's layer set
     assert (tmp_path / "runs" / "vit_cls_s0" / "analysis" / "step_0000008" / "erf.npz").is_file()  # measures: all

@@ -161,6 +161,27 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in [
           "higher layers, which makes global classification challenging.",
           "Last block's mean 10-shot accuracy of single spatial tokens, GAP minus CLS, must exceed the noise floor.",
           "not stated as a number (Fig. 11 left, App. Fig. D.4: per-token accuracies in plots only)"),
+    Claim("erf", "Raghu Fig. 6, C.1, C.2", "ViT's lower-layer effective receptive fields are larger than a ResNet's, "
+          "and ViT's become much more global midway through the network while the ResNet's grow gradually",
+          "Raghu et al. 2021 §5",
+          "We observe that lower layer effective receptive fields for ViT are indeed larger than in ResNets, and while "
+          "ResNet effective receptive fields grow gradually, ViT receptive fields become much more global midway through "
+          "the network.",
+          "The ERF's mean distance (pixels) from the centre location's input window, after the residual connection "
+          "(analysis/measures/erf.py: |gradient| of the centre location, averaged over channels and 32 images). Two "
+          "parts: at the lowest block, ViT minus ResNet; at the middle of the network (the block at half the depth of "
+          "each), ViT minus ResNet; each must exceed the noise floor.",
+          "not stated as a number (Fig. 6: ERF maps)"),
+    Claim("intermediate_probes", "Raghu Fig. 13 right", "ViT's intermediate layers are stronger 10-shot linear-probe "
+          "features than the ResNet's", "Raghu et al. 2021 §8",
+          "This conclusion is further supported by the results of the right pane of Figure 13, which shows linear probes "
+          "on different ResNet and ViT models, all pretrained on JFT-300M. We again see the larger ViT models learn much "
+          "stronger intermediate representations than the ResNets.",
+          "10-shot closed-form probe accuracy of the spatial mean of each block's output (both models aggregated the "
+          "same way), averaged over the middle half of each network's blocks (normalised depth (l + 1) / L in (0.25, "
+          "0.75]); ViT minus ResNet must exceed the noise floor. The paper's ViTs are large and JFT-pretrained; this "
+          "study's are 6-block ViTs trained 4 epochs on Fashion-MNIST.",
+          "not stated as a number (Fig. 13 right: curves only)"),
     Claim("data_drift", "Raghu Fig. 12", "With less pretraining data lower layers stay similar to the full-data model "
           "while higher layers drift away", "Raghu et al. 2021 §8",
           "Even with 3% of the entire dataset, lower layer representations are very similar to the model trained on the "
@@ -513,6 +534,26 @@ def rule_difference(name: str, a: list[float], b: list[float], configs: tuple[st
     """A claim that a quantity is larger in configuration a than in b (per seed values)."""
     v = Verdict(INCONCLUSIVE)
     return _finish(v, [_part(name, a, b, v)], _seeds_problem({configs[0]: a, configs[1]: b}))
+
+
+def middle_mean(curve) -> float:
+    """Mean of a per-block curve over the middle half of the network: blocks l with (l + 1) / L in (0.25, 0.75]."""
+    v = np.asarray(curve, dtype=float).reshape(-1)
+    depth = (np.arange(len(v)) + 1) / len(v)
+    return float(np.nanmean(v[(depth > 0.25) & (depth <= 0.75)]))
+
+
+def rule_erf(vit: list, resnet: list) -> Verdict:
+    """``vit`` / ``resnet``: per seed the post-residual ERF mean distance of each block [L] (pixels)."""
+    p = _seeds_problem({"vit": vit, "resnet": resnet})
+    v = Verdict(INCONCLUSIVE)
+
+    def mid(c):
+        return float(np.asarray(c, dtype=float)[(len(c) - 1) // 2])
+
+    parts = [_part("lowest block ERF mean distance, ViT - ResNet (px)", [float(c[0]) for c in vit], [float(c[0]) for c in resnet], v),
+             _part("middle block ERF mean distance, ViT - ResNet (px)", [mid(c) for c in vit], [mid(c) for c in resnet], v)]
+    return _finish(v, parts, p)
 
 
 def rule_data_drift(curves: dict[float, list]) -> Verdict:

@@ -35,7 +35,7 @@ from analysis import baselines as B
 from analysis import offline as O
 from analysis import storage
 from analysis.figures import attention_distance_panels, layer_lines, save
-from analysis.measure import load_result, registry, save_result
+from analysis.measure import as_list, load_result, registry, save_result
 from analysis.measures.cka import cka_layers
 from analysis.reports import claims as C
 from analysis.reports import walmer_report
@@ -644,6 +644,23 @@ def _raghu2021(study, configs: dict, doc: _Doc, loc: dict) -> tuple[list, list]:
             d = storage.step_dir(r.path, max(r.checkpoints), "figures")
             doc.figure(d / "localization_score.png", f"localization_{tag}", f"Localization scores per block, {tag.upper()} ViT")
             doc.figure(d / "token_probes_mean.png", f"token_probes_{tag}", f"Per-token 10-shot probes, {tag.upper()} ViT")
+
+    # 5b. effective receptive fields (Fig. 6) and intermediate linear probes (Fig. 13 right), ViT vs ResNet
+    if all(_last(r, "erf") is not None for r in cls_runs + res_runs):
+        add("erf", C.rule_erf([np.asarray(_last(r, "erf")["mean_distance"])[:, 0] for r in cls_runs],
+                              [np.asarray(_last(r, "erf")["mean_distance"])[:, 0] for r in res_runs]))
+        for r, tag in ((cls, "vit"), (resnet, "resnet")):
+            doc.figure(storage.step_dir(r.path, max(r.checkpoints), "figures") / "erf_maps.png", f"erf_{tag}",
+                       f"Effective receptive fields by block, {r.name} (Raghu Fig. 6, C.1, C.2)")
+
+    def mean_pool(r):
+        fp = _last(r, "fewshot_probe")
+        return np.asarray(fp["mean"], dtype=float)[as_list(fp["pools"]).index("mean")]
+
+    if all(_last(r, "fewshot_probe") is not None for r in cls_runs + res_runs):
+        add("intermediate_probes", C.rule_difference("middle-half 10-shot accuracy, ViT - ResNet",
+                                                     [C.middle_mean(mean_pool(r)) for r in cls_runs],
+                                                     [C.middle_mean(mean_pool(r)) for r in res_runs], ("vit_cls", "resnet")))
 
     # 6. data subsets (Fig. 12): each subset run at its chosen checkpoint against the full-data run of the same seed
     subs = {k: v for k, v in configs.items() if k.startswith("subset_")}
