@@ -1,10 +1,18 @@
 """Data: sources, tensors, seeded class-balanced nested subsets, augmentation, clear errors."""
 import gzip
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 
 from train.data import (
     FASHION_MNIST_DIR,
@@ -50,7 +58,90 @@ def test_hub_offline_is_one_sentence(monkeypatch):
     with pytest.raises(DataError) as e:
         load_source(DataConfig(source="hub", name="cifar10"))
     msg = str(e.value)
-    assert "could not reach the Hugging Face Hub" in msg and "cifar10" in msg and "\n" not in msg
+    assert "'cifar10' is not in the local Hugging Face cache" in msg and "HF_HUB_OFFLINE" in msg and "\n" not in msg
+    assert "data.source: disk" in msg and "save_to_disk" in msg
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# in a fresh process (the offline switches are read at import): seconds load_source took, then its error or the splits
+HUB_UNREACHABLE = """
+import time
+from train.recipe import DataConfig
+from train.sources import DataError, load_source
+t0 = time.perf_counter()
+try:
+    dsd = load_source(DataConfig(source="hub", name="cifar10"))
+    out = f"{sorted(dsd)} {len(dsd['train'])}"
+except DataError as e:
+    out = str(e)
+print(f"{time.perf_counter() - t0:.2f}")
+print(out)
+"""
+
+
+def _run_unreachable(script: str, hf_home: Path):
+    """``script`` in a fresh process with no offline switch, HF_HOME ``hf_home`` and the Hub unreachable (HF_ENDPOINT on a
+    closed local port: the connection error of a machine without network, on any machine)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(hf_home), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_hub_unreachable_without_offline_mode_is_fast_and_one_sentence(tmp_path):
+    """No HF_HUB_OFFLINE, the Hub unreachable and an empty cache: one sentence within seconds, where huggingface_hub's
+    retries (1 + 2 + 4 + 8 + 8 s) took about 25 s."""
+    r = _run_unreachable(HUB_UNREACHABLE, tmp_path / "hf")
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r.stdout + r.stderr[-3000:]
+    seconds, msg = float(lines[0]), lines[1]
+    assert seconds < 5, f"{seconds} s"
+    assert "could not reach the Hugging Face Hub (this machine seems offline)" in msg and "'cifar10' is not in the local" in msg, msg
+    assert "save_to_disk" in msg and "HF_HUB_OFFLINE=1" in msg
+
+
+def test_hub_unreachable_reads_a_cached_data_set_at_once(tmp_path):
+    """No HF_HUB_OFFLINE, the Hub unreachable, the data set in the cache: loaded from the cache within seconds, where
+    datasets fell back to it only after huggingface_hub's retries (about 25 s). The cache entry is one datasets wrote
+    (a local parquet data set) moved to where a hub data set named 'cifar10' is cached."""
+    import datasets
+
+    cache = tmp_path / "hf/datasets"
+    d = datasets.Dataset.from_dict({"image": [[[0] * 4] * 4] * 6, "label": [0, 1] * 3})
+    files = {}
+    for split in ("train", "test"):
+        files[split] = str(tmp_path / f"{split}.parquet")
+        d.to_parquet(files[split])
+    datasets.load_dataset("parquet", data_files=files, cache_dir=str(cache))
+    (config,) = (cache / "parquet").iterdir()
+    shutil.move(config, cache / "cifar10" / "default")  # datasets' layout: <name>/<config>/<version>/<hash>/<name>-<split>.arrow
+    for f in (cache / "cifar10").rglob("parquet-*.arrow"):
+        f.rename(f.with_name(f.name.replace("parquet-", "cifar10-", 1)))
+    r = _run_unreachable(HUB_UNREACHABLE, tmp_path / "hf")
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r.stdout + r.stderr[-3000:]
+    assert float(lines[0]) < 5 and lines[1] == "['test', 'train'] 6", lines
+
+
+def test_hub_probe(monkeypatch):
+    """The probe: reachable when anything answers HTTP at the endpoint (any status), unreachable on a refused connection."""
+    import huggingface_hub.constants
+
+    from train.sources import hub_reachable
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the tests run offline; this talks to 127.0.0.1
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501 to HEAD
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert hub_reachable(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not hub_reachable(f"http://127.0.0.1:{_closed_port()}")
 
 
 def test_balanced_indices_balance_determinism_nesting_seeds():

@@ -185,6 +185,100 @@ def test_launch_sh_several_processes_bad_recipe_is_one_sentence(write_recipe, tm
     assert "Traceback" not in r.stdout + r.stderr and not (tmp_path / "runs").exists()
 
 
+def launch2(args: list, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``VITLAB_NPROC=2 ./launch.sh ARGS`` (2 processes on CPU through accelerate launch), its output captured."""
+    return subprocess.run([str(ROOT / "launch.sh"), *map(str, args)], cwd=ROOT, env={**_env(), "VITLAB_NPROC": "2", **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_one_sentence(r: subprocess.CompletedProcess, says: str) -> None:
+    """Exit 2, one line on stderr that says ``says``, and no traceback of a process or of accelerate launch."""
+    err = r.stderr.strip()
+    assert r.returncode == 2, f"rc {r.returncode}: {err[-3000:]}"
+    assert "Traceback" not in r.stdout + r.stderr and len(err.splitlines()) == 1, err[-3000:]
+    assert err.startswith("error: ") and says in err, err
+
+
+def snapshot(folder: Path) -> list:
+    """Every file under ``folder`` with its size and mtime, less the lock file (a check takes the lock, as the trainer does)."""
+    return sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in folder.rglob("*") if f.name != ".lock")
+
+
+@pytest.mark.parametrize("case", ["disk", "fashion_mnist_folder", "hub_offline"])
+def test_launch_sh_several_processes_data_error_is_one_sentence(case, write_recipe, tmp_path):
+    """A data source that cannot be opened, with 2 processes: the preflight (--check) opens it before accelerate starts
+    any process, so the user reads the data layer's one sentence and exit 2, not an error per process and accelerate's
+    traceback; nothing is written."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    sets, env, says = {
+        "disk": (["data.source=disk", "data.path=/nonexistent"], {}, "is not a data set saved with DatasetDict.save_to_disk"),
+        "fashion_mnist_folder": ([f"data.path={empty}"], {}, f"Fashion-MNIST is missing from {empty}"),
+        # an empty cache: the hub data set cannot be in it
+        "hub_offline": (["data.source=hub", "data.name=cifar10"], {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+                        "'cifar10' is not in the local Hugging Face cache"),
+    }[case]
+    r = launch2([write_recipe(), "--no-progress", "--set", *sets], env)
+    assert_one_sentence(r, says)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("case", ["nothing", "corrupted", "other_recipe"])
+def test_launch_sh_several_processes_resume_error_is_one_sentence(case, write_recipe, tmp_path):
+    """--resume with 2 processes that finds nothing to resume, a corrupted checkpoint or a run trained with another
+    recipe: one sentence and exit 2 from the preflight, the run folder untouched."""
+    p = write_recipe(train={"steps": 4, "checkpoint_every": 4, "eval_every": 0})
+    run = tmp_path / "runs/run"
+    extra, says = [], "nothing to resume"
+    if case != "nothing":
+        assert train(load_recipe(p, ["run.name=run"]), progress=False)["step"] == 4
+        if case == "corrupted":
+            with open(run / "checkpoints/step_0000004/model.safetensors", "ab") as f:
+                f.write(b"x")
+            says = "model.safetensors does not match its recorded checksum"
+        else:
+            extra, says = ["--set", "model.depth=3"], "it was trained with a different recipe"
+    before = snapshot(tmp_path / "runs") if case != "nothing" else None
+    r = launch2([p, "--no-progress", "--name", "run", "--resume", *extra])
+    assert_one_sentence(r, says)
+    if before is None:
+        assert not (tmp_path / "runs").exists()
+    else:
+        assert snapshot(tmp_path / "runs") == before
+
+
+def test_check_opens_the_data_and_the_run_folder(write_recipe, tmp_path, capsys):
+    """--check (what launch.sh runs first) applies the data layer's and the trainer's own rules, in process, and writes
+    nothing: a good recipe passes; missing parquet files, a split the data set lacks, a run folder that already holds
+    checkpoints (no --resume) and a run folder locked by a live trainer are each one sentence and exit 2."""
+    import fcntl
+
+    from train.cli import main
+
+    p = write_recipe(train={"steps": 4, "checkpoint_every": 4, "eval_every": 0})
+    assert main([str(p), "--check"]) == 0
+    assert not (tmp_path / "runs").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for sets, says in ((["data.source=parquet", f"data.path={empty}"], "no .parquet files"),
+                       (["data.eval_split=validation"], "data.eval_split 'validation' is not a split of this data set")):
+        assert main([str(p), "--check", "--set", *sets]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and says in err, err
+    assert main([str(p), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main([str(p), "--check", "--resume"]) == 0
+    assert main([str(p), "--check"]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+    fd = os.open(tmp_path / "runs/tiny/.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live trainer's lock (flock is per open file, even in one process)
+        assert main([str(p), "--check", "--resume"]) == 2
+        assert "is in use by another trainer" in capsys.readouterr().err
+    finally:
+        os.close(fd)
+
+
 def test_launch_sh_forwards_sigterm(write_recipe, tmp_path):
     """./launch.sh (one process) stopped with SIGTERM: the trainer stops cleanly, nothing is left running."""
     p = write_recipe(train={"steps": 100000, "checkpoint_every": 3, "eval_every": 0})

@@ -50,8 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="checkpoint at step STEP and stop there (exit 0), resumable with --resume: the schedule stays the "
                         "recipe's (e.g. train a pilot to an early check, then decide whether to finish it)")
     p.add_argument("--check", action="store_true",
-                   help="validate the recipe and overrides, then exit (0, or 2 with one sentence): what ./launch.sh runs "
-                        "before starting several processes, so bad input is one sentence, not one traceback per process")
+                   help="check the recipe and overrides, the run folder (--resume: a checkpoint to resume, made by this "
+                        "recipe) and that the data source opens, without training or writing, then exit (0, or 2 with one "
+                        "sentence): what ./launch.sh runs before starting several processes, so bad input is one sentence, "
+                        "not one traceback per process")
     return p.parse_args(argv)
 
 
@@ -89,6 +91,30 @@ def die_with_launcher() -> bool:
     return True
 
 
+def preflight(recipe, overrides: list, resume) -> None:
+    """What ``--check`` verifies beyond the recipe, with the trainer's and the data layer's own rules and messages, in
+    the trainer's order, without training or writing (it reads, and takes the run folder's lock while it reads, as the
+    trainer does): the callbacks' options; the run folder (not in use by a live trainer; no checkpoints unless
+    --resume; with --resume, a complete checkpoint whose files match their checksums, trained with this recipe:
+    :func:`train.trainer.prepare_run`); that the data source opens (:func:`train.sources.check_source`, which reads no
+    images). Left to the trainer: whether the checkpoint's tensors load into the model, and the number of processes
+    (the launcher decides it). Raises RecipeError, RunFolderError, CheckpointError or DataError."""
+    from train.callbacks import build_callbacks
+    from train.sources import check_source
+    from train.trainer import RunLock, prepare_run, run_dir_for
+
+    build_callbacks(recipe.callbacks)
+    run_dir = run_dir_for(recipe, overrides)
+    lock = RunLock(run_dir)
+    try:
+        if run_dir.is_dir():  # an existing folder is locked before its checkpoints are read; a new one is not created
+            lock.acquire()
+        prepare_run(recipe, overrides, resume, run_dir)
+    finally:
+        lock.release()
+    check_source(recipe.data)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if argv is None:  # the process entry point, not a call from Python
@@ -107,12 +133,17 @@ def main(argv=None) -> int:
         return fail(str(e))
     if args.stop_after is not None and args.stop_after < 1:
         return fail(f"--stop-after must be a step of at least 1, not {args.stop_after}.")
-    if args.check:
-        return 0
 
     from train.checkpoint import CheckpointError
     from train.data import DataError
     from train.trainer import RunFolderError, TrainingDiverged, TrainingStopped, train
+
+    if args.check:
+        try:
+            preflight(recipe, list(args.overrides), args.resume)
+        except (RecipeError, DataError, CheckpointError, RunFolderError) as e:
+            return fail(str(e))
+        return 0
 
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     try:

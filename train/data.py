@@ -29,7 +29,7 @@ import torch
 import interventions
 from train.augment import augment, batch_rrc, crop_rng, rrc_box
 from train.decode import columns, decode_rows, labels, to_tensors
-from train.sources import FASHION_MNIST_DIR, DataError, load_fashion_mnist, load_source
+from train.sources import FASHION_MNIST_DIR, DataError, check_splits, load_fashion_mnist, load_source
 from train.splits import (
     EpochBatch,
     EpochBatchSampler,
@@ -111,9 +111,7 @@ def build_data(recipe, quiet: bool = False) -> DataBundle:
     and only the rows they use are decoded when eval_size is set. A size above its split's is refused."""
     cfg = recipe.data
     dsd = load_source(cfg)
-    for role, name in (("train_split", cfg.train_split), ("eval_split", cfg.eval_split)):
-        if name not in dsd:
-            raise DataError(f"data.{role} '{name}' is not a split of this data set: choose one of {', '.join(dsd)}.")
+    check_splits(cfg, list(dsd))
     train_ds, eval_ds = dsd[cfg.train_split], dsd[cfg.eval_split]
     _, lab_col = columns(train_ds, cfg)
     _, eval_lab_col = columns(eval_ds, cfg)
