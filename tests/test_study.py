@@ -232,3 +232,12 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
     assert main([p]) == 0  # rerun: nothing trained again, everything cached, the report regenerated
     out = capsys.readouterr().out
     assert "4 already finished, 0 started" in out and report.is_file()
+
+
+def test_every_checkpoint_is_checked_and_read(tmp_path):
+    s = load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml"}}, every_checkpoint=["attention_distance"]))
+    assert s.every_checkpoint == ["attention_distance"]
+    assert s.suite_options(s.every_checkpoint).measures == ("attention_distance",)
+    assert load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml"}})).every_checkpoint is None  # the core four
+    with pytest.raises(RecipeError, match="attention_distanse"):
+        load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml"}}, every_checkpoint=["attention_distanse"]))

@@ -8,6 +8,8 @@ A study file names runs (a recipe plus overrides each), a root folder and a repo
     set: ["callbacks=[]"]            # overrides shared by every run
     seeds: [0, 1]                    # every run once per seed: vit_cls_s0, vit_cls_s1, ... (recipe key seed=S)
     options: {cka: {layers: paper}}  # measure options for every analysis of the study {measure: {option: value}}
+    measures: [cka, erf]             # measured at every run's last checkpoint (a run may list its own)
+    every_checkpoint: [attention_distance]   # measured at every checkpoint (default: the core four)
     runs:
       vit_cls: {recipe: ../default.yaml}
       noskip_b3: {recipe: ../default.yaml, set: ["interventions.no_skip={blocks: [3]}"], seeds: [0, 1, 2]}
@@ -68,6 +70,7 @@ class Study:
     runs: dict[str, StudyRun] = field(default_factory=dict)
     measures: list[str] | None = None  # measured at every run's last checkpoint (None: every registered measure)
     options: dict = field(default_factory=dict)  # {measure: {option: value}} for every analysis of the study
+    every_checkpoint: list[str] | None = None  # measured at every checkpoint of every run (None: the core four)
 
     def suite_options(self, measures=None) -> SuiteOptions:
         """The suite options of an analysis of this study: ``measures`` with the study's measure options."""
@@ -81,7 +84,7 @@ class Study:
         return out
 
 
-KEYS = ("study", "root", "report", "set", "seeds", "options", "runs", "measures")
+KEYS = ("study", "root", "report", "set", "seeds", "options", "runs", "measures", "every_checkpoint")
 RUN_KEYS = ("recipe", "set", "measures", "seeds", "go_no_go")
 
 
@@ -109,7 +112,7 @@ def load_study(path: str | Path) -> Study:
     options = _options(d.get("options"), path)
     seeds = _seeds(d.get("seeds"), f"study file '{path}'")
     study = Study(str(d.get("study", path.stem)), path, root, (ROOT / report) if report else None, measures=measures,
-                  options=options)
+                  options=options, every_checkpoint=_measures(d.get("every_checkpoint"), path))
     for name, spec in d["runs"].items():
         if not isinstance(spec, dict) or "recipe" not in spec or set(spec) - set(RUN_KEYS):
             raise RecipeError(f"study run '{name}' must be a mapping {{recipe: FILE, set: [KEY=VALUE, ...], measures: [...], seeds: [...]}}.")

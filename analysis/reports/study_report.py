@@ -1,7 +1,7 @@
 """The analysis and report stages of ``./launch.sh study`` (analysis/reports/study.py).
 
-``analyze_study``: the core suite on every checkpoint of every run and the study's measures on each run's last
-checkpoint, all with the study's measure options (cached, see analysis/offline.py). ``write_report``: cross-run
+``analyze_study``: the study's ``every_checkpoint`` measures (default: the core four) on every checkpoint of every
+run and the study's measures on each run's last checkpoint, all with the study's measure options (cached, see analysis/offline.py). ``write_report``: cross-run
 comparisons (cached) and the study's report — for recipes/studies/raghu2021.yaml, docs/reproduction.md with each
 claim of Raghu et al. 2021 (and Walmer et al. 2023's offset heads): the quoted passage, the rule, the paper's number
 and ours, the measured values, the noise floor and the outcome (analysis/reports/claims.py), and the same as
@@ -102,7 +102,7 @@ def analyze_study(study) -> int:
         for name, why in absent.items():
             print(f"study {study.name}: pilot run {name}: {why}; left out of the analysis")
         for name, run in runs.items():
-            O.analyze_run(run, None, study.suite_options(None))  # the core four on every checkpoint
+            O.analyze_run(run, None, study.suite_options(study.every_checkpoint))  # default: the core four
             done, state = _progress(run)
             if not done and _pilot(study.runs[name].config):
                 print(f"study {study.name}: pilot run {name} is {state}: its checkpoints are analysed, the study's "
