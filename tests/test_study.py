@@ -121,16 +121,18 @@ def test_study_only_and_jobs_are_checked(tmp_path, capsys):
 
 def test_the_gpu_study_validates_and_lists_its_runs(capsys):
     """The one-GPU study (recipes/studies/raghu2021_gpu.yaml) checked on the CPU: every run's recipe loads, and the dry
-    run lists 12 runs (6 configurations x 2 seeds) and starts none."""
+    run lists 13 runs (6 configurations x 2 seeds and the positive control) and starts none."""
     p = ROOT / "recipes" / "studies" / "raghu2021_gpu.yaml"
     s = load_study(p)
-    assert len(s.runs) == 12 and all(len(v) == 2 for v in s.configs().values())
+    assert len(s.runs) == 13 and all(len(v) == 2 for c, v in s.configs().items() if c != "control")
+    c = load_recipe(s.runs["control_s0"].recipe, s.runs["control_s0"].overrides)
+    assert c.train.steps == 600 and c.interventions.local_attention and c.model.patch_size == 2
     r = load_recipe(s.runs["vit_cls_s0"].recipe, s.runs["vit_cls_s0"].overrides)
     assert (r.model.patch_size, r.model.depth, r.model.embed_dim, r.train.mixed_precision) == (2, 8, 192, "bf16")
     assert 50 <= r.train.steps * r.train.batch_size / 60000 <= 100  # epochs of Fashion-MNIST's 60,000 train images
     assert main([str(p), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "12 runs, 0 already finished, 0 started, 0 failed" in out and "vit_cls_s1: starting" in out
+    assert "13 runs, 0 already finished, 0 started, 0 failed" in out and "vit_cls_s1: starting" in out
 
 
 def test_the_study_resnet_has_identity_shortcuts():

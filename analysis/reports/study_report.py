@@ -312,9 +312,14 @@ def _pilot_section(study, runs: dict, absent: dict, doc) -> None:
 def _locality(study, runs: dict, absent: dict, configs: dict) -> dict:
     """Which configuration the locality claims read: {"config", "runs", "why"}. vit_local when every seed has
     finished, else vit_cls with the reason."""
-    regime = ("the default 4-epoch regime, Raghu Fig. 4's \"not enough data\" regime, in which ViT \"does not learn to "
-              "attend locally\" in earlier layers: a \"not testable\" there says that this regime has no local head, not "
-              "that the papers are wrong")
+    fb = configs[FALLBACK][0]
+    meta = read_meta(fb.checkpoints[max(fb.checkpoints)])
+    n = meta.get("data", {}).get("train_size")
+    epochs = (f"{max(fb.checkpoints) * meta.get('global_batch', 0) / n:.0f} epochs of {n:,} images" if n else
+              f"{max(fb.checkpoints)} steps")
+    regime = (f"the study's standard training ({epochs}); Raghu Fig. 4: with \"not enough data\" ViT \"does not learn to "
+              "attend locally\" in earlier layers, so a \"not testable\" there says that this regime has no local head, "
+              "not that the papers are wrong")
     srs = study.configs().get(LOCALITY)
     if not srs:
         return {"config": FALLBACK, "runs": configs[FALLBACK],
