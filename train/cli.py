@@ -99,6 +99,7 @@ def preflight(recipe, overrides: list, resume) -> None:
     :func:`train.trainer.prepare_run`); that the data source opens (:func:`train.sources.check_source`, which reads no
     images). Left to the trainer: whether the checkpoint's tensors load into the model, and the number of processes
     (the launcher decides it). Raises RecipeError, RunFolderError, CheckpointError or DataError."""
+    # deferred, as in main(): importing the trainer (torch, accelerate, timm) takes seconds
     from train.callbacks import build_callbacks
     from train.sources import check_source
     from train.trainer import RunLock, prepare_run, run_dir_for
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if argv is None:  # the process entry point, not a call from Python
         die_with_launcher()
+    # deferred: after die_with_launcher(), so a launcher that dies while these seconds of imports run takes this
+    # process with it; and a bad recipe is refused before torch, accelerate and timm are loaded at all
     from train.recipe import RecipeError, load_recipe
 
     path = args.recipe or args.recipe_pos
