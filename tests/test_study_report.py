@@ -164,6 +164,9 @@ def test_the_check_reads_the_second_scheduled_checkpoint_and_a_no_go_stops_the_l
     assert loc["config"] == "vit_cls" and loc.get("stopped")
     assert "vit_local stopped at its go/no-go check (vit_local_s0: at the second checkpoint (step 3000)" in loc["why"]
     assert "0.97 x uniform" in loc["why"] and "not enough data" in loc["why"]
+    # the configuration's other seed is absent by design, and said so
+    assert absent == {"vit_local_s1": "not trained: its configuration stopped at the go/no-go check of vit_local_s0",
+                      "vit_local_nomix_s0": "not started (no run folder)"}
 
 
 def test_the_positive_control_section_says_whether_the_detectors_find_the_forced_heads(tmp_path):

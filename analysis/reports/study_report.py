@@ -67,6 +67,10 @@ def _open(study) -> tuple[dict, dict]:
                 absent[name] = "not started (no run folder)" if not r.run_dir.is_dir() else "no complete checkpoint yet"
                 continue
             raise O.AnalysisError(f"study run '{name}' is not trained yet ({e}); run the train stage first.") from None
+    for name in absent:  # a configuration whose first run stopped at a no-go: its other seeds are not trained, by design
+        first = study.configs()[study.runs[name].config][0].name
+        if first in runs and first != name and not _progress(runs[first])[0] and pilot_check(runs[first])[0] == C.NO_GO:
+            absent[name] = f"not trained: its configuration stopped at the go/no-go check of {first}"
     return runs, absent
 
 
@@ -128,10 +132,15 @@ def _eval_n(run) -> int:
 
 
 def _train_wall(run) -> float:
+    """The run's training wall time: result.json's, else (a run stopped before its end) its last checkpoint's."""
     f = run.path / "result.json"
     try:
         return float(json.loads(f.read_text())["wall_s"])
     except (OSError, ValueError, KeyError):
+        pass
+    try:
+        return float(read_meta(run.checkpoints[max(run.checkpoints)])["wall_s"])
+    except Exception:  # noqa: BLE001 -- no readable wall time: unknown
         return float("nan")
 
 
