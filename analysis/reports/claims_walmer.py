@@ -250,25 +250,25 @@ def rule_reconstruction_local(distances: dict[str, list]) -> Verdict:
     return _finish(v, parts, p)
 
 
-def rule_cls_covers_more(map_entropy: dict[str, list]) -> Verdict:
-    """``map_entropy``: objective -> per seed cls_attention map_entropy [L, H] (absent for a model without CLS)."""
-    absent, p = _present(map_entropy, ("mae", "dino"), "CLS attention map")
+def _later_half_difference(values: dict[str, list], a: str, b: str, name: str) -> Verdict:
+    """Later-half mean of per seed [L, H] ``values``, objective ``a`` minus ``b``, against the noise floor."""
+    absent, p = _present(values, (a, b), "CLS attention map")
     if absent:
         return _untestable(absent)
-    later = {o: [halves(e)["later"] for e in map_entropy[o]] for o in ("mae", "dino")}
+    later = {o: [halves(e)["later"] for e in values[o]] for o in (a, b)}
     v = Verdict(INCONCLUSIVE)
-    return _finish(v, [_part("later-half entropy of the average CLS map, mae - dino (nats)", later["mae"], later["dino"], v)], p)
+    return _finish(v, [_part(name, later[a], later[b], v)], p)
+
+
+def rule_cls_covers_more(map_entropy: dict[str, list]) -> Verdict:
+    """``map_entropy``: objective -> per seed cls_attention map_entropy [L, H] (absent for a model without CLS)."""
+    return _later_half_difference(map_entropy, "mae", "dino", "later-half entropy of the average CLS map, mae - dino (nats)")
 
 
 def rule_cls_sparse(entropy: dict[str, list]) -> Verdict:
     """``entropy``: objective -> per seed cls_attention entropy [L, H] (mean per-image entropy)."""
-    absent, p = _present(entropy, ("dino", "supervised"), "CLS attention map")
-    if absent:
-        return _untestable(absent)
-    later = {o: [halves(e)["later"] for e in entropy[o]] for o in ("dino", "supervised")}
-    v = Verdict(INCONCLUSIVE)
-    return _finish(v, [_part("later-half per-image CLS attention entropy, dino - supervised (nats)", later["dino"],
-                             later["supervised"], v)], p)
+    return _later_half_difference(entropy, "dino", "supervised",
+                                  "later-half per-image CLS attention entropy, dino - supervised (nats)")
 
 
 def rule_more_semantic(knn: dict[str, list[dict]], purity: dict[str, list[float]], better: str, worse: str) -> Verdict:

@@ -184,7 +184,8 @@ def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, u
     checkpoint), beside the other runs; it trains on (every seed, to the end) only when the pilot check there says go
     (or undecided: nothing measured), and stops there on a no-go, saying so with the numbers. ``ungated``: no check."""
     selected = [r for r in study.runs.values() if not only or r.config in only]
-    gated = {} if ungated else {r.config: r for r in selected if r.go_no_go and r.name == study.configs()[r.config][0].name}
+    configs = study.configs()
+    gated = {} if ungated else {r.config: r for r in selected if r.go_no_go and r is configs[r.config][0]}
     first = [(r.recipe, r.overrides, r.run_dir, check_step(load_recipe(r.recipe, r.overrides))) for r in gated.values()]
     rest = [(r.recipe, r.overrides, r.run_dir) for r in selected if r.config not in gated]
     failed, started, skipped = launch_runs(first + rest, dry_run, jobs)
@@ -200,7 +201,7 @@ def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, u
                   "--no-go-no-go trains them to the end anyway)", flush=True)
             continue
         print(f"study {study.name}: {config}: {outcome} at the pilot check: {why}; training it to the end", flush=True)
-        on += [(x.recipe, x.overrides, x.run_dir) for x in study.configs()[config]]
+        on += [(x.recipe, x.overrides, x.run_dir) for x in configs[config]]
     more = launch_runs(on, dry_run, jobs) if on else ([], 0, 0)
     return failed + more[0], started + more[1], skipped + more[2]
 
