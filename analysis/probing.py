@@ -173,9 +173,17 @@ def _grid_accuracies(fit_x: Tensor, fit_y: Tensor, eval_x: Tensor, eval_y: Tenso
     evals, evecs = torch.linalg.eigh(z @ z.T)
     evals = evals.clamp_min(0)
     proj = evecs.T @ t  # [n, K]
-    kern = (_design(eval_x.to(z.device), mean, std) @ z.T) @ evecs  # [m, n]
-    accs = [_accuracy(kern @ (proj / (evals + l2)[:, None]) + offset, eval_y) for l2 in grid.tolist()]
-    return torch.tensor(accs, dtype=torch.float64)
+    coef = proj[:, None] / (evals[:, None, None] + grid.to(evals)[None, :, None])  # [n, G, K]: every l2 at once
+    coef = coef.reshape(len(evals), -1)  # [n, G*K]
+    ev = _design(eval_x.to(z.device), mean, std)  # [m, d]
+    (n, gk), d = coef.shape, z.shape[1]
+    if d * gk < d * n + n * (n + gk):  # few features: the weights Z^T U coef [d, G*K] of every l2, then one product
+        scores = ev @ ((z.T @ evecs) @ coef)
+    else:  # many features: the kernel to the shots [m, n] first
+        scores = ((ev @ z.T) @ evecs) @ coef
+    scores = scores.reshape(len(ev), len(grid), -1) + offset  # [m, G, K]
+    hits = scores.argmax(-1) == eval_y.to(ev.device).long()[:, None]  # [m, G]
+    return hits.double().mean(0).cpu()
 
 
 def _best_l2(grid: Tensor, accs: Tensor) -> float:

@@ -56,6 +56,12 @@ _CHUNK_ELEMENTS = 1 << 20
 # Below this many features per example the whole Gram is cheap (about 0.3 ms at n = 256, p = 96 in float64, one
 # thread), so it stays float64 there, exact as before; float32 products (~1e-9 relative on CKA) only where they pay.
 _FLOAT32_MIN_FEATURES = 256
+# K is symmetric, so only its upper block triangle is multiplied: rows cut into this many blocks, block row r times
+# rows r.. (the diagonal block and those right of it), (B + 1) / 2B of the full product's flops: 0.625 at 4. Measured
+# at n = 256, p ~ 4,100, one thread: 0.61-0.68x the time of the full float32 X X^T (8 blocks: no better; 2: 0.74x).
+# Below the minimum row count the product is too small for blocking to pay.
+_GRAM_ROW_BLOCKS = 4
+_GRAM_BLOCKED_MIN_ROWS = 64
 
 
 @torch.no_grad()  # out= buffers; nothing here differentiates CKA
@@ -71,7 +77,8 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
     with m near the mean, X - m is exact where X and m are close (Sterbenz) and small elsewhere, so float32 products
     keep ~1e-7 relative precision on what CKA sees. The columns go through in chunks: each chunk is centred into a
     small float32 buffer, multiplied in float32 and added to a float64 sum, so no float64 (or full float32) copy
-    of X is ever made and float32 rounding accumulates over at most one chunk. float64 inputs, and inputs with
+    of X is ever made and float32 rounding accumulates over at most one chunk. Only the upper block triangle of
+    each chunk's product is formed (``_GRAM_ROW_BLOCKS``) and mirrored at the end. float64 inputs, and inputs with
     fewer than ``_FLOAT32_MIN_FEATURES`` features, are computed in float64.
     """
     n = x.shape[0]
@@ -80,16 +87,18 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
     dt = torch.float64 if x.dtype == torch.float64 or p < _FLOAT32_MIN_FEATURES else torch.float32
     chunks = -(-p * n // _CHUNK_ELEMENTS)
     cols = -(-p // chunks)  # equal chunks
+    rows = -(-n // _GRAM_ROW_BLOCKS) if n >= _GRAM_BLOCKED_MIN_ROWS else n
     k = torch.zeros(n, n, dtype=torch.float64, device=x.device)
-    buf, g = torch.empty(n, cols, dtype=dt, device=x.device), torch.empty(n, n, dtype=dt, device=x.device)
+    buf, g = torch.empty(n, cols, dtype=dt, device=x.device), torch.zeros(n, n, dtype=dt, device=x.device)
     m = x.mean(0, dtype=dt)  # once: a mean over a column chunk (a strided slice) is slow with 2 threads
     for c in range(0, p, cols):
         xc = x[:, c:c + cols]
         b = buf[:, :xc.shape[1]]
         torch.sub(xc, m[c:c + cols], out=b)
-        torch.mm(b, b.T, out=g)
+        for r in range(0, n, rows):  # block row r: its diagonal block and everything right of it
+            torch.mm(b[r:r + rows], b[r:].T, out=g[r:r + rows, r:])
         k += g
-    return k
+    return k.triu() + k.triu(1).T  # the upper triangle (all computed) mirrored: K exactly symmetric
 
 
 def center_unbiased(k: torch.Tensor) -> torch.Tensor:

@@ -231,11 +231,25 @@ def test_centred_gram_uses_float32_products_without_a_float64_copy(monkeypatch):
     monkeypatch.setattr(torch, "mm", spy)
     monkeypatch.setattr(C, "_CHUNK_ELEMENTS", 64 * 100)
     C._centred_gram(torch.randn(64, 300))
-    assert seen == [(torch.float32, (64, 100))] * 3
+    assert seen == [(torch.float32, (16, 100))] * 12  # 3 chunks x 4 block rows (the upper block triangle)
     seen.clear()
     C._centred_gram(torch.randn(64, 300, dtype=torch.float64))
     C._centred_gram(torch.randn(64, 50))
     assert {d for d, _ in seen} == {torch.float64}
+
+
+@pytest.mark.parametrize("n", [5, 64, 70, 255, 256])
+def test_centred_gram_from_its_upper_block_triangle_is_the_whole_symmetric_gram(n):
+    """Only block rows r x rows r.. are multiplied and the rest mirrored: the result equals the float64 centred
+    X X^T everywhere (any n, blocks of unequal size included) and is exactly symmetric."""
+    from analysis.similarity import _centred_gram
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 700, generator=g) + 3
+    xc = x.double() - x.double().mean(0)
+    k = _centred_gram(x)
+    assert torch.equal(k, k.T)
+    assert (k - xc @ xc.T).abs().max() < 1e-5 * (xc @ xc.T).abs().max()  # float32 products
 
 
 @pytest.mark.parametrize("unbiased", [True, False])

@@ -27,16 +27,28 @@ def _tokens(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(2).transpose(1, 2) if t.ndim == 4 else t
 
 
+def _ratio_cosine(skip: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per image and token ([B, T], float64): ||z_t|| / ||f_t|| and <z_t, f_t> / (||z_t|| ||f_t||).
+
+    Norms and dot products are taken in the inputs' precision (float32, or float32 for half-precision inputs;
+    float64 stays float64): each is a sum over one token's D channels, ~1e-7 relative in float32, and the float64
+    results carry the sums over images. Copying every tapped tensor to float64 first cost about twice as much."""
+    z, f = _tokens(skip), _tokens(branch)
+    if z.dtype != torch.float64:
+        z, f = z.float(), f.float()
+    nz, nf = torch.linalg.vector_norm(z, dim=-1).double(), torch.linalg.vector_norm(f, dim=-1).double()
+    dot = torch.linalg.vecdot(z, f, dim=-1).double()
+    return nz / nf.clamp_min(EPS), dot / (nz * nf).clamp_min(EPS)
+
+
 def norm_ratio(skip: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
     """[T]: mean over images of ||skip_t|| / ||branch_t|| (see the module docstring)."""
-    z, f = _tokens(skip).double(), _tokens(branch).double()
-    return (z.norm(dim=-1) / f.norm(dim=-1).clamp_min(EPS)).mean(0)
+    return _ratio_cosine(skip, branch)[0].mean(0)
 
 
 def cosine(skip: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
     """[T]: mean over images of the cosine similarity of skip_t and branch_t."""
-    z, f = _tokens(skip).double(), _tokens(branch).double()
-    return torch.nn.functional.cosine_similarity(z, f, dim=-1, eps=EPS).mean(0)
+    return _ratio_cosine(skip, branch)[1].mean(0)
 
 
 class NormRatio:
@@ -49,16 +61,15 @@ class NormRatio:
 
     @torch.no_grad()
     def update(self, block: str, sublayer: str, skip: torch.Tensor, branch: torch.Tensor) -> None:
-        z, f = _tokens(skip).double(), _tokens(branch).double()
-        r = (z.norm(dim=-1) / f.norm(dim=-1).clamp_min(EPS)).sum(0).cpu()
-        c = torch.nn.functional.cosine_similarity(z, f, dim=-1, eps=EPS).sum(0).cpu()
+        ratio, cos = _ratio_cosine(skip, branch)
+        r, c = ratio.sum(0).cpu(), cos.sum(0).cpu()
         key = (block, sublayer)
         if key not in self.ratio:
-            self.ratio[key], self.cos[key], self.count[key] = r, c, torch.tensor(float(z.shape[0]), dtype=torch.float64)
+            self.ratio[key], self.cos[key], self.count[key] = r, c, torch.tensor(float(ratio.shape[0]), dtype=torch.float64)
         else:
             self.ratio[key] += r
             self.cos[key] += c
-            self.count[key] += z.shape[0]
+            self.count[key] += ratio.shape[0]
 
     def sync(self, accelerator=None) -> None:
         """Sum the accumulators over processes in one all-reduce (a no-op with one process; a process that saw no
