@@ -15,7 +15,7 @@ from conftest import ROOT, read_scalars
 
 from train.checkpoint import list_checkpoints, verify_checkpoint
 from train.recipe import load_recipe
-from train.trainer import RunFolderError, TrainingStopped, run_dir_for, train
+from train.trainer import RunFolderError, TrainingStopped, run_dir_for, train, wait_past_event_files
 
 # A trainer process with a test callback: at on_step_end of `step` it flushes TensorBoard, writes its pid to
 # `marker` and waits (up to `wait` s) for the file `marker`.release, so the test can signal or kill it at a known step.
@@ -150,6 +150,30 @@ def test_kill9_then_resume_logs_the_same_curve(driver, write_recipe, tmp_path):
     assert [s for s, _ in b_sc["train/loss"]] == list(range(2, 21, 2))
     assert b_sc["train/loss"] == a_sc["train/loss"]
     assert b_sc["train/lr"] == a_sc["train/lr"] and b_sc["eval/top1"] == a_sc["eval/top1"]
+
+
+def test_a_resumed_attempt_in_the_same_second_still_purges_the_killed_attempts_steps(tmp_path):
+    """TensorBoard reads events files in name order (creation second, host, pid): an earlier attempt's file
+    created in the same second with a pid that sorts later would be read after the resumed one, and its steps past
+    the checkpoint would survive the purge. The trainer waits for the next second first."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    tb = tmp_path / "tb"
+    killed = SummaryWriter(str(tb))
+    for s in range(1, 7):
+        killed.add_scalar("train/loss", float(s), s)
+    killed.close()
+    old = next(tb.glob("events.out.tfevents.*"))
+    parts = old.name.split(".")
+    parts[3], parts[5] = str(int(time.time())), "9999999"  # created this second, by a pid that sorts last
+    old.rename(tb / ".".join(parts))
+    wait_past_event_files(tb)
+    resumed = SummaryWriter(str(tb), purge_step=4)  # resumed from the checkpoint at step 3
+    for s in range(4, 9):
+        resumed.add_scalar("train/loss", 100.0 + s, s)
+    resumed.close()
+    got = read_scalars(tmp_path)["train/loss"]
+    assert got == [(1, 1.0), (2, 2.0), (3, 3.0)] + [(s, 100.0 + s) for s in range(4, 9)]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

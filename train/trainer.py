@@ -293,6 +293,20 @@ def prepare_run(recipe: Recipe, overrides=(), resume: bool | str = False, run_di
     return run_dir, start, meta
 
 
+def wait_past_event_files(tb_dir: Path, limit_s: float = 2.0) -> None:
+    """Wait (at most ``limit_s``) until the clock's second is past the newest events file's in ``tb_dir``.
+
+    TensorBoard reads a run's events files in name order, and a name is ``events.out.tfevents.<second it was
+    created>.<host>.<pid>.<n>``. A resumed attempt's purge of the steps after its checkpoint applies only to files
+    read before its own, so its file must sort after the earlier attempts': with the same second the pid decides,
+    and the killed attempt's steps would then be read after the resumed ones."""
+    stamps = [int(p.name.split(".")[3]) for p in tb_dir.rglob("events.out.tfevents.*")
+              if len(p.name.split(".")) > 4 and p.name.split(".")[3].isdigit()]
+    deadline = time.monotonic() + limit_s
+    while stamps and int(time.time()) <= max(stamps) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bool = True,
           allow_process_change: bool = False, stop_after: int | None = None) -> dict:
     """Train ``recipe``; return a summary dict (final step, eval top-1, wall time, run folder).
@@ -415,6 +429,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     # flush every 10 s and at every checkpoint (so a kill loses nothing before it); on resume, drop events logged
     # after the checkpoint
     tb_kwargs = {"flush_secs": 10, **({"purge_step": step + 1} if step else {})}
+    if main and step:
+        wait_past_event_files(run_dir / "tb")
     acc.init_trackers("tb", init_kwargs={"tensorboard": tb_kwargs})
     writer = acc.get_tracker("tensorboard", unwrap=True) if main else None
     global_batch = t.batch_size * t.grad_accum * acc.num_processes
