@@ -74,6 +74,7 @@ def test_a_tiny_objectives_study_reports_every_claim(tmp_path, capsys):
     assert "6 already finished, 0 started" in out.out
     report = tmp_path / "docs" / "teaching.md"
     text = report.read_text()
+    assert text.startswith("# Teaching matters: the training objective: ") and "claims_walmer.py" in text
     claims = list(W.CLAIMS.values())
     for i, c in enumerate(claims, 1):
         assert f"## {i}. {c.claim} ({c.figure})" in text, c.id
