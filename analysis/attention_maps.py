@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.figures import plt  # pyplot with the Agg backend set
+from analysis.figures import subplots
 from analysis.measure import Context, Measure
 from analysis.reduce import all_reduce_tree
 
@@ -99,7 +99,7 @@ def map_grid(maps: np.ndarray, blocks: list[str], title: str, marked: np.ndarray
     m = np.asarray(maps)
     n_l, n_h = m.shape[:2]
     size = min(1.1, 14.0 / max(n_l, n_h))
-    fig, axes = plt.subplots(n_l, n_h, figsize=(0.6 + size * n_h, 0.6 + size * n_l), squeeze=False)
+    fig, axes = subplots(n_l, n_h, figsize=(0.6 + size * n_h, 0.6 + size * n_l), squeeze=False)
     for i in range(n_l):
         for h in range(n_h):
             ax = axes[i, h]

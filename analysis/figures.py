@@ -1,5 +1,9 @@
 """Figures of the analyses (matplotlib, Agg backend): each function returns a Figure for TensorBoard's
-``add_figure`` and for PNG files."""
+``add_figure`` and for PNG files.
+
+Figures are made with :func:`subplots`, not ``pyplot``: a ``Figure`` with its own Agg canvas and no entry in
+pyplot's global registry, so figures can be drawn in a background thread while the main thread trains (the
+training-time callback renders them off the training path, analysis/callbacks.py) and nothing needs closing."""
 from __future__ import annotations
 
 import os
@@ -9,14 +13,22 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.image  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+
+def subplots(nrows: int = 1, ncols: int = 1, figsize=None, **kw):
+    """``(fig, axes)`` as ``pyplot.subplots`` gives them, on a pyplot-free Figure with an Agg canvas (module docstring)."""
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, **kw)
 
 
 def cka_heatmap(m: np.ndarray, xlabels: list[str], ylabels: list[str] | None = None, title: str = "CKA",
                 xname: str = "layer", yname: str = "layer"):
     """Raghu Fig. 1/2/8: CKA between every pair of layers (origin bottom-left, as in the paper)."""
-    fig, ax = plt.subplots(figsize=(5, 4.2))
+    fig, ax = subplots(figsize=(5, 4.2))
     im = ax.imshow(np.asarray(m), origin="lower", vmin=0, vmax=1, cmap="magma", aspect="auto")
     fig.colorbar(im, ax=ax, fraction=0.046)
     ylabels = ylabels if ylabels is not None else xlabels
@@ -33,7 +45,7 @@ def cka_heatmap(m: np.ndarray, xlabels: list[str], ylabels: list[str] | None = N
 def norm_ratio_heatmap(ratio: np.ndarray, blocks: list[str], title: str, max_tokens: int = 16, has_cls: bool = True):
     """Raghu Fig. 7 left / E.1: ||z|| / ||f(z)|| per token (rows; token 0 = CLS) and block (columns), log colour."""
     r = np.asarray(ratio)[:, :max_tokens].T  # [tokens, blocks]
-    fig, ax = plt.subplots(figsize=(5, 4))
+    fig, ax = subplots(figsize=(5, 4))
     im = ax.imshow(np.log10(np.maximum(r, 1e-6)), origin="upper", aspect="auto", cmap="viridis")
     cb = fig.colorbar(im, ax=ax, fraction=0.046)
     cb.set_label("log10 norm ratio")
@@ -66,7 +78,7 @@ def finish_block_axes(fig, ax, blocks: list[str], ylabel: str, title: str, ylim=
 
 def norm_ratio_lines(curves: dict[str, np.ndarray], title: str = "norm ratio ||z|| / ||f(z)||"):
     """Raghu Fig. 7 right: norm ratio per block, e.g. {'attn CLS': [...], 'attn spatial': [...], ...}."""
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = subplots(figsize=(5, 3.5))
     for name, v in curves.items():
         ax.plot(range(len(v)), v, marker="o", ms=3, label=name)
     ax.set_yscale("log")
@@ -81,7 +93,7 @@ def norm_ratio_lines(curves: dict[str, np.ndarray], title: str = "norm ratio ||z
 def attention_distance_plot(dist: np.ndarray, title: str = "mean attention distance", unit: str = "pixels"):
     """Raghu Fig. 3 / ViT Fig. 7 right: one dot per head at each block."""
     d = np.asarray(dist)  # [blocks, heads]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = subplots(figsize=(5, 3.5))
     for b in range(d.shape[0]):
         ax.scatter(np.full(d.shape[1], b), d[b], s=12, c=np.arange(d.shape[1]), cmap="tab10", vmin=0, vmax=9)
     ax.set_xlabel("block")
@@ -99,7 +111,7 @@ def attention_distance_panels(panels: dict[str, tuple[np.ndarray, float]], thres
     n = max(1, len(panels))
     cols = min(4, n)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.9 * rows), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(3.4 * cols, 2.9 * rows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     for i, (ax, (name, (dist, uniform))) in enumerate(zip(axes.flat, panels.items())):
@@ -125,7 +137,7 @@ def layer_lines(panels: dict[str, tuple[list[str], dict[str, np.ndarray]]], ylab
     """One panel per model ``{name: (layer labels, {curve: values per layer})}``: the curves against the layers in
     forward order (at most ~12 labels shown), e.g. a layer's CKA with the pixels and with its random initialisation."""
     n = max(1, len(panels))
-    fig, axes = plt.subplots(1, n, figsize=(4.4 * n, 3.4), squeeze=False)
+    fig, axes = subplots(1, n, figsize=(4.4 * n, 3.4), squeeze=False)
     for ax, (name, (labels, curves)) in zip(axes[0], panels.items()):
         for curve, v in curves.items():
             ax.plot(range(len(v)), v, marker="o", ms=2, lw=1, label=curve)
@@ -139,7 +151,7 @@ def layer_lines(panels: dict[str, tuple[list[str], dict[str, np.ndarray]]], ylab
 
 def probe_plot(curves: dict[str, tuple[np.ndarray, np.ndarray]], title: str = "10-shot linear probe", chance: float | None = None):
     """Raghu Fig. 11 right / 13: probe top-1 vs normalised depth; curves {name: (mean, std)}."""
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = subplots(figsize=(5, 3.5))
     for name, (mean, std) in curves.items():
         x = np.linspace(0, 1, len(mean)) if len(mean) > 1 else np.array([1.0])
         ax.errorbar(x, mean, yerr=std, marker="o", ms=3, capsize=2, label=name)
@@ -157,7 +169,7 @@ def probe_plot(curves: dict[str, tuple[np.ndarray, np.ndarray]], title: str = "1
 def depth_plot(panels: dict[str, tuple[np.ndarray, np.ndarray]], pools: list[str], title: str, ylim=None):
     """One panel per metric: value [P, L] vs normalised depth per pool (solid), the Gaussian baseline dashed in the
     same colour (Walmer Fig. 7 / Fig. 9 style). Used by k-NN and clustering."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    fig, axes = subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (metric, (vals, base)) in zip(axes[0], panels.items()):
         for p, pool in enumerate(pools):
             n = vals.shape[1]
@@ -176,16 +188,14 @@ def depth_plot(panels: dict[str, tuple[np.ndarray, np.ndarray]], pools: list[str
 
 def save(fig, path) -> None:
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def render(fig, dpi: int = 110) -> np.ndarray:
-    """The figure drawn ONCE into an RGB uint8 array [H, W, 3] (for both the PNG file and TensorBoard), then closed."""
+    """The figure drawn ONCE into an RGB uint8 array [H, W, 3] (for both the PNG file and TensorBoard)."""
     fig.set_dpi(dpi)
-    fig.canvas.draw()
-    rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-    plt.close(fig)
-    return rgb
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
 def write_png(rgb: np.ndarray, path) -> None:

@@ -36,11 +36,12 @@ so 1 and N processes agree.
 """
 from __future__ import annotations
 
+import matplotlib
 import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.figures import plt  # pyplot with the Agg backend set
+from analysis.figures import subplots
 from analysis.measure import as_list
 from analysis.measures.attention_distance import UNITS, AttentionDistance
 from analysis.reduce import shard
@@ -148,8 +149,8 @@ def head_subset_figure(r: dict, title: str | None = None):
     dist, sub_dist = np.asarray(r["head_distance"]), np.asarray(r["subset_distance"])
     layers, unit = as_list(r["resnet_layers"]), str(np.asarray(r["unit"]))
     k = int(r["k"]) if "k" in r else np.asarray(r["subset_heads"]).shape[1]
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(1, len(layers))))
+    fig, ax = subplots(figsize=(5.5, 3.8))
+    colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, max(1, len(layers))))
     for i, name in enumerate(layers):
         ax.plot(sub_dist, sub[:, i], marker="o", ms=4, color=colors[i], label=f"{name}: windows of {k} heads")
         ax.scatter(dist, cka[:, i], marker="o", s=14, facecolors="none", edgecolors=colors[i], linewidths=0.8, zorder=3)

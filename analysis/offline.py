@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from analysis import storage
 from analysis import suite as S
-from analysis.figures import cka_heatmap, plt, save
+from analysis.figures import cka_heatmap, save, subplots
 from analysis.head_subsets import head_subset_cka, head_subset_figure
 from analysis.measure import as_list, load_result, save_result
 from analysis.measures.cka import cka_layers
@@ -433,7 +433,7 @@ def draw_cross(res: dict, fig_dir: Path, name_a: str, name_b: str, heads: dict |
     save(fig, paths[0])
     if "same_index" in res:
         v = np.asarray(res["same_index"])
-        fig, ax = plt.subplots(figsize=(5, 3.2))
+        fig, ax = subplots(figsize=(5, 3.2))
         ax.plot(range(len(v)), v, marker="o", ms=3)
         ax.set_xticks(range(len(v)), as_list(res["labels_a"]), rotation=90, fontsize=6)
         ax.set_ylim(0, 1.02)

@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 from matplotlib.patches import Rectangle
 
-from analysis.figures import finish_block_axes, plt
+from analysis.figures import finish_block_axes, subplots
 from analysis.measure import Context, Measure, as_list, register
 from analysis.reduce import all_reduce_sum, shard
 from analysis.taps import Taps, block_names
@@ -337,7 +337,7 @@ def erf_grid(r: dict, title: str = "effective receptive fields"):
         rows = [("attn post-residual", np.asarray(r["attn_erf"])[:, 0]), rows[0], ("attn branch", np.asarray(r["attn_erf"])[:, 1]), rows[1]]
     win = np.asarray(r["window"])
     nb = len(blocks)
-    fig, axes = plt.subplots(len(rows), nb, figsize=(1.3 * nb + 1.2, 1.35 * len(rows) + 0.6), squeeze=False)
+    fig, axes = subplots(len(rows), nb, figsize=(1.3 * nb + 1.2, 1.35 * len(rows) + 0.6), squeeze=False)
     for i, (label, maps) in enumerate(rows):
         for b in range(nb):
             ax = axes[i, b]
@@ -358,7 +358,7 @@ def erf_grid(r: dict, title: str = "effective receptive fields"):
 def concentration_plot(r: dict, title: str = "ERF concentration"):
     """Share of ERF mass in the centre location's own input window (solid) and within the radius (dashed),
     per block and variant."""
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = subplots(figsize=(5, 3.5))
     sets = [("", "")] + ([("attn_", "attn ")] if "attn_erf" in r else [])
     for key, label in sets:
         conc, rad = np.asarray(r[key + "concentration"]), np.asarray(r[key + "radius_share"])

@@ -49,7 +49,7 @@ import torch
 from matplotlib.patches import Rectangle
 
 from analysis.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
-from analysis.figures import plt  # pyplot with the Agg backend set
+from analysis.figures import subplots
 from analysis.measure import Context, Measure, as_list, register
 from analysis.reduce import all_reduce_sum, gather_objects
 from analysis.similarity import MinibatchCKA
@@ -258,7 +258,7 @@ def token_patch_maps(cka: np.ndarray, grid: tuple[int, int], tokens: list[int] |
     tokens = example_tokens((gh, gw)) if tokens is None else tokens
     cols = min(3, len(tokens))
     rows = -(-len(tokens) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.0 * cols + 0.8, 2.0 * rows + 0.5), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(2.0 * cols + 0.8, 2.0 * rows + 0.5), squeeze=False)
     m = np.asarray(cka, dtype=np.float64)
     finite = m[np.isfinite(m)]
     vmax = max(float(finite.max()), 1e-6) if finite.size else 1.0
@@ -284,7 +284,7 @@ def score_plot(layers: list[str], own_share: np.ndarray, contrast: np.ndarray, c
                title: str = "localization vs depth"):
     """Localization scores per layer: share of tokens most similar to their own patch, and the CKA contrast."""
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = subplots(figsize=(5, 3.5))
     x = np.arange(len(layers))
     ax.plot(x, own_share, marker="o", ms=3, label="own-patch share")
     ax.plot(x, contrast, marker="s", ms=3, label="CKA own - others")

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 import analysis.figures as figs
-from analysis.figures import finish_block_axes, plt
+from analysis.figures import finish_block_axes, subplots
 from analysis.measure import Context, Measure, as_list, register
 from analysis.similarity import MinibatchCKA, cka, represent
 
@@ -130,7 +130,7 @@ class ResidualCKA(Measure):
 def residual_cka_lines(r: dict, title: str = "residual CKA"):
     """CKA(z, f(z)) (solid) and CKA(z, z + f(z)) (dashed) per block, one colour per sublayer."""
     blocks = as_list(r["blocks"])
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = subplots(figsize=(5, 3.5))
     for i, s in enumerate(as_list(r["sublayers"])):
         line, = ax.plot(range(len(blocks)), np.asarray(r["skip_branch"])[i], marker="o", ms=3, label=f"{s}: skip vs branch")
         ax.plot(range(len(blocks)), np.asarray(r["skip_out"])[i], marker="s", ms=3, ls="--", color=line.get_color(),

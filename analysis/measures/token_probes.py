@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from analysis.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
-from analysis.figures import plt  # pyplot with the Agg backend set
+from analysis.figures import subplots
 from analysis.measure import Context, Measure, as_list, register
 from analysis.probing import DEFAULT_METHOD, probe_layers, probe_split, probe_split_problem
 from analysis.reduce import collect
@@ -230,7 +230,7 @@ class TokenProbes(Measure):
 def layer_token_heatmap(acc: np.ndarray, layers: list[str], title: str = ""):
     """Fig. D.4 as one matrix: probe top-1 per token (columns, probed tokens in row-major grid order) and layer (rows)."""
 
-    fig, ax = plt.subplots(figsize=(6, 0.35 * len(layers) + 1.5))
+    fig, ax = subplots(figsize=(6, 0.35 * len(layers) + 1.5))
     im = ax.imshow(np.ma.masked_invalid(acc), aspect="auto", origin="lower", cmap="viridis", vmin=0,
                    vmax=max(float(np.nanmax(acc)), 1e-6) if np.isfinite(acc).any() else 1)
     fig.colorbar(im, ax=ax, fraction=0.046).set_label("top-1")
@@ -248,7 +248,7 @@ def token_maps(acc: np.ndarray, grids: np.ndarray, token_index: np.ndarray, laye
     n = len(layers)
     cols = min(4, n)
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.0 * cols + 0.8, 2.0 * rows + 0.5), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(2.0 * cols + 0.8, 2.0 * rows + 0.5), squeeze=False)
     vmax = max(float(np.nanmax(acc)), 1e-6) if np.isfinite(acc).any() else 1.0
     im = None
     for i, ax in enumerate(axes.flat):
@@ -272,7 +272,7 @@ def token_maps(acc: np.ndarray, grids: np.ndarray, token_index: np.ndarray, laye
 def mean_plot(mean: np.ndarray, cls_acc: np.ndarray | None, chance: float, title: str = ""):
     """Fig. 11 left: single-token probe top-1 averaged over spatial tokens vs normalised depth (and the CLS token's)."""
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = subplots(figsize=(5, 3.5))
     x = np.linspace(0, 1, len(mean)) if len(mean) > 1 else np.array([1.0])
     ax.plot(x, mean, marker="o", ms=3, label="mean over spatial tokens")
     if cls_acc is not None:

@@ -21,7 +21,7 @@ import numpy as np
 from analysis import offline as O
 from analysis import storage
 from analysis import suite as S
-from analysis.figures import plt, save
+from analysis.figures import save, subplots
 from analysis.measure import MeasureError, as_list
 from analysis.measures.norm_ratio import NormRatioMeasure
 from analysis.reports.run_report import fmt
@@ -32,7 +32,7 @@ def _panels(n: int, w: float = 3.2, h: float = 2.8, **kw):
     """A figure with n panels, up to 4 a row; unused axes hidden. Returns (fig, the n axes)."""
     cols = min(n, 4)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(w * cols, h * rows), squeeze=False, **kw)
+    fig, axes = subplots(rows, cols, figsize=(w * cols, h * rows), squeeze=False, **kw)
     for ax in axes.flat[n:]:
         ax.axis("off")
     return fig, list(axes.flat[:n])
@@ -59,7 +59,7 @@ def depth_lines(curves: dict, ylabel: str, path: Path, ylim: float = 1.0, chance
     """One line per run against normalised depth (Raghu Fig. 11 right, 12, 13); ``curves`` {label: [L]}."""
     if not curves:
         return None
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, ax = subplots(figsize=(5.5, 3.6))
     for name, v in curves.items():
         ax.plot(np.linspace(0, 1, len(v)), v, marker="o", ms=3, label=name)
     if chance is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis import storage
-from analysis.figures import plt, save
+from analysis.figures import save, subplots
 from analysis.measure import as_list, load_result
 from train.checkpoint import read_meta
 
@@ -62,7 +62,7 @@ def evolution(run_path: Path, steps: list[int], evals: dict) -> Path | None:
                 series.setdefault(f"probe {pool}, last block", []).append((s, v[-1]))
     if not series or max(len(v) for v in series.values()) < 2:
         return None
-    fig, ax = plt.subplots(figsize=(5, 3.4))
+    fig, ax = subplots(figsize=(5, 3.4))
     for name, pts in series.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
     ax.set_xlabel("step")

@@ -27,7 +27,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from analysis import offline as O
 from analysis import storage
 from analysis import suite as S
-from analysis.figures import plt, save
+from analysis.figures import save, subplots
 from analysis.measure import as_list
 from analysis.reports import claims as C
 from analysis.reports import claims_walmer as W
@@ -160,7 +160,7 @@ def _curves(ax, curves: dict[str, list], ylabel: str, title: str, baseline: dict
 
 def _attention_figure(dist: dict[str, list], path: Path) -> Path:
     """Walmer Fig. 4: every head's attention distance by block per objective (left), the per-block means (right)."""
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig, (a, b) = subplots(1, 2, figsize=(10, 3.6), sharey=True)
     k = len(dist)
     for j, (o, ds) in enumerate(dist.items()):
         for s, d in enumerate(ds):
@@ -182,7 +182,7 @@ def _attention_figure(dist: dict[str, list], path: Path) -> Path:
 
 def _panels_figure(panels: dict[str, tuple], title: str, path: Path) -> Path:
     """Side by side line panels: {panel title: (curves, ylabel, baseline or None, ylim or None)}."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    fig, axes = subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for ax, (name, (curves, ylabel, base, ylim)) in zip(axes[0], panels.items()):
         _curves(ax, curves, ylabel, name, base, ylim)
     fig.suptitle(title, fontsize=10)
@@ -193,7 +193,7 @@ def _panels_figure(panels: dict[str, tuple], title: str, path: Path) -> Path:
 
 def _cka_last_figure(mats: dict[str, np.ndarray], names: list[str], path: Path) -> Path:
     """Walmer Fig. 6: last-block CKA between the objectives' models (mean over seeds), one heatmap per representation."""
-    fig, axes = plt.subplots(1, len(mats), figsize=(3.6 * len(mats), 3.3), squeeze=False)
+    fig, axes = subplots(1, len(mats), figsize=(3.6 * len(mats), 3.3), squeeze=False)
     for ax, (title, m) in zip(axes[0], mats.items()):
         ax.imshow(m, vmin=0, vmax=1, cmap="magma")
         ax.set_xticks(range(len(names)), names, fontsize=7)
