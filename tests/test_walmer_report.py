@@ -116,3 +116,25 @@ def test_a_tiny_objectives_study_reports_every_claim(tmp_path, capsys):
         assert back["claims"][cid]["verdict"] == C.NOT_TESTABLE and "dino" in back["claims"][cid]["why"], cid
     assert len(back["claims"]["reconstruction_stays_local"]["measured"]) == 1  # supervised - mae only
     assert "The study has no dino configuration" in (tmp_path / "docs" / "no_dino.md").read_text()
+
+
+def test_the_collapse_column_says_no_with_the_numbers_or_the_diagnosis_or_not_applicable():
+    from analysis.reports.walmer_report import _collapse_cell
+
+    ok = {"collapsed": None, "teacher_entropy": 1.39, "log_out_dim": 6.93, "teacher_marginal_entropy": 3.86, "top_prototype_share": 0.1}
+    bad = dict(ok, collapsed="DINO collapsed to one prototype: ...")
+    assert _collapse_cell(["d0"], [ok]) == ("no (d0: teacher entropy 1.39 of log(out_dim) = 6.93 nats, over the batch 3.86; "
+                                            "largest prototype 10%)")
+    assert _collapse_cell(["d0", "d1"], [ok, bad]).endswith("d1: DINO collapsed to one prototype: ...")
+    assert _collapse_cell(["s0", "s1"], [{}, {}]) == "n/a (no collapse diagnosis for this objective)"
+
+
+def test_the_regime_note_appears_when_the_knn_order_differs_from_walmers_table_1():
+    from analysis.reports.walmer_report import _regime_note
+
+    ours = {"supervised": {"knn_vs_supervised": 1.0}, "dino": {"knn_vs_supervised": 0.64}, "mae": {"knn_vs_supervised": 0.86}}
+    note = _regime_note(ours)
+    assert "supervised > mae > dino" in note and "supervised > dino > mae" in note
+    assert "dino reaches 0.64 of supervised's k-NN top-1 here against 0.91 there" in note
+    paper_order = {"supervised": {"knn_vs_supervised": 1.0}, "dino": {"knn_vs_supervised": 0.9}, "mae": {"knn_vs_supervised": 0.5}}
+    assert _regime_note(paper_order) is None
