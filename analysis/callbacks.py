@@ -13,8 +13,16 @@ directly. Other keys: ``every`` (cadence), ``batch_size`` (analysis minibatch, >
 for TensorBoard and PNG, default true). Results go to TensorBoard and to ``runs/<name>/analysis/step_XXXXXXX/``
 (npz arrays, summary.json) and ``runs/<name>/figures/step_XXXXXXX/`` (PNG); offline analysis
 (``python -m analysis``) calls the same :func:`analysis.suite.run_suite` and reuses these results.
+
+Figures are drawn off the training path: results and scalars are written at once, and one background thread per
+callback draws the figures (~0.6 s per checkpoint on the default model, 1 thread) and writes them to TensorBoard
+and PNG while training goes on; the trainer's ``on_close`` waits for them before TensorBoard closes, whatever
+ends the run. A figure that fails to draw costs a warning, never the run.
 """
 from __future__ import annotations
+
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from analysis import storage
 from analysis.measure import MeasureError
@@ -34,6 +42,8 @@ class AnalysisSuiteCallback(Callback):
             raise TypeError(str(e)) from None
         self.figures = figures
         self._fingerprint: str | None = None
+        self._drawer: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
 
     def validate(self, recipe, data) -> None:
         p = problem(data, self.opts)
@@ -50,8 +60,34 @@ class AnalysisSuiteCallback(Callback):
                 if self._fingerprint is None:  # the analysis images do not change during a run: hash them once
                     self._fingerprint = storage.data_fingerprint(ctx.data)
                 keys = {n: storage.cache_key(wid, self._fingerprint, self.opts.settings(n), n) for n in res if n != "meta"}
-            storage.publish(res, storage.step_dir(ctx.run_dir, ctx.step), ctx.writer, ctx.step, figures=self.figures, keys=keys,
-                            figure_dir=storage.step_dir(ctx.run_dir, ctx.step, "figures"))
+            storage.publish(res, storage.step_dir(ctx.run_dir, ctx.step), ctx.writer, ctx.step, figures=False, keys=keys)
+            if self.figures:
+                self._draw_later(res, ctx.writer, ctx.step, storage.step_dir(ctx.run_dir, ctx.step, "figures"))
+
+    def _draw_later(self, res, writer, step, figure_dir) -> None:
+        """Figures in the background (module docstring), one at a time in submission order."""
+        self._collect(wait=False)
+        if self._drawer is None:
+            self._drawer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vitlab-{self.name}-figures")
+        self._pending.append(self._drawer.submit(storage.publish_figures, res, figure_dir, writer, step))
+
+    def _collect(self, wait: bool) -> None:
+        keep = []
+        for f in self._pending:
+            if not wait and not f.done():
+                keep.append(f)
+                continue
+            e = f.exception()
+            if e is not None:
+                print(f"warning: callback '{self.name}' could not draw its figures ({type(e).__name__}: {e}); "
+                      "the results and scalars are written.", file=sys.stderr, flush=True)
+        self._pending = keep
+
+    def on_close(self, ctx) -> None:
+        self._collect(wait=True)
+        if self._drawer is not None:
+            self._drawer.shutdown(wait=True)
+            self._drawer = None
 
     def on_checkpoint(self, ctx) -> None:
         self._run(ctx)

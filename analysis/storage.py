@@ -210,16 +210,24 @@ def publish(res: dict, out_dir: Path, writer=None, step: int | None = None, figu
     results are of, labelling tags and titles unless it is the default one."""
     write_results(res, out_dir, step, keys)
     log_results(res, writer, step, part)
-    if figures and (png or writer is not None):
-        fig_dir = Path(figure_dir or out_dir)
-        if png:
-            fig_dir.mkdir(parents=True, exist_ok=True)
-        label = part_label(part)
-        for name, fig in make_figures(res, step, part).items():
-            rgb = render(fig)
-            if writer is not None:
-                writer.add_image(name, rgb, step, dataformats="HWC")
-            if png:  # the file name without the part: the part's own folder says it
-                stem = name[len(label) + 1:] if label else name
-                write_png(rgb, fig_dir / f"{stem.replace('/', '_')}.png")
+    if figures:
+        publish_figures(res, Path(figure_dir or out_dir), writer, step, png, part)
     return Path(out_dir)
+
+
+def publish_figures(res: dict, figure_dir: Path, writer=None, step: int | None = None, png: bool = True,
+                    part: str | None = None) -> None:
+    """Draw each measure's figures ONCE, as images that go to TensorBoard and (``png``) to ``figure_dir``. Uses no
+    pyplot state (analysis/figures.py), so it may run in a background thread."""
+    if not png and writer is None:
+        return
+    if png:
+        Path(figure_dir).mkdir(parents=True, exist_ok=True)
+    label = part_label(part)
+    for name, fig in make_figures(res, step, part).items():
+        rgb = render(fig)
+        if writer is not None:
+            writer.add_image(name, rgb, step, dataformats="HWC")
+        if png:  # the file name without the part: the part's own folder says it
+            stem = name[len(label) + 1:] if label else name
+            write_png(rgb, Path(figure_dir) / f"{stem.replace('/', '_')}.png")

@@ -10,8 +10,8 @@ hits all alike, with threads pinned:
   hooks (what any analysis must pay at least);
 - ``suite``:   :func:`analysis.suite.run_suite` with the default measures (CKA, norm ratios, attention
   distances, few-shot probes), no figures -- what the training-time callback computes;
-- ``figures``: drawing the suite's figures once and writing them as PNG and to a TensorBoard writer (what the
-  callback adds with ``figures: true``).
+- ``figures``: drawing the suite's figures once and writing them as PNG and to a TensorBoard writer (the
+  training-time callback does this in a background thread, off the training path: analysis/callbacks.py).
 
 Each figure is the minimum over repeats. The last line starts with ``RATIO``.
 """

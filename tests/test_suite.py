@@ -79,6 +79,44 @@ def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, t
     assert {"cka/self", "norm_ratio/lines", "attn_dist/heads", "probe/10shot"} <= set(ea.Tags()["images"])
 
 
+def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_early(write_recipe, tmp_path, monkeypatch, capsys):
+    """The callback's figures are drawn in a background thread; a run stopped by --stop-after (no on_train_end)
+    still gets every checkpoint's figures in PNG and TensorBoard before TensorBoard closes; a figure that fails to
+    draw is a warning, not a failed run."""
+    import threading
+
+    from analysis import storage
+
+    threads, real = [], storage.publish_figures
+
+    def spy(res, figure_dir, writer=None, step=None, *a, **kw):
+        threads.append(threading.current_thread().name)
+        if step == 8:
+            raise RuntimeError("no font")
+        return real(res, figure_dir, writer, step, *a, **kw)
+
+    monkeypatch.setattr(storage, "publish_figures", spy)
+    p = write_recipe(callbacks=[{"name": "analysis_suite", "batch_size": 32, "measures": ["cka"]}],
+                     train={"steps": 12, "checkpoint_every": 4, "log_every": 4})
+    from train.trainer import TrainingStopped
+
+    with pytest.raises(TrainingStopped):
+        train(load_recipe(p), progress=False, stop_after=8)
+    run = tmp_path / "runs/tiny"
+    assert not (run / "result.json").exists()
+    assert threads and all(t.startswith("vitlab-analysis_suite-figures") for t in threads), threads
+    assert threading.current_thread().name not in threads
+    assert (run / "figures/step_0000004/cka_self.png").is_file()
+    assert not (run / "figures/step_0000008").exists()  # its drawing failed ...
+    assert (run / "analysis/step_0000008/cka.npz").is_file()  # ... its results did not
+    assert "warning: callback 'analysis_suite' could not draw its figures (RuntimeError: no font)" in capsys.readouterr().err
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run / "tb"), size_guidance={"images": 0})
+    ea.Reload()
+    assert [e.step for e in ea.Images("cka/self")] == [4]
+
+
 def test_probe_split_too_small_is_a_recipe_error_before_the_run_folder(write_recipe, tmp_path, capsys):
     from train.cli import main
 

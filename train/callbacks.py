@@ -115,6 +115,10 @@ class Callback:
 
     def on_train_end(self, ctx: TrainContext) -> None: ...
 
+    def on_close(self, ctx: TrainContext) -> None:
+        """Once when training ends for any reason (finished, stopped by a signal or ``--stop-after``, diverged),
+        before TensorBoard is closed: finish background work (e.g. figures still being drawn)."""
+
 
 class CallbackList:
     """Dispatches hooks with each callback's cadence; each dispatch returns the seconds spent (0.0 if none ran)."""
@@ -145,6 +149,9 @@ class CallbackList:
 
     def on_train_end(self, ctx):
         return self._run("on_train_end", ctx, lambda cb: True)
+
+    def on_close(self, ctx):
+        return self._run("on_close", ctx, lambda cb: True)
 
 
 def build_callbacks(specs) -> CallbackList:

@@ -511,6 +511,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         log({**logged, "time/eval_s": time.perf_counter() - t0}, step)  # both splits' time
 
     def close() -> None:
+        callbacks.on_close(ctx)  # background work (figures) lands before TensorBoard closes
         if bar is not None:
             bar.close()
         acc.end_training()  # closes (and flushes) TensorBoard
@@ -650,6 +651,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
             print(f"warning: {own['warning']}", file=sys.stderr, flush=True)
     if main:
         _write_result(run_dir, summary)
+    callbacks.on_close(ctx)
     acc.wait_for_everyone()
     acc.end_training()
     return summary
