@@ -230,7 +230,7 @@ def test_offset_heads():
     assert C.rule_offset_heads({"a": _heads(3, 0), "b": _heads(2, 0)}).outcome == C.NOT_HELD
     assert C.rule_offset_heads({"a": _heads(3, 1), "b": _heads(2, 0)}).outcome == C.INCONCLUSIVE
     v = C.rule_offset_heads({"a": _heads(0, 0), "b": _heads(0, 0)})
-    assert v.outcome == C.NOT_TESTABLE and "0 of 48 heads" in v.why
+    assert v.outcome == C.NOT_TESTABLE and "0 of 48 heads" in v.why and v.ours == "0 of 48 heads local"
 
 
 # -------------------------------------------------------------- passages and the JSON record

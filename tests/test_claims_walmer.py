@@ -53,7 +53,7 @@ def test_offset_heads_in_every_objective():
     assert W.rule_offset_heads(mixed).outcome == C.INCONCLUSIVE
     none = {o: [_heads(0, 0), _heads(0, 0)] for o in W.OBJECTIVES}
     v = W.rule_offset_heads(none)
-    assert v.outcome == C.NOT_TESTABLE and "0 of 144 heads in 6 runs" in v.why
+    assert v.outcome == C.NOT_TESTABLE and "0 of 144 heads in 6 runs" in v.why and v.ours == "0 of 144 heads local"
     one = {o: [_heads(3, 1)] for o in W.OBJECTIVES}
     assert W.rule_offset_heads(one).outcome == C.NOT_TESTABLE
     assert "No aligned_attention result for mae" in W.rule_offset_heads({**paper, "mae": []}).why

@@ -426,8 +426,8 @@ def _finish(v: Verdict, parts: list[str], problem: str | None = None) -> Verdict
     return v
 
 
-def _untestable(why: str, **measured) -> Verdict:
-    return Verdict(NOT_TESTABLE, measured=measured, why=why[0].upper() + why[1:] + ".")
+def _untestable(why: str, ours: str | None = None, **measured) -> Verdict:
+    return Verdict(NOT_TESTABLE, measured=measured, why=why[0].upper() + why[1:] + ".", ours=ours)
 
 
 # ------------------------------------------------------------------------------------------------ rules
@@ -578,7 +578,7 @@ def rule_offset_heads(runs: dict[str, dict]) -> Verdict:
                 "where": {k: c["where"][:4] for k, c in counts.items()}}
     if not runs or sum(n_local.values()) == 0:
         return _untestable(f"no ViT of the study has a local head (0 of {heads} heads in {len(runs)} runs), so offset "
-                           "local heads cannot appear", **measured)
+                           "local heads cannot appear", ours=f"0 of {heads} heads local", **measured)
     if len(runs) < MIN_SEEDS:
         return _untestable(f"one ViT run ({next(iter(runs))}): the rule needs two seeds", **measured)
     have = [c["count"] > 0 for c in counts.values()]

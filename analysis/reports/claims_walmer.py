@@ -220,7 +220,8 @@ def rule_offset_heads(runs: dict[str, list[dict]]) -> Verdict:
                            "the claim is about models taught differently", **measured)
     if sum(map(sum, local.values())) == 0:
         return _untestable(f"no model of the study has a local head (0 of {heads} heads in {n_runs} runs of "
-                           f"{', '.join(runs)}), so offset local heads cannot appear", **measured)
+                           f"{', '.join(runs)}), so offset local heads cannot appear", ours=f"0 of {heads} heads local",
+                           **measured)
     p = _seeds_problem(runs)
     if p:
         return _untestable(p, **measured)
