@@ -13,6 +13,7 @@ from analysis.reports import claims as C
 from analysis.reports import claims_walmer as W
 from analysis.reports import walmer_report
 from analysis.reports.study import load_study, main
+from train.recipe import load_recipe
 
 STUDY = ROOT / "recipes" / "studies" / "walmer2023.yaml"
 MEASURES = ["attention_distance", "aligned_attention", "cls_attention", "knn", "clustering", "residual_cka", "cka"]
@@ -138,3 +139,21 @@ def test_the_regime_note_appears_when_the_knn_order_differs_from_walmers_table_1
     assert "dino reaches 0.64 of supervised's k-NN top-1 here against 0.91 there" in note
     paper_order = {"supervised": {"knn_vs_supervised": 1.0}, "dino": {"knn_vs_supervised": 0.9}, "mae": {"knn_vs_supervised": 0.5}}
     assert _regime_note(paper_order) is None
+
+
+def test_the_gpu_objectives_study_validates_and_lists_its_runs(capsys):
+    """recipes/studies/walmer2023_gpu.yaml checked on the CPU: each objective's recipe loads with the study's
+    overrides at the GPU scale (patch 2, 8 x 192, bf16; DINO and MAE 100 epochs, supervised 50), and the dry run
+    lists 6 runs and starts none."""
+    p = ROOT / "recipes" / "studies" / "walmer2023_gpu.yaml"
+    s = load_study(p)
+    assert sorted(s.configs()) == ["dino", "mae", "supervised"] and len(s.runs) == 6
+    epochs = {}
+    for o in ("supervised", "dino", "mae"):
+        r = load_recipe(s.runs[f"{o}_s0"].recipe, s.runs[f"{o}_s0"].overrides)
+        assert r.train.objective == o
+        assert (r.model.patch_size, r.model.depth, r.model.embed_dim, r.train.mixed_precision) == (2, 8, 192, "bf16")
+        epochs[o] = r.train.steps * r.train.batch_size / 60000
+    assert 50 <= epochs["supervised"] < 60 and epochs["dino"] >= 100 and epochs["mae"] >= 100
+    assert main([str(p), "--dry-run"]) == 0
+    assert "6 runs, 0 already finished, 0 started, 0 failed" in capsys.readouterr().out
