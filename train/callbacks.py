@@ -8,7 +8,8 @@ A recipe lists them::
 
 ``every: None`` (default) runs ``on_checkpoint`` at every checkpoint; ``every: N`` runs ``on_step_end`` at
 steps that are multiples of N and ``on_checkpoint`` only at checkpoints whose step is a multiple of N.
-``on_train_start`` and ``on_train_end`` always run. Extra keys are passed to the callback's constructor.
+``on_train_start`` and ``on_train_end`` always run, and ``on_close`` once however the run ends (finished, stopped,
+diverged) before TensorBoard closes. Extra keys are passed to the callback's constructor.
 The time spent in callbacks is excluded from ``train/throughput_img_s`` and logged as ``time/callbacks_s``.
 
 Where a recipe's callback names come from, in this order:
