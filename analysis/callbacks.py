@@ -14,10 +14,11 @@ for TensorBoard and PNG, default true). Results go to TensorBoard and to ``runs/
 (npz arrays, summary.json) and ``runs/<name>/figures/step_XXXXXXX/`` (PNG); offline analysis
 (``python -m analysis``) calls the same :func:`analysis.suite.run_suite` and reuses these results.
 
-Figures are drawn off the training path: results and scalars are written at once, and one background thread per
-callback draws the figures (~0.6 s per checkpoint on the default model, 1 thread) and writes them to TensorBoard
-and PNG while training goes on; the trainer's ``on_close`` waits for them before TensorBoard closes, whatever
-ends the run. A figure that fails to draw costs a warning, never the run.
+Figures are drawn off the training path: results and scalars are written at once, and one background thread
+(shared by every analysis callback of the process, so figures are never drawn in two threads at once) draws the
+figures (~0.6 s per checkpoint on the default model, 1 thread) and writes them to TensorBoard (flushed) and PNG
+while training goes on; the trainer's ``on_close`` waits for them before TensorBoard closes, whatever ends the
+run. A figure that fails to draw costs a warning, never the run.
 """
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ from analysis.measure import MeasureError
 from analysis.suite import DEFAULT, problem, run_suite, suite_options
 from train.callbacks import Callback
 from train.recipe import RecipeError
+
+_DRAWER: ThreadPoolExecutor | None = None
+
+
+def _drawer() -> ThreadPoolExecutor:
+    """The process's one figure-drawing thread (module docstring), started on first use."""
+    global _DRAWER
+    if _DRAWER is None:
+        _DRAWER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitlab-figures")
+    return _DRAWER
 
 
 class AnalysisSuiteCallback(Callback):
@@ -42,7 +53,6 @@ class AnalysisSuiteCallback(Callback):
             raise TypeError(str(e)) from None
         self.figures = figures
         self._fingerprint: str | None = None
-        self._drawer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
 
     def validate(self, recipe, data) -> None:
@@ -67,9 +77,7 @@ class AnalysisSuiteCallback(Callback):
     def _draw_later(self, res, writer, step, figure_dir) -> None:
         """Figures in the background (module docstring), one at a time in submission order."""
         self._collect(wait=False)
-        if self._drawer is None:
-            self._drawer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vitlab-{self.name}-figures")
-        self._pending.append(self._drawer.submit(storage.publish_figures, res, figure_dir, writer, step))
+        self._pending.append(_drawer().submit(storage.publish_figures, res, figure_dir, writer, step))
 
     def _collect(self, wait: bool) -> None:
         keep = []
@@ -85,9 +93,6 @@ class AnalysisSuiteCallback(Callback):
 
     def on_close(self, ctx) -> None:
         self._collect(wait=True)
-        if self._drawer is not None:
-            self._drawer.shutdown(wait=True)
-            self._drawer = None
 
     def on_checkpoint(self, ctx) -> None:
         self._run(ctx)

@@ -231,3 +231,5 @@ def publish_figures(res: dict, figure_dir: Path, writer=None, step: int | None =
         if png:  # the file name without the part: the part's own folder says it
             stem = name[len(label) + 1:] if label else name
             write_png(rgb, Path(figure_dir) / f"{stem.replace('/', '_')}.png")
+    if writer is not None:  # drawn after the checkpoint's flush (in the background): a kill must not lose them
+        writer.flush()

@@ -190,12 +190,14 @@ def test_big_vision_standardises_features_and_centred_does_not():
     assert fewshot_probe(tr_x, tr_y, te_x, te_y, l2_grid=1.0, method="centred") < 0.65
 
 
-@pytest.mark.parametrize("dim", [8, 600])  # the weights of every l2 first (few features) or the kernel first (many)
+@pytest.mark.parametrize("dim,grid_size", [(8, 5), (600, 5), (600, 40)])  # 40 x 10 classes > 100 shots: the kernel first
 @pytest.mark.parametrize("method", ["big_vision", "centred"])
-def test_grid_accuracies_equal_one_fit_per_l2(method, dim):
+def test_grid_accuracies_equal_one_fit_per_l2(method, dim, grid_size):
     tr_x, tr_y, te_x, te_y = _separable(dim=dim)
     te_x = te_x + (3.0 if dim == 8 else 60.0) * torch.randn(te_x.shape, generator=torch.Generator().manual_seed(3))
-    grid = torch.tensor([1e-2, 1.0, 30.0, 1e3, 1e5], dtype=torch.float64)
+    grid = torch.logspace(-2, 5, grid_size, dtype=torch.float64)
+    n, gk = 100, grid_size * 10  # analysis/probing.py's rule: weights first while d * G * K < d * n + n * (n + G * K)
+    assert (dim * gk >= dim * n + n * (n + gk)) == (grid_size == 40)  # so both orders are tested
     accs = _grid_accuracies(tr_x, tr_y, te_x, te_y, grid, 10, method)
     want = [fewshot_probe(tr_x, tr_y, te_x, te_y, l2_grid=float(v), num_classes=10, method=method) for v in grid]
     assert accs.tolist() == pytest.approx(want, abs=1e-12) and len(set(want)) > 1

@@ -104,7 +104,7 @@ def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_ea
         train(load_recipe(p), progress=False, stop_after=8)
     run = tmp_path / "runs/tiny"
     assert not (run / "result.json").exists()
-    assert threads and all(t.startswith("vitlab-analysis_suite-figures") for t in threads), threads
+    assert threads and all(t.startswith("vitlab-figures") for t in threads), threads
     assert threading.current_thread().name not in threads
     assert (run / "figures/step_0000004/cka_self.png").is_file()
     assert not (run / "figures/step_0000008").exists()  # its drawing failed ...

@@ -96,6 +96,8 @@ def test_norm_ratio_and_cosine_on_constructed_tensors():
     # the mean over images is of per-image ratios
     z2, f2 = torch.ones(2, 1, 1), torch.tensor([[[1.0]], [[0.25]]])
     assert norm_ratio(z2, f2).item() == pytest.approx((1 + 4) / 2)
+    # float64 against float32 inputs (a float64 stream with a float32 branch) and half precision are accepted
+    assert torch.allclose(norm_ratio(z.double(), f), norm_ratio(z, f)) and torch.allclose(cosine(z.bfloat16(), f), cosine(z, f))
     acc = NormRatio()
     acc.update("b0", "attn", z[:1], f[:1])
     acc.update("b0", "attn", z[1:], f[1:])

@@ -70,6 +70,7 @@ class Record(Callback):
     on_step_end = _rec("step")
     on_checkpoint = _rec("ckpt")
     on_train_end = _rec("end")
+    on_close = _rec("close")
 
 
 def test_lr_schedule_warmup_then_decay():
@@ -257,3 +258,21 @@ def test_run_folder_is_not_overwritten(write_recipe, capsys):
     assert main([str(p), "--no-progress"]) == 0
     assert main([str(p), "--no-progress"]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["finished", "crash", "diverged"])
+def test_on_close_runs_once_however_the_run_ends(how, write_recipe):
+    """on_close (where callbacks finish background work) runs exactly once: after a normal finish, after an
+    exception from anywhere (here a callback's), and after divergence."""
+    cbs = [{"name": "test_record"}] + {"finished": [], "crash": [{"name": "test_crash_at", "step": 4}],
+                                       "diverged": [{"name": "test_poison", "every": 1, "step": 6}]}[how]
+    r = load_recipe(write_recipe(callbacks=cbs, train={"steps": 8, "checkpoint_every": 4}))
+    if how == "finished":
+        train(r, progress=False)
+    else:
+        with pytest.raises(Crash if how == "crash" else TrainingDiverged):
+            train(r, progress=False)
+    closes = [c for c in Record.calls if c[0] == "close"]
+    assert len(closes) == 1, Record.calls
+    if how != "diverged":
+        assert closes[0][1] == {"finished": 8, "crash": 4}[how], closes

@@ -126,6 +126,7 @@ class CallbackList:
 
     def __init__(self, callbacks: list[Callback]):
         self.callbacks = callbacks
+        self.closed = False
 
     def _run(self, hook: str, ctx: TrainContext, due: Callable[[Callback], bool]) -> float:
         t0, ran = time.perf_counter(), False
@@ -152,6 +153,10 @@ class CallbackList:
         return self._run("on_train_end", ctx, lambda cb: True)
 
     def on_close(self, ctx):
+        """Once: later calls (the trainer's safety net for an exception) do nothing."""
+        if self.closed:
+            return 0.0
+        self.closed = True
         return self._run("on_close", ctx, lambda cb: True)
 
 

@@ -317,11 +317,17 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
     t_start = time.perf_counter()
     run_dir = run_dir_for(recipe, overrides)
     lock = RunLock(run_dir)
+    closing: list = []  # _train's callbacks' on_close, for an exit it did not plan (an exception from anywhere)
     with StopSignals() as stop:
         try:
             return _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start,
-                          stop_after)
+                          stop_after, closing)
         finally:
+            for close in closing:  # a no-op when the run already closed its callbacks
+                try:
+                    close()
+                except Exception as e:  # never hide the exception that ended the run
+                    print(f"warning: a callback failed while closing ({type(e).__name__}: {e}).", file=sys.stderr, flush=True)
             lock.release()
 
 
@@ -353,7 +359,7 @@ def _write_result(run_dir: Path, summary: dict) -> None:
 
 
 def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start,
-           stop_after=None) -> dict:
+           stop_after=None, closing: list | None = None) -> dict:
 
 
     callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
@@ -448,6 +454,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
 
     unwrapped = objective.network  # what callbacks measure: the backbone (the student of a self-distillation)
     ctx = TrainContext(acc, unwrapped, recipe, data, run_dir, step=step, writer=writer, log=log)
+    if closing is not None:
+        closing.append(lambda: callbacks.on_close(ctx))
     cb_time = callbacks.on_train_start(ctx)
     if cb_time:
         log({"time/callbacks_s": cb_time}, step)
@@ -649,9 +657,9 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         summary["objective"] = {"name": objective.name, **own}
         if main and own.get("warning"):
             print(f"warning: {own['warning']}", file=sys.stderr, flush=True)
+    callbacks.on_close(ctx)  # before result.json marks the run finished: its last figures are on disk first
     if main:
         _write_result(run_dir, summary)
-    callbacks.on_close(ctx)
     acc.wait_for_everyone()
     acc.end_training()
     return summary

@@ -30,11 +30,11 @@ def _tokens(t: torch.Tensor) -> torch.Tensor:
 def _ratio_cosine(skip: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per image and token ([B, T], float64): ||z_t|| / ||f_t|| and <z_t, f_t> / (||z_t|| ||f_t||).
 
-    Norms and dot products are taken in the inputs' precision (float32, or float32 for half-precision inputs;
-    float64 stays float64): each is a sum over one token's D channels, ~1e-7 relative in float32, and the float64
-    results carry the sums over images. Copying every tapped tensor to float64 first cost about twice as much."""
+    Norms and dot products are taken in float32 (float64 when both inputs are float64): each is a sum over one
+    token's D channels, ~1e-7 relative in float32, and the float64 results carry the sums over images. Copying
+    every tapped tensor to float64 first cost about twice as much."""
     z, f = _tokens(skip), _tokens(branch)
-    if z.dtype != torch.float64:
+    if not (z.dtype == f.dtype == torch.float64):
         z, f = z.float(), f.float()
     nz, nf = torch.linalg.vector_norm(z, dim=-1).double(), torch.linalg.vector_norm(f, dim=-1).double()
     dot = torch.linalg.vecdot(z, f, dim=-1).double()
