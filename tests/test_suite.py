@@ -71,7 +71,7 @@ def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, t
                 "probe/10shot/cls/block01"):
         assert "analysis/" + tag in sc and [s for s, _ in sc["analysis/" + tag]] == [4, 8], tag
     cb = dict(sc["time/callbacks_s"])
-    assert cb[4] > 0.05 and {4, 8} <= set(cb)
+    assert cb[4] > 0 and {4, 8} <= set(cb)  # the suite ran there (its figures are drawn in the background)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ea = EventAccumulator(str(run / "tb"), size_guidance={"images": 0})
