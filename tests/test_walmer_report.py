@@ -128,6 +128,8 @@ def test_the_collapse_column_says_no_with_the_numbers_or_the_diagnosis_or_not_ap
                                             "largest prototype 10%)")
     assert _collapse_cell(["d0", "d1"], [ok, bad]).endswith("d1: DINO collapsed to one prototype: ...")
     assert _collapse_cell(["s0", "s1"], [{}, {}]) == "n/a (no collapse diagnosis for this objective)"
+    assert _collapse_cell(["d0", "d1"], [ok, {}], diagnoses=True).endswith("d1: no diagnosis recorded (no result.json: the run has not finished)")
+    assert walmer_report._diagnoses("dino") and not walmer_report._diagnoses("supervised") and not walmer_report._diagnoses("mae")
 
 
 def test_the_regime_note_appears_when_the_knn_order_differs_from_walmers_table_1():

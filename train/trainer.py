@@ -300,8 +300,8 @@ def wait_past_event_files(tb_dir: Path, limit_s: float = 2.0) -> None:
     created>.<host>.<pid>.<n>``. A resumed attempt's purge of the steps after its checkpoint applies only to files
     read before its own, so its file must sort after the earlier attempts': with the same second the pid decides,
     and the killed attempt's steps would then be read after the resumed ones."""
-    stamps = [int(p.name.split(".")[3]) for p in tb_dir.rglob("events.out.tfevents.*")
-              if len(p.name.split(".")) > 4 and p.name.split(".")[3].isdigit()]
+    fields = [p.name.split(".") for p in tb_dir.rglob("events.out.tfevents.*")]
+    stamps = [int(f[3]) for f in fields if len(f) > 4 and f[3].isdigit()]
     deadline = time.monotonic() + limit_s
     while stamps and int(time.time()) <= max(stamps) and time.monotonic() < deadline:
         time.sleep(0.02)

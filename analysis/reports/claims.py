@@ -578,7 +578,7 @@ def rule_offset_heads(runs: dict[str, dict]) -> Verdict:
                 "where": {k: c["where"][:4] for k, c in counts.items()}}
     if not runs or sum(n_local.values()) == 0:
         return _untestable(f"no ViT of the study has a local head (0 of {heads} heads in {len(runs)} runs), so offset "
-                           "local heads cannot appear", ours=f"0 of {heads} heads local", **measured)
+                           "local heads cannot appear", ours=f"0 of {heads} heads local" if heads else None, **measured)
     if len(runs) < MIN_SEEDS:
         return _untestable(f"one ViT run ({next(iter(runs))}): the rule needs two seeds", **measured)
     have = [c["count"] > 0 for c in counts.values()]

@@ -32,7 +32,7 @@ from analysis.measure import as_list
 from analysis.reports import claims as C
 from analysis.reports import claims_walmer as W
 from train.checkpoint import read_meta
-from train.objectives import REGISTRY
+from train.objectives import REGISTRY, Objective
 
 COLORS = {"supervised": "C0", "dino": "C1", "mae": "C2"}
 
@@ -212,14 +212,18 @@ def _cka_last_figure(mats: dict[str, np.ndarray], names: list[str], path: Path) 
 
 # ------------------------------------------------------------------------------------------------ the section
 
-# Walmer et al. 2023 Table 1: best k-NN top-1 on ImageNet (CLS token, layer 12 for all three), ViT-B/16
-PAPER_KNN_TOP1 = {"supervised": 83.79, "dino": 76.06, "mae": 45.19}
+def _diagnoses(objective: str) -> bool:
+    """Whether ``objective`` records a diagnosis at the end of a run (its Objective overrides ``summary``)."""
+    return REGISTRY[objective].Objective.summary is not Objective.summary
 
 
-def _collapse_cell(runs: list[str], summaries: list[dict]) -> str:
+def _collapse_cell(runs: list[str], summaries: list[dict], diagnoses: bool | None = None) -> str:
     """The objective's own collapse diagnosis per run (train/objectives: DINO's teacher entropy against log(out_dim)
     and the largest prototype's share): the diagnosis where a run collapsed, else the numbers it rests on; "n/a"
-    for an objective that diagnoses none (supervised, MAE)."""
+    for an objective that diagnoses none (supervised, MAE). ``diagnoses``: whether the objective does (default:
+    whether any run recorded a diagnosis); a run of such an objective without one (no result.json) says so."""
+    if not (any(summaries) if diagnoses is None else diagnoses):
+        return "n/a (no collapse diagnosis for this objective)"
     cells = []
     for name, s in zip(runs, summaries):
         if s.get("collapsed"):
@@ -227,7 +231,9 @@ def _collapse_cell(runs: list[str], summaries: list[dict]) -> str:
         elif "teacher_entropy" in s:
             cells.append(f"no ({name}: teacher entropy {s['teacher_entropy']:.2f} of log(out_dim) = {s['log_out_dim']:.2f} nats, "
                          f"over the batch {s['teacher_marginal_entropy']:.2f}; largest prototype {s['top_prototype_share']:.0%})")
-    return "; ".join(cells) or "n/a (no collapse diagnosis for this objective)"
+        else:
+            cells.append(f"{name}: no diagnosis recorded (no result.json: the run has not finished)")
+    return "; ".join(cells)
 
 
 def _objectives_table(objs: dict, doc) -> dict:
@@ -255,7 +261,8 @@ def _objectives_table(objs: dict, doc) -> dict:
             "objective that uses labels, the k-NN monitor's on the eval split, k = 20, for one that does not); and the "
             "k-NN top-1 of the analysis on the last block's CLS token (bank: the probe-train split, queries: the "
             "analysis split), the same read-out for every objective, and as a share of supervised's beside Walmer's "
-            "(Table 1: ImageNet, ViT-B/16, FS 83.79, DINO 76.06, MAE 45.19). Throughputs compare only runs trained under the "
+            f"(Table 1: ImageNet, ViT-B/16, FS {W.TABLE1_KNN_TOP1['supervised']}, DINO {W.TABLE1_KNN_TOP1['dino']}, "
+            f"MAE {W.TABLE1_KNN_TOP1['mae']}). Throughputs compare only runs trained under the "
             "same conditions (the same --jobs, nothing else heavy on the machine).", "",
             "| objective | runs | img/s | relative to supervised | training wall (min) | eval top-1 (kind) | k-NN top-1, last block CLS (± binomial SE) | k-NN relative to supervised (Walmer Table 1) | collapse |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -270,10 +277,10 @@ def _objectives_table(objs: dict, doc) -> dict:
         n = next((x for x in r["knn_n"] if x), 0)
         knn_cell = (f"{np.mean(kn):.4f} ± {C.binomial_se(float(np.mean(kn)), n):.4f} ({', '.join(f'{k:.4f}' for k in kn)})"
                     if kn else "no k-NN result (no CLS token, or knn not measured)")
-        col = _collapse_cell(r["runs"], r["diagnosis"])
+        col = _collapse_cell(r["runs"], r["diagnosis"], any(_diagnoses(x) for x in r["train_objective"]))
         r["knn_vs_supervised"] = _ratio(kn, rows.get("supervised", {}).get("knn_top1_last_block_cls"))
-        paper = PAPER_KNN_TOP1.get(o)
-        r["paper_knn_vs_supervised"] = paper / PAPER_KNN_TOP1["supervised"] if paper else None
+        paper = W.TABLE1_KNN_TOP1.get(o)
+        r["paper_knn_vs_supervised"] = paper / W.TABLE1_KNN_TOP1["supervised"] if paper else None
         vs = (f"{r['knn_vs_supervised']:.2f}" if r["knn_vs_supervised"] is not None else "-") + \
              (f" ({r['paper_knn_vs_supervised']:.2f})" if paper else "")
         doc.add(f"| {o} | {', '.join(r['runs'])} | {ips:.0f} ({', '.join(f'{t:.0f}' for t in r['img_s'])}) | {rel:.2f} | "
@@ -295,17 +302,17 @@ def _regime_note(rows: dict) -> str | None:
     """One paragraph when the objectives' k-NN order at the study budget differs from Walmer's Table 1: the claims
     about their features then compare the objectives at this budget, which the reader must know."""
     ours = {o: r["knn_vs_supervised"] for o, r in rows.items() if r.get("knn_vs_supervised") is not None}
-    if len(ours) < 2 or not all(o in PAPER_KNN_TOP1 for o in ours):
+    if len(ours) < 2 or not all(o in W.TABLE1_KNN_TOP1 for o in ours):
         return None
     order = sorted(ours, key=lambda o: -ours[o])
-    paper = sorted(ours, key=lambda o: -PAPER_KNN_TOP1[o])
+    paper = sorted(ours, key=lambda o: -W.TABLE1_KNN_TOP1[o])
     if order == paper:
         return None
-    behind = [o for o in order if o != "supervised" and ours[o] < PAPER_KNN_TOP1[o] / PAPER_KNN_TOP1["supervised"]]
+    behind = [o for o in order if o != "supervised" and ours[o] < W.TABLE1_KNN_TOP1[o] / W.TABLE1_KNN_TOP1["supervised"]]
     return (f"The k-NN order of the objectives at this budget is {' > '.join(order)}; in Walmer's Table 1 (ImageNet, ViT-B/16, "
             f"trained to the end) it is {' > '.join(paper)}. "
             + "; ".join(f"{o} reaches {ours[o]:.2f} of supervised's k-NN top-1 here against "
-                        f"{PAPER_KNN_TOP1[o] / PAPER_KNN_TOP1['supervised']:.2f} there" for o in order if o != "supervised")
+                        f"{W.TABLE1_KNN_TOP1[o] / W.TABLE1_KNN_TOP1['supervised']:.2f} there" for o in order if o != "supervised")
             + ". The claims that compare the objectives' features therefore compare them at this training budget"
             + (f", where {' and '.join(behind)} {'is' if len(behind) == 1 else 'are'} not yet what the paper measured "
                "(self-supervised objectives need many epochs)." if behind else "."))
