@@ -188,6 +188,22 @@ def test_offset_sign_convention_and_thresholds():
     assert one_cell["peak_mass"][0] == pytest.approx(25 / 36, rel=1e-12) and not one_cell["local"][0]
 
 
+def test_peak_is_the_maximum_inside_the_window_not_its_centre_of_mass():
+    """0.60 of the attention at (-2, +1) and 0.38 at (0, 0): the best 3x3 window (centred at (-1, +1)) holds both, and
+    its centre of mass rounds to (-1, +1), a cell with almost no attention. The peak is the maximum inside it."""
+    m = np.zeros((13, 13))  # the canvas of a 7x7 grid; (dr, dc) sits at (6 + dr, 6 + dc)
+    m[6 - 2, 6 + 1], m[6, 6], m[6 + 5, 6 - 5] = 0.60, 0.38, 0.02
+    cls = offset_local_heads(m[None])
+    assert cls["peak_mass"][0] == pytest.approx(0.98, rel=1e-12)
+    assert cls["peak_offset"][0].tolist() == [-2, 1]
+    assert m[6 - 2, 6 + 1] == m.max()  # the reported cell carries the head's attention
+    assert cls["local"].tolist() == [True] and cls["offset_local"].tolist() == [True]
+    # equal cells inside the window: the one nearest the query
+    m2 = np.zeros((13, 13))
+    m2[6, 6 + 1] = m2[6, 6 + 2] = 0.45
+    assert offset_local_heads(m2[None])["peak_offset"][0].tolist() == [0, 1]
+
+
 def test_find_peaks_tie_break_and_shape():
     m = np.zeros((2, 3, 5, 5))
     m[0, 0, 0, 0] = m[0, 0, 4, 4] = m[0, 0, 2, 3] = 1.0  # (0, +1) is nearest the centre

@@ -29,17 +29,26 @@
     ``peak_mass``   [L, H]     the largest share of the attention in a (2w+1) x (2w+1) window of ``mass_maps``
                                (w = ``window``, default 1: a 3x3 neighbourhood, clipped at the canvas border) whose
                                centre is at most ``max_offset`` (default 2) tokens away (Chebyshev) from the query;
-    ``peak_offset`` [L, H, 2]  (dr, dc): that window's centre of mass, rounded to a cell (ties between windows within a
-                               relative 1e-6 go to the centre nearest the query: Chebyshev, Euclidean, row-major);
+    ``peak_offset`` [L, H, 2]  (dr, dc): the map's maximum cell inside that window (Walmer: "a point or region offset
+                               from the current token"; ties between windows, and between cells, within a relative 1e-6
+                               go to the one nearest the query: Chebyshev, Euclidean, row-major). Not the window's
+                               centre of mass: a head with 0.60 of its attention at (-2, +1) and 0.38 at (0, 0) has its
+                               centre of mass rounded to (-1, +1), a cell it barely attends to;
     ``map_peak``    [L, H, 2]  the maximum cell of ``mass_maps`` itself, anywhere on the canvas;
     ``mass_centre`` [L, H, 2]  the centre of mass of ``mass_maps``, sum over cells of mass * (dr, dc), in tokens
                                (Walmer's code, ``average_att_offset``, reports it as "avg-att-offset" with the canvas
                                scaled to [-1, 1], i.e. divided by (g - 1));
-    ``local``       [L, H]     peak_mass >= ``min_mass`` (default 0.5) and max(|dr|, |dc|) of peak_offset <=
-                               ``max_offset``: at least half of the attention, on average over queries, lands within
-                               one token of a point at most two tokens away, and sits there (uniform attention on a 7x7 grid puts
-                               361/2401 = 0.15 in the central 3x3 window, a strict local head ~1);
-    ``offset_local`` [L, H]    local and peak_offset != (0, 0).
+    ``window_centre`` [L, H, 2] the centre of mass of that window, sum mass * (dr, dc) / peak_mass, in tokens: where
+                               the region the head attends to sits;
+    ``local``       [L, H]     peak_mass >= ``min_mass`` and max(|dr|, |dc|) of peak_offset <= ``max_offset``: at least
+                               half of the attention, on average over queries, lands within one token of a point at
+                               most two tokens away (uniform attention on a 7x7 grid puts 361/2401 = 0.15 in the central
+                               3x3 window, a strict local head ~1);
+    ``offset_local`` [L, H]    local, and the window's centre of mass at least half a token from the query in some
+                               direction (it rounds to a cell other than (0, 0)): the region is offset from the current
+                               token. A head spread evenly over the 3x3 around its own token, with a slight maximum on
+                               a corner, is local but not offset (its peak cell is the corner; its region is centred
+                               on the query); a head on its right neighbour is offset (region and peak at (0, +1)).
 
     Where the authors' code differs (github mwalmer-umd/vit_analysis, analysis/attention_metrics.py,
     ``AvgAlignedAttentionOnToken``): it divides the canvas sum by the number of (minibatch, query) pairs, not (image,
@@ -183,9 +192,11 @@ def offset_local_heads(mass_maps: np.ndarray, max_offset: int = MAX_OFFSET, min_
     lands within one token of a point at most two tokens away". Over every point p with Chebyshev |p| <=
     ``max_offset``, the mass in the window of ``window`` cells around p (:func:`window_mass`); the best such window
     gives ``peak_mass`` [...] (its mass; ties between windows go to the centre nearest the query).
-    ``local`` [...] = peak_mass >= ``min_mass`` and the peak at most ``max_offset`` away; ``peak_offset`` [..., 2] is the window's centre of mass rounded to a
-    cell (a head fixed on the token two to the right has it at (0, +2) even when the best window is centred one
-    nearer); ``offset_local`` = local and peak_offset != (0, 0). Also
+    ``local`` [...] = peak_mass >= ``min_mass`` and the peak at most ``max_offset`` away; ``peak_offset`` [..., 2] is the
+    map's maximum cell inside that window (a head fixed on the token two to the right has it at (0, +2) even when the
+    best window is centred one nearer; ties to the cell nearest the query); ``window_centre`` [..., 2] the window's
+    centre of mass; ``offset_local`` = local and the window's centre of mass rounds to a cell other than (0, 0) (the
+    region attended to is offset from the query; a head spread over the 3x3 around its query is not). Also
     ``map_peak`` [..., 2] (the maximum cell of the map itself, anywhere) and ``mass_centre`` [..., 2].
     (Taking the window around the map's maximum instead misses a head that spreads evenly over its neighbourhood
     with a slight corner maximum: the positive control in tests/test_positive_control.py has one.)"""
@@ -197,18 +208,23 @@ def offset_local_heads(mass_maps: np.ndarray, max_offset: int = MAX_OFFSET, min_
     wm = window_mass(mass_maps, window)
     centres = find_peaks(np.where(near, wm, -np.inf)).reshape(-1, 2)
     flat = mass_maps.reshape(-1, rows, cols)
-    pm, peaks = np.zeros(len(flat)), np.zeros((len(flat), 2), dtype=np.int64)
+    pm, peaks, centre = np.zeros(len(flat)), np.zeros((len(flat), 2), dtype=np.int64), np.zeros((len(flat), 2))
     for i, (m, (r, c)) in enumerate(zip(flat, centres)):
         r0, r1 = max(0, (rows - 1) // 2 + r - window), (rows - 1) // 2 + r + window + 1
         c0, c1 = max(0, (cols - 1) // 2 + c - window), (cols - 1) // 2 + c + window + 1
         w = m[r0:r1, c0:c1]
         pm[i] = w.sum()
-        if pm[i] > 0:  # the window's centre of mass, rounded to a cell: where in the window the attention sits
-            peaks[i] = np.rint([(w.sum(1) * dr[r0:r1]).sum() / pm[i], (w.sum(0) * dc[c0:c1]).sum() / pm[i]])
-    pm, peaks = pm.reshape(mass_maps.shape[:-2]), peaks.reshape(*mass_maps.shape[:-2], 2)
+        if pm[i] > 0:  # the window's centre of mass (where the region sits) and its maximum cell (the point attended to)
+            centre[i] = [(w.sum(1) * dr[r0:r1]).sum() / pm[i], (w.sum(0) * dc[c0:c1]).sum() / pm[i]]
+            inside = np.full_like(m, -np.inf)
+            inside[r0:r1, c0:c1] = w
+            peaks[i] = find_peaks(inside)
+    lead = mass_maps.shape[:-2]
+    pm, peaks, centre = pm.reshape(lead), peaks.reshape(*lead, 2), centre.reshape(*lead, 2)
     local = (pm >= min_mass) & (np.abs(peaks).max(-1) <= max_offset)
-    return {"peak_offset": peaks, "peak_mass": pm, "map_peak": find_peaks(mass_maps), "mass_centre": mass_centre(mass_maps),
-            "local": local, "offset_local": local & (np.abs(peaks).max(-1) > 0)}
+    offset = np.abs(np.rint(centre)).max(-1) > 0
+    return {"peak_offset": peaks, "peak_mass": pm, "window_centre": centre, "map_peak": find_peaks(mass_maps),
+            "mass_centre": mass_centre(mass_maps), "local": local, "offset_local": local & offset}
 
 
 @register
@@ -224,7 +240,9 @@ class AlignedAttention(BlockSums):
     """
 
     name = "aligned_attention"
-    version = 2  # 2: the local rule takes the best window centred within max_offset, not the one around the maximum
+    # 2: the local rule takes the best window centred within max_offset, not the one around the maximum;
+    # 3: a head's peak is the map's maximum inside that window, not the window's rounded centre of mass
+    version = 3
     Options = AlignedOptions
 
     def __init__(self, ctx: Context, opts=None):
