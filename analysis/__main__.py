@@ -11,13 +11,17 @@ checkpoints, cached, with figures, TensorBoard and report.md.
     python -m analysis runs/dino --part teacher --against runs/dino   teacher vs student, layer by layer
     python -m analysis --model timm:vit_small_patch16_224.dino --weights dino_vits16.safetensors \
         --set data.img_size=224 data.in_chans=3               a public DINO ViT-S/16 (a hub model.safetensors)
+    python -m analysis --model timm:vit_small_patch14_dinov2 --weights FILE --images photos
+                                                              a published ViT on the bundled photos (or --images DIR)
 
 Exit codes: 0 done; 2 bad input (one sentence on stderr naming the problem; nothing is written).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
 import warnings
 
 from analysis import offline as O
@@ -32,6 +36,21 @@ def options(args) -> S.SuiteOptions:
     return S.suite_options(names, args.batch_size, S.parse_opt_args(args.opt))
 
 
+def without_unlabelled(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteOptions:
+    """``opts`` without the measures that need labels the images lack: skipped with one line when they came with
+    ``--measures all``, refused (one sentence) when named."""
+    missing = S.missing_labels(O.load_data(run), opts)
+    if not missing:
+        return opts
+    how = ("put the images in one subfolder per class (DIR/<class>/...) and give probe-train images the same way "
+           "(--probe-images DIR2)")
+    if (asked or "").strip() != "all":
+        raise O.AnalysisError(f"measures {', '.join(missing)} read class labels, which these images do not have: {how}, or "
+                              "leave those measures out.")
+    print(f"skipped {', '.join(missing)}: they read class labels, which these images do not have ({how}).", file=sys.stderr)
+    return dataclasses.replace(opts, measures=tuple(m for m in opts.measures if m not in missing))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.split("\n")[2:]))
@@ -44,9 +63,17 @@ def parser() -> argparse.ArgumentParser:
                    help="cross-run CKA against another run's checkpoint (default its last); repeatable")
     p.add_argument("--model", help="analyse a model not trained here: timm:<architecture>")
     p.add_argument("--weights", help="with --model: a .safetensors file ('pretrained' downloads timm's weights)")
-    p.add_argument("--recipe", default="recipes/default.yaml", help="with --model: the recipe whose data section to use")
+    p.add_argument("--recipe", default=None, help="with --model: the recipe whose data section to use (default: the project's "
+                   "recipes/default.yaml; with --images only its run root is used)")
     p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="with --model: recipe overrides, e.g. data.img_size=224 data.in_chans=3")
+    p.add_argument("--images", help="with --model: analyse these images instead of a recipe's: a folder (one subfolder per class "
+                   "for labels; a flat folder is unlabelled) or 'photos' (19 photos that ship with scikit-image and scikit-learn, "
+                   "as seeded crops), prepared by the model's own timm preprocessing")
+    p.add_argument("--probe-images", help="with --images DIR: a folder with the same class subfolders to train probes and k-NN on")
+    p.add_argument("--preprocessing", choices=("model", "recipe"), default="model",
+                   help="with --model and a recipe's data: normalise by the model's pretrained mean/std (model, default) or the "
+                   "data's own (recipe: as a run trained here, to compare the two with --against)")
     p.add_argument("--out", help="with --model: the output folder (default runs/external-<architecture>)")
     p.add_argument("--batch-size", type=int, default=256, help="analysis minibatch (also the CKA minibatch, >= 4)")
     p.add_argument("--opt", action="append", default=[], metavar="MEASURE.OPTION=VALUE",
@@ -74,7 +101,11 @@ def main(argv=None) -> int:
         if args.model:
             if not args.weights:
                 raise O.AnalysisError("--model needs --weights FILE.safetensors (or --weights pretrained with a network).")
-            run = O.external_run(args.model, args.weights, args.recipe, args.overrides, args.out)
+            recipe = args.recipe or str(Path(__file__).resolve().parents[1] / "recipes" / "default.yaml")
+            run = O.external_run(args.model, args.weights, recipe, args.overrides, args.out, args.images,
+                                 args.probe_images, args.preprocessing)
+        elif args.images or args.probe_images:
+            raise O.AnalysisError("--images analyses a model from elsewhere: pass it with --model timm:<arch> --weights FILE.")
         elif args.run:
             run = O.open_run(args.run)
         else:
@@ -86,6 +117,7 @@ def main(argv=None) -> int:
         others = [O.parse_against(a) for a in args.against]
         for other, _ in others:
             O.check_same_images(run, other)
+        opts = without_unlabelled(run, opts, args.measures)
         problem = S.problem(O.load_data(run), opts)
         if problem:
             raise O.AnalysisError(problem)

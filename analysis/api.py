@@ -16,7 +16,10 @@ given; ``part`` picks the network of a self-supervised checkpoint (``"student"``
 for DINO's EMA teacher: train/objectives). ``images`` is a tensor [N, C, H, W] (uint8 or float) or an iterable of ``(images, labels)`` batches (a
 DataLoader); measures that read labels (probes, k-NN, clustering) need ``labels`` and, for probes and k-NN,
 ``probe_images`` / ``probe_labels`` to train on. ``normalize`` maps a batch to model inputs (default: uint8 /
-255, float unchanged). Bad input raises ``ValueError`` with one sentence.
+255, float unchanged). ``images`` may also be a folder of image files (one subfolder per class gives labels) or
+``"photos"`` (the bundled photo set, labelled by photo: analysis/images.py); these are resized, cropped and
+normalised by the model's own timm preprocessing, and ``probe_images`` may then be a folder too.
+Bad input raises ``ValueError`` with one sentence.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch
 from analysis import offline as O
 from analysis import storage
 from analysis.measure import MeasureError
-from analysis.suite import run_suite, suite_options
+from analysis.suite import missing_labels, run_suite, suite_options
 from train.splits import TensorBatches
 
 
@@ -92,12 +95,37 @@ def analyze(model, images=None, labels=None, *, measures=None, options: dict | N
         if part is not None:
             raise ValueError(f"part='{part}' picks a network of a run folder's checkpoint: pass the network object itself instead.")
         if images is None:
-            raise ValueError("give images to analyse a model object (a tensor [N, C, H, W] or a DataLoader).")
+            raise ValueError("give images to analyse a model object (a tensor [N, C, H, W], a DataLoader, a folder or 'photos').")
+        if isinstance(images, (str, Path)):
+            data = _image_set(model, images, labels, probe_images)
+            return _run(model, data, opts, figures, part)
         x = _images(images, labels)
         px = _images(probe_images, probe_labels) if probe_images is not None else TensorBatches(x.images[:0], x.labels[:0])
         known = torch.cat([x.labels, px.labels])
         k = num_classes or (int(known.max()) + 1 if len(known) and int(known.max()) >= 0 else getattr(model, "num_classes", 1))
         data = Data(x, px, int(k), normalize)
+    return _run(model, data, opts, figures, part)
+
+
+def _image_set(model, images, labels, probe_images):
+    from analysis.images import ImageError, image_set
+
+    if labels is not None:
+        raise ValueError("labels= goes with a tensor of images; a folder's labels are its class subfolders.")
+    if probe_images is not None and not isinstance(probe_images, (str, Path)):
+        raise ValueError("with images from a folder, probe_images must be a folder too (the same class subfolders).")
+    try:
+        return image_set(images, model, probe_images)
+    except ImageError as e:
+        raise ValueError(str(e)) from None
+
+
+def _run(model, data, opts, figures: bool, part) -> dict:
+    missing = missing_labels(data, opts)
+    if missing:
+        raise ValueError(f"measures {', '.join(missing)} read class labels: pass labels= for the images and, for probes and k-NN, "
+                         "probe_images= / probe_labels= to train on (a folder of images: one subfolder per class), or leave "
+                         "those measures out.")
     res = run_suite(model, data, opts)
     out = {"results": {k: v for k, v in res.items() if k != "meta"}, "meta": res["meta"], "summary": storage.summary_of(res)}
     if figures:

@@ -80,6 +80,8 @@ class Measure:
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     needs_grad: ClassVar[bool] = False  # True: finish() runs its own backward passes
+    # what it reads of the labels: "" none; "analysis" the analysis images' labels; "probe" also labelled probe-train images
+    uses_labels: ClassVar[str] = ""
     version: ClassVar[int] = 1  # raise it when the definition changes: cached results of older versions are recomputed
 
     def __init__(self, ctx: Context, opts=None):

@@ -147,21 +147,74 @@ def select_part(run: Run, part: str | None) -> Run:
     return run
 
 
-def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: list[str], out: str | Path | None) -> Run:
+def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: list[str], out: str | Path | None,
+                 images: str | Path | None = None, probe_images: str | Path | None = None,
+                 preprocessing: str = "model") -> Run:
     """A model not trained here: ``arch`` = "timm:<name>", ``weights`` a local .safetensors file (or "pretrained"
-    for timm's own weights, which needs a network), analysed on the data of ``recipe_path`` (+ overrides);
-    results go to ``out`` (default runs/external-<name>)."""
+    for timm's own weights, which needs a network); results go to ``out`` (default runs/external-<name>).
+
+    With ``images`` (a folder, or "photos": analysis/images.py) those images are analysed, prepared by the model's own
+    timm preprocessing (resize, centre crop, mean, std) at the size its weights were trained for (their position
+    embedding's grid; ``--set data.img_size=N`` to choose), and ``probe_images`` (a folder) trains probes and k-NN.
+    Without, the analysis and probe-train images of ``recipe_path`` (+ overrides) are used, and only those are decoded
+    (the train split stays on disk); ``preprocessing="model"`` normalises them with the model's mean and std,
+    ``"recipe"`` with the data's own (as a run trained here on that recipe: needed to compare the two with --against)."""
     if not arch.startswith("timm:") or len(arch) <= 5:
         raise AnalysisError(f"--model '{arch}' must look like timm:<architecture>, e.g. timm:vit_tiny_patch16_224.")
     if weights != "pretrained" and not Path(weights).is_file():
         raise AnalysisError(f"weights file '{weights}' does not exist: pass a .safetensors file (or 'pretrained' with a network).")
+    if preprocessing not in ("model", "recipe"):
+        raise AnalysisError(f"--preprocessing '{preprocessing}' is not one of model, recipe.")
+    if probe_images is not None and images is None:
+        raise AnalysisError("--probe-images needs --images: the probe-train images of a recipe's data come from its train split.")
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    extra = []
+    if "data.in_memory" not in given:
+        extra.append("data.in_memory=false")  # only the analysed rows are decoded (the train split can be 60k images at 224)
+    size = None
+    if images is not None:
+        size = None if "data.img_size" in given else implied_img_size(arch, weights)
+        extra += ["data.in_chans=3"] + ([f"data.img_size={size}"] if size else [])
     try:
-        recipe = load_recipe(recipe_path, overrides)
+        recipe = load_recipe(recipe_path, list(overrides) + extra)
+        if images is None and "data.eval_size" not in given and recipe.data.eval_size is None:
+            # the analysis rows are a seeded choice from the eval split whatever eval_size is: decode only those
+            recipe = load_recipe(recipe_path, list(overrides) + extra + [f"data.eval_size={max(recipe.data.analysis_size, 1)}"])
     except RecipeError as e:
         raise AnalysisError(str(e)) from None
     name = arch[5:].replace("/", "_")
     path = Path(out) if out else Path(recipe.run.root) / f"external-{name}"
-    return Run(path, path.name, recipe, {0: Path(weights)}, external={"arch": arch, "weights": weights})
+    run = Run(path, path.name, recipe, {0: Path(weights)}, external={"arch": arch, "weights": weights, "preprocessing": preprocessing})
+    if images is not None:
+        from analysis.images import ImageError, image_set
+
+        model = model_from_timm(arch, weights, 1, 3, recipe.data.img_size)
+        try:
+            run._data = image_set(images, model, probe_images, recipe.data.img_size)
+        except ImageError as e:
+            raise AnalysisError(str(e)) from None
+        run.external["images"] = str(images)
+    return run
+
+
+def implied_img_size(arch: str, weights: str) -> int | None:
+    """The input size a ViT's weights were trained at, from their position embedding (grid x patch size); None
+    when the file has none (ResNets) or the weights are timm's own ("pretrained": its configuration's size)."""
+    if weights == "pretrained":
+        return None
+    try:
+        state, _ = read_weights(Path(weights))
+    except CheckpointError as e:
+        raise AnalysisError(str(e)) from None
+    pos, proj = state.get("pos_embed"), state.get("patch_embed.proj.weight")
+    if pos is None or proj is None or pos.ndim != 3:
+        return None
+    n, patch = int(pos.shape[1]), int(proj.shape[-1])
+    for prefix in (1, 0, 5, 4, 2):  # CLS; none (GAP); CLS + 4 registers; registers only; CLS + distillation token
+        g = int(round((n - prefix) ** 0.5)) if n > prefix else 0
+        if g > 0 and g * g == n - prefix:
+            return g * patch
+    return None
 
 
 def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, img_size: int) -> torch.nn.Module:
@@ -257,7 +310,25 @@ def load_data(run: Run):
             run._data = build_data(run.recipe, quiet=True)
         except DataError as e:
             raise AnalysisError(str(e)) from None
+        if run.external and run.external.get("preprocessing", "model") == "model":
+            _model_normalisation(run)
     return run._data
+
+
+def _model_normalisation(run: Run) -> None:
+    """A model from elsewhere sees a recipe's images normalised by its own pretrained configuration's mean and std
+    (timm.data.resolve_data_config; averaged over channels for greyscale data), not by the data's statistics."""
+    from timm.data import resolve_data_config
+
+    try:
+        cfg = resolve_data_config({}, model=timm.create_model(run.external["arch"][5:], pretrained=False))
+    except RuntimeError:
+        return  # an unknown architecture: model_from_timm says so in one sentence when the model is built
+    mean, std = torch.tensor(cfg["mean"], dtype=torch.float32), torch.tensor(cfg["std"], dtype=torch.float32)
+    c = run.recipe.data.in_chans
+    if len(mean) != c:
+        mean, std = mean.mean().repeat(c), std.mean().repeat(c)
+    run._data.mean, run._data.std = mean, std
 
 
 def fingerprint(run: Run) -> str:

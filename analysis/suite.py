@@ -86,6 +86,20 @@ def batch_problem(n_images: int, batch_size: int) -> str | None:
     return None
 
 
+def missing_labels(data, opts: SuiteOptions) -> list[str]:
+    """The requested measures that read labels the data does not have (unlabelled analysis images: label -1; no
+    labelled probe-train images), in the order requested."""
+    def labelled(split) -> bool:
+        return len(split.labels) > 0 and int(split.labels.min()) >= 0
+
+    reg, out = registry(), []
+    for name in opts.measures:
+        need = reg[name].uses_labels
+        if (need and not labelled(data.analysis)) or (need == "probe" and not labelled(data.probe_train)):
+            out.append(name)
+    return out
+
+
 def problem(data, opts: SuiteOptions) -> str | None:
     """One sentence if the suite cannot run ``opts`` on ``data`` (checked before anything is written)."""
     p = batch_problem(len(data.analysis), opts.batch_size)

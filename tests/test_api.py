@@ -40,5 +40,5 @@ def test_bad_input_is_one_sentence():
         analyze(model, torch.rand(8, 1, 28, 28), measures=["nope"])
     with pytest.raises(ValueError, match=r"must be \[N, C, H, W\]"):
         analyze(model, torch.rand(8, 28, 28))
-    with pytest.raises(ValueError, match="probe_train"):  # probes need images to train on
+    with pytest.raises(ValueError, match="probe_images="):  # probes need images to train on, named as the API names them
         analyze(model, torch.rand(8, 1, 28, 28), torch.arange(8) % 2, measures=["fewshot_probe"])

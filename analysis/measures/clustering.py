@@ -196,6 +196,7 @@ class ClusteringMeasure(Measure):
     """
 
     name: ClassVar[str] = "clustering"
+    uses_labels: ClassVar[str] = "analysis"
     Options = ClusteringOptions
 
     def __init__(self, ctx: Context, opts=None):

@@ -93,6 +93,7 @@ class FewShotProbeMeasure(Measure):
     ``chance``, ``method``, ``feature_dim`` [L]."""
 
     name = "fewshot_probe"
+    uses_labels = "probe"
     Options = FewShotOptions
 
     @classmethod

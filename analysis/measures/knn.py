@@ -72,6 +72,7 @@ class KNNMeasure(Measure):
     """
 
     name: ClassVar[str] = "knn"
+    uses_labels: ClassVar[str] = "probe"
     Options = KNNOptions
 
     def __init__(self, ctx: Context, opts=None):

@@ -110,6 +110,7 @@ class TokenProbes(Measure):
     held-out), ``resnet_tokens`` (``patch``, Raghu App. A), ``resnet_patch`` (0: auto), ``resnet_max_side`` (7)."""
 
     name = "token_probes"
+    uses_labels = "probe"
     Options = TokenProbeOptions
 
     @classmethod

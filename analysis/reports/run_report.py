@@ -89,7 +89,8 @@ def write_run_report(run) -> Path:
     r = run.recipe
     lines = [f"# {run.name}", ""]
     if run.external:
-        lines += [f"Model `{run.external['arch']}` with weights `{run.external['weights']}`, analysed on `{r.data.source}` data.", ""]
+        src = (run._data.meta.get("source") if run.external.get("images") and run._data is not None else None) or f"`{r.data.source}` data"
+        lines += [f"Model `{run.external['arch']}` with weights `{run.external['weights']}`, analysed on {src}.", ""]
     else:
         m = r.model
         desc = f"{m.arch}" + (f", {m.depth} blocks x {m.embed_dim}, {m.num_heads} heads, patch {m.patch_size}, head {m.head}"
