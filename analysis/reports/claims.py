@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-HELD, NOT_HELD, INCONCLUSIVE, NOT_TESTABLE = "held", "did not hold", "inconclusive", "not testable"
-OUTCOMES = (HELD, NOT_HELD, INCONCLUSIVE, NOT_TESTABLE)
+from analysis.reports.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, OUTCOMES  # the outcomes live in one place
+
 NOISE_FACTOR = 2.0  # an effect counts when it exceeds 2x the largest seed-to-seed difference of the same configuration
 SE_FACTOR = 2.0  # ... and, for top-1 differences, 2 binomial standard errors of the difference
 LOCAL_FRACTION = 0.5  # a head is local when its mean attention distance is below half of uniform attention's

@@ -1,0 +1,569 @@
+"""The one statistical decision rule of the studies: per-part tests with confidence intervals, and a claim's verdict.
+
+A claim of a paper is tested in one or more *parts*; each part is one number in the paper's direction (an effect), a
+two-sided test of "no effect" at :data:`ALPHA` = 0.05 and the matching 95% confidence interval (CI). :func:`decide`
+turns a claim's parts and its preconditions into one of four outcomes (the constants :data:`HELD`, :data:`NOT_HELD`,
+:data:`INCONCLUSIVE`, :data:`NOT_TESTABLE`, which analysis/reports/claims.py uses too):
+
+``held``          every part is significant in the paper's direction (p < ALPHA, each part unadjusted: a conjunction
+                  of tests each at level ALPHA is a test of the whole claim at level ALPHA, the intersection-union
+                  principle, so no multiplicity correction is needed for "held");
+``did not hold``  the preconditions passed and some part is significantly *reversed* after Holm's correction over the
+                  claim's parts (:func:`holm`; Holm-adjusted p < ALPHA, effect against the paper);
+``inconclusive``  neither;
+``not testable``  a precondition failed (:class:`Precondition`: its sentence with its numbers); parts are still shown.
+
+Parts (:class:`Part`; ``sign`` = +1 when the paper says a > b, -1 when it says a < b; the part's ``effect`` and ``ci``
+are on that signed scale, so a positive effect is in the paper's direction):
+
+* :func:`paired_part` -- seed i of configuration A paired with seed i of B (same seed, same analysis images):
+  d_i = a_i - b_i, effect = sign x mean(d), SE = sd(d) / sqrt(n) (sd with n - 1), t on df = n - 1 (scipy's ``ttest_rel``).
+* :func:`two_sample_part` -- A and B as independent samples of seeds. Default Welch: SE = sqrt(s_a^2/n_a + s_b^2/n_b),
+  df by Welch-Satterthwaite, (s_a^2/n_a + s_b^2/n_b)^2 / ((s_a^2/n_a)^2/(n_a-1) + (s_b^2/n_b)^2/(n_b-1)) (scipy's
+  ``ttest_ind(equal_var=False)``); for configurations whose seed SD differs, e.g. a ViT against a ResNet. With
+  ``pooled=pooled_sd(family)``: SE = s_p sqrt(1/n_a + 1/n_b) on the family's df -- for configurations of one family
+  (same architecture and recipe, only the factor under study changed), whose seed SD is assumed equal; every
+  configuration of the family adds its n_g - 1 degrees of freedom at no extra training.
+* :func:`one_sample_part` -- one configuration's seed values against a reference: effect = sign x (mean - ref),
+  SE = s / sqrt(n) (or s_p / sqrt(n) with ``pooled``), df = n - 1 (or the pooled df).
+* :func:`pooled_sd` -- s_p = sqrt(sum_g sum_i (x_gi - mean_g)^2 / sum_g (n_g - 1)), df = sum_g (n_g - 1).
+* :func:`bootstrap_part` / :func:`paired_bootstrap_part` -- for a statistic of one run (one model), a bootstrap over
+  the analysis images: B resamples of the N images with replacement (seeded ``numpy.random.default_rng(seed)``), the
+  statistic recomputed on each; the paired variant resamples the same images for both statistics and bootstraps their
+  difference. CI: BCa (default; Efron & Tibshirani 1993 ch. 14: bias correction z0 = Phi^-1(share of resampled
+  statistics below the estimate, ties counted half), acceleration a = sum(d^3) / (6 (sum(d^2))^1.5) with d the
+  jackknife deviations mean(theta_(.)) - theta_(i)), or the percentile interval (``method="percentile"``).
+  p: the two-sided p-value obtained by inverting the same interval (the level at which the interval's end reaches 0),
+  so p < ALPHA exactly when the CI excludes 0, up to the resolution of B resamples; p is at least 1 / B.
+* :func:`equivalence_part` -- a claim of *no difference*: two one-sided tests (TOST) of any of the parts above
+  against a margin +-m written down before the run. p_TOST = max(p of "effect <= -m", p of "effect >= m"); significant
+  for (equivalent) when p_TOST < ALPHA, i.e. the 90% CI lies inside (-m, m); significant against (a difference beyond
+  the margin, the "reversal" Holm sees) when 2 x min(p of "effect <= m", p of "effect >= -m") < ALPHA, i.e. the 95% CI
+  lies outside [-m, m]. The stored ``ci`` is the 95% CI, ``details["ci_tost"]`` the 90% one.
+
+t parts: CI = effect +- t_{1 - ALPHA/2, df} x SE; p = 2 P(T_df > |effect| / SE); p < ALPHA exactly when the CI
+excludes 0. With SE = 0 (no seed-to-seed variation at all) the CI is the point and p is 0 (effect != 0) or 1.
+
+Error rates and power (measured by :func:`simulate`: synthetic seeds, normal with the same SD sigma in every
+configuration, 20,000 claims per cell, seed 0; 3 seeds per configuration, the studies' default; a 1-part claim, and a
+2-part claim whose two parts are independent and have the same effect). Under the null (no effect), the rate of a
+false "held" and of a false "did not hold" (the Monte-Carlo SE of a rate near 2.5% is 0.11 points):
+
+==============================  ========================  ===============================
+design (df)                     false held, 1 / 2 part    false did not hold, 1 / 2 part
+==============================  ========================  ===============================
+Welch 3 vs 3 (2 to 4)           1.7% / 0.03%              1.8% / 1.6%
+pooled, 4 configurations (8)    2.6% / 0.06%              2.5% / 2.6%
+paired, 3 pairs (2)             2.4% / 0.03%              2.5% / 2.5%
+==============================  ========================  ===============================
+
+Power, the rate of "held" when the paper is right by 2 or 3 seed SDs (mean A - mean B = 2 sigma or 3 sigma):
+
+==============================================  ===================  ===================
+design (df)                                     2 sigma, 1 / 2 part  3 sigma, 1 / 2 part
+==============================================  ===================  ===================
+Welch 3 vs 3 (2 to 4)                           37% / 14%            68% / 45%
+pooled, 2 configurations (4)                    47% / 21%            78% / 61%
+pooled, 4 configurations (8)                    58% / 33%            90% / 80%
+pooled, 8 configurations (16)                   63% / 40%            93% / 87%
+paired, 3 pairs, seeds independent (2)          29% / 8%             51% / 26%
+==============================================  ===================  ===================
+
+The pooled rows agree with the exact power of the t test, P(T'_{df, delta / sqrt(2/3)} > t_{0.975, df}) with T'
+noncentral t: 0.463, 0.576, 0.633 at 2 sigma and 0.783, 0.894, 0.931 at 3 sigma (tests/test_stats.py checks df 8).
+Welch is conservative with 3 seeds (its df falls towards 2 when one sample happens to vary less). For comparison, the
+rule this replaces (an effect counts beyond 2x the largest seed-to-seed difference, analysis/reports/claims.py), in
+the same simulation (200,000 claims): with 2 seeds a true null is held 3.5% and did not hold 3.5%, power 29% at
+2 sigma and 49% at 3 sigma; with 3 seeds 0.25% each, power 9% and 24%. The paired design is the weakest with 3 seeds (df 2): pair
+only when the seeds of the two configurations are correlated (the pairing then removes the shared part); pooling the
+family's seed SD is the cheapest power.
+
+Everything is numpy + scipy (``scipy.special.stdtr`` / ``stdtrit`` for the t distribution, ``ndtr`` / ``ndtri`` for
+the normal); nothing is read from files. ``python -m analysis.reports.stats`` prints the tables above.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.special import ndtr, ndtri, stdtr, stdtrit
+
+HELD, NOT_HELD, INCONCLUSIVE, NOT_TESTABLE = "held", "did not hold", "inconclusive", "not testable"
+OUTCOMES = (HELD, NOT_HELD, INCONCLUSIVE, NOT_TESTABLE)
+FOR, AGAINST, NOT_SIGNIFICANT = "significant for", "significant against", "not significant"  # one part's outcome
+ALPHA = 0.05  # two-sided test level of every part; the CIs are 1 - ALPHA = 95%
+N_BOOT = 2000  # bootstrap resamples by default
+_CHUNK = 1 << 22  # bootstrap: at most this many resampled values in memory at once
+_METHOD = {"bca": "BCa", "percentile": "percentile"}
+
+
+# ------------------------------------------------------------------------------------------------ the distributions
+
+class _T:
+    """The sampling distribution of an estimate: est + SE x T_df (SE = 0: the point est)."""
+
+    floor = 0.0  # the smallest p-value it can give
+
+    def __init__(self, est: float, se: float, df: float):
+        self.est, self.se, self.df = float(est), float(se), float(df)
+
+    def level(self, c: float) -> float:
+        """One-sided p-value of H0: theta <= c against theta > c."""
+        if self.se == 0:
+            return 0.5 if self.est == c else 0.0 if self.est > c else 1.0
+        return float(stdtr(self.df, (c - self.est) / self.se))
+
+    def interval(self, alpha: float) -> tuple[float, float]:
+        """The two-sided 1 - alpha CI: est +- t_{1 - alpha/2, df} SE."""
+        h = 0.0 if self.se == 0 else float(stdtrit(self.df, 1 - alpha / 2)) * self.se
+        return self.est - h, self.est + h
+
+
+class _Boot:
+    """A bootstrap distribution ``boot`` of an estimate ``est`` (percentile or BCa with bias ``z0`` and acceleration ``a``)."""
+
+    def __init__(self, est: float, boot: np.ndarray, method: str, z0: float = 0.0, a: float = 0.0):
+        self.est, self.boot, self.method, self.z0, self.a = float(est), np.sort(boot), method, float(z0), float(a)
+        self.floor = 1.0 / len(boot)  # the resolution of B resamples
+
+    def _share_below(self, c: float) -> float:
+        """Share of resampled statistics below c, ties counted half, kept within [0.5 / B, 1 - 0.5 / B]."""
+        b = len(self.boot)
+        q = (np.searchsorted(self.boot, c, "left") + np.searchsorted(self.boot, c, "right")) / (2 * b)
+        return float(np.clip(q, 0.5 / b, 1 - 0.5 / b))
+
+    def level(self, c: float) -> float:
+        """One-sided p-value of H0: theta <= c: the level at which the interval's lower end reaches c."""
+        q = self._share_below(c)
+        if self.method == "percentile":
+            return q
+        w = float(ndtri(q)) - self.z0  # invert q = Phi(z0 + (z0 + z) / (1 - a (z0 + z))) for z
+        den = 1 + self.a * w
+        u = w / den if den > 0 else np.copysign(np.inf, w)
+        return float(ndtr(u - self.z0))
+
+    def interval(self, alpha: float) -> tuple[float, float]:
+        z = ndtri(np.array([alpha / 2, 1 - alpha / 2]))
+        if self.method == "percentile":
+            lv = np.array([alpha / 2, 1 - alpha / 2])
+        else:
+            u = self.z0 + z
+            den = 1 - self.a * u
+            lv = np.where(den > 0, ndtr(self.z0 + u / np.where(den > 0, den, 1.0)), np.where(u > 0, 1.0, 0.0))
+        lo, hi = np.quantile(self.boot, lv)
+        return float(lo), float(hi)
+
+
+# ------------------------------------------------------------------------------------------------ one part
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a claim: ``effect`` in the paper's direction (``sign`` x the raw estimate), its 1 - ALPHA ``ci``, the
+    two-sided ``p`` of "no effect" (for an equivalence part, the TOST p), the ``test`` with its ``df`` (None for a
+    bootstrap) and SE, ``n`` per group (seeds, or images), and ``outcome`` (:data:`FOR` / :data:`AGAINST` /
+    :data:`NOT_SIGNIFICANT` at ``alpha``, unadjusted). ``p_reversal`` is the p-value Holm's correction sees
+    (:func:`decide`): ``p`` for a difference, the p of "beyond the margin" for an equivalence part."""
+
+    name: str
+    effect: float
+    ci: tuple[float, float]
+    p: float
+    outcome: str
+    test: str
+    n: tuple[int, ...]
+    df: float | None = None
+    se: float | None = None
+    sign: int = 1
+    alpha: float = ALPHA
+    p_reversal: float | None = None
+    margin: float | None = None
+    details: dict = field(default_factory=dict)
+    _dist: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.p_reversal is None:
+            object.__setattr__(self, "p_reversal", self.p)
+
+    def summary(self) -> str:
+        """One line: name, effect, CI, p and the test."""
+        df = f", df {self.df:.3g}" if self.df is not None else ""
+        m = f", margin +-{self.margin:.3g}" if self.margin is not None else ""
+        return (f"{self.name}: {self.effect:+.3g}, {100 * (1 - self.alpha):g}% CI [{self.ci[0]:+.3g}, {self.ci[1]:+.3g}], "
+                f"p = {self.p:.2g} ({self.test}{df}{m}; {self.outcome})")
+
+    def to_json(self) -> dict:
+        """The part as plain JSON types (non-finite numbers as None)."""
+        return _plain({"name": self.name, "effect": self.effect, "ci": list(self.ci), "p": self.p, "outcome": self.outcome,
+                       "test": self.test, "n": list(self.n), "df": self.df, "se": self.se, "sign": self.sign,
+                       "alpha": self.alpha, "p_reversal": self.p_reversal, "margin": self.margin, "details": self.details})
+
+
+def _from_dist(name: str, dist, test: str, n: tuple, sign: int, alpha: float, df=None, se=None, details=None) -> Part:
+    """The two-sided test of "effect = 0" read from ``dist``: significant for when "effect <= 0" is rejected at
+    alpha / 2, against when "effect >= 0" is (the side follows the test, as the CI does, not the estimate's sign)."""
+    lv = dist.level(0.0)
+    p = max(dist.floor, min(1.0, 2 * min(lv, 1 - lv)))
+    outcome = NOT_SIGNIFICANT if p >= alpha or lv == 0.5 else FOR if lv < 0.5 else AGAINST
+    return Part(name, dist.est, dist.interval(alpha), p, outcome, test, tuple(int(k) for k in n),
+                df=df, se=se, sign=sign, alpha=alpha, details=details or {}, _dist=dist)
+
+
+def _values(x, what: str, name: str, least: int = 1) -> np.ndarray:
+    v = np.asarray(x, dtype=float).reshape(-1)
+    if v.size < least:
+        raise ValueError(f"part {name!r}: {what} has {v.size} value(s), the test needs at least {least}; "
+                         "run more seeds or mark the claim not testable with a Precondition")
+    bad = int((~np.isfinite(v)).sum())
+    if bad:
+        raise ValueError(f"part {name!r}: {bad} of {v.size} values of {what} are not finite; drop the failed seeds or "
+                         "mark the claim not testable with a Precondition")
+    return v
+
+
+def _sign(sign) -> int:
+    if sign not in (1, -1):
+        raise ValueError(f"sign must be +1 (the paper says a > b) or -1 (a < b), not {sign!r}")
+    return int(sign)
+
+
+def _t_part(name, est, se, df, test, n, sign, alpha, details) -> Part:
+    sign = _sign(sign)
+    return _from_dist(name, _T(sign * est, se, df), test, n, sign, alpha, df=float(df), se=float(se), details=details)
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """The seed SD of a statistic pooled over a family's configurations (:func:`pooled_sd`)."""
+
+    sd: float
+    df: int
+    groups: int
+
+
+def pooled_sd(groups: Mapping[str, Sequence[float]] | Iterable[Sequence[float]]) -> Pooled:
+    """The pooled within-configuration SD, s_p = sqrt(sum_g sum_i (x_gi - mean_g)^2 / sum_g (n_g - 1)), and its
+    df = sum_g (n_g - 1), over ``groups`` (each configuration's per-seed values; a dict's values are used). A
+    configuration with one seed adds nothing. Pass the configurations of one family (the compared ones among them)."""
+    vals = list(groups.values()) if isinstance(groups, Mapping) else list(groups)
+    arrs = [_values(g, f"configuration {i}", "pooled SD") for i, g in enumerate(vals)]
+    df = sum(len(g) - 1 for g in arrs)
+    if df < 1:
+        raise ValueError(f"pooled SD: {len(arrs)} configuration(s) with {[len(g) for g in arrs]} seeds give no degree of "
+                         "freedom; a configuration needs two seeds")
+    ss = sum(float(((g - g.mean()) ** 2).sum()) for g in arrs)
+    return Pooled(float(np.sqrt(ss / df)), int(df), len(arrs))
+
+
+def paired_part(name: str, a, b, *, sign: int = 1, alpha: float = ALPHA) -> Part:
+    """Seed i of ``a`` paired with seed i of ``b``: the one-sample t on d = a - b (df = n - 1; scipy's ``ttest_rel``)."""
+    a, b = _values(a, "a", name, 2), _values(b, "b", name, 2)
+    if len(a) != len(b):
+        raise ValueError(f"part {name!r}: a paired test needs as many seeds of a as of b ({len(a)} vs {len(b)}); pass the "
+                         "seeds both configurations have")
+    d = a - b
+    se = float(d.std(ddof=1) / np.sqrt(len(d)))
+    return _t_part(name, float(d.mean()), se, len(d) - 1, "paired t", (len(d), len(d)), sign, alpha,
+                   {"a": a.tolist(), "b": b.tolist()})
+
+
+def two_sample_part(name: str, a, b, *, sign: int = 1, pooled: Pooled | None = None, alpha: float = ALPHA) -> Part:
+    """``a`` and ``b`` as independent seeds: Welch's t (scipy's ``ttest_ind(equal_var=False)``), or with ``pooled``
+    (:func:`pooled_sd` of the family) the t with SE = s_p sqrt(1/n_a + 1/n_b) on the pooled df."""
+    least = 1 if pooled is not None else 2
+    a, b = _values(a, "a", name, least), _values(b, "b", name, least)
+    est = float(a.mean() - b.mean())
+    details = {"a": a.tolist(), "b": b.tolist()}
+    if pooled is not None:
+        se = pooled.sd * np.sqrt(1 / len(a) + 1 / len(b))
+        return _t_part(name, est, se, pooled.df, f"pooled t ({pooled.groups} configurations)", (len(a), len(b)), sign,
+                       alpha, {**details, "pooled_sd": pooled.sd})
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = float(np.sqrt(va + vb))
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
+    return _t_part(name, est, se, df, "Welch t", (len(a), len(b)), sign, alpha, details)
+
+
+def one_sample_part(name: str, values, ref: float = 0.0, *, sign: int = 1, pooled: Pooled | None = None,
+                    alpha: float = ALPHA) -> Part:
+    """One configuration's seed values against ``ref``: the one-sample t (scipy's ``ttest_1samp``; df = n - 1), or with
+    ``pooled`` SE = s_p / sqrt(n) on the pooled df."""
+    v = _values(values, "values", name, 1 if pooled is not None else 2)
+    details = {"values": v.tolist(), "ref": float(ref)}
+    if pooled is not None:
+        return _t_part(name, float(v.mean() - ref), pooled.sd / np.sqrt(len(v)), pooled.df,
+                       f"pooled one-sample t ({pooled.groups} configurations)", (len(v),), sign, alpha,
+                       {**details, "pooled_sd": pooled.sd})
+    return _t_part(name, float(v.mean() - ref), float(v.std(ddof=1) / np.sqrt(len(v))), len(v) - 1, "one-sample t",
+                   (len(v),), sign, alpha, details)
+
+
+# ------------------------------------------------------------------------------------------------ bootstrap
+
+def _images(x, name: str) -> np.ndarray:
+    v = np.asarray(x, dtype=float)
+    if v.ndim == 0 or v.shape[0] < 2:
+        raise ValueError(f"part {name!r}: the bootstrap needs per-image values with the images on axis 0 (at least 2), "
+                         f"got shape {v.shape}")
+    if not np.isfinite(v).all():
+        raise ValueError(f"part {name!r}: {int((~np.isfinite(v)).sum())} per-image values are not finite; drop those "
+                         "images before bootstrapping")
+    return v
+
+
+def _apply(statistic, sample: np.ndarray, name: str) -> np.ndarray:
+    out = np.asarray(statistic(sample, axis=1), dtype=float)
+    if out.shape != (sample.shape[0],):
+        raise ValueError(f"part {name!r}: the statistic must reduce axis 1 to one number per resample, like "
+                         f"np.mean(x, axis=1); it gave shape {out.shape} for input {sample.shape}")
+    return out
+
+
+def _bootstrap(arrays: tuple[np.ndarray, ...], stat: Callable, n_boot: int, seed: int, method: str) -> _Boot:
+    """``stat(*resampled arrays)`` -> one number per resample; the arrays share the image axis (0)."""
+    if method not in ("bca", "percentile"):
+        raise ValueError(f"bootstrap method must be 'bca' or 'percentile', not {method!r}")
+    if n_boot < 100:
+        raise ValueError(f"n_boot = {n_boot} is too few resamples for a 95% CI; use at least 1000 (default {N_BOOT})")
+    n = arrays[0].shape[0]
+    est = float(stat(*(x[None] for x in arrays))[0])
+    rng = np.random.default_rng(seed)
+    width = max(int(np.prod(x.shape)) for x in arrays)
+    step = max(1, _CHUNK // width)
+    boot = np.empty(n_boot)
+    for s in range(0, n_boot, step):
+        idx = rng.integers(0, n, size=(min(step, n_boot - s), n))
+        boot[s:s + len(idx)] = stat(*(x[idx] for x in arrays))
+    if method == "percentile":
+        return _Boot(est, boot, method)
+    below = (np.sum(boot < est) + 0.5 * np.sum(boot == est)) / n_boot
+    z0 = float(ndtri(np.clip(below, 0.5 / n_boot, 1 - 0.5 / n_boot)))
+    jack = np.empty(n)  # leave-one-out statistics, in chunks of rows of the (n, n - 1) index matrix
+    keep = np.arange(n - 1)
+    for s in range(0, n, step):
+        rows = np.arange(s, min(n, s + step))
+        idx = keep[None, :] + (keep[None, :] >= rows[:, None])  # row i: every image but i
+        jack[rows] = stat(*(x[idx] for x in arrays))
+    d = jack.mean() - jack
+    den = 6 * float((d ** 2).sum()) ** 1.5
+    a = float((d ** 3).sum()) / den if den > 0 else 0.0
+    return _Boot(est, boot, method, z0, a)
+
+
+def bootstrap_part(name: str, values, statistic: Callable = np.mean, *, sign: int = 1, n_boot: int = N_BOOT,
+                   seed: int = 0, method: str = "bca", alpha: float = ALPHA) -> Part:
+    """A statistic of one run's per-image ``values`` (images on axis 0, e.g. [N] or [N, K]) with a bootstrap CI over
+    the images. ``statistic(x, axis=1)`` gets a stack of resamples [B, N, ...] and returns [B] (``np.mean``,
+    ``np.median``, or e.g. ``lambda x, axis: x[..., 0].mean(axis) / x[..., 1].mean(axis)``). The effect is
+    ``sign`` x the statistic on all images; BCa CI by default (see the module docstring), seeded by ``seed``."""
+    sign = _sign(sign)
+    x = _images(values, name)
+    dist = _bootstrap((x,), lambda s: sign * _apply(statistic, s, name), n_boot, seed, method)
+    return _from_dist(name, dist, f"bootstrap {_METHOD[method]}", (x.shape[0],), sign,
+                      alpha, se=float(dist.boot.std(ddof=1)), details={"n_boot": n_boot, "seed": seed, "method": method})
+
+
+def paired_bootstrap_part(name: str, x, y, statistic: Callable = np.mean, statistic_y: Callable | None = None, *,
+                          sign: int = 1, n_boot: int = N_BOOT, seed: int = 0, method: str = "bca",
+                          alpha: float = ALPHA) -> Part:
+    """The difference statistic(x) - statistic_y(y) (``statistic_y`` defaults to ``statistic``) of two statistics
+    computed on the SAME images (row i of ``x`` and of ``y`` is image i, e.g. two heads' per-image attention distance,
+    or two models' on the same analysis images), with a bootstrap that resamples the same images for both."""
+    sign = _sign(sign)
+    x, y = _images(x, name), _images(y, name)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"part {name!r}: a paired bootstrap needs the same images in x and y ({x.shape[0]} vs "
+                         f"{y.shape[0]} rows)")
+    sy = statistic_y or statistic
+    dist = _bootstrap((x, y), lambda s, t: sign * (_apply(statistic, s, name) - _apply(sy, t, name)), n_boot, seed, method)
+    return _from_dist(name, dist, f"paired bootstrap {_METHOD[method]}", (x.shape[0],), sign,
+                      alpha, se=float(dist.boot.std(ddof=1)), details={"n_boot": n_boot, "seed": seed, "method": method})
+
+
+# ------------------------------------------------------------------------------------------------ equivalence, Holm
+
+def equivalence_part(part: Part, margin: float, name: str | None = None) -> Part:
+    """A claim of no difference: TOST of ``part`` (any part above; its data and test) against +-``margin``, a margin
+    written down before the run. Significant for when p_TOST < alpha (the 1 - 2 alpha CI inside the margin),
+    significant against when the difference lies beyond the margin (the 1 - alpha CI outside it); see the module
+    docstring."""
+    if part._dist is None:
+        raise ValueError(f"part {part.name!r} carries no sampling distribution (was it read back from JSON?); build it "
+                         "again with one of the part functions")
+    if part.margin is not None:
+        raise ValueError(f"part {part.name!r} is already an equivalence part")
+    if not (np.isfinite(margin) and margin > 0):
+        raise ValueError(f"the equivalence margin must be a positive number, not {margin!r}")
+    d, m, al = part._dist, float(margin), part.alpha
+    p = max(d.floor, d.level(-m), 1 - d.level(m))  # H0 effect <= -m, H0 effect >= m
+    p_rev = max(d.floor, min(1.0, 2 * min(d.level(m), 1 - d.level(-m))))  # H1 effect > m, H1 effect < -m
+    outcome = FOR if p < al else AGAINST if p_rev < al else NOT_SIGNIFICANT
+    return Part(name or part.name, part.effect, part.ci, p, outcome, f"TOST, {part.test}", part.n, df=part.df, se=part.se,
+                sign=part.sign, alpha=al, p_reversal=p_rev, margin=m,
+                details={**part.details, "ci_tost": list(d.interval(2 * al)), "p_difference": part.p}, _dist=d)
+
+
+def holm(pvalues: Sequence[float]) -> np.ndarray:
+    """Holm's step-down adjusted p-values: with p sorted ascending p_(1) <= ... <= p_(m),
+    adj_(i) = min(1, max_{j <= i} (m - j + 1) p_(j)), returned in the input order. Reject H_i when adj_i < alpha."""
+    p = np.asarray(pvalues, dtype=float).reshape(-1)
+    if not np.all((p >= 0) & (p <= 1)):
+        raise ValueError(f"p-values must lie in [0, 1], got {p.tolist()}")
+    m = len(p)
+    order = np.argsort(p, kind="stable")
+    adj = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * p[order]))
+    out = np.empty(m)
+    out[order] = adj
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the verdict
+
+@dataclass(frozen=True)
+class Precondition:
+    """A condition a claim needs to be testable at all (e.g. "a local head exists", "two seeds per configuration"):
+    ``sentence`` says it with its ``numbers`` (shown when it fails, e.g. "no head is local: the smallest mean attention
+    distance is 11.2 px, local means below 6.1 px")."""
+
+    name: str
+    passed: bool
+    sentence: str
+    numbers: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return _plain({"name": self.name, "passed": bool(self.passed), "sentence": self.sentence, "numbers": self.numbers})
+
+
+def min_seeds(configs: Mapping[str, Sequence], least: int = 2) -> Precondition:
+    """Every compared configuration has at least ``least`` seeds."""
+    few = {k: len(v) for k, v in configs.items() if len(v) < least}
+    counts = {k: len(v) for k, v in configs.items()}
+    if few:
+        return Precondition("seeds", False, f"fewer than {least} seeds of " + ", ".join(f"{k} ({n})" for k, n in few.items())
+                            + ": without them there is no seed-to-seed variation to judge the effect against", counts)
+    return Precondition("seeds", True, f"at least {least} seeds of every compared configuration", counts)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A claim's verdict: ``outcome`` (one of :data:`OUTCOMES`), ``why`` (one paragraph with the deciding numbers),
+    the ``parts``, their Holm-adjusted reversal p-values ``p_holm`` and the ``preconditions``."""
+
+    outcome: str
+    why: str
+    parts: tuple[Part, ...]
+    p_holm: tuple[float, ...]
+    preconditions: tuple[Precondition, ...] = ()
+    alpha: float = ALPHA
+
+    @property
+    def ours(self) -> str:
+        """The parts' effects and CIs, short: for a report's "ours" column."""
+        return "; ".join(f"{p.name} {p.effect:+.3g} [{p.ci[0]:+.3g}, {p.ci[1]:+.3g}]" for p in self.parts)
+
+    def to_json(self) -> dict:
+        return _plain({"outcome": self.outcome, "why": self.why, "alpha": self.alpha,
+                       "parts": [p.to_json() for p in self.parts], "p_holm": list(self.p_holm),
+                       "preconditions": [c.to_json() for c in self.preconditions]})
+
+
+def decide(parts: Sequence[Part], preconditions: bool | Precondition | Iterable[Precondition] = True) -> Decision:
+    """The claim's outcome from its ``parts`` (see the module docstring): not testable when a precondition failed
+    (``preconditions``: Precondition objects, or a bool when the caller checked them itself), held when every part is
+    significant for, did not hold when some part is significant against after Holm over the claim's parts, else
+    inconclusive; at the parts' alpha (all parts of a claim share one)."""
+    parts = tuple(parts)
+    if not parts:
+        raise ValueError("decide needs at least one part")
+    alphas = {p.alpha for p in parts}
+    if len(alphas) > 1:
+        raise ValueError(f"the parts of one claim must share one alpha, got {sorted(alphas)}")
+    alpha = alphas.pop()
+    if isinstance(preconditions, Precondition):
+        preconditions = (preconditions,)
+    if isinstance(preconditions, bool):
+        conds = () if preconditions else (Precondition("preconditions", False, "a precondition failed"),)
+    else:
+        conds = tuple(preconditions)
+    adj = holm([p.p_reversal for p in parts])
+    measured = "; ".join(p.summary() for p in parts)
+    failed = [c for c in conds if not c.passed]
+    if failed:
+        text = "; ".join(c.sentence for c in failed)
+        return Decision(NOT_TESTABLE, f"{text[0].upper()}{text[1:]}. Measured, not judged: {measured}.", parts,
+                        tuple(adj), conds, alpha)
+    if all(p.p < alpha and p.outcome == FOR for p in parts):
+        lead = f"Every part is significant in the paper's direction at alpha {alpha:g}"
+        return Decision(HELD, f"{lead}: {measured}.", parts, tuple(adj), conds, alpha)
+    against = [(p, q) for p, q in zip(parts, adj) if q < alpha and p.outcome == AGAINST]
+    if against:
+        names = ", ".join(f"{p.name} (Holm-adjusted p = {q:.2g})" for p, q in against)
+        return Decision(NOT_HELD, f"Significantly against the paper after Holm's correction over {len(parts)} part(s) at "
+                        f"alpha {alpha:g}: {names}. {measured}.", parts, tuple(adj), conds, alpha)
+    n_for = sum(p.outcome == FOR for p in parts)
+    return Decision(INCONCLUSIVE, f"{n_for} of {len(parts)} part(s) significant in the paper's direction, none "
+                    f"significantly against after Holm at alpha {alpha:g}: {measured}.", parts, tuple(adj), conds, alpha)
+
+
+def _plain(x):
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [_plain(v) for v in x]
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        return float(x) if np.isfinite(x) else None
+    return x
+
+
+# ------------------------------------------------------------------------------------------------ the simulation
+
+DESIGNS = ("welch", "pooled", "paired")
+
+
+def simulate(effect_sd: float, design: str = "pooled", *, seeds: int = 3, family: int = 4, parts: int = 1,
+             reps: int = 20000, seed: int = 0) -> dict:
+    """The rule on synthetic seeds: ``reps`` claims of ``parts`` independent parts, each comparing configuration A
+    (mean ``effect_sd``, SD 1) with B (mean 0, SD 1), ``seeds`` seeds each, through the part function of ``design``
+    ('welch': :func:`two_sample_part`; 'pooled': the same with :func:`pooled_sd` over ``family`` configurations, A and B
+    among them; 'paired': :func:`paired_part`, seeds independent) and :func:`decide`. Returns the share of each outcome."""
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, not {design!r}")
+    if design == "pooled" and family < 2:
+        raise ValueError(f"a pooled design compares two configurations of the family: family must be at least 2, not {family}")
+    rng = np.random.default_rng(seed)
+    k = family if design == "pooled" else 2
+    data = rng.standard_normal((reps, parts, k, seeds))
+    data[:, :, 0] += effect_sd
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for r in range(reps):
+        ps = []
+        for j in range(parts):
+            a, b = data[r, j, 0], data[r, j, 1]
+            if design == "welch":
+                ps.append(two_sample_part("p", a, b))
+            elif design == "pooled":
+                ps.append(two_sample_part("p", a, b, pooled=pooled_sd(data[r, j])))
+            else:
+                ps.append(paired_part("p", a, b))
+        counts[decide(ps).outcome] += 1
+    return {o: c / reps for o, c in counts.items()}
+
+
+def _tables(reps: int = 20000) -> None:
+    print("null (effect 0): false held / false did not hold, 1-part and 2-part claims")
+    for design, fam in (("welch", 2), ("pooled", 4), ("paired", 2)):
+        r = [simulate(0.0, design, family=fam, parts=k, reps=reps) for k in (1, 2)]
+        print(f"  {design:7s} family {fam}: held {r[0][HELD]:.4f} / {r[1][HELD]:.4f}, "
+              f"did not hold {r[0][NOT_HELD]:.4f} / {r[1][NOT_HELD]:.4f}")
+    print("power (held), 1-part / 2-part claims")
+    for design, fam in (("welch", 2), ("pooled", 2), ("pooled", 4), ("pooled", 8), ("paired", 2)):
+        row = [f"{simulate(e, design, family=fam, parts=k, reps=reps)[HELD]:.3f}" for e in (2.0, 3.0) for k in (1, 2)]
+        print(f"  {design:7s} family {fam}: 2 sd {row[0]} / {row[1]}, 3 sd {row[2]} / {row[3]}")
+
+
+if __name__ == "__main__":
+    _tables()

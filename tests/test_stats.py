@@ -1,0 +1,266 @@
+"""The studies' statistical decision rule (analysis/reports/stats.py): each test against scipy.stats or a hand-worked
+answer, the bootstrap's coverage, and the rule's error rates and power on synthetic seeds."""
+import json
+import time
+
+import numpy as np
+import pytest
+from scipy import stats as ss
+
+from analysis.reports import claims as C
+from analysis.reports import stats as S
+
+
+def t4_cdf(t):
+    """Student's t CDF with 4 df in closed form: 1/2 + 3/8 u (1 - u^2 / 12), u = t / sqrt(1 + t^2 / 4)."""
+    u = t / np.sqrt(1 + t * t / 4)
+    return 0.5 + 3 / 8 * u * (1 - t * t / (12 * (1 + t * t / 4)))
+
+
+T975_4, T95_4 = 2.7764451052, 2.1318467813  # t quantiles with 4 df (any table)
+
+
+def test_outcomes_are_shared_with_the_claims():
+    assert (C.HELD, C.NOT_HELD, C.INCONCLUSIVE, C.NOT_TESTABLE, C.OUTCOMES) == (S.HELD, S.NOT_HELD, S.INCONCLUSIVE,
+                                                                                  S.NOT_TESTABLE, S.OUTCOMES)
+    assert S.OUTCOMES == ("held", "did not hold", "inconclusive", "not testable")
+
+
+def test_one_sample_ci_by_hand():
+    # 1..5: mean 3, sd sqrt(2.5), SE sqrt(2.5 / 5) = 0.70711, t = 4.24264 on 4 df
+    p = S.one_sample_part("x", [1, 2, 3, 4, 5])
+    se = np.sqrt(0.5)
+    assert p.effect == pytest.approx(3) and p.se == pytest.approx(se) and p.df == 4 and p.n == (5,)
+    assert p.ci == pytest.approx((3 - T975_4 * se, 3 + T975_4 * se), abs=1e-8)  # (1.036757, 4.963243)
+    assert p.ci == pytest.approx((1.036757, 4.963243), abs=1e-6)
+    assert p.p == pytest.approx(2 * (1 - t4_cdf(3 / se)), rel=1e-9) and p.outcome == S.FOR
+    q = S.one_sample_part("x", [1, 2, 3, 4, 5], ref=3)  # exactly at the reference
+    assert q.p == pytest.approx(1.0) and q.outcome == S.NOT_SIGNIFICANT and q.effect == 0
+    r = S.one_sample_part("x", [1, 2, 3, 4, 5], sign=-1)  # the paper says below 0: the effect is against it
+    assert r.effect == pytest.approx(-3) and r.ci == pytest.approx((-4.963243, -1.036757), abs=1e-6) and r.outcome == S.AGAINST
+    assert r.p == pytest.approx(p.p)
+    ref = ss.ttest_1samp([1, 2, 3, 4, 5], 0.0)
+    assert p.p == pytest.approx(ref.pvalue) and p.ci == pytest.approx(tuple(ref.confidence_interval()))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_welch_and_paired_match_scipy(seed):
+    rng = np.random.default_rng(seed)
+    a, b = rng.normal(1, 1, 3 + seed), rng.normal(0, 2.5, 4)
+    p, r = S.two_sample_part("w", a, b), ss.ttest_ind(a, b, equal_var=False)
+    assert p.p == pytest.approx(r.pvalue, rel=1e-9) and p.df == pytest.approx(r.df, rel=1e-9)
+    assert p.ci == pytest.approx(tuple(r.confidence_interval()), rel=1e-9)
+    assert p.effect == pytest.approx(a.mean() - b.mean()) and p.test == "Welch t"
+    m = S.two_sample_part("w", a, b, sign=-1)  # the other direction: the same p, the mirrored CI
+    assert m.p == pytest.approx(p.p) and m.ci == pytest.approx((-p.ci[1], -p.ci[0]))
+    c = rng.normal(0.5, 1, 3 + seed)
+    q, r = S.paired_part("d", a, c), ss.ttest_rel(a, c)
+    assert q.p == pytest.approx(r.pvalue, rel=1e-9) and q.df == len(a) - 1
+    assert q.ci == pytest.approx(tuple(r.confidence_interval()), rel=1e-9)
+
+
+def test_pooled_sd_and_the_pooled_t_match_scipy_equal_var():
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(0, 1, 3), rng.normal(1, 1, 3)
+    pool = S.pooled_sd([a, b])
+    assert pool.df == 4 and pool.sd == pytest.approx(np.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2))
+    p, r = S.two_sample_part("x", a, b, pooled=pool), ss.ttest_ind(a, b, equal_var=True)  # the family is just a, b
+    assert p.p == pytest.approx(r.pvalue) and p.ci == pytest.approx(tuple(r.confidence_interval())) and p.df == 4
+    # a family of four configurations (one with a single seed: no df) pools 2 + 2 + 3 + 0 df
+    fam = {"a": a, "b": b, "c": [1.0, 2.0, 4.0, 5.0], "d": [7.0]}
+    pool = S.pooled_sd(fam)
+    ss_by_hand = ((a - a.mean()) ** 2).sum() + ((b - b.mean()) ** 2).sum() + (4 + 1 + 1 + 4)
+    assert pool.df == 7 and pool.groups == 4 and pool.sd == pytest.approx(np.sqrt(ss_by_hand / 7))
+    p = S.two_sample_part("x", a, b, pooled=pool)
+    se = pool.sd * np.sqrt(2 / 3)
+    assert p.df == 7 and p.se == pytest.approx(se)
+    assert p.ci == pytest.approx((a.mean() - b.mean() - ss.t.ppf(0.975, 7) * se, a.mean() - b.mean() + ss.t.ppf(0.975, 7) * se))
+    one = S.one_sample_part("o", [7.0], ref=5.0, pooled=pool)  # one seed, judged on the family's SD
+    assert one.se == pytest.approx(pool.sd) and one.df == 7
+    with pytest.raises(ValueError, match="no degree of freedom"):
+        S.pooled_sd([[1.0], [2.0]])
+
+
+def test_bad_input_says_what_to_do():
+    with pytest.raises(ValueError, match="not finite"):
+        S.two_sample_part("x", [1.0, np.nan, 2.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="at least 2"):
+        S.two_sample_part("x", [1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="as many seeds"):
+        S.paired_part("x", [1.0, 2.0, 3.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="sign"):
+        S.one_sample_part("x", [1.0, 2.0], sign=2)
+    with pytest.raises(ValueError, match="one number per resample"):
+        S.bootstrap_part("x", np.ones((10, 2)))  # np.mean over axis 1 of [B, N, 2] leaves [B, 2]
+    with pytest.raises(ValueError, match="same images"):
+        S.paired_bootstrap_part("x", np.ones(10), np.ones(11))
+
+
+def test_degenerate_parts_without_seed_variation():
+    p = S.two_sample_part("x", [2.0, 2.0, 2.0], [1.0, 1.0, 1.0])
+    assert p.p == 0 and p.ci == (1.0, 1.0) and p.outcome == S.FOR
+    assert S.paired_part("x", [1.0, 2.0], [1.0, 2.0]).p == 1.0
+
+
+def test_holm_by_hand():
+    # sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1 = 0.02, 0.03, 0.06, 0.04 -> running max 0.02, 0.03, 0.06, 0.06
+    assert S.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert S.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert S.holm([0.02]) == pytest.approx([0.02])
+
+
+def test_tost_by_hand():
+    d = [-0.2, -0.1, 0.0, 0.1, 0.2]  # mean 0, SE sqrt(0.025 / 5) = 0.0707107, df 4
+    se = np.sqrt(0.025 / 5)
+    e = S.equivalence_part(S.one_sample_part("d", d), margin=0.3)
+    # TOST: t = (0 + 0.3) / SE = 4.2426 and (0 - 0.3) / SE = -4.2426: both one-sided p = 1 - F4(4.2426) = 0.00662
+    assert e.p == pytest.approx(1 - t4_cdf(0.3 / se), rel=1e-9) and e.p == pytest.approx(0.006618, abs=1e-6)
+    assert e.outcome == S.FOR and e.margin == 0.3 and e.test == "TOST, one-sample t"
+    assert e.details["ci_tost"] == pytest.approx([-T95_4 * se, T95_4 * se])  # the 90% CI, inside +-0.3
+    assert e.ci == pytest.approx((-T975_4 * se, T975_4 * se))
+    # margin 0.1: t = 1.41421, p = 1 - F4(1.41421) = 0.1151 -> not shown equivalent, nor different beyond the margin
+    e = S.equivalence_part(S.one_sample_part("d", d), margin=0.1)
+    assert e.p == pytest.approx(1 - t4_cdf(0.1 / se), rel=1e-9) and e.outcome == S.NOT_SIGNIFICANT
+    assert e.p_reversal == pytest.approx(1.0)  # 2 x min(P(T > (0 - 0.1)/SE), ...) > 1, capped
+    # a difference of 1 against a margin of 0.3: beyond it, p_reversal = 2 (1 - F4((1 - 0.3) / SE))
+    far = [0.8, 0.9, 1.0, 1.1, 1.2]
+    e = S.equivalence_part(S.one_sample_part("d", far), margin=0.3)
+    assert e.outcome == S.AGAINST and e.p_reversal == pytest.approx(2 * (1 - t4_cdf(0.7 / se)), rel=1e-9)
+    assert e.p == pytest.approx(t4_cdf(0.7 / se), rel=1e-9)  # the larger one-sided p: of H0 effect >= 0.3
+    assert S.decide([e]).outcome == S.NOT_HELD
+    with pytest.raises(ValueError, match="positive"):
+        S.equivalence_part(S.one_sample_part("d", d), margin=0)
+
+
+def _part(name, p, effect, p_reversal=None):
+    outcome = S.NOT_SIGNIFICANT if p >= 0.05 else S.FOR if effect > 0 else S.AGAINST
+    return S.Part(name, effect, (effect - 1, effect + 1), p, outcome, "t", (3, 3), df=4.0, p_reversal=p_reversal)
+
+
+def test_decide():
+    held = S.decide([_part("a", 0.01, 1.0), _part("b", 0.04, 0.5)])
+    assert held.outcome == S.HELD and "Every part" in held.why and "a: +1" in held.why
+    # one part reversed at p = 0.03 among three: Holm adjusts it to 0.06 (rank 2 of 3, after 0.01) -> inconclusive
+    parts = [_part("a", 0.01, 1.0), _part("b", 0.03, -0.5), _part("c", 0.5, 0.1)]
+    d = S.decide(parts)
+    assert d.outcome == S.INCONCLUSIVE and d.p_holm == pytest.approx((0.03, 0.06, 0.5))
+    assert "1 of 3 part(s) significant" in d.why
+    # alone it survives: did not hold
+    assert S.decide([_part("b", 0.03, -0.5)]).outcome == S.NOT_HELD
+    parts = [_part("a", 0.2, 1.0), _part("b", 0.001, -0.5)]
+    d = S.decide(parts)
+    assert d.outcome == S.NOT_HELD and "b (Holm-adjusted p = 0.002)" in d.why
+    # a failed precondition: not testable with its numbers, whatever the parts say
+    pre = S.Precondition("local head", False, "no head is local: the smallest mean attention distance is 11.2 px, "
+                         "local means below 6.1 px", {"smallest_px": 11.2, "local_px": 6.1})
+    d = S.decide(parts, [S.Precondition("cls", True, "a CLS token"), pre])
+    assert d.outcome == S.NOT_TESTABLE and d.why.startswith("No head is local: the smallest") and "Measured, not judged" in d.why
+    assert S.decide(parts, False).outcome == S.NOT_TESTABLE and S.decide(parts, True).outcome == S.NOT_HELD
+    assert S.min_seeds({"vit": [1, 2, 3], "resnet": [1]}).sentence.startswith("fewer than 2 seeds of resnet (1)")
+    assert S.decide(held.parts, S.min_seeds({"vit": [1, 2, 3], "resnet": [1]})).outcome == S.NOT_TESTABLE
+    assert S.decide(held.parts, S.min_seeds({"vit": [1, 2], "resnet": [1, 2]})).outcome == S.HELD
+    with pytest.raises(ValueError, match="at least one part"):
+        S.decide([])
+    with pytest.raises(ValueError, match="share one alpha"):
+        S.decide([_part("a", 0.01, 1.0), S.one_sample_part("b", [1.0, 2.0, 3.0], alpha=0.01)])
+
+
+def test_json():
+    rng = np.random.default_rng(0)
+    parts = [S.two_sample_part("w", rng.normal(1, 1, 3), rng.normal(0, 1, 3)),
+             S.bootstrap_part("b", rng.normal(0.2, 1, 64), n_boot=500)]
+    d = S.decide(parts, [S.min_seeds({"a": [1, 2, 3]})])
+    doc = json.loads(json.dumps(d.to_json()))
+    assert doc["outcome"] == d.outcome and doc["parts"][0]["ci"] == list(parts[0].ci) and doc["parts"][1]["df"] is None
+    assert doc["parts"][1]["details"] == {"n_boot": 500, "seed": 0, "method": "bca"} and doc["preconditions"][0]["passed"]
+    assert d.ours.startswith("w +")
+
+
+# ------------------------------------------------------------------------------------------------ bootstrap
+
+def test_bootstrap_matches_scipy_bootstrap():
+    """The CIs agree with scipy.stats.bootstrap's (an independent implementation) within the Monte-Carlo error."""
+    rng = np.random.default_rng(1)
+    x = rng.exponential(1.0, 200)  # skewed: BCa and percentile differ
+    for method, sm in (("bca", "BCa"), ("percentile", "percentile")):
+        p = S.bootstrap_part("m", x, n_boot=20000, method=method)
+        r = ss.bootstrap((x,), np.mean, n_resamples=20000, method=sm, rng=7).confidence_interval
+        assert p.ci == pytest.approx((r.low, r.high), abs=0.01), method
+        assert p.effect == pytest.approx(x.mean())
+    y = x + rng.normal(0.1, 0.5, 200)  # the same images: a paired difference
+    p = S.paired_bootstrap_part("d", y, x, n_boot=20000)
+    r = ss.bootstrap((y, x), lambda a, b, axis: a.mean(axis) - b.mean(axis), paired=True, n_resamples=20000,
+                     method="BCa", rng=7).confidence_interval
+    assert p.ci == pytest.approx((r.low, r.high), abs=0.01) and p.test == "paired bootstrap BCa"
+
+
+def test_bootstrap_is_seeded_vectorised_and_fast():
+    rng = np.random.default_rng(2)
+    x = rng.normal(10, 3, 256)
+    t0 = time.perf_counter()
+    p = S.bootstrap_part("m", x, n_boot=2000, seed=5)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 0.5, elapsed  # 2,000 resamples of 256 images (about 10 ms on the reference machine)
+    assert S.bootstrap_part("m", x, n_boot=2000, seed=5) == p and S.bootstrap_part("m", x, seed=6).ci != p.ci
+    # a statistic of several columns: a ratio of means over the same resampled images
+    xy = np.stack([x, x / 2 + rng.normal(0, 0.1, 256)], axis=1)
+    r = S.bootstrap_part("ratio", xy, lambda s, axis: s[..., 1].mean(axis) / s[..., 0].mean(axis))
+    assert r.effect == pytest.approx(xy[:, 1].mean() / xy[:, 0].mean()) and r.ci[0] < 0.5 < r.ci[1]
+    # the paired bootstrap of a statistic with itself is exactly zero
+    z = S.paired_bootstrap_part("0", x, x)
+    assert z.effect == 0 and z.ci == (0.0, 0.0) and z.p == 1.0
+
+
+def test_bootstrap_p_agrees_with_its_ci():
+    rng = np.random.default_rng(4)
+    base = rng.standard_t(5, 80)
+    for shift in np.linspace(-0.6, 0.6, 13):
+        for method in ("bca", "percentile"):
+            p = S.bootstrap_part("m", base - base.mean() + shift, method=method, n_boot=4000)
+            excludes = p.ci[0] > 0 or p.ci[1] < 0
+            if abs(p.p - 0.05) > 0.005:  # away from the boundary (B resamples resolve p to about 1 / B)
+                assert (p.p < 0.05) == excludes, (shift, method, p.p, p.ci)
+
+
+def test_bootstrap_coverage_and_null_rates():
+    """Over repeated normal samples, the 95% CI covers the true mean about 95% of the time, and a part on a true
+    null is significant either way about 2.5% of the time each."""
+    rng = np.random.default_rng(0)
+    reps, n = 400, 60
+    hits, fors, againsts = 0, 0, 0
+    for r in range(reps):
+        p = S.bootstrap_part("m", rng.normal(0, 1, n), n_boot=1000, seed=r)
+        hits += p.ci[0] <= 0 <= p.ci[1]
+        fors += p.outcome == S.FOR
+        againsts += p.outcome == S.AGAINST
+    assert 0.91 <= hits / reps <= 0.98, hits / reps
+    assert fors / reps <= 0.05 and againsts / reps <= 0.05, (fors, againsts)
+    # TOST on a bootstrap part: the mean of 256 images 0.05 +- 0.06 (SE) is within a margin of 0.3
+    e = S.equivalence_part(S.bootstrap_part("m", rng.normal(0.05, 1, 256)), margin=0.3)
+    assert e.outcome == S.FOR and -0.3 < e.details["ci_tost"][0] < e.details["ci_tost"][1] < 0.3
+
+
+# ------------------------------------------------------------------------------------------------ the rule simulated
+
+@pytest.mark.parametrize("design", S.DESIGNS)
+def test_rule_under_the_null(design):
+    """No effect: a false held and a false did not hold each at most 5% (here about 2.5% or less), for one- and
+    two-part claims; 3 seeds per configuration."""
+    for parts in (1, 2):
+        r = S.simulate(0.0, design, parts=parts, reps=3000, seed=11)
+        assert r[S.HELD] <= 0.05 and r[S.NOT_HELD] <= 0.05, (design, parts, r)
+        assert r[S.NOT_HELD] >= 0.005, (design, parts, r)  # ... and the rule can reject at all (Welch: about 1.6%)
+        if parts == 1:
+            assert r[S.HELD] >= 0.01, (design, r)
+
+
+def test_rule_power_matches_the_noncentral_t_and_the_docstring():
+    reps = 3000
+    r = S.simulate(2.0, "pooled", family=4, reps=reps, seed=12)[S.HELD]  # df 8, noncentrality 2 / sqrt(2/3)
+    exact = ss.nct.sf(ss.t.ppf(0.975, 8), 8, 2 / np.sqrt(2 / 3))
+    assert r == pytest.approx(exact, abs=3 * np.sqrt(exact * (1 - exact) / reps)), (r, exact)  # exact 0.576
+    print(f"power at 2 sd, pooled over 4 configurations: {r:.3f} (noncentral t {exact:.3f})")
+    for design, fam, effect, doc in (("welch", 2, 2.0, 0.37), ("welch", 2, 3.0, 0.68), ("pooled", 4, 3.0, 0.90)):
+        got = S.simulate(effect, design, family=fam, reps=1500, seed=13)[S.HELD]
+        print(f"power at {effect:g} sd, {design}: {got:.3f} (docstring {doc:.2f})")
+        assert got == pytest.approx(doc, abs=0.05), (design, effect, got)
