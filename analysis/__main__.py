@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 import warnings
+from pathlib import Path
 
 from analysis import offline as O
 from analysis import suite as S
