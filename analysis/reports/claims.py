@@ -131,7 +131,9 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in [
           "same grid). Two parts per seed: the spread of head distances (max - min over heads, mean over blocks) in the "
           "lower half of the blocks minus the upper half's, and the mean distance of the upper half minus the lower "
           "half's; each must exceed the noise floor. "
-          "A \"not testable\" or \"did not hold\" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml).",
+          "A \"not testable\" or \"did not hold\" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml); "
+          "and the same detectors find local heads in the lower blocks of a real pretrained ViT-S/14 and none in its last "
+          "blocks (docs/real-vit.md, tests/test_pretrained.py).",
           "not stated as a number (Fig. 3: lowest blocks span near-zero to near-image-size distances, highest blocks "
           "all large)"),
     Claim("head_subsets", "Raghu Fig. 5", "The first block's local heads are the most similar to the ResNet's lower "

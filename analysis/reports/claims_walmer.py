@@ -51,7 +51,9 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in [
           "attention within one token of a point at most two tokens away) and every objective has two seeds. Per "
           "objective: held if every seed's model has an offset local head, did not hold if none has, inconclusive if "
           "only some seeds have; the claim holds when it holds for every objective. A \"not testable\" or \"did not "
-          "hold\" rests on a detector with a positive control (tests/test_positive_control.py).",
+          "hold\" rests on a detector with a positive control (tests/test_positive_control.py), which also finds offset local heads "
+          "in the first half of a real pretrained DINOv2-style ViT-S/14 and none in its last blocks (docs/real-vit.md, "
+          "tests/test_pretrained.py).",
           "location only (App. C.1: \"Offset Local Attention Heads typically only occur in the first 3 to 6 layers\" for "
           "supervised models)"),
     Claim("reconstruction_stays_local", "Walmer Fig. 4, 15",
