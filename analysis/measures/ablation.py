@@ -115,7 +115,7 @@ class AblationOptions:
     skip: Literal["remove", "replace"] = "remove"  # skip paths: set to 0 (no_skip at test time), or as `replace` says
     targets: tuple[str, ...] = ("heads", "branches", "skip", "tokens")  # families, or names like blocks.3.head0+1
     seed: int = 0  # resample: the permutation of each minibatch
-    forward_images: int = 1024  # images per ablation forward (copies x minibatch): lower it for big models
+    forward_images: int = 256  # images per ablation forward (copies x minibatch); more on a GPU, fewer for big models
     cka: bool = True  # CKA of every later block's output to the unablated model's
     knn: bool = True  # k-NN top-1 of the final representation (needs probe-train images: one pass over them)
 
