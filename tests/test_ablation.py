@@ -341,3 +341,7 @@ def test_bad_targets_are_one_sentence():
     gap = lively(tiny_vit(class_token=False))
     with pytest.raises(ValueError, match="no cls"):
         measure(gap, ["blocks.0.cls"])
+    from conftest import tiny_resnet
+
+    with pytest.raises(ValueError, match="name nothing this resnet has"):
+        measure(tiny_resnet(), ["heads", "tokens"])

@@ -247,6 +247,9 @@ class Ablation(Measure):
         self.blocks = list(ctx.blocks)
         self.mods = [self.model.get_submodule(b) for b in self.blocks]
         self.targets = parse_targets(self.opts.targets, ctx.arch, self.blocks, self.mods, ctx.prefix)
+        if not self.targets:
+            raise MeasureError(f"ablation targets {', '.join(map(str, self.opts.targets))} name nothing this {ctx.arch} has "
+                               f"(a {ctx.arch} has {', '.join(f for f, k in FAMILIES[ctx.arch].items() if k)}).")
         self.classifier = self.model.get_classifier()
         self.sites = self._sites()
         self.sums: dict[str, torch.Tensor] = {}
@@ -275,7 +278,7 @@ class Ablation(Measure):
         if self.opts.replace != "mean":  # the suite calls every measure on its pass
             return
         for b, s in self.sites:
-            part = cap[self._tap(b, s)].sum(0, dtype=torch.float64)
+            part = cap[self._tap(b, s)].sum(0, dtype=torch.float64).cpu()  # beside the CPU count in one all-reduce
             key = f"{b}|{s}"
             self.sums[key] = self.sums[key] + part if key in self.sums else part
         self.count += x.shape[0]
@@ -599,10 +602,11 @@ class Ablation(Measure):
         figs = {}
         hm = head_map(r, metric)
         if hm is not None and np.isfinite(hm).any():
-            figs["ablation/heads"] = head_importance_map(hm, r, label, f"Head importance: {label.replace('_', ' ')} when one head "
+            figs["ablation/heads"] = head_importance_map(hm, r, label, f"Head importance: {_NAMES[label]} when one head "
                                                          f"is {_how(r)}-ablated{sfx}")
         if per_block(r, metric):
-            figs["ablation/sublayers"] = sublayer_plot(r, metric, label, f"Sublayer and skip-path importance per block{sfx}")
+            figs["ablation/sublayers"] = sublayer_plot(r, metric, label, "Sublayer, skip-path and token-path importance per block, "
+                                                       f"removed at test time (cf. Raghu Fig. 7, 8){sfx}")
         cka_fig = skip_cka_map(r, sfx)
         if cka_fig is not None:
             figs["ablation/skip_cka"] = cka_fig
@@ -662,6 +666,7 @@ _LABELS = {"attn": "attention branch", "mlp": "MLP branch", "skip": "skip paths 
            "skip_mlp": "MLP skip path", "cls": "CLS (prefix) tokens at block input", "spatial": "spatial tokens at block input",
            "branch": "residual branch", "shortcut": "shortcut (skip path)"}
 _UNITS = {"top1_drop": "top-1 drop (points)", "knn_drop": "k-NN top-1 drop (points)", "loss_increase": "loss increase (nats)"}
+_NAMES = {"top1_drop": "top-1 drop", "knn_drop": "k-NN top-1 drop", "loss_increase": "loss increase"}
 
 
 def _scale(label: str) -> float:
@@ -706,7 +711,8 @@ def sublayer_plot(r: dict, metric: np.ndarray, label: str, title: str):
         line, = axes[0].plot(range(len(v)), v * _scale(label), marker="o", ms=3, ls=ls, label=_LABELS.get(kind, kind))
         axes[1].plot(range(len(v)), cka_last[kind], marker="o", ms=3, ls=ls, color=line.get_color(), label=_LABELS.get(kind, kind))
     axes[0].axhline(0, color="grey", lw=0.6)
-    finish_block_axes(fig, axes[0], blocks, _UNITS[label], f"{_how(r)}-ablation: {label.replace('_', ' ')}", legend_size=6)
+    finish_block_axes(fig, axes[0], blocks, _UNITS[label], f"{_how(r)}-ablation (skip paths: {str(np.asarray(r['skip']))}): "
+                      f"{_NAMES[label]}", legend_size=6)
     finish_block_axes(fig, axes[1], blocks, "CKA(last block, unablated last block)", "representation kept at the last block",
                       ylim=(-0.05, 1.05), legend_size=6)
     fig.suptitle(title, fontsize=9)
