@@ -229,10 +229,12 @@ def _replace_args(value):
 
 @register
 class Ablation(Measure):
-    """Ablations at analysis time: every head, attention / MLP branch, skip path and token path of a ViT (ResNet:
-    every block's branch and shortcut) replaced in turn by zero, its mean over the analysis images or another
-    image's value; the change of top-1, loss, k-NN top-1 of the final representation and CKA of later blocks to the
-    unablated model (definitions in the module docstring)."""
+    """Ablations at analysis time: each head, branch, skip path and token path replaced; read-out changes.
+
+    Every head, attention / MLP branch, skip path and token path of a ViT (ResNet: every block's branch and
+    shortcut) replaced in turn by zero, its mean over the analysis images or another image's value; the change of
+    top-1, loss, k-NN top-1 of the final representation and CKA of later blocks to the unablated model (definitions
+    in the module docstring)."""
 
     name: ClassVar[str] = "ablation"
     Options = AblationOptions
