@@ -20,18 +20,35 @@ DataLoader); measures that read labels (probes, k-NN, clustering) need ``labels`
 ``"photos"`` (the bundled photo set, labelled by photo: analysis/images.py); these are resized, cropped and
 normalised by the model's own timm preprocessing, and ``probe_images`` may then be a folder too.
 Bad input raises ``ValueError`` with one sentence.
+
+Raw activations, for an analysis of one's own without writing hooks (:func:`activations`, :func:`iter_activations`):
+the taps' tensors (analysis/taps.py: named by block and role, ``blocks.3.attn_probs``, ``blocks.3.out``,
+``layer2.0.branch``; glob patterns such as ``blocks.*.attn_probs``) of a model on images, in float32 and eval mode,
+streamed minibatch by minibatch to the CPU, into one tensor per tap or onto disk::
+
+    from analysis.api import activations
+
+    acts = activations(model, images, taps=["blocks.*.attn_probs", "blocks.5.out"], batch_size=128)
+    acts["blocks.3.attn_probs"]                  # Tensor [N, heads, T, T]; acts["labels"]: [N] (-1 where unknown)
+    acts = activations("runs/default", taps="blocks.*.out", out="acts/")   # acts/blocks.0.out.npy ... (memory-mapped)
 """
 from __future__ import annotations
 
+import fnmatch
+import json
+import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from analysis import offline as O
 from analysis import storage
 from analysis.measure import MeasureError
-from analysis.suite import missing_labels, run_suite, suite_options
+from analysis.suite import float32_forward, missing_labels, run_suite, suite_options
+from analysis.taps import TapError, Taps, available_taps, block_kinds, block_names
 from train.splits import TensorBatches
 
 
@@ -81,30 +98,42 @@ def analyze(model, images=None, labels=None, *, measures=None, options: dict | N
         opts = suite_options(measures, batch_size, options)
     except MeasureError as e:
         raise ValueError(str(e)) from None
+    model, data = _model_and_data(model, images, labels, probe_images, probe_labels, normalize, num_classes, part)
+    missing = missing_labels(data, opts)
+    if missing:
+        raise ValueError(f"measures {', '.join(missing)} read class labels: pass labels= for the images and, for probes and k-NN, "
+                         "probe_images= / probe_labels= to train on (a folder of images: one subfolder per class), or leave "
+                         "those measures out.")
+    res = run_suite(model, data, opts)
+    out = {"results": {k: v for k, v in res.items() if k != "meta"}, "meta": res["meta"], "summary": storage.summary_of(res)}
+    if figures:
+        out["figures"] = storage.make_figures(res, part=part)
+    return out
+
+
+def _model_and_data(model, images, labels, probe_images=None, probe_labels=None, normalize=None, num_classes=None, part=None):
+    """(network, Data) from :func:`analyze`'s arguments: a run folder's checkpoint and its own images unless ``images``
+    are given, or a network object and ``images``."""
     if isinstance(model, (str, Path)):
         run, step = O.parse_against(str(model))  # "runs/x" (last checkpoint) or "runs/x:STEP"; AnalysisError is a ValueError
         O.select_part(run, part)
         run_data = O.load_data(run)
         model = O.load_model(run, step, run_data)
         if images is None:
-            data = run_data
-        else:
-            data = Data(_images(images, labels), _images(probe_images, probe_labels) if probe_images is not None else run_data.probe_train,
-                        num_classes or run_data.num_classes, normalize or run_data.normalize)
-    else:
-        if part is not None:
-            raise ValueError(f"part='{part}' picks a network of a run folder's checkpoint: pass the network object itself instead.")
-        if images is None:
-            raise ValueError("give images to analyse a model object (a tensor [N, C, H, W], a DataLoader, a folder or 'photos').")
-        if isinstance(images, (str, Path)):
-            data = _image_set(model, images, labels, probe_images)
-            return _run(model, data, opts, figures, part)
-        x = _images(images, labels)
-        px = _images(probe_images, probe_labels) if probe_images is not None else TensorBatches(x.images[:0], x.labels[:0])
-        known = torch.cat([x.labels, px.labels])
-        k = num_classes or (int(known.max()) + 1 if len(known) and int(known.max()) >= 0 else getattr(model, "num_classes", 1))
-        data = Data(x, px, int(k), normalize)
-    return _run(model, data, opts, figures, part)
+            return model, run_data
+        return model, Data(_images(images, labels), _images(probe_images, probe_labels) if probe_images is not None else run_data.probe_train,
+                           num_classes or run_data.num_classes, normalize or run_data.normalize)
+    if part is not None:
+        raise ValueError(f"part='{part}' picks a network of a run folder's checkpoint: pass the network object itself instead.")
+    if images is None:
+        raise ValueError("give images to analyse a model object (a tensor [N, C, H, W], a DataLoader, a folder or 'photos').")
+    if isinstance(images, (str, Path)):
+        return model, _image_set(model, images, labels, probe_images)
+    x = _images(images, labels)
+    px = _images(probe_images, probe_labels) if probe_images is not None else TensorBatches(x.images[:0], x.labels[:0])
+    known = torch.cat([x.labels, px.labels])
+    k = num_classes or (int(known.max()) + 1 if len(known) and int(known.max()) >= 0 else getattr(model, "num_classes", 1))
+    return model, Data(x, px, int(k), normalize)
 
 
 def _image_set(model, images, labels, probe_images):
@@ -120,14 +149,117 @@ def _image_set(model, images, labels, probe_images):
         raise ValueError(str(e)) from None
 
 
-def _run(model, data, opts, figures: bool, part) -> dict:
-    missing = missing_labels(data, opts)
-    if missing:
-        raise ValueError(f"measures {', '.join(missing)} read class labels: pass labels= for the images and, for probes and k-NN, "
-                         "probe_images= / probe_labels= to train on (a folder of images: one subfolder per class), or leave "
-                         "those measures out.")
-    res = run_suite(model, data, opts)
-    out = {"results": {k: v for k, v in res.items() if k != "meta"}, "meta": res["meta"], "summary": storage.summary_of(res)}
-    if figures:
-        out["figures"] = storage.make_figures(res, part=part)
-    return out
+# ---------------------------------------------------------------------------------------------------- raw activations
+
+
+def tap_names(model, taps) -> list[str]:
+    """The tap names ``taps`` (a name, a glob pattern such as ``blocks.*.attn_probs``, or a list of them) stand for on
+    ``model``, in forward order; ValueError (one sentence) for one that matches nothing."""
+    if isinstance(model, (str, Path)):
+        raise ValueError("tap_names needs the network object; activations() accepts a run folder.")
+    try:
+        known = available_taps(model)
+    except TapError as e:
+        raise ValueError(str(e)) from None
+    patterns = [taps] if isinstance(taps, str) else list(taps or [])
+    if not patterns:
+        raise ValueError("no taps named: give tap names or patterns, e.g. 'blocks.*.out' or ['blocks.3.attn_probs'].")
+    out: list[str] = []
+    for pat in patterns:
+        hits = [n for n in known if fnmatch.fnmatchcase(n, str(pat))]
+        if not hits:
+            blk = block_names(model)[0]
+            raise ValueError(f"tap '{pat}' matches no tap of this {type(model).__name__}: taps are <block>.<kind>, blocks "
+                             f"{blk} ... {block_names(model)[-1]}, kinds {', '.join(block_kinds(model, blk))} (analysis/taps.py).")
+        out += [n for n in hits if n not in out]
+    return sorted(out, key=known.index)
+
+
+def iter_activations(model, images=None, labels=None, *, taps="*.out", batch_size: int = 256, normalize=None, part: str | None = None,
+                     dtype: torch.dtype | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """``(start, {tap: Tensor [b, ...]})`` for each minibatch of ``images`` in order (``start``: the index of its first
+    image; key ``labels`` [b] too), the taps' tensors on the CPU (in ``dtype`` if given, e.g. torch.float16). The
+    model runs in eval mode and float32 (its train flag restored afterwards); arguments as :func:`activations`, checked
+    here, before the first minibatch."""
+    net, data, names = _prepare(model, images, labels, taps, batch_size, normalize, part)
+    return _stream(net, data, names, batch_size, dtype)
+
+
+def _prepare(model, images, labels, taps, batch_size, normalize, part):
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}.")
+    net, data = _model_and_data(model, images, labels, normalize=normalize, part=part)
+    return net, data, tap_names(net, taps)
+
+
+def _stream(net, data, names: list[str], batch_size: int, dtype) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    split = data.analysis
+    device = next(net.parameters()).device
+    was_training = net.training
+    net.eval()
+    try:
+        with float32_forward(net), torch.no_grad():
+            for start in range(0, len(split), batch_size):
+                x = data.normalize(split.images[start:start + batch_size].to(device))
+                with Taps(net, names, to="cpu", dtype=dtype) as cap:
+                    net(x)
+                yield start, {**cap.captures, "labels": split.labels[start:start + batch_size].cpu()}
+    finally:
+        net.train(was_training)
+
+
+def activations(model, images=None, labels=None, *, taps="*.out", batch_size: int = 256, normalize=None, part: str | None = None,
+                dtype: torch.dtype | None = None, out: str | Path | None = None) -> dict:
+    """The taps' tensors of ``model`` on ``images``: ``{tap: [N, ...], "labels": [N]}`` (labels -1 where unknown).
+
+    ``model``: a timm ViT / ResNet / MLP-Mixer object or a run folder (``"runs/default"``, ``"runs/default:600"``; its
+    own analysis images unless ``images`` are given; ``part`` as in :func:`analyze`). ``images``: a tensor
+    [N, C, H, W] (uint8 or float) or an iterable of (images, labels) batches. ``taps``: tap names or glob patterns
+    (:func:`tap_names`; default every block's output). The forward runs ``batch_size`` images at a time and each
+    minibatch's tensors go straight to their place: with ``out=None`` into one CPU tensor per tap; with ``out`` a
+    folder (it must not exist or be empty) onto disk, ``<out>/<tap>.npy`` per tap and ``labels.npy``, preallocated
+    and filled as the minibatches arrive (so activations larger than memory work), with ``index.json`` listing them;
+    the folder appears whole (written beside it, then renamed) and the returned arrays are read-only memory maps."""
+    dest = None
+    if out is not None:
+        dest = Path(out)
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise ValueError(f"the activations folder {dest} already exists and is not empty: choose a new or empty folder.")
+        if dtype == torch.bfloat16:
+            raise ValueError("numpy files cannot hold bfloat16: give dtype=torch.float16 or torch.float32 with out=.")
+    net, data, names = _prepare(model, images, labels, taps, batch_size, normalize, part)
+    n = len(data.analysis)
+    bufs: dict = {}
+    tmp = dest.with_name(dest.name + ".partial") if dest is not None else None
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    try:
+        for start, part_ in _stream(net, data, names, batch_size, dtype):
+            if not bufs:  # the first minibatch gives each tap's per-image shape and dtype
+                for k, t in part_.items():
+                    shape = (n, *t.shape[1:])
+                    if tmp is None:
+                        bufs[k] = torch.empty(shape, dtype=t.dtype)
+                    else:
+                        bufs[k] = np.lib.format.open_memmap(tmp / f"{k}.npy", mode="w+", dtype=t.numpy().dtype, shape=shape)
+            for k, t in part_.items():
+                bufs[k][start:start + len(t)] = t if tmp is None else t.numpy()
+        if tmp is None:
+            return bufs
+        index = {"n_images": n, "batch_size": batch_size,
+                 "arrays": {k: {"file": f"{k}.npy", "shape": list(v.shape), "dtype": str(v.dtype)} for k, v in bufs.items()}}
+        for v in bufs.values():
+            v.flush()
+        bufs.clear()
+        (tmp / "index.json").write_text(json.dumps(index, indent=1))
+        if dest.exists():
+            dest.rmdir()  # empty (checked above)
+        tmp.rename(dest)
+        return {k: np.load(dest / f["file"], mmap_mode="r") for k, f in index["arrays"].items()}
+    except BaseException:
+        bufs.clear()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+

@@ -125,6 +125,15 @@ def _hsic_scale(n: int, unbiased: bool) -> float:
     return 1.0 / (n * (n - 3)) if unbiased else 1.0 / (n - 1) ** 2
 
 
+def hsic_gram(x: torch.Tensor, unbiased: bool = True) -> tuple[torch.Tensor, float]:
+    """(G, s) for one minibatch x [n, ...] (flattened per example): G the centred linear Gram U(K) (unbiased) or
+    H K H (biased), float64 [n, n], and s the scale with which Frobenius products give HSIC:
+    HSIC(K, L) = s * <G_x, G_y>. CKA over minibatches is sum s<G_x, G_y> / sqrt(sum s<G_x, G_x> * sum s<G_y, G_y>)."""
+    n = x.shape[0]
+    c = center_unbiased if unbiased else center_biased
+    return c(_centred_gram(x.reshape(n, -1))), _hsic_scale(n, unbiased)
+
+
 def cka(x: torch.Tensor, y: torch.Tensor, unbiased: bool = True) -> float:
     """Linear CKA of one pair of full matrices x [n, p], y [n, q] (one minibatch holding every example)."""
     if x.shape[0] != y.shape[0]:
@@ -151,8 +160,7 @@ class MinibatchCKA:
         self.self_similarity = False
 
     def _centred(self, reps: list[torch.Tensor]) -> torch.Tensor:
-        c = center_unbiased if self.unbiased else center_biased
-        return torch.stack([c(_centred_gram(r)).reshape(-1) for r in reps])  # [L, n*n]
+        return torch.stack([hsic_gram(r, self.unbiased)[0].reshape(-1) for r in reps])  # [L, n*n]
 
     @torch.no_grad()
     def update(self, xs: list[torch.Tensor], ys: list[torch.Tensor] | None = None) -> None:

@@ -15,6 +15,9 @@ ViT block i (``blocks.{i}.``), with z the residual stream and f the sublayer bra
     heads        the heads' outputs before the output projection, (A_h V_h) of every head h concatenated,
                  [B, T, H * dh], channels h*dh:(h+1)*dh = head h (input of attn.norm, or of attn.proj when the
                  attention has no norm module; works with fused attention)
+    proj_in      what attn.proj receives: ``heads`` after attn.norm (an Identity unless the model was built with
+                 scale_norm) and after any training-time head mask (interventions.head_mask, a pre-hook of
+                 attn.proj that runs before this one): where head ablations act (analysis/measures/ablation.py)
 
 For a no-skip block (interventions.no_skip) ``attn_out`` is the branch alone, as the block computes it.
 
@@ -66,7 +69,7 @@ import torch
 import torch.nn as nn
 from timm.models.mlp_mixer import MixerBlock
 
-VIT_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "attn_probs", "heads", "norm1", "norm2")
+VIT_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "attn_probs", "heads", "proj_in", "norm1", "norm2")
 RESNET_KINDS = ("in", "branch", "shortcut", "out")  # every residual block; the layers inside: RESNET_INNER_KINDS
 RESNET_INNER_KINDS = ("conv1", "bn1", "act1", "conv2", "bn2", "act2", "conv3", "bn3")  # those the block has (block_kinds)
 MIXER_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "norm1", "norm2")
@@ -113,6 +116,13 @@ def resnet_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             break
         out += [(f"layer{s}.{j}", blk) for j, blk in enumerate(layer)]
     return out
+
+
+def resnet_branch_end(blk: nn.Module) -> nn.Module:
+    """The last module of a ResNet block's residual branch (drop_path, else se, else the last bn): its output is the
+    branch as the block adds it to the shortcut."""
+    return next(m for m in (getattr(blk, "drop_path", None), getattr(blk, "se", None), getattr(blk, "bn3", None),
+                            getattr(blk, "bn2", None)) if isinstance(m, nn.Module))
 
 
 def block_names(model: nn.Module) -> list[str]:
@@ -249,10 +259,10 @@ class Taps:
                     attn = blk.attn
                     target = attn.norm if isinstance(getattr(attn, "norm", None), nn.Module) else attn.proj
                     reg(target.register_forward_pre_hook(self._in(name)))
+                elif kind == "proj_in":
+                    reg(blk.attn.proj.register_forward_pre_hook(self._in(name)))
                 elif kind == "branch":  # the branch's last module; cloned because the block adds the shortcut in place
-                    last = next(m for m in (getattr(blk, "drop_path", None), getattr(blk, "se", None), getattr(blk, "bn3", None),
-                                            getattr(blk, "bn2", None)) if isinstance(m, nn.Module))
-                    reg(last.register_forward_hook(self._out(name, clone=True)))
+                    reg(resnet_branch_end(blk).register_forward_hook(self._out(name, clone=True)))
                 elif kind == "shortcut":
                     if blk.downsample is not None:
                         reg(blk.downsample.register_forward_hook(self._out(name)))

@@ -42,3 +42,37 @@ def test_bad_input_is_one_sentence():
         analyze(model, torch.rand(8, 28, 28))
     with pytest.raises(ValueError, match="probe_images="):  # probes need images to train on, named as the API names them
         analyze(model, torch.rand(8, 1, 28, 28), torch.arange(8) % 2, measures=["fewshot_probe"])
+
+
+def test_activations_stream_the_taps_to_a_dict_and_to_disk(tmp_path):
+    import json
+
+    from analysis.api import activations, iter_activations
+    from analysis.taps import Taps
+
+    model = tiny_vit().train()
+    a = class_split(25, 0)
+    names = ["blocks.0.attn_probs", "blocks.1.attn_probs", "blocks.1.out"]
+    with torch.no_grad(), Taps(model.eval(), names) as cap:
+        model(a.images.float() / 255)
+    model.train()
+    acts = activations(model, a.images, a.labels, taps=["blocks.*.attn_probs", "blocks.1.out"], batch_size=10)
+    assert model.training and list(acts) == names + ["labels"]
+    assert acts["blocks.0.attn_probs"].shape == (25, 2, 50, 50) and torch.equal(acts["labels"], a.labels)
+    for n in names:
+        torch.testing.assert_close(acts[n], cap[n], atol=1e-6, rtol=1e-5)
+    assert [s for s, _ in iter_activations(model, a.images, taps="blocks.0.out", batch_size=10)] == [0, 10, 20]
+    disk = activations(model, a.images, a.labels, taps=["blocks.*.attn_probs", "blocks.1.out"], batch_size=10, out=tmp_path / "acts",
+                       dtype=torch.float16)
+    index = json.loads((tmp_path / "acts" / "index.json").read_text())
+    assert index["n_images"] == 25 and sorted(index["arrays"]) == sorted(names + ["labels"])
+    assert disk["blocks.1.out"].dtype == np.float16 and not disk["blocks.1.out"].flags.writeable
+    np.testing.assert_allclose(disk["blocks.1.out"], acts["blocks.1.out"].numpy(), atol=2e-3, rtol=2e-3)
+    np.testing.assert_array_equal(disk["labels"], a.labels.numpy())
+    assert not (tmp_path / "acts.partial").exists()
+    # a folder that holds files is not touched; a pattern that matches nothing is one sentence
+    with pytest.raises(ValueError, match="already exists and is not empty"):
+        activations(model, a.images, taps="blocks.0.out", out=tmp_path / "acts")
+    assert sorted(p.name for p in (tmp_path / "acts").iterdir()) == sorted([f"{n}.npy" for n in names + ["labels"]] + ["index.json"])
+    with pytest.raises(ValueError, match="matches no tap.*kinds in, attn_branch"):
+        activations(model, a.images, taps="blocks.*.attention")

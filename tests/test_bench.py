@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py"))
 RATIO = {  # what each script's RATIO line must hold
+    "ablation_speed.py": r"^RATIO ablation threads=1: heads/suite=[\d.]+ \(\(suite\+heads\)-suite\)/suite=-?[\d.]+ heads_nocka/suite=[\d.]+$",
     "cka_speed.py": r"^RATIO cka (default|vits) threads=1: new/floor=[\d.]+ old/new=[\d.]+ numpee/new=[\d.]+ .*max_abs_vs_old=",
     "suite_speed.py": r"^RATIO suite threads=1: suite/forward=[\d.]+ \(suite\+figures\)/forward=[\d.]+$",
     "train_speed.py": r"^RATIO train threads=1: harness/bare fp32=[\d.]+ bf16=[\d.]+; bf16/fp32 harness=[\d.]+$",

@@ -39,3 +39,27 @@ def test_every_measure_on_two_processes_with_one_minibatch(write_recipe, tmp_pat
                 np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9, equal_nan=True, err_msg=f"{name}.{k}")
             else:
                 assert a.tolist() == b.tolist(), (name, k)
+
+
+@pytest.mark.multiprocess
+def test_ablation_on_two_processes_equals_one(write_recipe, tmp_path):
+    """Four analysis minibatches, two per process: the means of the first pass, the k-NN bank and the read-out sums
+    are reduced over processes, and the numbers equal one process's offline."""
+    cb = {"name": "analysis_suite", "measures": ["ablation"], "batch_size": 16, "figures": False, "ablation": {"replace": "mean"}}
+    p = write_recipe(data={"analysis_size": 64}, train={"steps": 4, "checkpoint_every": 4, "eval_every": 4}, callbacks=[cb])
+    cmd, env = two_process_launch(p, 29543)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    run = tmp_path / "runs" / "tiny"
+    two = run / "analysis" / "step_0000004" / "ablation.npz"
+    assert two.is_file(), out.stderr[-3000:]
+    r = O.open_run(run)
+    data = O.load_data(r)
+    one = S.run_suite(O.load_model(r, 4, data), data, S.suite_options(["ablation"], 16, {"ablation": {"replace": "mean"}}))["ablation"]
+    saved = np.load(two)
+    assert int(saved["n_images"]) == 64 and len(saved["targets"]) == 2 * (2 + 2 + 3 + 2)
+    for k in saved.files:
+        a, b = saved[k], np.asarray(one[k])
+        if a.dtype.kind in "fc":
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9, equal_nan=True, err_msg=k)
+        else:
+            assert a.tolist() == b.tolist(), k

@@ -1,0 +1,92 @@
+"""The ablation measure's cost against the analysis suite's on the same images (issue 24's target: all head ablations
+of the default model in at most about 3x the suite's time).
+
+    .venv/bin/python bench/ablation_speed.py [--repeats 3] [--threads 1] [--all] [--smoke]
+
+On the default recipe's model (random weights: the cost does not depend on them) and its data (1,024 analysis and
+2,000 probe-train images, minibatches of 256), each repeat times, in an order rotated by one at every repeat so
+machine noise hits all alike, with threads pinned:
+
+- ``forward``:        one plain forward pass over the analysis images in the suite's minibatches (the unit);
+- ``suite``:          :func:`analysis.suite.run_suite` with the default measures (CKA, norm ratios, attention
+                      distances, few-shot probes), no figures -- what bench/suite_speed.py times;
+- ``heads``:          the ablation measure alone with ``targets: [heads]`` (mean ablation, every read-out: top-1,
+                      loss, k-NN, CKA of later blocks): its own pass over the analysis images for the means and over
+                      the probe-train images for the k-NN bank, then the ablation passes;
+- ``suite+heads``:    both in one suite run, so the two share the passes over the analysis and probe-train images;
+- ``heads_nocka``:    ``heads`` without the CKA read-out (``cka: false``);
+- ``all`` (``--all``): the ablation measure alone with every target (heads, branches, skip paths, token paths).
+
+Each figure is the minimum over repeats. The last line starts with ``RATIO``: heads / suite, and the marginal cost
+of adding the head ablations to a suite run, ((suite+heads) - suite) / suite.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__":
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(k, "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from analysis.suite import DEFAULT, run_suite, suite_options  # noqa: E402
+from train.data import build_data  # noqa: E402
+from train.models import build_model  # noqa: E402
+from train.recipe import load_recipe  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--all", action="store_true", help="also time every target (about 4x the head ablations)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (seconds)")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    over = ["data.analysis_size=64", "data.probe_train_size=200", "data.train_size=512", "data.eval_size=256",
+            "model.depth=2", "model.embed_dim=32", "model.num_heads=2"] if a.smoke else []
+    r = load_recipe("recipes/default.yaml", over)
+    data = build_data(r, quiet=True)
+    torch.manual_seed(0)
+    model = build_model(r, data.num_classes).eval()
+    bs = 32 if a.smoke else 256
+    heads = {"ablation": {"targets": ["heads"]}}
+    opts = {"suite": suite_options(None, bs), "heads": suite_options(["ablation"], bs, heads),
+            "suite+heads": suite_options(list(DEFAULT) + ["ablation"], bs, heads),
+            "heads_nocka": suite_options(["ablation"], bs, {"ablation": {"targets": ["heads"], "cka": False}})}
+    if a.all:
+        opts["all"] = suite_options(["ablation"], bs)
+
+    @torch.no_grad()
+    def forward():
+        for j in range(0, len(data.analysis), bs):
+            model(data.normalize(data.analysis.images[j:j + bs]))
+
+    variants = {"forward": forward, **{k: (lambda o=o: run_suite(model, data, o)) for k, o in opts.items()}}
+    best = {k: float("inf") for k in variants}
+    names = list(variants)
+    for rep in range(1 if a.smoke else a.repeats):
+        for k in names[rep % len(names):] + names[:rep % len(names)]:
+            t0 = time.perf_counter()
+            variants[k]()
+            best[k] = min(best[k], time.perf_counter() - t0)
+            print(f"  repeat {rep} {k:12s} {time.perf_counter() - t0:7.2f} s", flush=True)
+    for k, v in best.items():
+        print(f"{k:12s} {v:7.2f} s")
+    f = best["forward"]
+    print("in forwards of the analysis images: " + ", ".join(f"{k} {v / f:.1f}" for k, v in best.items() if k != "forward"))
+    print(f"RATIO ablation threads={a.threads}: heads/suite={best['heads'] / best['suite']:.2f} "
+          f"((suite+heads)-suite)/suite={(best['suite+heads'] - best['suite']) / best['suite']:.2f} "
+          f"heads_nocka/suite={best['heads_nocka'] / best['suite']:.2f}"
+          + (f" all/suite={best['all'] / best['suite']:.2f}" if "all" in best else ""))
+
+
+if __name__ == "__main__":
+    main()
