@@ -401,7 +401,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     # sampler's EpochBatch carries the epoch there, so order and crops are functions of (seed, epoch) alone
     train_loader = torch.utils.data.DataLoader(
         data.train.dataset(), batch_sampler=sampler, num_workers=recipe.data.num_workers, collate_fn=batch_collate,
-        pin_memory=acc.device.type == "cuda", persistent_workers=False,
+        generator=sampler.generator, pin_memory=acc.device.type == "cuda", persistent_workers=False,
         prefetch_factor=4 if data.train.lazy and recipe.data.num_workers > 0 else None,
     )
     ev_loader = eval_loader(data.eval, t.eval_batch_size, recipe.data.num_workers)
