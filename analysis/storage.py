@@ -20,8 +20,12 @@ analysis images (:func:`data_fingerprint`), the measure's name and what the meas
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import threading
 from pathlib import Path
 
 import torch
@@ -124,10 +128,32 @@ def summary_of(res: dict) -> dict:
     return {"meta": res.get("meta", {}), **{k: reg[k].summary(v) for k, v in res.items() if k in reg}}
 
 
+def temp_name(path: Path, suffix: str = "") -> Path:
+    """A temporary name beside ``path``, unique to this process and thread (two analyses of one run write the same
+    folders), ending in ``suffix`` (np.savez appends .npz to a name without it)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp{suffix}")
+
+
 def atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    tmp = temp_name(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """``fcntl.flock`` on the folder itself, for a read-merge-write of its summary.json / cache.json: two analyses
+    writing one folder at once keep each other's entries."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def write_results(res: dict, out_dir: Path, step: int | None = None, keys: dict | None = None) -> Path:
@@ -138,24 +164,28 @@ def write_results(res: dict, out_dir: Path, step: int | None = None, keys: dict 
     reg = registry()
     for name, r in res.items():
         if name in reg:
-            tmp = out_dir / f"{name}.tmp.npz"
-            save_result(r, tmp)
-            tmp.replace(out_dir / f"{name}.npz")
-    old = {}
-    if (out_dir / "summary.json").is_file():
-        try:
-            old = json.loads((out_dir / "summary.json").read_text())
-        except ValueError:
-            old = {}
-    atomic_text(out_dir / "summary.json", json.dumps({**old, "step": step, **summary_of(res)}, indent=1))
-    cache = cached_keys(out_dir)
-    for name in res:
-        if name in reg:
-            if keys and keys.get(name):
-                cache[name] = keys[name]
-            else:
-                cache.pop(name, None)
-    atomic_text(out_dir / "cache.json", json.dumps(cache, indent=1))
+            tmp = temp_name(out_dir / name, ".npz")
+            try:
+                save_result(r, tmp)
+                tmp.replace(out_dir / f"{name}.npz")
+            finally:
+                tmp.unlink(missing_ok=True)
+    with folder_lock(out_dir):
+        old = {}
+        if (out_dir / "summary.json").is_file():
+            try:
+                old = json.loads((out_dir / "summary.json").read_text())
+            except ValueError:
+                old = {}
+        atomic_text(out_dir / "summary.json", json.dumps({**old, "step": step, **summary_of(res)}, indent=1))
+        cache = cached_keys(out_dir)
+        for name in res:
+            if name in reg:
+                if keys and keys.get(name):
+                    cache[name] = keys[name]
+                else:
+                    cache.pop(name, None)
+        atomic_text(out_dir / "cache.json", json.dumps(cache, indent=1))
     return out_dir
 
 

@@ -210,3 +210,70 @@ def test_a_truncated_cached_result_is_recomputed(runs, tmp_path, monkeypatch):
 def test_launch_sh_analyze_is_wired():
     text = (Path(__file__).resolve().parents[1] / "launch.sh").read_text()
     assert "analyze)" in text and "-m analysis" in text and os.access(Path(__file__).resolve().parents[1] / "launch.sh", os.X_OK)
+
+
+def test_checkpoints_pruned_while_analysing_are_skipped(runs, tmp_path, monkeypatch, capsys):
+    """A trainer still running prunes checkpoints beyond train.keep_last while a run is analysed: one deleted after the
+    run was opened (before its checksums are read) and one deleted while another is analysed are skipped, in one line,
+    not reported as damaged (no advice to delete anything); the rest is analysed and the report written."""
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    real_open = O.open_run
+
+    def open_then_prune(*a, **k):
+        r = real_open(*a, **k)
+        shutil.rmtree(run / "checkpoints" / "step_0000004")
+        return r
+
+    monkeypatch.setattr(O, "open_run", open_then_prune)
+    assert main([str(run), *ARGS]) == 0
+    cap = capsys.readouterr()
+    assert "delete the folder" not in cap.out + cap.err and "not written by vitlab" not in cap.err, cap
+    assert "skipped step(s) 4: deleted while being analysed" in cap.out and "(steps 8)" in cap.out, cap.out
+    assert check_report(run / "report.md") == []
+    monkeypatch.setattr(O, "open_run", real_open)
+    # deleted while the earlier one is computed (--force: nothing is reused)
+    run2 = tmp_path / "vit2"
+    shutil.copytree(runs["vit"], run2)
+    real = S.run_suite
+
+    def suite_then_prune(*a, **k):
+        shutil.rmtree(run2 / "checkpoints" / "step_0000008", ignore_errors=True)
+        return real(*a, **k)
+
+    monkeypatch.setattr(S, "run_suite", suite_then_prune)
+    assert main([str(run2), "--force", *ARGS]) == 0
+    cap = capsys.readouterr()
+    assert "skipped step(s) 8" in cap.out and "(steps 4)" in cap.out and "delete the folder" not in cap.out + cap.err, cap
+
+
+def test_two_analyses_writing_one_folder_at_once(runs, tmp_path):
+    """Two analyses of one run (threads here; processes alike) write results into the same folder at once: no write
+    trips over the other's temporary files, and cache.json / summary.json keep both measures' entries."""
+    import threading
+
+    from analysis import storage
+
+    res = storage.load_results(runs["vit"] / "analysis" / "step_0000008", ["cka", "norm_ratio"])
+    out = tmp_path / "step_0000008"
+    errors = []
+
+    def write(name):
+        try:
+            for i in range(60):
+                storage.write_results({"meta": res["meta"], name: res[name]}, out, 8, {name: f"{name}-{i}"})
+                storage.atomic_text(out / "note.txt", name)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in ("cka", "norm_ratio")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert storage.cached_keys(out) == {"cka": "cka-59", "norm_ratio": "norm_ratio-59"}
+    import json
+
+    assert {"cka", "norm_ratio"} <= set(json.loads((out / "summary.json").read_text()))
+    assert sorted(p.name for p in out.iterdir()) == ["cache.json", "cka.npz", "norm_ratio.npz", "note.txt", "summary.json"]

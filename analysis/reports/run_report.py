@@ -12,7 +12,7 @@ import numpy as np
 from analysis import storage
 from analysis.figures import save, subplots
 from analysis.measure import as_list, load_result
-from train.checkpoint import read_meta
+from train.checkpoint import CheckpointError, read_meta
 
 
 def fmt(v, digits: int = 3) -> str:
@@ -83,7 +83,10 @@ def write_run_report(run) -> Path:
     evals = {}
     for s, c in run.checkpoints.items():
         if run.external is None:
-            top1 = read_meta(c).get("eval", {}).get("top1")
+            try:
+                top1 = read_meta(c).get("eval", {}).get("top1")
+            except CheckpointError:  # deleted since the run was opened (a trainer still running prunes old ones)
+                continue
             if top1 is not None:
                 evals[s] = float(top1)
     r = run.recipe
@@ -117,9 +120,7 @@ def write_run_report(run) -> Path:
                     lines.append(f"- CKA of same-index layers ({', '.join(as_list(res['labels_a']))}): {fmt(res['same_index'])}")
                 lines += [""] + _images(base / "figures" / "against" / other.name / sd.name, base) + [""]
     out = base / "report.md"
-    tmp = out.with_name("report.md.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(out)
+    storage.atomic_text(out, "\n".join(lines) + "\n")
     return out
 
 
