@@ -197,6 +197,47 @@ def test_signal_stops_cleanly_with_a_checkpoint(sig, driver, write_recipe, tmp_p
     assert not (tmp_path / "runs/tiny/result.json").exists()
 
 
+def test_a_signal_while_the_stopped_trainer_exits_changes_nothing(write_recipe, tmp_path):
+    """After "stopped at step N" the process only exits (here an exit hook holds it 2 s); a second SIGTERM then (a
+    repeated Ctrl-C, a launcher signalling again) must not kill it: exit 0, not 143."""
+    exiting = tmp_path / "exiting"
+    d = tmp_path / "driver_exit.py"
+    d.write_text(DRIVER.replace("from train.cli import main", "import atexit\n"
+                                f"atexit.register(lambda: (Path({str(exiting)!r}).touch(), time.sleep(2)))\nfrom train.cli import main"))
+    p = write_recipe(callbacks=[pause(tmp_path, 3)])
+    a = start(train_cmd(d, p), tmp_path, "a")
+    wait_for(tmp_path / "paused3.0", a)
+    a.send_signal(signal.SIGTERM)
+    Path(f"{tmp_path / 'paused3'}.release").touch()
+    wait_for(exiting, a)
+    a.send_signal(signal.SIGTERM)
+    rc, out = finish(a)
+    assert rc == 0 and out.strip().splitlines()[-1] == "stopped at step 3; --resume continues", (rc, out[-3000:])
+
+
+@pytest.mark.slow
+def test_launch_sh_several_processes_three_ctrl_c(write_recipe, tmp_path):
+    """Ctrl-C three times to VITLAB_NPROC=2 ./launch.sh (the last ones after the trainers stopped): the trainers
+    checkpoint and stop once, exit 0, and accelerate launch reports no failed child."""
+    p = write_recipe(train={"steps": 100000, "checkpoint_every": 3, "eval_every": 0})
+    log = tmp_path / "l.log"
+    with open(log, "w") as out_f:
+        a = subprocess.Popen([str(ROOT / "launch.sh"), str(p), "--no-progress"], cwd=ROOT, env={**_env(), "VITLAB_NPROC": "2"},
+                             stdout=out_f, stderr=subprocess.STDOUT, start_new_session=True)
+    a.log_path = log
+    wait_for(tmp_path / "runs/tiny/checkpoints/step_0000003", a)
+    a.send_signal(signal.SIGINT)
+    t0 = time.time()
+    while "stopped at step" not in log.read_text() and time.time() - t0 < 120:
+        time.sleep(0.05)
+    for _ in range(2):
+        a.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+    rc, out = finish(a, timeout=120)
+    assert rc == 0 and "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    assert out.count("stopped at step") == 1, out[-3000:]
+
+
 def test_launch_sh_several_processes_bad_recipe_is_one_sentence(write_recipe, tmp_path):
     """VITLAB_NPROC=2 ./launch.sh with a misspelt key: the recipe is checked before accelerate starts any process, so
     the user reads one sentence and exit 2 (not an error per process and accelerate's traceback), nothing written."""

@@ -123,6 +123,10 @@ class StopSignals:
     traceback); repeated signals change nothing (SIGKILL forces). Only the main thread can install handlers."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # set by the command line (train/cli.py, as the process entry point): after the run the process only exits, so
+    # these signals stay ignored rather than fatal; a repeated Ctrl-C or a launcher's second SIGTERM must not kill it
+    # mid-exit and turn a clean stop into exit 143 (and accelerate launch's ChildFailedError)
+    ignore_after = False
 
     def __init__(self):
         self.signum: int | None = None
@@ -140,7 +144,7 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         for s, h in self._old.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if self.ignore_after else h)
         self._old = {}
 
 
