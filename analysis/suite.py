@@ -71,8 +71,8 @@ def parse_opt_args(items: list[str]) -> dict:
             raise MeasureError(f"--opt '{item}' is not MEASURE.OPTION=VALUE: write e.g. --opt knn.k=10.")
         try:
             out.setdefault(measure, {})[opt] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise MeasureError(f"--opt '{item}': the value is not valid YAML.") from None
+        except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an integer of over 4300 digits
+            raise MeasureError(f"--opt '{key}': the value is not valid YAML, or too long or too deeply nested to read.") from None
     return out
 
 

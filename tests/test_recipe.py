@@ -130,7 +130,29 @@ BAD_INPUT = [
     (b"{}\n", ["run.name=../../x"], ["run.name", "folder name"]),
     (b"{}\n", ["run.name=a/b"], ["run.name", "folder name"]),
     (b"{}\n", ["run.name=.."], ["run.name", "folder name"]),
+    (b"seed: 4294967296\n", [], ["'seed'", "<= 4294967295"]),  # numpy's global seed is 32-bit
+    (b"{}\n", ["seed=4294967296"], ["'seed'", "<= 4294967295"]),
+    (b"model: {depth: " + b"9" * 5000 + b"}\n", [], ["number too long to read"]),
+    (b"{}\n", ["seed=" + "9" * 5000], ["'seed' must be int", "(5002 characters)"]),
+    (b"model: {depth: " + b"[" * 20000 + b"]" * 20000 + b"}\n", [], ["nests lists or mappings too deeply"]),
+    (b"{}\n", ["model.depth=" + "[" * 20000 + "]" * 20000], ["'model.depth' must be int", "(40002 characters)"]),
 ]
+
+
+def test_the_largest_seed_trains():
+    """seed 2**32 - 1, the largest the recipe takes, seeds everything the trainer seeds."""
+    from accelerate.utils import set_seed
+
+    from train.seeding import reseed_step, step_generator
+    from train.splits import EpochBatchSampler
+
+    r = load_recipe(ROOT / "recipes/tiny.yaml", [f"seed={2**32 - 1}"])
+    set_seed(r.seed)
+    reseed_step(r.seed, 10**7, 7)
+    step_generator(r.seed, 10**7, 7, "cpu")
+    s = EpochBatchSampler(64, 8, r.seed, 1, 2)
+    s.set_epoch(10**5)
+    assert len(list(s)) == 4
 
 
 @pytest.mark.parametrize("raw,overrides,words", BAD_INPUT, ids=[str(i) for i in range(len(BAD_INPUT))])
