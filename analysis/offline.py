@@ -38,7 +38,7 @@ from analysis import storage
 from analysis import suite as S
 from analysis.figures import cka_heatmap, save, subplots
 from analysis.head_subsets import head_subset_cka, head_subset_figure
-from analysis.measure import as_list, load_result, save_result
+from analysis.measure import MeasureError, as_list, load_result, save_result
 from analysis.measures.cka import cka_layers
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, arch_of
@@ -339,7 +339,10 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
                     raise
                 stats["skipped"].append(step)
                 continue
-            res = S.run_suite(model, data, opts, measures=todo)
+            try:
+                res = S.run_suite(model, data, opts, measures=todo)
+            except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
+                raise AnalysisError(f"run {run.path}: {e}") from None
             stats["computed"] += [(step, n) for n in res if n != "meta"]
             publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
     finally:

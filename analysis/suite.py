@@ -99,6 +99,18 @@ def problem(data, opts: SuiteOptions) -> str | None:
     return None
 
 
+def model_problem(ctx: Context, opts: SuiteOptions, measures=None) -> str | None:
+    """One sentence if a measure of ``measures`` (default ``opts.measures``) that applies to the model of ``ctx``
+    cannot run on it with its options (:meth:`analysis.measure.Measure.model_problem`)."""
+    reg = registry()
+    for name in resolve_all(measures if measures is not None else opts.measures):
+        if reg[name].applies(ctx):
+            p = reg[name].model_problem(ctx, opts.of(name))
+            if p:
+                return f"measure {name}: {p}"
+    return None
+
+
 def make_context(model, data, batch_size: int = 256, accelerator=None) -> Context:
     arch = arch_of(model)
     tokens = arch in ("vit", "mixer")
@@ -150,6 +162,9 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
     if p:
         raise MeasureError(p)
     ctx = make_context(model, data, opts.batch_size, accelerator)
+    p = model_problem(ctx, opts, names)
+    if p:
+        raise MeasureError(p)
     reg = registry()
     was_training = model.training
     model.eval()

@@ -221,3 +221,16 @@ def test_resume_may_change_lr_cadence_and_extend_steps_but_not_the_model(write_r
     assert lrs[6] == pytest.approx(lr_at(5, more.train))
     with pytest.raises(RecipeError, match="different recipe.*model.depth"):
         train(load_recipe(p, ["train.steps=8", "model.depth=3", "run.name=tiny"]), resume=True, progress=False)
+
+
+def test_measure_options_the_model_cannot_serve_are_refused_before_training(write_recipe, tmp_path, capsys):
+    """cka with repr=cls on a GAP ViT (no class token): --check (what launch.sh runs first) and the trainer refuse it
+    in one sentence, exit 2, before the run folder exists (it used to train to the first checkpoint and fail there)."""
+    p = write_recipe(model={"head": "gap"}, callbacks=[{"name": "cka", "repr": "cls"}])
+    for extra in (["--check"], ["--no-progress"]):
+        assert main([str(p), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: callback 'cka': measure cka: option repr=cls reads the class token") and err.count("\n") == 1, err
+        assert not (tmp_path / "runs").exists()
+    p = write_recipe(model={"head": "gap"}, callbacks=[{"name": "analysis_suite", "measures": ["cka"], "cka": {"repr": "cls"}}])
+    assert main([str(p), "--check"]) == 2 and "repr=cls" in capsys.readouterr().err

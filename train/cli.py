@@ -95,7 +95,7 @@ def die_with_launcher() -> bool:
 def preflight(recipe, overrides: list, resume) -> None:
     """What ``--check`` verifies beyond the recipe, with the trainer's and the data layer's own rules and messages, in
     the trainer's order, without training or writing (it reads, and takes the run folder's lock while it reads, as the
-    trainer does): the callbacks' options; the run folder (not in use by a live trainer; no checkpoints unless
+    trainer does): the callbacks' options (and against the recipe's model); the run folder (not in use by a live trainer; no checkpoints unless
     --resume; with --resume, a complete checkpoint whose files match their checksums, trained with this recipe:
     :func:`train.trainer.prepare_run`); that the data source opens (:func:`train.sources.check_source`, which reads no
     images). Left to the trainer: whether the checkpoint's tensors load into the model, and the number of processes
@@ -105,7 +105,7 @@ def preflight(recipe, overrides: list, resume) -> None:
     from train.sources import check_source
     from train.trainer import RunLock, prepare_run, run_dir_for
 
-    build_callbacks(recipe.callbacks)
+    build_callbacks(recipe.callbacks).check_recipe(recipe)
     run_dir = run_dir_for(recipe, overrides)
     lock = RunLock(run_dir)
     try:
