@@ -117,9 +117,21 @@ def readable(path: Path) -> bool:
         return False
 
 
+def read_summary(out_dir: Path) -> dict | None:
+    """summary.json of a results folder, or None when it is missing or unreadable (garbled, or not a mapping)."""
+    try:
+        d = json.loads((Path(out_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
 def is_cached(out_dir: Path, name: str, key: str) -> bool:
+    """A result of ``name`` with this key that reads back whole, its key numbers in a readable summary.json (an
+    unreadable one is rewritten: the measure is recomputed, as for a garbled .npz)."""
     f = Path(out_dir) / f"{name}.npz"
-    return cached_keys(out_dir).get(name) == key and f.is_file() and readable(f)
+    return (cached_keys(out_dir).get(name) == key and f.is_file() and readable(f)
+            and name in (read_summary(out_dir) or {}))
 
 
 def summary_of(res: dict) -> dict:
@@ -171,12 +183,11 @@ def write_results(res: dict, out_dir: Path, step: int | None = None, keys: dict 
             finally:
                 tmp.unlink(missing_ok=True)
     with folder_lock(out_dir):
-        old = {}
-        if (out_dir / "summary.json").is_file():
-            try:
-                old = json.loads((out_dir / "summary.json").read_text())
-            except ValueError:
-                old = {}
+        old = read_summary(out_dir)
+        if old is None:  # none yet, or unreadable: the key numbers of the other results in the folder, from their files
+            others = {n: load_result(out_dir / f"{n}.npz") for n in reg
+                      if n not in res and (out_dir / f"{n}.npz").is_file() and readable(out_dir / f"{n}.npz")}
+            old = {k: v for k, v in summary_of(others).items() if k != "meta"}
         atomic_text(out_dir / "summary.json", json.dumps({**old, "step": step, **summary_of(res)}, indent=1))
         cache = cached_keys(out_dir)
         for name in res:
@@ -193,8 +204,7 @@ def load_results(out_dir: Path, measures=None) -> dict:
     """A suite result read back from ``out_dir`` (the measures present there, or those named)."""
     out_dir = Path(out_dir)
     reg = registry()
-    meta = json.loads((out_dir / "summary.json").read_text()).get("meta", {}) if (out_dir / "summary.json").is_file() else {}
-    res = {"meta": meta}
+    res = {"meta": (read_summary(out_dir) or {}).get("meta", {})}
     for name in measures or sorted(reg):
         f = out_dir / f"{name}.npz"
         if f.is_file():

@@ -1,5 +1,6 @@
 """Offline analysis (python -m analysis, analysis.reports.compare): same numbers as at training time, cached, cross-run
 CKA, reports, and one sentence + exit 2 for every bad input."""
+import json
 import os
 import shutil
 from pathlib import Path
@@ -164,6 +165,9 @@ def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path
     _bad(capsys, [str(run), "--opt", "token_probes.seeds=a,b"], "must be an integer", tmp_path)
     _bad(capsys, [str(run), "--opt", "knn=3"], "MEASURE.OPTION=VALUE", tmp_path)
     _bad(capsys, [str(run), "--measures", "fewshot_probe", "--opt", "fewshot_probe.shots=20"], "probe_train_size to at least 400", tmp_path)
+    resnet = tmp_path / "resnet"
+    shutil.copytree(runs["resnet"], resnet)
+    _bad(capsys, [str(resnet), "--measures", "cka", "--opt", "cka.repr=cls"], "repr=cls reads the class token", tmp_path)
     argv = [str(run), "--batch-size", "62"]  # 64 images: a last minibatch of 2, too few for minibatch CKA
     before = _tree(tmp_path)
     assert main(argv + ARGS[2:]) == 2 and "leave a last minibatch of 2" in capsys.readouterr().err and _tree(tmp_path) == before
@@ -277,3 +281,25 @@ def test_two_analyses_writing_one_folder_at_once(runs, tmp_path):
 
     assert {"cka", "norm_ratio"} <= set(json.loads((out / "summary.json").read_text()))
     assert sorted(p.name for p in out.iterdir()) == ["cache.json", "cka.npz", "norm_ratio.npz", "note.txt", "summary.json"]
+
+
+@pytest.mark.parametrize("garbage", [b"{not json", b"[1, 2]"])
+def test_an_unreadable_summary_json_is_rewritten(garbage, runs, tmp_path, monkeypatch, capsys):
+    """summary.json garbled or not a mapping: the step's measures are recomputed (as for a garbled .npz) and the
+    summary rewritten whole, the report written; no traceback."""
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    f = run / "analysis" / "step_0000004" / "summary.json"
+    good = json.loads(f.read_text())
+    f.write_bytes(garbage)
+    calls = []
+    real = S.run_suite
+    monkeypatch.setattr(S, "run_suite", lambda *a, **k: calls.append(k.get("measures")) or real(*a, **k))
+    assert main([str(run), *ARGS]) == 0
+    assert calls == [["cka", "norm_ratio", "attention_distance", "fewshot_probe"]], calls
+    assert set(json.loads(f.read_text())) == set(good)
+    assert check_report(run / "report.md") == [] and "## Step 4" in (run / "report.md").read_text()
+    # garbled again, and only one measure asked for: the others' key numbers come back from their files
+    f.write_bytes(garbage)
+    assert main([str(run), "--measures", "cka", *ARGS]) == 0
+    assert set(json.loads(f.read_text())) == set(good)
