@@ -47,17 +47,22 @@ setup() {
 run_accelerate() {
     set -m
     "$VENV/bin/accelerate" launch "$@" &
-    local pid=$! rc=0
+    local pid=$! rc=0 forwarded=0
     set +m
     forward() {
-        pkill -TERM -P "$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+        # once: the trainers are stopping; a second Ctrl-C must not reach the launcher itself once they have exited
+        # (torchrun's agent turns SIGTERM into a traceback)
+        # (no `return` here: in a trap handler it returns the interrupted wait's status, and set -e then exits 130)
+        if [ "$forwarded" = 0 ]; then
+            forwarded=1
+            pkill -TERM -P "$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+        fi
     }
     trap forward TERM INT HUP
-    while :; do
-        rc=0
-        wait "$pid" || rc=$?
-        kill -0 "$pid" 2>/dev/null || break  # wait was interrupted by a trapped signal: keep waiting
+    while kill -0 "$pid" 2>/dev/null; do
+        wait "$pid" 2>/dev/null || true  # returns early when a trapped signal arrives: keep waiting
     done
+    wait "$pid" || rc=$?  # the launcher's own exit status (not 128 + the signal that interrupted a wait)
     trap - TERM INT HUP
     exit "$rc"
 }

@@ -134,6 +134,9 @@ def main(argv=None) -> int:
     except O.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if stats["skipped"]:
+        print(f"{run.label}: skipped step(s) {', '.join(map(str, stats['skipped']))}: deleted while being analysed (a trainer "
+              "still running keeps only its last train.keep_last checkpoints)")
     report = write_run_report(run)  # the report shows the default part; another part's results are in its own folder
     where = f"results in {O.step_dir(run, stats['steps'][-1]).parent}" if run.part != O.DEFAULT_PART else f"report: {report}"
     print(f"{run.label}: {len(stats['computed'])} results computed, {len(stats['reused'])} reused from cache "

@@ -48,7 +48,7 @@ from analysis import offline as O
 from analysis import storage
 from analysis.measure import MeasureError
 from analysis.suite import float32_forward, missing_labels, run_suite, suite_options
-from analysis.taps import TapError, Taps, available_taps, block_kinds, block_names
+from analysis.taps import TapError, Taps, arch_of, available_taps, block_kinds, block_names
 from train.splits import TensorBatches
 
 
@@ -89,6 +89,28 @@ def _images(images, labels) -> TensorBatches:
     return TensorBatches(x, y.long())
 
 
+def _check_fits(model, data) -> None:
+    """ValueError (one sentence) unless ``model`` is a model the taps understand and takes the images: one image
+    through it, in evaluation mode (a wrong channel count or image size fails there, in torch's or timm's words)."""
+    try:
+        arch_of(model)
+    except TapError as e:
+        raise ValueError(f"{e} Pass a timm model (timm.create_model) or a run folder.") from None
+    x = data.analysis.images[:1]
+    if len(x) == 0:
+        raise ValueError("no images to analyse: pass a tensor [N, C, H, W] with N >= 1 or a DataLoader that yields some.")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(data.normalize(x.to(next(model.parameters()).device)))
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise ValueError(f"the model cannot take images of shape {tuple(x.shape[1:])} [C, H, W] ({' '.join(str(e).split())[:160]}): "
+                         "pass images with the channel count and size it was built for.") from None
+    finally:
+        model.train(was_training)
+
+
 def analyze(model, images=None, labels=None, *, measures=None, options: dict | None = None, probe_images=None, probe_labels=None,
             normalize=None, num_classes: int | None = None, batch_size: int = 256, figures: bool = True, part: str | None = None) -> dict:
     """Run ``measures`` (default: CKA, norm ratios, attention distances, few-shot probes; ``"all"`` for every one)
@@ -99,6 +121,7 @@ def analyze(model, images=None, labels=None, *, measures=None, options: dict | N
     except MeasureError as e:
         raise ValueError(str(e)) from None
     model, data = _model_and_data(model, images, labels, probe_images, probe_labels, normalize, num_classes, part)
+    _check_fits(model, data)
     missing = missing_labels(data, opts)
     if missing:
         raise ValueError(f"measures {', '.join(missing)} read class labels: pass labels= for the images and, for probes and k-NN, "

@@ -25,10 +25,14 @@ from __future__ import annotations
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 from analysis import storage
 from analysis.measure import MeasureError
-from analysis.suite import DEFAULT, problem, run_suite, suite_options
+from analysis.suite import DEFAULT, make_context, model_problem, problem, run_suite, suite_options
 from train.callbacks import Callback
+from train.models import build_model
+from train.objectives import uses_labels
 from train.recipe import RecipeError
 
 _DRAWER: ThreadPoolExecutor | None = None
@@ -55,10 +59,20 @@ class AnalysisSuiteCallback(Callback):
         self._fingerprint: str | None = None
         self._pending: list[Future] = []
 
+    def check_recipe(self, recipe) -> None:
+        """The measures' options against the recipe's model (a class token or not, ...): the model built without
+        weights, on the meta device."""
+        with torch.device("meta"):
+            model = build_model(recipe, 10 if uses_labels(recipe) else 0)
+        p = model_problem(make_context(model, None, self.opts.batch_size), self.opts)
+        if p:
+            raise RecipeError(f"callback '{self.name}': {p}")
+
     def validate(self, recipe, data) -> None:
         p = problem(data, self.opts)
         if p:
             raise RecipeError(f"callback '{self.name}': {p}")
+        self.check_recipe(recipe)
 
     def _run(self, ctx) -> None:
         res = run_suite(ctx.model, ctx.data, self.opts, ctx.accelerator)

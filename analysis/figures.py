@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import threading
 
 import matplotlib
 
@@ -201,6 +202,10 @@ def render(fig, dpi: int = 110) -> np.ndarray:
 def write_png(rgb: np.ndarray, path) -> None:
     """An RGB array (from :func:`render`) as a PNG file, written atomically."""
     path = str(path)
-    tmp = path[:-4] + ".tmp.png"
-    matplotlib.image.imsave(tmp, rgb)
-    os.replace(tmp, path)
+    tmp = f"{path[:-4]}.{os.getpid()}-{threading.get_ident()}.tmp.png"  # unique: two analyses may draw one folder
+    try:
+        matplotlib.image.imsave(tmp, rgb)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -98,6 +98,13 @@ class Measure:
         """One sentence if this measure cannot run on ``data`` with ``opts`` (checked before anything is written)."""
         return None
 
+    @classmethod
+    def model_problem(cls, ctx: Context, opts) -> str | None:
+        """One sentence if this measure, applying to the model of ``ctx``, cannot run on it with ``opts`` (e.g. an
+        option that reads a class token the model lacks). ``ctx.model`` may be on the meta device (no weights):
+        read its structure only. Checked before anything is written, at training time before the first step."""
+        return None
+
     def taps(self) -> set[str]:
         return set()
 

@@ -25,6 +25,7 @@ Every user error raises :class:`AnalysisError` with one sentence, before anythin
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from analysis import storage
 from analysis import suite as S
 from analysis.figures import cka_heatmap, save, subplots
 from analysis.head_subsets import head_subset_cka, head_subset_figure
-from analysis.measure import as_list, load_result, save_result
+from analysis.measure import MeasureError, as_list, load_result, save_result
 from analysis.measures.cka import cka_layers
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, arch_of
@@ -363,39 +364,78 @@ class _Writer:
 def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force: bool = False, tensorboard: bool = True,
                 progress: bool = True) -> dict:
     """Run the suite on ``steps`` (default: every checkpoint) of ``run``, reusing cached results.
-    Returns {"computed": [(step, measure)], "reused": [(step, measure)], "steps": [...]}."""
+    Returns {"computed": [(step, measure)], "reused": [(step, measure)], "steps": [...], "skipped": [...]}: steps whose
+    checkpoint was deleted while this ran (pruned by a trainer still running) are skipped, not reported as damaged."""
     opts = opts or S.SuiteOptions()
     steps = sorted(run.step(s) for s in (steps or sorted(run.checkpoints)))
     data, fp = load_data(run), fingerprint(run)
     problem = S.problem(data, opts)  # e.g. too few probe-train images for the shots: one sentence, nothing written
     if problem:
         raise AnalysisError(f"run {run.path}: {problem}")
-    stats: dict = {"computed": [], "reused": [], "steps": steps}
-    # every checkpoint is checked before any result is written (a corrupted one stops the run here, not midway)
-    wkeys = {step: weights_key(run, step) for step in steps}
-    if not run.external:
-        for step in steps:
-            try:
-                verify_checkpoint(run.checkpoints[step])
-            except CheckpointError as e:
-                raise AnalysisError(str(e)) from None
-            part_prefix(run, step)
+    stats: dict = {"computed": [], "reused": [], "steps": steps, "skipped": []}
+    # every checkpoint is checked before any result is written (a corrupted one stops the run here, not midway); one
+    # that a trainer still running pruned since the run was opened is skipped (stats["skipped"])
+    wkeys = {}
+    for step in steps:
+        try:
+            wkeys[step] = weights_key(run, step)
+            if not run.external:
+                try:
+                    verify_checkpoint(run.checkpoints[step])
+                except CheckpointError as e:
+                    raise AnalysisError(str(e)) from None
+                part_prefix(run, step)
+        except AnalysisError:
+            if not pruned(run, step):
+                raise
+            stats["skipped"].append(step)
+            wkeys.pop(step, None)
+    all_gone = AnalysisError(f"the checkpoints of run {run.path} to analyse ({', '.join(map(str, steps))}) were deleted while being "
+                             "analysed (a trainer still running keeps only its last train.keep_last): analyse newer ones, e.g. --steps last.")
+    if not wkeys:
+        raise all_gone
     writer = _Writer(run, tensorboard)
     try:
-        for step in tqdm(steps, desc=f"analyse {run.name}", disable=not progress, unit="ckpt"):
+        for step in tqdm(list(wkeys), desc=f"analyse {run.name}", disable=not progress, unit="ckpt"):
             out = step_dir(run, step)
             keys = {n: storage.cache_key(wkeys[step], fp, opts.settings(n), n) for n in opts.measures}
             todo = [n for n in opts.measures if force or not storage.is_cached(out, n, keys[n])]
             stats["reused"] += [(step, n) for n in opts.measures if n not in todo]
             if not todo:
                 continue
-            model = load_model(run, step, data)
-            res = S.run_suite(model, data, opts, measures=todo)
+            try:
+                model = load_model(run, step, data)
+            except AnalysisError:
+                if not pruned(run, step):
+                    raise
+                stats["skipped"].append(step)
+                continue
+            try:
+                res = S.run_suite(model, data, opts, measures=todo)
+            except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
+                raise AnalysisError(f"run {run.path}: {e}") from None
             stats["computed"] += [(step, n) for n in res if n != "meta"]
             publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
     finally:
         writer.close()
+    stats["steps"] = [s for s in steps if s not in stats["skipped"]]
+    if not stats["steps"]:
+        raise all_gone
     return stats
+
+
+def pruned(run: Run, step: int, wait_s: float = 2.0) -> bool:
+    """Whether checkpoint ``step`` was deleted since the run was opened (a trainer still running prunes those beyond
+    ``train.keep_last``) rather than damaged: its folder is gone, or goes within ``wait_s`` (a deletion under way)."""
+    if run.external:
+        return False
+    path = run.checkpoints[step]
+    deadline = time.monotonic() + wait_s
+    while path.exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def publish_step(run: Run, step: int, res: dict, writer, keys: dict) -> None:

@@ -20,8 +20,12 @@ analysis images (:func:`data_fingerprint`), the measure's name and what the meas
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import threading
 from pathlib import Path
 
 import torch
@@ -113,9 +117,21 @@ def readable(path: Path) -> bool:
         return False
 
 
+def read_summary(out_dir: Path) -> dict | None:
+    """summary.json of a results folder, or None when it is missing or unreadable (garbled, or not a mapping)."""
+    try:
+        d = json.loads((Path(out_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
 def is_cached(out_dir: Path, name: str, key: str) -> bool:
+    """A result of ``name`` with this key that reads back whole, its key numbers in a readable summary.json (an
+    unreadable one is rewritten: the measure is recomputed, as for a garbled .npz)."""
     f = Path(out_dir) / f"{name}.npz"
-    return cached_keys(out_dir).get(name) == key and f.is_file() and readable(f)
+    return (cached_keys(out_dir).get(name) == key and f.is_file() and readable(f)
+            and name in (read_summary(out_dir) or {}))
 
 
 def summary_of(res: dict) -> dict:
@@ -124,10 +140,32 @@ def summary_of(res: dict) -> dict:
     return {"meta": res.get("meta", {}), **{k: reg[k].summary(v) for k, v in res.items() if k in reg}}
 
 
+def temp_name(path: Path, suffix: str = "") -> Path:
+    """A temporary name beside ``path``, unique to this process and thread (two analyses of one run write the same
+    folders), ending in ``suffix`` (np.savez appends .npz to a name without it)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp{suffix}")
+
+
 def atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    tmp = temp_name(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """``fcntl.flock`` on the folder itself, for a read-merge-write of its summary.json / cache.json: two analyses
+    writing one folder at once keep each other's entries."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def write_results(res: dict, out_dir: Path, step: int | None = None, keys: dict | None = None) -> Path:
@@ -138,24 +176,27 @@ def write_results(res: dict, out_dir: Path, step: int | None = None, keys: dict 
     reg = registry()
     for name, r in res.items():
         if name in reg:
-            tmp = out_dir / f"{name}.tmp.npz"
-            save_result(r, tmp)
-            tmp.replace(out_dir / f"{name}.npz")
-    old = {}
-    if (out_dir / "summary.json").is_file():
-        try:
-            old = json.loads((out_dir / "summary.json").read_text())
-        except ValueError:
-            old = {}
-    atomic_text(out_dir / "summary.json", json.dumps({**old, "step": step, **summary_of(res)}, indent=1))
-    cache = cached_keys(out_dir)
-    for name in res:
-        if name in reg:
-            if keys and keys.get(name):
-                cache[name] = keys[name]
-            else:
-                cache.pop(name, None)
-    atomic_text(out_dir / "cache.json", json.dumps(cache, indent=1))
+            tmp = temp_name(out_dir / name, ".npz")
+            try:
+                save_result(r, tmp)
+                tmp.replace(out_dir / f"{name}.npz")
+            finally:
+                tmp.unlink(missing_ok=True)
+    with folder_lock(out_dir):
+        old = read_summary(out_dir)
+        if old is None:  # none yet, or unreadable: the key numbers of the other results in the folder, from their files
+            others = {n: load_result(out_dir / f"{n}.npz") for n in reg
+                      if n not in res and (out_dir / f"{n}.npz").is_file() and readable(out_dir / f"{n}.npz")}
+            old = {k: v for k, v in summary_of(others).items() if k != "meta"}
+        atomic_text(out_dir / "summary.json", json.dumps({**old, "step": step, **summary_of(res)}, indent=1))
+        cache = cached_keys(out_dir)
+        for name in res:
+            if name in reg:
+                if keys and keys.get(name):
+                    cache[name] = keys[name]
+                else:
+                    cache.pop(name, None)
+        atomic_text(out_dir / "cache.json", json.dumps(cache, indent=1))
     return out_dir
 
 
@@ -163,8 +204,7 @@ def load_results(out_dir: Path, measures=None) -> dict:
     """A suite result read back from ``out_dir`` (the measures present there, or those named)."""
     out_dir = Path(out_dir)
     reg = registry()
-    meta = json.loads((out_dir / "summary.json").read_text()).get("meta", {}) if (out_dir / "summary.json").is_file() else {}
-    res = {"meta": meta}
+    res = {"meta": (read_summary(out_dir) or {}).get("meta", {})}
     for name in measures or sorted(reg):
         f = out_dir / f"{name}.npz"
         if f.is_file():

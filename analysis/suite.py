@@ -71,8 +71,8 @@ def parse_opt_args(items: list[str]) -> dict:
             raise MeasureError(f"--opt '{item}' is not MEASURE.OPTION=VALUE: write e.g. --opt knn.k=10.")
         try:
             out.setdefault(measure, {})[opt] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise MeasureError(f"--opt '{item}': the value is not valid YAML.") from None
+        except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an integer of over 4300 digits
+            raise MeasureError(f"--opt '{key}': the value is not valid YAML, or too long or too deeply nested to read.") from None
     return out
 
 
@@ -110,6 +110,18 @@ def problem(data, opts: SuiteOptions) -> str | None:
         p = reg[name].problem(data, opts.of(name))
         if p:
             return f"measure {name}: {p}"
+    return None
+
+
+def model_problem(ctx: Context, opts: SuiteOptions, measures=None) -> str | None:
+    """One sentence if a measure of ``measures`` (default ``opts.measures``) that applies to the model of ``ctx``
+    cannot run on it with its options (:meth:`analysis.measure.Measure.model_problem`)."""
+    reg = registry()
+    for name in resolve_all(measures if measures is not None else opts.measures):
+        if reg[name].applies(ctx):
+            p = reg[name].model_problem(ctx, opts.of(name))
+            if p:
+                return f"measure {name}: {p}"
     return None
 
 
@@ -164,6 +176,9 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
     if p:
         raise MeasureError(p)
     ctx = make_context(model, data, opts.batch_size, accelerator)
+    p = model_problem(ctx, opts, names)
+    if p:
+        raise MeasureError(p)
     reg = registry()
     was_training = model.training
     model.eval()

@@ -42,6 +42,14 @@ def test_bad_input_is_one_sentence():
         analyze(model, torch.rand(8, 28, 28))
     with pytest.raises(ValueError, match="probe_images="):  # probes need images to train on, named as the API names them
         analyze(model, torch.rand(8, 1, 28, 28), torch.arange(8) % 2, measures=["fewshot_probe"])
+    # images the model cannot take (torch's and timm's own errors, in one sentence), a model the taps do not know
+    for x, says in ((torch.rand(8, 3, 28, 28), "to have 1 channels"), (torch.rand(8, 1, 32, 32), "Input height (32)")):
+        with pytest.raises(ValueError, match=r"the model cannot take images of shape .*" + re.escape(says)):
+            analyze(model, x, measures=["cka"], batch_size=4)
+    with pytest.raises(ValueError, match="not Sequential"):
+        analyze(torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3)), torch.rand(8, 1, 28, 28), measures=["cka"], batch_size=4)
+    with pytest.raises(ValueError, match="repr=cls reads the class token"):  # a GAP ViT has none
+        analyze(tiny_vit(class_token=False), torch.rand(8, 1, 28, 28), measures=["cka"], options={"cka": {"repr": "cls"}}, batch_size=4)
 
 
 def test_activations_stream_the_taps_to_a_dict_and_to_disk(tmp_path):

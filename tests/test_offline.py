@@ -1,5 +1,6 @@
 """Offline analysis (python -m analysis, analysis.reports.compare): same numbers as at training time, cached, cross-run
 CKA, reports, and one sentence + exit 2 for every bad input."""
+import json
 import os
 import shutil
 from pathlib import Path
@@ -164,6 +165,9 @@ def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path
     _bad(capsys, [str(run), "--opt", "token_probes.seeds=a,b"], "must be an integer", tmp_path)
     _bad(capsys, [str(run), "--opt", "knn=3"], "MEASURE.OPTION=VALUE", tmp_path)
     _bad(capsys, [str(run), "--measures", "fewshot_probe", "--opt", "fewshot_probe.shots=20"], "probe_train_size to at least 400", tmp_path)
+    resnet = tmp_path / "resnet"
+    shutil.copytree(runs["resnet"], resnet)
+    _bad(capsys, [str(resnet), "--measures", "cka", "--opt", "cka.repr=cls"], "repr=cls reads the class token", tmp_path)
     argv = [str(run), "--batch-size", "62"]  # 64 images: a last minibatch of 2, too few for minibatch CKA
     before = _tree(tmp_path)
     assert main(argv + ARGS[2:]) == 2 and "leave a last minibatch of 2" in capsys.readouterr().err and _tree(tmp_path) == before
@@ -210,3 +214,92 @@ def test_a_truncated_cached_result_is_recomputed(runs, tmp_path, monkeypatch):
 def test_launch_sh_analyze_is_wired():
     text = (Path(__file__).resolve().parents[1] / "launch.sh").read_text()
     assert "analyze)" in text and "-m analysis" in text and os.access(Path(__file__).resolve().parents[1] / "launch.sh", os.X_OK)
+
+
+def test_checkpoints_pruned_while_analysing_are_skipped(runs, tmp_path, monkeypatch, capsys):
+    """A trainer still running prunes checkpoints beyond train.keep_last while a run is analysed: one deleted after the
+    run was opened (before its checksums are read) and one deleted while another is analysed are skipped, in one line,
+    not reported as damaged (no advice to delete anything); the rest is analysed and the report written."""
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    real_open = O.open_run
+
+    def open_then_prune(*a, **k):
+        r = real_open(*a, **k)
+        shutil.rmtree(run / "checkpoints" / "step_0000004")
+        return r
+
+    monkeypatch.setattr(O, "open_run", open_then_prune)
+    assert main([str(run), *ARGS]) == 0
+    cap = capsys.readouterr()
+    assert "delete the folder" not in cap.out + cap.err and "not written by vitlab" not in cap.err, cap
+    assert "skipped step(s) 4: deleted while being analysed" in cap.out and "(steps 8)" in cap.out, cap.out
+    assert check_report(run / "report.md") == []
+    monkeypatch.setattr(O, "open_run", real_open)
+    # deleted while the earlier one is computed (--force: nothing is reused)
+    run2 = tmp_path / "vit2"
+    shutil.copytree(runs["vit"], run2)
+    real = S.run_suite
+
+    def suite_then_prune(*a, **k):
+        shutil.rmtree(run2 / "checkpoints" / "step_0000008", ignore_errors=True)
+        return real(*a, **k)
+
+    monkeypatch.setattr(S, "run_suite", suite_then_prune)
+    assert main([str(run2), "--force", *ARGS]) == 0
+    cap = capsys.readouterr()
+    assert "skipped step(s) 8" in cap.out and "(steps 4)" in cap.out and "delete the folder" not in cap.out + cap.err, cap
+
+
+def test_two_analyses_writing_one_folder_at_once(runs, tmp_path):
+    """Two analyses of one run (threads here; processes alike) write results into the same folder at once: no write
+    trips over the other's temporary files, and cache.json / summary.json keep both measures' entries."""
+    import threading
+
+    from analysis import storage
+
+    res = storage.load_results(runs["vit"] / "analysis" / "step_0000008", ["cka", "norm_ratio"])
+    out = tmp_path / "step_0000008"
+    errors = []
+
+    def write(name):
+        try:
+            for i in range(60):
+                storage.write_results({"meta": res["meta"], name: res[name]}, out, 8, {name: f"{name}-{i}"})
+                storage.atomic_text(out / "note.txt", name)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in ("cka", "norm_ratio")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert storage.cached_keys(out) == {"cka": "cka-59", "norm_ratio": "norm_ratio-59"}
+    import json
+
+    assert {"cka", "norm_ratio"} <= set(json.loads((out / "summary.json").read_text()))
+    assert sorted(p.name for p in out.iterdir()) == ["cache.json", "cka.npz", "norm_ratio.npz", "note.txt", "summary.json"]
+
+
+@pytest.mark.parametrize("garbage", [b"{not json", b"[1, 2]"])
+def test_an_unreadable_summary_json_is_rewritten(garbage, runs, tmp_path, monkeypatch, capsys):
+    """summary.json garbled or not a mapping: the step's measures are recomputed (as for a garbled .npz) and the
+    summary rewritten whole, the report written; no traceback."""
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    f = run / "analysis" / "step_0000004" / "summary.json"
+    good = json.loads(f.read_text())
+    f.write_bytes(garbage)
+    calls = []
+    real = S.run_suite
+    monkeypatch.setattr(S, "run_suite", lambda *a, **k: calls.append(k.get("measures")) or real(*a, **k))
+    assert main([str(run), *ARGS]) == 0
+    assert calls == [["cka", "norm_ratio", "attention_distance", "fewshot_probe"]], calls
+    assert set(json.loads(f.read_text())) == set(good)
+    assert check_report(run / "report.md") == [] and "## Step 4" in (run / "report.md").read_text()
+    # garbled again, and only one measure asked for: the others' key numbers come back from their files
+    f.write_bytes(garbage)
+    assert main([str(run), "--measures", "cka", *ARGS]) == 0
+    assert set(json.loads(f.read_text())) == set(good)

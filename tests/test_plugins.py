@@ -124,6 +124,9 @@ def test_every_measure_has_options_that_are_checked():
     assert S.parse_opt_args(["knn.k=10", "fewshot_probe.seeds=[0, 1]"]) == {"knn": {"k": 10}, "fewshot_probe": {"seeds": [0, 1]}}
     with pytest.raises(MeasureError, match="MEASURE.OPTION=VALUE"):
         S.parse_opt_args(["knn=10"])
+    for value in ("9" * 5000, "[" * 20000 + "]" * 20000):  # Python's int() limit; the parser's recursion limit
+        with pytest.raises(MeasureError, match="too long or too deeply nested"):
+            S.parse_opt_args([f"knn.k={value}"])
 
 
 def test_cache_keys_cover_only_the_measures_own_options():

@@ -130,7 +130,29 @@ BAD_INPUT = [
     (b"{}\n", ["run.name=../../x"], ["run.name", "folder name"]),
     (b"{}\n", ["run.name=a/b"], ["run.name", "folder name"]),
     (b"{}\n", ["run.name=.."], ["run.name", "folder name"]),
+    (b"seed: 4294967296\n", [], ["'seed'", "<= 4294967295"]),  # numpy's global seed is 32-bit
+    (b"{}\n", ["seed=4294967296"], ["'seed'", "<= 4294967295"]),
+    (b"model: {depth: " + b"9" * 5000 + b"}\n", [], ["number too long to read"]),
+    (b"{}\n", ["seed=" + "9" * 5000], ["'seed' must be int", "(5002 characters)"]),
+    (b"model: {depth: " + b"[" * 20000 + b"]" * 20000 + b"}\n", [], ["nests lists or mappings too deeply"]),
+    (b"{}\n", ["model.depth=" + "[" * 20000 + "]" * 20000], ["'model.depth' must be int", "(40002 characters)"]),
 ]
+
+
+def test_the_largest_seed_trains():
+    """seed 2**32 - 1, the largest the recipe takes, seeds everything the trainer seeds."""
+    from accelerate.utils import set_seed
+
+    from train.seeding import reseed_step, step_generator
+    from train.splits import EpochBatchSampler
+
+    r = load_recipe(ROOT / "recipes/tiny.yaml", [f"seed={2**32 - 1}"])
+    set_seed(r.seed)
+    reseed_step(r.seed, 10**7, 7)
+    step_generator(r.seed, 10**7, 7, "cpu")
+    s = EpochBatchSampler(64, 8, r.seed, 1, 2)
+    s.set_epoch(10**5)
+    assert len(list(s)) == 4
 
 
 @pytest.mark.parametrize("raw,overrides,words", BAD_INPUT, ids=[str(i) for i in range(len(BAD_INPUT))])
@@ -199,3 +221,16 @@ def test_resume_may_change_lr_cadence_and_extend_steps_but_not_the_model(write_r
     assert lrs[6] == pytest.approx(lr_at(5, more.train))
     with pytest.raises(RecipeError, match="different recipe.*model.depth"):
         train(load_recipe(p, ["train.steps=8", "model.depth=3", "run.name=tiny"]), resume=True, progress=False)
+
+
+def test_measure_options_the_model_cannot_serve_are_refused_before_training(write_recipe, tmp_path, capsys):
+    """cka with repr=cls on a GAP ViT (no class token): --check (what launch.sh runs first) and the trainer refuse it
+    in one sentence, exit 2, before the run folder exists (it used to train to the first checkpoint and fail there)."""
+    p = write_recipe(model={"head": "gap"}, callbacks=[{"name": "cka", "repr": "cls"}])
+    for extra in (["--check"], ["--no-progress"]):
+        assert main([str(p), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: callback 'cka': measure cka: option repr=cls reads the class token") and err.count("\n") == 1, err
+        assert not (tmp_path / "runs").exists()
+    p = write_recipe(model={"head": "gap"}, callbacks=[{"name": "analysis_suite", "measures": ["cka"], "cka": {"repr": "cls"}}])
+    assert main([str(p), "--check"]) == 2 and "repr=cls" in capsys.readouterr().err

@@ -197,6 +197,47 @@ def test_signal_stops_cleanly_with_a_checkpoint(sig, driver, write_recipe, tmp_p
     assert not (tmp_path / "runs/tiny/result.json").exists()
 
 
+def test_a_signal_while_the_stopped_trainer_exits_changes_nothing(write_recipe, tmp_path):
+    """After "stopped at step N" the process only exits (here an exit hook holds it 2 s); a second SIGTERM then (a
+    repeated Ctrl-C, a launcher signalling again) must not kill it: exit 0, not 143."""
+    exiting = tmp_path / "exiting"
+    d = tmp_path / "driver_exit.py"
+    d.write_text(DRIVER.replace("from train.cli import main", "import atexit\n"
+                                f"atexit.register(lambda: (Path({str(exiting)!r}).touch(), time.sleep(2)))\nfrom train.cli import main"))
+    p = write_recipe(callbacks=[pause(tmp_path, 3)])
+    a = start(train_cmd(d, p), tmp_path, "a")
+    wait_for(tmp_path / "paused3.0", a)
+    a.send_signal(signal.SIGTERM)
+    Path(f"{tmp_path / 'paused3'}.release").touch()
+    wait_for(exiting, a)
+    a.send_signal(signal.SIGTERM)
+    rc, out = finish(a)
+    assert rc == 0 and out.strip().splitlines()[-1] == "stopped at step 3; --resume continues", (rc, out[-3000:])
+
+
+@pytest.mark.slow
+def test_launch_sh_several_processes_three_ctrl_c(write_recipe, tmp_path):
+    """Ctrl-C three times to VITLAB_NPROC=2 ./launch.sh (the last ones after the trainers stopped): the trainers
+    checkpoint and stop once, exit 0, and accelerate launch reports no failed child."""
+    p = write_recipe(train={"steps": 100000, "checkpoint_every": 3, "eval_every": 0})
+    log = tmp_path / "l.log"
+    with open(log, "w") as out_f:
+        a = subprocess.Popen([str(ROOT / "launch.sh"), str(p), "--no-progress"], cwd=ROOT, env={**_env(), "VITLAB_NPROC": "2"},
+                             stdout=out_f, stderr=subprocess.STDOUT, start_new_session=True)
+    a.log_path = log
+    wait_for(tmp_path / "runs/tiny/checkpoints/step_0000003", a)
+    a.send_signal(signal.SIGINT)
+    t0 = time.time()
+    while "stopped at step" not in log.read_text() and time.time() - t0 < 120:
+        time.sleep(0.05)
+    for _ in range(2):
+        a.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+    rc, out = finish(a, timeout=120)
+    assert rc == 0 and "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    assert out.count("stopped at step") == 1, out[-3000:]
+
+
 def test_launch_sh_several_processes_bad_recipe_is_one_sentence(write_recipe, tmp_path):
     """VITLAB_NPROC=2 ./launch.sh with a misspelt key: the recipe is checked before accelerate starts any process, so
     the user reads one sentence and exit 2 (not an error per process and accelerate's traceback), nothing written."""
@@ -400,8 +441,12 @@ def test_result_json_after_death_past_final_checkpoint_counts_every_segment(writ
     assert result["step"] == 8 and result["wall_s"] == final_wall and 0 <= result["top1"] <= 1
 
 
-def test_full_disk_during_a_checkpoint(write_recipe, tmp_path, monkeypatch, capsys):
-    """ENOSPC while writing step 8: one sentence, exit 2, no staging folder left, step 4 intact and resumable."""
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("raised", ["OSError", "SafetensorError"])
+def test_full_disk_during_a_checkpoint(raised, write_recipe, tmp_path, monkeypatch, capsys):
+    """ENOSPC while writing step 8: one sentence, exit 2, no staging folder left, step 4 intact and resumable. safetensors
+    reports a full disk as its own SafetensorError (torch.save as a RuntimeError), not as an OSError."""
+    import safetensors
     from accelerate import Accelerator
 
     from train.cli import main
@@ -411,7 +456,9 @@ def test_full_disk_during_a_checkpoint(write_recipe, tmp_path, monkeypatch, caps
     def full(self, output_dir=None, **kw):
         real(self, output_dir, **kw)  # the files are (partly) there, then the disk is full
         if output_dir.endswith("step_0000008"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if raised == "OSError":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(Accelerator, "save_state", full)
     p = write_recipe()
@@ -422,8 +469,69 @@ def test_full_disk_during_a_checkpoint(write_recipe, tmp_path, monkeypatch, caps
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000004"]
     verify_checkpoint(ckpts / "step_0000004")
     monkeypatch.setattr(Accelerator, "save_state", real)
+    if raised == "SafetensorError":  # --resume while the disk is still full: TensorBoard's writer thread fails first
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        def no_space(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        with monkeypatch.context() as m:
+            m.setattr(RecordWriter, "write", no_space)
+            assert main([str(p), "--no-progress", "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot write ") and len(err.strip().splitlines()) == 1, err
+        assert "No space left on device" in err and "--resume continues from step_0000004" in err, err
     assert main([str(p), "--no-progress", "--resume"]) == 0
     assert json.loads((tmp_path / "runs/tiny/result.json").read_text())["step"] == 8
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (root only: skipped where it cannot be mounted), unmounted afterwards."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:80]})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(disk: Path, name: str, leave_kib: int) -> None:
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    subprocess.run(["fallocate", "-l", str(max(0, free - leave_kib * 1024)), str(disk / name)], check=True)
+
+
+@pytest.mark.slow
+def test_a_really_full_disk(small_disk, write_recipe, capsys):
+    """A real full disk (tmpfs): a checkpoint that does not fit (safetensors' and torch.save's errors), then --resume
+    while it is still full (TensorBoard's events cannot be written): one sentence naming the path, exit 2, no staging
+    folder, step 4 intact; once space is back, --resume finishes the run exactly as a straight one."""
+    from train.cli import main
+
+    straight = train(load_recipe(write_recipe("straight")), progress=False)
+    args = [str(write_recipe()), "--no-progress", "--set", f"run.root={small_disk / 'runs'}"]
+    ckpts = small_disk / "runs/tiny/checkpoints"
+    assert main([*args, "--stop-after", "4"]) == 0
+    capsys.readouterr()
+    for name, leave in (("a", 120), ("b", 40), ("c", 0)):  # room for the weights, not the optimizer; for neither; none
+        _fill(small_disk, name, leave)
+        assert main([*args, "--resume"]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot write ") and len(err.strip().splitlines()) == 1, err
+        assert "No space left on device" in err and "step_0000004" in err and str(small_disk) in err, err
+        assert sorted(c.name for c in ckpts.iterdir()) == ["step_0000004"]
+    verify_checkpoint(ckpts / "step_0000004")
+    for name in "abc":
+        (small_disk / name).unlink()
+    assert main([*args, "--resume"]) == 0
+    from safetensors.torch import load_file
+
+    a = load_file(str(Path(straight["run_dir"]) / "checkpoints/step_0000008/model.safetensors"))
+    b = load_file(str(ckpts / "step_0000008/model.safetensors"))
+    assert all((a[k] == b[k]).all() for k in a)
 
 
 def test_read_only_run_folder(write_recipe, capsys):

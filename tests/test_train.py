@@ -160,6 +160,23 @@ def test_stop_after_checkpoints_there_and_resumes_exactly(write_recipe):
     assert read_scalars(Path(straight["run_dir"]))["train/loss"] == read_scalars(Path(resumed["run_dir"]))["train/loss"]
 
 
+def test_resume_is_exact_when_it_starts_an_epoch(write_recipe):
+    """Stopped at the last step of an epoch (512 images / 32 = 16 batches), resumed: the resumed run creates its
+    DataLoader iterator at start-up, the straight one when the epoch runs out mid-loop; neither may move torch's
+    global RNG, which the step's shift / flip (on by default) and dropout draw from."""
+    from train.trainer import TrainingStopped
+
+    kw = dict(train={"steps": 18, "checkpoint_every": 0, "eval_every": 0, "log_every": 2})
+    straight = train(load_recipe(write_recipe("straight", **kw)), progress=False)
+    p = write_recipe("paused", **kw)
+    with pytest.raises(TrainingStopped):
+        train(load_recipe(p), progress=False, stop_after=16)
+    resumed = train(load_recipe(p), resume=True, progress=False)
+    wa, wb = _final_weights(Path(straight["run_dir"])), _final_weights(Path(resumed["run_dir"]))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert read_scalars(Path(straight["run_dir"]))["train/loss"] == read_scalars(Path(resumed["run_dir"]))["train/loss"]
+
+
 def test_resume_with_grad_accum_across_epoch_boundary(write_recipe):
     """Accumulation windows that straddle an epoch end resume exactly too (512 imgs / 96 = 5 batches/epoch)."""
     kw = dict(train={"batch_size": 96, "grad_accum": 2, "steps": 6, "checkpoint_every": 3, "eval_every": 0, "log_every": 1})

@@ -104,9 +104,14 @@ class Callback:
         if options:
             raise TypeError(f"callback {type(self).__name__} takes no options {sorted(options)}")
 
+    def check_recipe(self, recipe) -> None:
+        """Raise RecipeError (one sentence) if this callback cannot run on this recipe's model, before any data is
+        read (``--check``, which ``./launch.sh`` runs before starting several processes)."""
+
     def validate(self, recipe, data) -> None:
-        """Raise RecipeError (one sentence) if this callback cannot run on this recipe's data; called before
-        the run folder is written."""
+        """Raise RecipeError (one sentence) if this callback cannot run on this recipe's model and data; called
+        before the run folder is written (the default: :meth:`check_recipe`)."""
+        self.check_recipe(recipe)
 
     def on_train_start(self, ctx: TrainContext) -> None: ...
 
@@ -135,6 +140,10 @@ class CallbackList:
                 getattr(cb, hook)(ctx)
                 ran = True
         return time.perf_counter() - t0 if ran else 0.0
+
+    def check_recipe(self, recipe) -> None:
+        for cb in self.callbacks:
+            cb.check_recipe(recipe)
 
     def validate(self, recipe, data) -> None:
         for cb in self.callbacks:

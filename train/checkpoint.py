@@ -38,7 +38,15 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _failed_anywhere(accelerator, err: OSError | None) -> OSError | bool | None:
+def _write_error(e: Exception) -> str:
+    """What a failed write says, in a few words: an OSError's strerror (and file), or the writer's own message
+    (safetensors raises SafetensorError, torch.save RuntimeError, on a full disk)."""
+    if isinstance(e, OSError):
+        return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+def _failed_anywhere(accelerator, err: Exception | None) -> Exception | bool | None:
     """Collective: this process's error, or True when only another process failed, or None."""
     if accelerator.num_processes == 1:
         return err
@@ -67,7 +75,7 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, meta: dict, keep_la
     if err is None:
         try:
             accelerator.save_state(str(staging), safe_serialization=True)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - safetensors (SafetensorError) and torch.save (RuntimeError) wrap ENOSPC
             err = e
         err = _failed_anywhere(accelerator, err)
     if err is None and accelerator.is_main_process:
@@ -84,17 +92,29 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, meta: dict, keep_la
     if accelerator.num_processes > 1:
         err = _failed_anywhere(accelerator, err)
     if err is not None:
+        done = list_checkpoints(ckpt_root, warn=False)
+        why = _write_error(err) if isinstance(err, Exception) else "a write failed on another process"
+        if not isinstance(err, OSError) and done and _disk_full(ckpt_root, done[-1]):
+            why = f"No space left on device: {why}"  # torch.save says only e.g. "unexpected pos 35584 vs 35476"
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
         accelerator.wait_for_everyone()
-        why = err.strerror or str(err) if isinstance(err, OSError) else "a write failed on another process"
-        done = list_checkpoints(ckpt_root, warn=False)
         keep = f"{done[-1].name} is intact and --resume continues from it" if done else "no earlier checkpoint exists"
         raise CheckpointError(f"cannot write checkpoint {final} ({why}); {keep}: free space in {ckpt_root} or make it writable.")
     if accelerator.is_main_process:
         prune(ckpt_root, keep_last)
     accelerator.wait_for_everyone()
     return final
+
+
+def _disk_full(ckpt_root: Path, last: Path) -> bool:
+    """Whether the file system of ``ckpt_root`` has less room than the last checkpoint takes (a failed write's staging
+    folder still there): a writer that hides ENOSPC failed for want of space."""
+    try:
+        size = sum(f.stat().st_size for f in last.iterdir() if f.is_file())
+        return shutil.disk_usage(ckpt_root).free < size
+    except OSError:
+        return False
 
 
 def prune(ckpt_root: Path, keep_last: int) -> None:

@@ -1,16 +1,17 @@
 """``python -m train`` / ``accelerate launch -m train``: train one recipe.
 
 Exit codes: 0 done, or stopped cleanly; 1 training diverged (NaN/inf); 2 bad input (recipe, data, checkpoint,
-run folder in use / not writable / nothing to resume, a full disk at a checkpoint), with one sentence on stderr
+run folder in use / not writable / nothing to resume, a full disk), with one sentence on stderr
 naming the problem and what to do, before anything is written (a failed checkpoint write leaves the earlier ones).
 
 Clean stops: SIGTERM (a preempted job, ``kill``, the launcher stopping) and SIGINT (Ctrl-C) finish the current
 step, checkpoint it, print ``stopped at step N; --resume continues`` and exit **0**: the run is intact and
 resumable, nothing failed, and ``accelerate launch`` / torchrun report any other exit code of their workers as
-a crash with a traceback. Further signals while stopping are ignored (SIGKILL forces). Under a launcher
-(``accelerate launch``, torchrun) on Linux each trainer asks the kernel for SIGTERM when its launcher dies
-(``prctl(PR_SET_PDEATHSIG)``), so a launcher killed even with SIGKILL leaves no trainer behind: they
-checkpoint and stop. Not when started directly (``nohup python -m train`` must outlive its shell).
+a crash with a traceback. Further signals while stopping, and until the process has exited, are ignored
+(SIGKILL forces). Under a launcher (``accelerate launch``, torchrun) on Linux each trainer asks the kernel for
+SIGTERM when its launcher dies (``prctl(PR_SET_PDEATHSIG)``), so a launcher killed even with SIGKILL leaves no
+trainer behind: they checkpoint and stop. Not when started directly (``nohup python -m train`` must outlive its
+shell).
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def die_with_launcher() -> bool:
 def preflight(recipe, overrides: list, resume) -> None:
     """What ``--check`` verifies beyond the recipe, with the trainer's and the data layer's own rules and messages, in
     the trainer's order, without training or writing (it reads, and takes the run folder's lock while it reads, as the
-    trainer does): the callbacks' options; the run folder (not in use by a live trainer; no checkpoints unless
+    trainer does): the callbacks' options (and against the recipe's model); the run folder (not in use by a live trainer; no checkpoints unless
     --resume; with --resume, a complete checkpoint whose files match their checksums, trained with this recipe:
     :func:`train.trainer.prepare_run`); that the data source opens (:func:`train.sources.check_source`, which reads no
     images). Left to the trainer: whether the checkpoint's tensors load into the model, and the number of processes
@@ -104,7 +105,7 @@ def preflight(recipe, overrides: list, resume) -> None:
     from train.sources import check_source
     from train.trainer import RunLock, prepare_run, run_dir_for
 
-    build_callbacks(recipe.callbacks)
+    build_callbacks(recipe.callbacks).check_recipe(recipe)
     run_dir = run_dir_for(recipe, overrides)
     lock = RunLock(run_dir)
     try:
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
 
     from train.checkpoint import CheckpointError
     from train.data import DataError
-    from train.trainer import RunFolderError, TrainingDiverged, TrainingStopped, train
+    from train.trainer import RunFolderError, StopSignals, TrainingDiverged, TrainingStopped, train
 
     if args.check:
         try:
@@ -149,6 +150,8 @@ def main(argv=None) -> int:
         return 0
 
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    if argv is None:  # the process entry point: once the run is over, SIGTERM / SIGINT no longer kill the exiting process
+        StopSignals.ignore_after = True
     try:
         summary = train(recipe, overrides=list(args.overrides), resume=args.resume, progress=not args.no_progress,
                         allow_process_change=args.allow_process_change, stop_after=args.stop_after)

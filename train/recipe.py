@@ -205,7 +205,7 @@ RESUMABLE: tuple[str, ...] = (
 @dataclass
 class Recipe:
     name: str = "recipe"
-    seed: int = field(default=0, metadata=_range(0))
+    seed: int = field(default=0, metadata=_range(0, 2**32 - 1))  # numpy's legacy global seed (accelerate's set_seed) is 32-bit
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -327,6 +327,10 @@ def _yaml(text: str, where: str):
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
         raise RecipeError(f"{where} is not valid YAML{at}: fix the syntax there.") from None
+    except RecursionError:
+        raise RecipeError(f"{where} nests lists or mappings too deeply to read: no recipe key needs more than a few levels.") from None
+    except ValueError as e:  # Python refuses to convert an integer of more than sys.get_int_max_str_digits() digits
+        raise RecipeError(f"{where} holds a number too long to read ({str(e).split(';')[0]}): no recipe key needs one.") from None
 
 
 def _read_yaml(path: Path) -> dict:
@@ -442,7 +446,9 @@ def _convert(value: Any, tp, key: str):
             return float(value) if tp is float else value
     else:
         raise TypeError(f"unsupported schema type {tp} for {key}")  # a bug in the schema, not in the recipe
-    raise RecipeError(f"key '{key}' must be {_type_name(tp)}, got {value!r}.")
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
+    raise RecipeError(f"key '{key}' must be {_type_name(tp)}, got {shown}.")
 
 
 def _check_range(value, meta: dict, key: str) -> None:

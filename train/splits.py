@@ -115,11 +115,19 @@ class EpochBatchSampler(torch.utils.data.Sampler):
 
     Process ``rank`` of ``world`` takes every world-th index of the permutation, so the union over
     processes of one epoch's batches never repeats an image.
+
+    ``generator``: pass it to the DataLoader (``DataLoader(generator=sampler.generator)``). Creating a DataLoader
+    iterator draws its workers' base seed from the loader's generator, by default torch's global one, which the
+    step's augmentation and dropout draw from: an uninterrupted run creates an epoch's iterator mid-loop, a resumed
+    one at start-up, so the global RNG would differ between them. ``set_epoch`` reseeds this generator from
+    (seed, epoch, rank) instead.
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
         self.n, self.batch_size, self.seed, self.rank, self.world = n, batch_size, seed, rank, world
         self.epoch, self.start_batch = 0, 0
+        self.generator = torch.Generator()
+        self.set_epoch(0)
         if self.batches_per_epoch() == 0:
             raise DataError(f"the train split ({n} images) is smaller than one batch ({batch_size} x {world} processes): lower train.batch_size.")
 
@@ -128,6 +136,7 @@ class EpochBatchSampler(torch.utils.data.Sampler):
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.epoch, self.start_batch = epoch, start_batch
+        self.generator.manual_seed(((self.seed * 1_000_003 + epoch) * 4096 + self.rank) & 0x7FFFFFFFFFFFFFFF)
 
     def __len__(self) -> int:
         return self.batches_per_epoch() - self.start_batch

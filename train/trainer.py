@@ -123,6 +123,10 @@ class StopSignals:
     traceback); repeated signals change nothing (SIGKILL forces). Only the main thread can install handlers."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # set by the command line (train/cli.py, as the process entry point): after the run the process only exits, so
+    # these signals stay ignored rather than fatal; a repeated Ctrl-C or a launcher's second SIGTERM must not kill it
+    # mid-exit and turn a clean stop into exit 143 (and accelerate launch's ChildFailedError)
+    ignore_after = False
 
     def __init__(self):
         self.signum: int | None = None
@@ -140,7 +144,7 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         for s, h in self._old.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if self.ignore_after else h)
         self._old = {}
 
 
@@ -318,10 +322,17 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
     run_dir = run_dir_for(recipe, overrides)
     lock = RunLock(run_dir)
     closing: list = []  # _train's callbacks' on_close, for an exit it did not plan (an exception from anywhere)
-    with StopSignals() as stop:
+    with StopSignals() as stop, _quiet_full_disk_threads():
         try:
             return _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start,
                           stop_after, closing)
+        except OSError as e:  # a full disk (TensorBoard's events, a callback's files): the checkpoints written stay
+            if e.errno not in FULL_DISK:
+                raise
+            done = list_checkpoints(run_dir / "checkpoints", warn=False)
+            keep = f"--resume continues from {done[-1].name}" if done else "no checkpoint had been written yet"
+            raise RunFolderError(f"cannot write {e.filename or run_dir} ({e.strerror}): free space in {run_dir.parent}, then "
+                                 f"{keep}.") from None
         finally:
             for close in closing:  # a no-op when the run already closed its callbacks
                 try:
@@ -329,6 +340,27 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
                 except Exception as e:  # never hide the exception that ended the run
                     print(f"warning: a callback failed while closing ({type(e).__name__}: {e}).", file=sys.stderr, flush=True)
             lock.release()
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+@contextlib.contextmanager
+def _quiet_full_disk_threads():
+    """A full disk in a background writer (TensorBoard's event-file thread) prints no traceback of its own: the writer
+    raises the same error in the training thread at its next write, flush or close, where :func:`train` turns it into
+    one sentence."""
+    old = threading.excepthook
+
+    def hook(args):
+        if not (isinstance(args.exc_value, OSError) and args.exc_value.errno in FULL_DISK):
+            old(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = old
 
 
 def _locked(acc, lock: RunLock, create: bool) -> bool:
@@ -401,7 +433,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     # sampler's EpochBatch carries the epoch there, so order and crops are functions of (seed, epoch) alone
     train_loader = torch.utils.data.DataLoader(
         data.train.dataset(), batch_sampler=sampler, num_workers=recipe.data.num_workers, collate_fn=batch_collate,
-        pin_memory=acc.device.type == "cuda", persistent_workers=False,
+        generator=sampler.generator, pin_memory=acc.device.type == "cuda", persistent_workers=False,
         prefetch_factor=4 if data.train.lazy and recipe.data.num_workers > 0 else None,
     )
     ev_loader = eval_loader(data.eval, t.eval_batch_size, recipe.data.num_workers)

@@ -130,6 +130,13 @@ class CKAMeasure(Measure):
     name = "cka"
     Options = CKAOptions
 
+    @classmethod
+    def model_problem(cls, ctx, opts):
+        if opts.repr == "cls" and ctx.prefix == 0:
+            return (f"option repr=cls reads the class token, and this {ctx.arch} has none (a GAP ViT, a ResNet or a Mixer): "
+                    "use repr mean_spatial or flatten.")
+        return None
+
     def __init__(self, ctx, opts=None):
         super().__init__(ctx, opts)
         self.layers = cka_layers(ctx, self.opts.layers)

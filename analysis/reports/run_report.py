@@ -12,7 +12,7 @@ import numpy as np
 from analysis import storage
 from analysis.figures import save, subplots
 from analysis.measure import as_list, load_result
-from train.checkpoint import read_meta
+from train.checkpoint import CheckpointError, read_meta
 
 
 def fmt(v, digits: int = 3) -> str:
@@ -51,14 +51,14 @@ def evolution(run_path: Path, steps: list[int], evals: dict) -> Path | None:
     """figures/evolution.png: eval top-1, mean off-diagonal CKA and the last block's probe accuracy vs step."""
     series: dict[str, list] = {}
     for s in steps:
-        f = storage.step_dir(run_path, s) / "summary.json"
-        summ = json.loads(f.read_text()) if f.is_file() else {}
+        summ = storage.read_summary(storage.step_dir(run_path, s)) or {}
         if s in evals:
             series.setdefault("eval top-1", []).append((s, evals[s]))
-        if "cka" in summ:
+        if isinstance(summ.get("cka"), dict) and "mean_offdiag" in summ["cka"]:
             series.setdefault("CKA mean off-diagonal", []).append((s, summ["cka"]["mean_offdiag"]))
-        for pool, v in (summ.get("fewshot_probe") or {}).items():
-            if isinstance(v, list):
+        probe = summ.get("fewshot_probe")
+        for pool, v in (probe.items() if isinstance(probe, dict) else []):
+            if isinstance(v, list) and v:
                 series.setdefault(f"probe {pool}, last block", []).append((s, v[-1]))
     if not series or max(len(v) for v in series.values()) < 2:
         return None
@@ -79,11 +79,14 @@ def evolution(run_path: Path, steps: list[int], evals: dict) -> Path | None:
 def write_run_report(run) -> Path:
     """runs/<name>/report.md from the run's saved analyses (every step with a summary.json)."""
     base = run.path
-    steps = sorted(int(p.name.split("_")[1]) for p in (base / "analysis").glob("step_*") if (p / "summary.json").is_file())
+    steps = sorted(int(p.name.split("_")[1]) for p in (base / "analysis").glob("step_*") if storage.read_summary(p) is not None)
     evals = {}
     for s, c in run.checkpoints.items():
         if run.external is None:
-            top1 = read_meta(c).get("eval", {}).get("top1")
+            try:
+                top1 = read_meta(c).get("eval", {}).get("top1")
+            except CheckpointError:  # deleted since the run was opened (a trainer still running prunes old ones)
+                continue
             if top1 is not None:
                 evals[s] = float(top1)
     r = run.recipe
@@ -103,7 +106,7 @@ def write_run_report(run) -> Path:
     if ev is not None:
         lines += ["## Across checkpoints", "", f"![evolution]({_rel(ev, base)})", ""]
     for s in reversed(steps):
-        summ = json.loads((storage.step_dir(base, s) / "summary.json").read_text())
+        summ = storage.read_summary(storage.step_dir(base, s)) or {}
         lines += [f"## Step {s}", ""] + _summary_rows(summ) + [""] + _images(storage.step_dir(base, s, "figures"), base) + [""]
     against_root = base / "analysis" / "against"
     if against_root.is_dir():
@@ -118,9 +121,7 @@ def write_run_report(run) -> Path:
                     lines.append(f"- CKA of same-index layers ({', '.join(as_list(res['labels_a']))}): {fmt(res['same_index'])}")
                 lines += [""] + _images(base / "figures" / "against" / other.name / sd.name, base) + [""]
     out = base / "report.md"
-    tmp = out.with_name("report.md.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(out)
+    storage.atomic_text(out, "\n".join(lines) + "\n")
     return out
 
 
