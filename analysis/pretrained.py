@@ -29,7 +29,6 @@ in its metadata. Needs the ``onnx`` package (the ``dev`` extra, or ``pip install
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import os
 import re
@@ -38,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from train.checkpoint import sha256_file
 
 ARCH = "vit_small_patch14_dinov2"
 IMG_SIZE = 224
@@ -78,14 +79,6 @@ def _onnx():
     import onnx
 
     return onnx
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _depth(names) -> int:
