@@ -57,11 +57,13 @@ before that block is recomputed: per analysis minibatch one unablated forward ca
 (:class:`analysis.taps.Taps`), and each ablation forward runs the model's own ``forward`` on ONE image with a
 forward pre-hook on the target's block that replaces that block's input by the captured one. Ablations of the
 same block run together, k per forward by repeating the minibatch k times (k = ``forward_images`` // minibatch
-size, copy c carrying ablation c). Heads need not even repeat their block's attention: their forward starts with
-the minibatch once, and the pre-hook on ``attn.proj`` expands the heads' output to [k, B, T, C] (copy c with its
-head(s) replaced); the rest of the block is token-wise (proj, LayerScale, the residual add broadcasts, MLP), and a
-forward hook on the block flattens the copies to [k * B, T, C] for the blocks after it. Everything is forward
-hooks on timm's own modules, removed after each forward; nothing of the model is changed.
+size, copy c carrying ablation c). Heads do not even recompute their block's attention: their forward starts at
+``attn.proj`` from the heads' output captured in the unablated forward (tap ``proj_in``) -- a pre-hook on ``attn``
+gives the attention one image of the minibatch to work on, and the pre-hook on ``attn.proj`` replaces its input by
+the captured one, [k, B, T, C] with copy c's head(s) replaced; the rest of the block is token-wise (proj, LayerScale,
+the residual add broadcasts, MLP), and a forward hook on the block flattens the copies to [k * B, T, C] for the
+blocks after it. Everything is forward hooks on timm's own modules, removed after each forward; nothing of the model
+is changed.
 
 A skip path is removed by a forward hook on the branch's last module returning f(z) + r - z, which the block adds to
 z: the result is r + f(z) up to float32 rounding of z (about 1e-7 of ||z||; the test against a model built with
@@ -378,6 +380,7 @@ class Ablation(Measure):
         model, L = self.model, len(self.blocks)
         first = min(t.block for t in self.targets)
         names = {f"{self.blocks[i]}.in" for i in {t.block for t in self.targets}}
+        names |= {f"{self.blocks[i]}.proj_in" for i, heads_mode, _ in plan if heads_mode}
         if self.opts.cka:
             names |= {f"{self.blocks[i]}.out" for i in range(first, L)}
         if self.opts.replace == "resample":
@@ -431,8 +434,9 @@ class Ablation(Measure):
 
         got = {}
         with _Hooks() as h:
-            if heads_mode:
+            if heads_mode:  # block i's attention runs on one image: proj gets the captured heads' output
                 h.pre(blk, _replace_args(X))
+                h.pre(blk.attn, lambda mod, args: (args[0][:1],) + tuple(args[1:]))
                 h.pre(blk.attn.proj, self._head_hook(i, copies, clean, B, expand=True))
                 h.post(blk, lambda mod, args, out: out.reshape(k * B, *out.shape[2:]))
             else:
@@ -457,17 +461,18 @@ class Ablation(Measure):
         return logits, got["f"], {self.blocks.index(n.rsplit(".", 1)[0]): v for n, v in cap.captures.items()}
 
     def _head_hook(self, i: int, copies: list[Target], clean: dict, B: int, expand: bool):
-        """Pre-hook of attn.proj: copy c's heads replaced; ``expand``: the input is one minibatch [B, T, C] and
-        becomes [k, B, T, C] (heads mode), else it is already [k B, T, C]."""
+        """Pre-hook of attn.proj: copy c's heads replaced. ``expand`` (heads mode): the input is ignored and the
+        unablated heads' output captured for the minibatch, [B, T, C], becomes [k, B, T, C]; else the input is
+        already [k B, T, C]."""
         k, H = len(copies), self.mods[i].attn.num_heads
 
         def hook(mod, args):
-            p = args[0]
+            p = clean[self._tap(i, "proj_in")] if expand else args[0]
             out = p.unsqueeze(0).repeat(k, 1, 1, 1) if expand else p.clone().view(k, B, *p.shape[1:])
             v = out.view(k, B, out.shape[2], H, -1)
             for c, t in enumerate(copies):
                 if t.kind == "head":
-                    r = self._value(i, "proj_in", p[:B] if expand else p[c * B:(c + 1) * B], clean)
+                    r = self._value(i, "proj_in", p if expand else p[c * B:(c + 1) * B], clean)
                     hs = list(t.heads)
                     v[c][:, :, hs] = r.reshape(B, r.shape[1], H, -1)[:, :, hs]
             return (out if expand else out.view(k * B, *p.shape[1:]),) + tuple(args[1:])
