@@ -102,6 +102,10 @@ def main(argv=None) -> int:
     except O.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a write refused midway (a full disk, a sub-folder not writable): the results written stay
+        print(f"error: cannot write {e.filename or 'the results'} ({e.strerror or e}): free space or make it writable, then run "
+              "this again (what was written is reused).", file=sys.stderr)
+        return 2
     if stats["skipped"]:
         print(f"{run.label}: skipped step(s) {', '.join(map(str, stats['skipped']))}: deleted while being analysed (a trainer "
               "still running keeps only its last train.keep_last checkpoints)")

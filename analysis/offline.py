@@ -25,6 +25,7 @@ Every user error raises :class:`AnalysisError` with one sentence, before anythin
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,6 +298,7 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
     checkpoint was deleted while this ran (pruned by a trainer still running) are skipped, not reported as damaged."""
     opts = opts or S.SuiteOptions()
     steps = sorted(run.step(s) for s in (steps or sorted(run.checkpoints)))
+    check_writable(run)
     data, fp = load_data(run), fingerprint(run)
     problem = S.problem(data, opts)  # e.g. too few probe-train images for the shots: one sentence, nothing written
     if problem:
@@ -351,6 +353,20 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
     if not stats["steps"]:
         raise all_gone
     return stats
+
+
+def check_writable(run: Run) -> None:
+    """AnalysisError unless results can be written into the run's folder (the nearest existing folder on its path: a
+    model from elsewhere writes to a new one): tried with a temporary file, before any work."""
+    p = Path(run.path).absolute()
+    while not p.is_dir() and p != p.parent:
+        p = p.parent
+    try:
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise AnalysisError(f"cannot write the analysis of {run.path} into {p} ({e.strerror or e}): make it writable, or copy "
+                            "the run folder somewhere writable and analyse the copy.") from None
 
 
 def pruned(run: Run, step: int, wait_s: float = 2.0) -> bool:
@@ -432,6 +448,7 @@ def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOpti
     :func:`analyze_run`. Returns {"results": {step: result}, "computed": [...], "reused": [...]}."""
     opts = opts or S.SuiteOptions()
     steps = sorted(run.step(s) for s in (steps or [None]))
+    check_writable(run)
     data, odata = check_same_images(run, other)
     fp = fingerprint(run)
     stats: dict = {"results": {}, "computed": [], "reused": []}
