@@ -348,3 +348,32 @@ def test_a_read_only_run_folder_is_one_sentence(runs, tmp_path, read_only, capsy
         err = capsys.readouterr().err
         assert err.startswith(f"error: cannot write the analysis of {run}") and err.count("\n") == 1, err
     assert _tree(run) == before
+
+
+def test_what_used_to_pass_silently_is_said(runs, tmp_path, capsys):
+    """Empty names in --measures / --steps, a measure that does not apply to the model, a later checkpoint whose weights
+    do not fit (with --force) and a recipe.yaml that no longer fits cached results: one sentence, exit 2, nothing
+    written (no results of the earlier step, no events file); a measure among others that does not apply is named."""
+    import hashlib
+
+    run, resnet = tmp_path / "vit", tmp_path / "resnet"
+    shutil.copytree(runs["vit"], run)
+    shutil.copytree(runs["resnet"], resnet)
+    _bad(capsys, [str(run), "--measures", ","], "has an empty name", tmp_path)
+    _bad(capsys, [str(run), "--steps", "4,,8"], "has an empty step", tmp_path)
+    _bad(capsys, [str(resnet), "--measures", "cls_attention"], "cls_attention does not apply to this model (a resnet)", tmp_path)
+    assert main([str(resnet), "--measures", "cka,attention_distance", *ARGS]) == 0
+    assert "attention_distance: not applicable to this model (a resnet), nothing computed" in capsys.readouterr().out
+    # step 8 holding another model's weights (its checksum recorded, so only the shapes tell)
+    ck = run / "checkpoints" / "step_0000008"
+    shutil.copy(resnet / "checkpoints" / "step_0000008" / "model.safetensors", ck / "model.safetensors")
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["files"]["model.safetensors"] = hashlib.sha256((ck / "model.safetensors").read_bytes()).hexdigest()
+    (ck / "meta.json").write_text(json.dumps(meta))
+    _bad(capsys, [str(run), "--force", "--batch-size", "32", "--no-progress"], "do not fit this model", run)
+    shutil.rmtree(run)
+    shutil.copytree(runs["vit"], run)
+    r = yaml.safe_load((run / "recipe.yaml").read_text())
+    r["model"]["depth"] = 3
+    (run / "recipe.yaml").write_text(yaml.safe_dump(r))
+    _bad(capsys, [str(run)], "do not fit this model", run)  # every result is cached
