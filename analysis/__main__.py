@@ -32,7 +32,9 @@ from analysis.reports.run_report import write_run_report
 
 def options(args) -> S.SuiteOptions:
     """SuiteOptions from the command line (MeasureError, one sentence, for an unknown measure or option)."""
-    names = [m.strip() for m in args.measures.split(",") if m.strip()] if args.measures else None
+    names = [m.strip() for m in args.measures.split(",")] if args.measures is not None else None
+    if names is not None and "" in names:
+        raise MeasureError(f"--measures '{args.measures}' has an empty name: list names separated by single commas, e.g. cka,knn.")
     return S.suite_options(names, args.batch_size, S.parse_opt_args(args.opt))
 
 
@@ -111,7 +113,9 @@ def main(argv=None) -> int:
         else:
             raise O.AnalysisError("no run given: pass a run folder (python -m analysis runs/default) or --model timm:<arch> --weights FILE.")
         O.select_part(run, args.part)
-        steps = [s.strip() for s in args.steps.split(",")] if args.steps else None
+        steps = [s.strip() for s in args.steps.split(",")] if args.steps is not None else None
+        if steps is not None and "" in steps:
+            raise O.AnalysisError(f"--steps '{args.steps}' has an empty step: list steps separated by single commas, e.g. 600,1800.")
         if steps:
             [run.step(s) for s in steps]  # check them all before any work
         others = [O.parse_against(a) for a in args.against]
@@ -134,6 +138,12 @@ def main(argv=None) -> int:
     except O.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a write refused midway (a full disk, a sub-folder not writable): the results written stay
+        print(f"error: cannot write {e.filename or 'the results'} ({e.strerror or e}): free space or make it writable, then run "
+              "this again (what was written is reused).", file=sys.stderr)
+        return 2
+    if stats["not_applicable"]:
+        print(f"{run.label}: {', '.join(stats['not_applicable'])}: not applicable to this model ({stats['model']}), nothing computed")
     if stats["skipped"]:
         print(f"{run.label}: skipped step(s) {', '.join(map(str, stats['skipped']))}: deleted while being analysed (a trainer "
               "still running keeps only its last train.keep_last checkpoints)")

@@ -84,6 +84,9 @@ def _images(images, labels) -> TensorBatches:
         x, y = torch.cat(xs), torch.cat(ys)
     if x.ndim != 4:
         raise ValueError(f"images must be [N, C, H, W], not of shape {tuple(x.shape)}.")
+    if x.is_floating_point() and not torch.isfinite(x).all():
+        bad = int((~torch.isfinite(x)).flatten(1).any(1).sum())
+        raise ValueError(f"{bad} of the {len(x)} images hold NaN or infinite values, which make every number NaN: pass finite images.")
     if len(y) != len(x):
         raise ValueError(f"{len(x)} images but {len(y)} labels.")
     return TensorBatches(x, y.long())
@@ -128,6 +131,9 @@ def analyze(model, images=None, labels=None, *, measures=None, options: dict | N
                          "probe_images= / probe_labels= to train on (a folder of images: one subfolder per class), or leave "
                          "those measures out.")
     res = run_suite(model, data, opts)
+    if len(res) == 1:  # only "meta": no measure asked for applies to this model (e.g. cls_attention without a class token)
+        raise ValueError(f"{' and '.join(opts.measures)} {'does' if len(opts.measures) == 1 else 'do'} not apply to this "
+                         f"{res['meta']['arch']}: see python -m analysis --list for what each measure needs.")
     out = {"results": {k: v for k, v in res.items() if k != "meta"}, "meta": res["meta"], "summary": storage.summary_of(res)}
     if figures:
         out["figures"] = storage.make_figures(res, part=part)

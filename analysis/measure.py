@@ -74,6 +74,18 @@ class NoOptions:
     """A measure without options."""
 
 
+def labels_problem(data, probe: bool = False) -> str | None:
+    """One sentence if the analysis images (and with ``probe`` the probe-train images) have no labels or unknown ones
+    (-1, what :func:`analysis.api.analyze` gives images passed without labels), for a measure that compares against them."""
+    for split, what, how in ((data.analysis, "the analysis images", "labels"),
+                             *(((data.probe_train, "probe-train images (probe_train)", "probe_images and probe_labels"),) if probe else ())):
+        y = split.labels
+        if len(y) == 0 or int(y.min()) < 0:
+            return (f"it needs {what} with their class labels, and {'there are none' if len(y) == 0 else 'some are unknown'}: "
+                    f"pass {how} (from Python), or analyse a run folder.")
+    return None
+
+
 class Measure:
     """Base class; subclasses set ``name`` (and ``Options``) and register with :func:`register`."""
 

@@ -25,6 +25,7 @@ Every user error raises :class:`AnalysisError` with one sentence, before anythin
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from analysis.taps import Taps, arch_of
 from train.checkpoint import (
     STEP_RE,
     CheckpointError,
+    check_weights_fit,
     fit_report,
     list_checkpoints,
     load_weights,
@@ -367,24 +369,29 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
     Returns {"computed": [(step, measure)], "reused": [(step, measure)], "steps": [...], "skipped": [...]}: steps whose
     checkpoint was deleted while this ran (pruned by a trainer still running) are skipped, not reported as damaged."""
     opts = opts or S.SuiteOptions()
-    steps = sorted(run.step(s) for s in (steps or sorted(run.checkpoints)))
+    steps = sorted({run.step(s) for s in (steps or sorted(run.checkpoints))})
+    check_writable(run)
     data, fp = load_data(run), fingerprint(run)
     problem = S.problem(data, opts)  # e.g. too few probe-train images for the shots: one sentence, nothing written
     if problem:
         raise AnalysisError(f"run {run.path}: {problem}")
-    stats: dict = {"computed": [], "reused": [], "steps": steps, "skipped": []}
+    stats: dict = {"computed": [], "reused": [], "steps": steps, "skipped": [], "not_applicable": [], "model": ""}
     # every checkpoint is checked before any result is written (a corrupted one stops the run here, not midway); one
     # that a trainer still running pruned since the run was opened is skipped (stats["skipped"])
     wkeys = {}
+    own = None
     for step in steps:
         try:
             wkeys[step] = weights_key(run, step)
             if not run.external:
+                if own is None:  # the recipe's model without weights: do the checkpoints' tensors fit it (cached or not)?
+                    with torch.device("meta"):
+                        own = build_model(run.recipe, data.num_classes if uses_labels(run.recipe) else 0).state_dict()
                 try:
                     verify_checkpoint(run.checkpoints[step])
+                    check_weights_fit(own, run.checkpoints[step], part_prefix(run, step))
                 except CheckpointError as e:
                     raise AnalysisError(str(e)) from None
-                part_prefix(run, step)
         except AnalysisError:
             if not pruned(run, step):
                 raise
@@ -414,6 +421,12 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
                 res = S.run_suite(model, data, opts, measures=todo)
             except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
                 raise AnalysisError(f"run {run.path}: {e}") from None
+            meta = res["meta"]
+            stats["model"] = f"a {meta['arch']}" + (" without a class token" if meta["arch"] == "vit" and not meta["num_prefix_tokens"] else "")
+            stats["not_applicable"] += [n for n in todo if n not in res and n not in stats["not_applicable"]]
+            if not stats["computed"] and not stats["reused"] and len(res) == 1:  # nothing asked for applies: say so, write nothing
+                raise AnalysisError(f"run {run.path}: {' and '.join(todo)} {'does' if len(todo) == 1 else 'do'} not apply to this model "
+                                    f"({stats['model']}): see python -m analysis --list for what each measure needs.")
             stats["computed"] += [(step, n) for n in res if n != "meta"]
             publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
     finally:
@@ -424,6 +437,20 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
     return stats
 
 
+def check_writable(run: Run) -> None:
+    """AnalysisError unless results can be written into the run's folder (the nearest existing folder on its path: a
+    model from elsewhere writes to a new one): tried with a temporary file, before any work."""
+    p = Path(run.path).absolute()
+    while not p.is_dir() and p != p.parent:
+        p = p.parent
+    try:
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise AnalysisError(f"cannot write the analysis of {run.path} into {p} ({e.strerror or e}): make it writable, or copy "
+                            "the run folder somewhere writable and analyse the copy.") from None
+
+
 def pruned(run: Run, step: int, wait_s: float = 2.0) -> bool:
     """Whether checkpoint ``step`` was deleted since the run was opened (a trainer still running prunes those beyond
     ``train.keep_last``) rather than damaged: its folder is gone, or goes within ``wait_s`` (a deletion under way)."""
@@ -432,6 +459,11 @@ def pruned(run: Run, step: int, wait_s: float = 2.0) -> bool:
     path = run.checkpoints[step]
     deadline = time.monotonic() + wait_s
     while path.exists():
+        try:  # whole (meta.json and every file it lists): not being deleted, so the error was about its content
+            if all((path / n).is_file() for n in json.loads((path / "meta.json").read_text())["files"]):
+                return False
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
@@ -503,6 +535,7 @@ def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOpti
     :func:`analyze_run`. Returns {"results": {step: result}, "computed": [...], "reused": [...]}."""
     opts = opts or S.SuiteOptions()
     steps = sorted(run.step(s) for s in (steps or [None]))
+    check_writable(run)
     data, odata = check_same_images(run, other)
     fp = fingerprint(run)
     stats: dict = {"results": {}, "computed": [], "reused": []}

@@ -48,6 +48,8 @@ def suite_options(measures=None, batch_size: int = 256, options: dict | None = N
         names = tuple(sorted(registry()))
     else:
         names = resolve_all(DEFAULT if measures is None else measures)
+    if not names:
+        raise MeasureError("no measure named: pass one or more, e.g. cka,knn, or 'all'.")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 4:
         raise MeasureError(f"the analysis batch size is {batch_size!r}; minibatch CKA needs an integer of at least 4.")
     if options is not None and not isinstance(options, dict):

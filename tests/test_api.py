@@ -48,6 +48,21 @@ def test_bad_input_is_one_sentence():
             analyze(model, x, measures=["cka"], batch_size=4)
     with pytest.raises(ValueError, match="not Sequential"):
         analyze(torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3)), torch.rand(8, 1, 28, 28), measures=["cka"], batch_size=4)
+    x = torch.rand(8, 1, 28, 28)
+    x[3, 0, 5, 5], x[6, 0, 0, 0] = float("nan"), float("inf")
+    with pytest.raises(ValueError, match="2 of the 8 images hold NaN or infinite values"):
+        analyze(model, x, measures=["cka"], batch_size=4)
+    # measures that compare with labels, given none: one sentence, not purity 1.0 or a bare internal error
+    a = class_split(16, 0)
+    for measures, kw, says in ((["clustering"], {}, "the analysis images with their class labels, and some are unknown"),
+                               (["knn"], {}, "the analysis images with their class labels"),
+                               (["knn"], {"labels": a.labels}, "probe-train images (probe_train) with their class labels, and there are none")):
+        with pytest.raises(ValueError, match=re.escape(f"measure {measures[0]}: it needs {says}")):
+            analyze(model, a.images, measures=measures, batch_size=8, **kw)
+    with pytest.raises(ValueError, match="cls_attention does not apply to this vit"):  # a GAP ViT has no class token
+        analyze(tiny_vit(class_token=False), torch.rand(8, 1, 28, 28), measures=["cls_attention"], batch_size=4)
+    with pytest.raises(ValueError, match="no measure named"):
+        analyze(model, torch.rand(8, 1, 28, 28), measures=[], batch_size=4)
     with pytest.raises(ValueError, match="repr=cls reads the class token"):  # a GAP ViT has none
         analyze(tiny_vit(class_token=False), torch.rand(8, 1, 28, 28), measures=["cka"], options={"cka": {"repr": "cls"}}, batch_size=4)
 

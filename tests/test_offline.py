@@ -303,3 +303,77 @@ def test_an_unreadable_summary_json_is_rewritten(garbage, runs, tmp_path, monkey
     f.write_bytes(garbage)
     assert main([str(run), "--measures", "cka", *ARGS]) == 0
     assert set(json.loads(f.read_text())) == set(good)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """read_only(folder): the folder made read-only (a read-only bind mount for root, whom permissions do not stop;
+    chmod for anyone else), restored afterwards."""
+    import stat
+    import subprocess
+
+    done = []
+
+    def make(folder: Path):
+        if os.geteuid() == 0:
+            r = subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True)
+            if r.returncode != 0:
+                pytest.skip("cannot bind-mount here")
+            done.append(("mount", folder))
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+        else:
+            for p in [folder, *folder.rglob("*")]:
+                p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+            done.append(("chmod", folder))
+
+    yield make
+    for how, folder in done:
+        if how == "mount":
+            subprocess.run(["umount", "-l", str(folder)], check=False)
+        else:
+            for p in [folder, *folder.rglob("*")]:
+                p.chmod(p.stat().st_mode | stat.S_IWUSR)
+
+
+def test_a_read_only_run_folder_is_one_sentence(runs, tmp_path, read_only, capsys):
+    """Analysing a run whose folder cannot be written (with TensorBoard, without, and against another run): one
+    sentence and exit 2 before any work, nothing changed; it used to end in a traceback from the writer thread."""
+    run = tmp_path / "vit"
+    shutil.copytree(runs["vit"], run)
+    read_only(run)
+    before = _tree(run)
+    for extra in (["--force"], ["--force", "--no-tensorboard"], ["--against", str(run)]):
+        args = [str(run), *extra, "--batch-size", "32", "--opt", "fewshot_probe.seeds=[0]", "--no-progress"]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: cannot write the analysis of {run}") and err.count("\n") == 1, err
+    assert _tree(run) == before
+
+
+def test_what_used_to_pass_silently_is_said(runs, tmp_path, capsys):
+    """Empty names in --measures / --steps, a measure that does not apply to the model, a later checkpoint whose weights
+    do not fit (with --force) and a recipe.yaml that no longer fits cached results: one sentence, exit 2, nothing
+    written (no results of the earlier step, no events file); a measure among others that does not apply is named."""
+    import hashlib
+
+    run, resnet = tmp_path / "vit", tmp_path / "resnet"
+    shutil.copytree(runs["vit"], run)
+    shutil.copytree(runs["resnet"], resnet)
+    _bad(capsys, [str(run), "--measures", ","], "has an empty name", tmp_path)
+    _bad(capsys, [str(run), "--steps", "4,,8"], "has an empty step", tmp_path)
+    _bad(capsys, [str(resnet), "--measures", "cls_attention"], "cls_attention does not apply to this model (a resnet)", tmp_path)
+    assert main([str(resnet), "--measures", "cka,attention_distance", *ARGS]) == 0
+    assert "attention_distance: not applicable to this model (a resnet), nothing computed" in capsys.readouterr().out
+    # step 8 holding another model's weights (its checksum recorded, so only the shapes tell)
+    ck = run / "checkpoints" / "step_0000008"
+    shutil.copy(resnet / "checkpoints" / "step_0000008" / "model.safetensors", ck / "model.safetensors")
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["files"]["model.safetensors"] = hashlib.sha256((ck / "model.safetensors").read_bytes()).hexdigest()
+    (ck / "meta.json").write_text(json.dumps(meta))
+    _bad(capsys, [str(run), "--force", "--batch-size", "32", "--no-progress"], "do not fit this model", run)
+    shutil.rmtree(run)
+    shutil.copytree(runs["vit"], run)
+    r = yaml.safe_load((run / "recipe.yaml").read_text())
+    r["model"]["depth"] = 3
+    (run / "recipe.yaml").write_text(yaml.safe_dump(r))
+    _bad(capsys, [str(run)], "do not fit this model", run)  # every result is cached

@@ -383,6 +383,20 @@ def test_resume_finds_the_run_whatever_the_override_order(write_recipe, tmp_path
     assert again["already_finished"] and again["run_dir"] == str(legacy)
 
 
+def test_a_refused_resume_leaves_the_lock_file_as_it_was(write_recipe, tmp_path):
+    """The lock file names the last trainer that used the folder: a resume refused (another recipe) and a --check,
+    from other processes, put its content back (they used to leave their own pid there)."""
+    p = write_recipe(train={"steps": 2, "checkpoint_every": 2, "eval_every": 0})
+    train(load_recipe(p), progress=False)
+    lock = tmp_path / "runs/tiny/.lock"
+    before = lock.read_text()
+    assert before.startswith(f"{os.getpid()} on ")
+    for args in (["--resume", "--set", "model.depth=3"], ["--resume", "--check"]):
+        rc, out = finish(start([sys.executable, "-m", "train", str(p), "--no-progress", *args], tmp_path, "b"))
+        assert rc == (2 if "--check" not in args else 0), out[-2000:]
+        assert lock.read_text() == before
+
+
 def test_resume_nothing_and_run_folder_argument(write_recipe, tmp_path, capsys):
     from train.cli import main
 

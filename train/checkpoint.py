@@ -215,6 +215,11 @@ def fit_report(own: dict, state: dict) -> str:
     return "; ".join(parts)
 
 
+def _misfit(f: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"weights in {f} do not fit this model ({why or 'load_state_dict refused them'}): check that the "
+                           "recipe's model section matches the run that wrote them.")
+
+
 def load_weights(model, path: Path, strict: bool = True, prefix: str = "") -> None:
     """Load ``model.safetensors`` of a checkpoint folder (or a .safetensors file) into ``model``; ``prefix``: the
     network under that key prefix (:func:`read_weights`)."""
@@ -222,6 +227,23 @@ def load_weights(model, path: Path, strict: bool = True, prefix: str = "") -> No
     try:
         model.load_state_dict(state, strict=strict)
     except RuntimeError:
-        why = fit_report(model.state_dict(), state)
-        raise CheckpointError(f"weights in {f} do not fit this model ({why or 'load_state_dict refused them'}): check that the "
-                              "recipe's model section matches the run that wrote them.") from None
+        raise _misfit(f, fit_report(model.state_dict(), state)) from None
+
+
+def check_weights_fit(own: dict, path: Path, prefix: str = "") -> None:
+    """CheckpointError (as :func:`load_weights` would raise) unless the tensors of ``model.safetensors`` in a checkpoint
+    folder fit a model whose state_dict is ``own`` (e.g. of a model built on the meta device): names and shapes, read
+    from the file's header only, so every checkpoint can be checked before any is loaded. A file that cannot be read
+    is left to :func:`read_weights` to report."""
+    import torch
+    from safetensors import safe_open
+
+    f = Path(path) / "model.safetensors"
+    try:
+        with safe_open(str(f), "pt") as sf:
+            state = {k[len(prefix):]: torch.empty(sf.get_slice(k).get_shape(), device="meta") for k in sf.keys() if k.startswith(prefix)}
+    except Exception:  # noqa: BLE001 - truncated or foreign: read_weights says so when it is loaded
+        return
+    why = fit_report(own, state)
+    if why:
+        raise _misfit(f, why)

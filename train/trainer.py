@@ -80,11 +80,15 @@ LOCK_NAME = ".lock"
 class RunLock:
     """``fcntl.flock`` on ``<run>/.lock``, held by the main process for the life of the trainer. flock locks
     belong to the open file, so the kernel drops them when the process dies (kill -9 included): a dead trainer
-    never blocks the next one. The file holds the holder's pid and host for the refusal message."""
+    never blocks the next one. The file holds the holder's pid and host for the refusal message; a holder that
+    releases it without having trained (a refused resume, ``--check``) puts the earlier content back, so the file
+    names the last trainer that used the folder."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.fd: int | None = None
+        self.committed = False  # set once the trainer starts writing the run folder
+        self._before = b""
 
     def acquire(self) -> None:
         path = self.run_dir / LOCK_NAME
@@ -108,12 +112,17 @@ class RunLock:
             raise RunFolderError(f"run folder {self.run_dir} cannot be locked ({e.strerror or e}): put run.root on a file "
                                  "system that supports flock.") from None
         with contextlib.suppress(OSError):
+            self._before = os.pread(fd, 200, 0)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self.fd = fd
 
     def release(self) -> None:
         if self.fd is not None:
+            if not self.committed:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, 0)
+                    os.pwrite(self.fd, self._before, 0)
             os.close(self.fd)  # closing the last descriptor releases the flock
             self.fd = None
 
@@ -455,6 +464,7 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         _locked(acc, lock, create=True)
         if not resume and list_checkpoints(run_dir / "checkpoints", warn=False):  # another trainer finished in between
             prepare_run(recipe, overrides, resume, run_dir)
+    lock.committed = True  # every check passed: this trainer uses the folder from here on
     if main:
         try:
             if step == 0 and (run_dir / "tb").exists():

@@ -41,7 +41,7 @@ from torchmetrics.functional.clustering import adjusted_rand_score, normalized_m
 from analysis.baselines import DEFAULT_BASELINE, noise_like
 from analysis.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
 from analysis.figures import depth_plot
-from analysis.measure import Context, Measure, as_list, register
+from analysis.measure import Context, Measure, as_list, labels_problem, register
 
 N_INIT = 5
 MAX_ITER = 100
@@ -198,6 +198,10 @@ class ClusteringMeasure(Measure):
     name: ClassVar[str] = "clustering"
     uses_labels: ClassVar[str] = "analysis"
     Options = ClusteringOptions
+
+    @classmethod
+    def problem(cls, data, opts):
+        return labels_problem(data)
 
     def __init__(self, ctx: Context, opts=None):
         super().__init__(ctx, opts)

@@ -34,7 +34,7 @@ import numpy as np
 from analysis.baselines import DEFAULT_BASELINE, noise_like
 from analysis.features import final_channels, resnet_patch_side
 from analysis.figures import probe_plot
-from analysis.measure import Measure, as_list, register
+from analysis.measure import Measure, as_list, labels_problem, register
 from analysis.probing import DEFAULT_METHOD, pool_features, probe_layers, probe_split, probe_split_problem
 from analysis.reduce import collect
 
@@ -98,7 +98,7 @@ class FewShotProbeMeasure(Measure):
 
     @classmethod
     def problem(cls, data, opts):
-        return probe_split_problem(data, opts.shots, "fewshot_probe.shots")
+        return labels_problem(data, probe=True) or probe_split_problem(data, opts.shots, "fewshot_probe.shots")
 
     def __init__(self, ctx, opts=None):
         super().__init__(ctx, opts)

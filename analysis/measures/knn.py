@@ -30,7 +30,7 @@ import torch
 from analysis.baselines import DEFAULT_BASELINE, noise_like
 from analysis.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
 from analysis.figures import depth_plot
-from analysis.measure import Context, Measure, as_list, register
+from analysis.measure import Context, Measure, as_list, labels_problem, register
 from train.knn import TEMPERATURE, K, knn_accuracy, knn_predict  # noqa: F401  (the definition; re-exported)
 
 BASELINE_SEED = 0
@@ -74,6 +74,10 @@ class KNNMeasure(Measure):
     name: ClassVar[str] = "knn"
     uses_labels: ClassVar[str] = "probe"
     Options = KNNOptions
+
+    @classmethod
+    def problem(cls, data, opts):
+        return labels_problem(data, probe=True)
 
     def __init__(self, ctx: Context, opts=None):
         super().__init__(ctx, opts)

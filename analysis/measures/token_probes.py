@@ -44,7 +44,7 @@ import torch
 
 from analysis.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
 from analysis.figures import subplots
-from analysis.measure import Context, Measure, as_list, register
+from analysis.measure import Context, Measure, as_list, labels_problem, register
 from analysis.probing import DEFAULT_METHOD, probe_layers, probe_split, probe_split_problem
 from analysis.reduce import collect
 
@@ -115,7 +115,7 @@ class TokenProbes(Measure):
 
     @classmethod
     def problem(cls, data, opts):
-        return probe_split_problem(data, opts.shots, "token_probes.shots")
+        return labels_problem(data, probe=True) or probe_split_problem(data, opts.shots, "token_probes.shots")
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
