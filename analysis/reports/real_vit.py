@@ -43,6 +43,9 @@ from analysis.reports.claims import LOCAL_FRACTION, uniform_distance
 from analysis.taps import Taps, block_names, grid_of, num_prefix_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
+BATCH = 32  # the analysis minibatch: the taps of 32 images at 257 tokens x 384 fit a laptop's memory
+ERF_IMAGES = 8
+TOKEN_PROBE_STRIDE = 2  # every other row and column of the 16 x 16 grid: 64 positions, 3 seeds, 12 blocks
 MEASURES = ("attention_distance", "norm_ratio", "aligned_attention", "cls_attention", "cka", "erf", "residual_cka",
             "knn", "clustering", "fewshot_probe", "localization", "token_probes")
 FIGURES = {  # suite figure file -> (the paper's figure it corresponds to, what the paper reports there)
@@ -50,11 +53,18 @@ FIGURES = {  # suite figure file -> (the paper's figure it corresponds to, what 
                      "more similar than in a ResNet"),
     "norm_ratio_lines.png": ("Raghu Fig. 7 right", "CLS token carried by the skip path (high ratio) in the first half, "
                              "spatial tokens in the second half; ViT ratios far above a ResNet's"),
-    "aligned_attention_mass.png": ("Walmer Fig. 3, 14", "offset local heads (attention on a point one or two tokens "
+    "aligned_attention_mass_maps.png": ("Walmer Fig. 3, 14", "offset local heads (attention on a point one or two tokens "
                                    "away) in the first 3 to 6 layers"),
-    "cls_attention.png": ("Walmer Fig. 2", "CLS attention of DINO: on the salient object, broad"),
+    "cls_attention_maps.png": ("Walmer Fig. 2", "CLS attention of DINO: on the salient object, broad (here the mean over "
+                               "all views)"),
+    "localization_score.png": ("Raghu Fig. 9, 10", "spatial tokens stay localised: each token most similar to its own "
+                               "input patch, through the last block"),
+    "probe_10shot.png": ("Raghu Fig. 11, 13; ViT §4.1", "few-shot linear probes per block (here: which photo a crop "
+                         "comes from)"),
+    "knn_accuracy.png": ("Walmer §6.1, Table 1", "k-NN of the CLS token per block (here: which photo a crop comes from)"),
+    "residual_cka_lines.png": ("Walmer App. D.4, Fig. 23", "how much of each block's output its skip path carries, as CKA"),
     "erf_residual.png": ("Raghu Fig. 6, C.1", "ViT receptive fields: larger than a ResNet's from the lowest layers, "
-                         "with a strong dependence on the centre patch (skip path)"),
+                         "with a strong dependence on the centre patch (skip path); drawn with --erf only"),
 }
 
 
@@ -161,7 +171,7 @@ def claim_upper_global(dist: np.ndarray, uniform: float, probe_dist: np.ndarray,
     pm = probe_dist.mean(0)[hi]
     bi, h = np.unravel_index(int(np.argmin(pm)), pm.shape)
     b = int(hi[bi])
-    part = T.bootstrap_part(f"{blocks[b]} head {h} (the upper half's most local) minus {LOCAL_FRACTION:g} x uniform (px)",
+    part = T.bootstrap_part(f"block {b + 1} head {h} (the upper half's most local) minus {LOCAL_FRACTION:g} x uniform (px)",
                             dist[:, b, h] - LOCAL_FRACTION * uniform)
     return {"decision": T.decide([part]), "head": (b, int(h))}
 
@@ -177,13 +187,16 @@ def claim_cls_phase(log_gap: np.ndarray, spread: np.ndarray, blocks: list) -> di
     eligible = spread > 1e-6  # [2, L]
     parts, counts = [], {}
     for s, sub in enumerate(("attention", "MLP")):
-        for half, idx, sign in (("first", lo, 1), ("second", hi, -1)):
+        for half, idx in (("first", lo), ("second", hi)):
             use = [i for i in idx if eligible[s, i]]
             counts[f"{sub} {half} half"] = len(use)
-            parts.append(T.bootstrap_part(f"{sub}, {half} half (blocks {use[0]}-{use[-1]}): log CLS/spatial ratio gap",
-                                          log_gap[:, s, use].mean(-1), sign=sign, seed=len(parts)))
+            gap = log_gap[:, s, use].mean(-1)  # written in the paper's direction: CLS above in the first half, below in the second
+            what = "log CLS ratio minus spatial tokens' mean log ratio" if half == "first" else \
+                "spatial tokens' mean log ratio minus log CLS ratio"
+            parts.append(T.bootstrap_part(f"{sub}, blocks {use[0] + 1}-{use[-1] + 1}: {what}", gap if half == "first" else -gap,
+                                          seed=len(parts)))
     few = {k: v for k, v in counts.items() if v < 4}
-    left_out = [f"{('attention', 'MLP')[s]} {blocks[i]}" for s in range(2) for i in range(L) if not eligible[s, i]]
+    left_out = [f"{('attention', 'MLP')[s]} of block {i + 1}" for s in range(2) for i in range(L) if not eligible[s, i]]
     pre = T.Precondition("blocks per half", not few, "at least 4 blocks with an image-dependent CLS input in every half "
                          f"({', '.join(f'{k}: {v}' for k, v in counts.items())}; left out: {', '.join(left_out) or 'none'})",
                          counts)
@@ -216,7 +229,7 @@ def claim_offset_early(window_mass: np.ndarray, keys: list, chosen: dict, blocks
             continue
         b, h, off = chosen[half]
         mass = window_mass[:, keys.index((b, h, off))]
-        where = f"{blocks[b]} head {h}, window at ({off[0]:+d}, {off[1]:+d})"
+        where = f"block {b + 1} head {h}, window at ({off[0]:+d}, {off[1]:+d})"
         if half == "first":  # written in the paper's direction: positive = as Walmer says
             parts.append(T.bootstrap_part(f"{where}: attention mass minus {MIN_MASS:g}", mass - MIN_MASS, seed=len(parts)))
         else:
@@ -330,7 +343,7 @@ def _fmt(v, nd=1) -> str:
 
 
 def build(root: Path, out_md: Path, fig_dir: Path, views: int = 16, probe_views: int = 24, batch: int = 16,
-          progress: bool = True) -> dict:
+          progress: bool = True, erf: bool = False) -> dict:
     t0 = time.time()
     weights = P.build()
     arch = P.arch_of_file(weights)
@@ -341,11 +354,20 @@ def build(root: Path, out_md: Path, fig_dir: Path, views: int = 16, probe_views:
 
         run._data = image_set("photos", O.load_model(run, 0, run._data), views=views, probe_views=probe_views)
     data = O.load_data(run)
-    opts = S.suite_options(list(MEASURES), 32, {"fewshot_probe": {"shots": 5}, "token_probes": {"shots": 5}, "cka": {"layers": "blocks"}})
-    problem = S.problem(data, opts)
-    if problem:
-        raise O.AnalysisError(problem)
-    stats = O.analyze_run(run, None, opts, progress=progress)
+    # The ERF is left out by default: its exact per-channel input gradients (erf.py) need, per 8 images, 24 rounds of a
+    # 128-image forward with 48 backward passes through the tapped graph; on 2 CPU cores one such backward of this
+    # ViT-S/14 at 224 took ~20 s, i.e. ~6 h for 8 images. --erf adds it (a GPU's minutes).
+    first = [m for m in MEASURES if m != "erf"]
+    options = {"erf": {"images": ERF_IMAGES}, "token_probes": {"stride": TOKEN_PROBE_STRIDE}}
+    stats = {"computed": [], "reused": []}
+    for names in (first, ["erf"]) if erf else (first,):
+        opts = S.suite_options(names, BATCH, {k: v for k, v in options.items() if k in names})
+        problem = S.problem(data, opts)
+        if problem:
+            raise O.AnalysisError(problem)
+        st = O.analyze_run(run, None, opts, progress=progress)
+        stats["computed"] += st["computed"]
+        stats["reused"] += st["reused"]
     t_suite = time.time() - t0
     sdir, figs = O.step_dir(run, 0), root / "figures" / "step_0000000"
     res = {m: load_result(sdir / f"{m}.npz") for m in MEASURES if (sdir / f"{m}.npz").is_file()}
@@ -461,14 +483,20 @@ def _markdown(s: dict, copied: list, fig_dir: Path, out_md: Path) -> str:
               "analysis/reports/stats.py, the studies' rule: held = every part significant in the paper's direction, "
               "did not hold = a significant reversal after Holm). A head a claim needs is chosen on the probe-train crops "
               "and tested on the analysis views. The CI is about this model on these images.", "",
-              "| claim | figure | verdict | parts: effect [95% CI] |", "| --- | --- | --- | --- |"]
+              "Blocks are numbered from 1, as in the tables above. Each part's effect is written in the paper's direction: "
+              "positive is what the paper says.", "",
+              "| claim | figure | verdict | parts: effect in the paper's direction [95% CI] |", "| --- | --- | --- | --- |"]
     for k, c in s["claims"].items():
         parts = "; ".join(f"{p['name']}: {p['effect']:+.3g} [{p['ci'][0]:+.3g}, {p['ci'][1]:+.3g}]" for p in c["parts"])
         lines.append(f"| {k} | {c['figure']} | **{c['outcome']}** | {parts} |")
     for k, c in s["claims"].items():
         lines += ["", f"### {k} ({c['figure']})", "", f"> \"{c['passage']}\" — {c['source']}", "", f"Rule: {c['rule']}.", "",
                   f"Verdict: **{c['outcome']}**. {c['why']}"]
-    lines += ["", "## Figures from the suite", ""]
+    lines += ["", "## Figures from the suite", "",
+              "The effective receptive fields (Raghu Fig. 6) are not computed by default here: their exact per-channel input "
+              "gradients (analysis/measures/erf.py) need, for 8 images, 24 rounds of a 128-image forward and 48 backward "
+              "passes through the tapped graph; on 2 CPU cores one such backward of this model took about 20 s (about 6 h "
+              "for 8 images). `--erf` adds them.", ""]
     for name in copied:
         fig, what = FIGURES[name]
         lines += [f"**{fig}** — the paper: {what}.", "", f"![{name}]({rel(name)})", ""]
@@ -483,11 +511,12 @@ def main(argv=None) -> int:
     ap.add_argument("--root", default=str(ROOT / "runs" / "real-vit"), help="where the analysis is cached (default runs/real-vit)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "real-vit.md"), help="the report (default docs/real-vit.md; .json beside it)")
     ap.add_argument("--views", type=int, default=16, help="analysis views per photo (default 16: 304 views)")
+    ap.add_argument("--erf", action="store_true", help="also the effective receptive fields (hours on a CPU at this width)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     out = Path(args.out)
     try:
-        s = build(Path(args.root), out, out.parent / "figures" / "real-vit", views=args.views, progress=not args.no_progress)
+        s = build(Path(args.root), out, out.parent / "figures" / "real-vit", views=args.views, progress=not args.no_progress, erf=args.erf)
     except (O.AnalysisError, P.ConversionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
