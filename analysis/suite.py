@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 
-from analysis.measure import Context, MeasureError, make_options, options_dict, registry, resolve, resolve_all
+from analysis.measure import Context, MeasureError, labels_problem, make_options, options_dict, registry, resolve, resolve_all
 from analysis.reduce import shard
 from analysis.taps import Taps, arch_of, block_names, grid_of, num_prefix_tokens
 
@@ -89,17 +89,10 @@ def batch_problem(n_images: int, batch_size: int) -> str | None:
 
 
 def missing_labels(data, opts: SuiteOptions) -> list[str]:
-    """The requested measures that read labels the data does not have (unlabelled analysis images: label -1; no
-    labelled probe-train images), in the order requested."""
-    def labelled(split) -> bool:
-        return len(split.labels) > 0 and int(split.labels.min()) >= 0
-
-    reg, out = registry(), []
-    for name in opts.measures:
-        need = reg[name].uses_labels
-        if (need and not labelled(data.analysis)) or (need == "probe" and not labelled(data.probe_train)):
-            out.append(name)
-    return out
+    """The requested measures that read labels the data does not have (:func:`analysis.measure.labels_problem`:
+    unlabelled analysis images, label -1, or no labelled probe-train images), in the order requested."""
+    reg = registry()
+    return [m for m in opts.measures if reg[m].uses_labels and labels_problem(data, probe=reg[m].uses_labels == "probe")]
 
 
 def problem(data, opts: SuiteOptions) -> str | None:
