@@ -369,9 +369,11 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
     Returns {"computed": [(step, measure)], "reused": [(step, measure)], "steps": [...], "skipped": [...]}: steps whose
     checkpoint was deleted while this ran (pruned by a trainer still running) are skipped, not reported as damaged."""
     opts = opts or S.SuiteOptions()
-    steps = sorted({run.step(s) for s in (steps or sorted(run.checkpoints))})
     check_writable(run)
     data, fp = load_data(run), fingerprint(run)
+    if not steps and not run.external:  # every checkpoint: those complete now (a trainer still running adds and prunes)
+        run.checkpoints = {int(STEP_RE.match(c.name).group(1)): c for c in list_checkpoints(run.path / "checkpoints", warn=False)} or run.checkpoints
+    steps = sorted({run.step(s) for s in (steps or sorted(run.checkpoints))})
     problem = S.problem(data, opts)  # e.g. too few probe-train images for the shots: one sentence, nothing written
     if problem:
         raise AnalysisError(f"run {run.path}: {problem}")
