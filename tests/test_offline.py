@@ -230,12 +230,28 @@ def test_checkpoints_pruned_while_analysing_are_skipped(runs, tmp_path, monkeypa
         return r
 
     monkeypatch.setattr(O, "open_run", open_then_prune)
-    assert main([str(run), *ARGS]) == 0
+    assert main([str(run), *ARGS]) == 0  # the checkpoints are listed again once the data are built: 8 alone
+    cap = capsys.readouterr()
+    assert "delete the folder" not in cap.out + cap.err and "not written by vitlab" not in cap.err, cap
+    assert "(steps 8)" in cap.out, cap.out
+    assert check_report(run / "report.md") == []
+    monkeypatch.setattr(O, "open_run", real_open)
+    # deleted after that, while the checkpoints' checksums are read
+    run1 = tmp_path / "vit1"
+    shutil.copytree(runs["vit"], run1)
+    real_key = O.weights_key
+
+    def prune_then_key(r, step):
+        shutil.rmtree(run1 / "checkpoints" / "step_0000004", ignore_errors=True)
+        return real_key(r, step)
+
+    monkeypatch.setattr(O, "weights_key", prune_then_key)
+    assert main([str(run1), *ARGS]) == 0
     cap = capsys.readouterr()
     assert "delete the folder" not in cap.out + cap.err and "not written by vitlab" not in cap.err, cap
     assert "skipped step(s) 4: deleted while being analysed" in cap.out and "(steps 8)" in cap.out, cap.out
-    assert check_report(run / "report.md") == []
-    monkeypatch.setattr(O, "open_run", real_open)
+    assert check_report(run1 / "report.md") == []
+    monkeypatch.setattr(O, "weights_key", real_key)
     # deleted while the earlier one is computed (--force: nothing is reused)
     run2 = tmp_path / "vit2"
     shutil.copytree(runs["vit"], run2)

@@ -198,8 +198,7 @@ def read_weights(path: Path, prefix: str = "") -> tuple[dict, Path]:
     if prefix:
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         if not state:
-            raise CheckpointError(f"weights in {f} hold no tensors under '{prefix}': the checkpoint's meta.json names parts that "
-                                  "its model.safetensors does not have, so it was not written by this objective.")
+            raise _no_part(f, prefix)
     return state, f
 
 
@@ -213,6 +212,11 @@ def fit_report(own: dict, state: dict) -> str:
         (shapes, "of other shapes", lambda k: f": {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"))
         if v]
     return "; ".join(parts)
+
+
+def _no_part(f: Path, prefix: str) -> CheckpointError:
+    return CheckpointError(f"weights in {f} hold no tensors under '{prefix}': the checkpoint's meta.json names parts that "
+                           "its model.safetensors does not have, so it was not written by this objective.")
 
 
 def _misfit(f: Path, why: str) -> CheckpointError:
@@ -244,6 +248,8 @@ def check_weights_fit(own: dict, path: Path, prefix: str = "") -> None:
             state = {k[len(prefix):]: torch.empty(sf.get_slice(k).get_shape(), device="meta") for k in sf.keys() if k.startswith(prefix)}
     except Exception:  # noqa: BLE001 - truncated or foreign: read_weights says so when it is loaded
         return
+    if prefix and not state:
+        raise _no_part(f, prefix)
     why = fit_report(own, state)
     if why:
         raise _misfit(f, why)
