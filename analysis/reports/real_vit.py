@@ -71,7 +71,7 @@ FIGURES = {  # suite figure file -> (the paper's figure it corresponds to, what 
 # ------------------------------------------------------------------------------------------------ per-image pass
 
 @torch.no_grad()
-def per_image(model, split, normalize, batch: int = 16, windows: dict | None = None) -> dict:
+def per_image(model, split, normalize, batch: int = 16, windows: list | None = None) -> dict:
     """Per-image statistics of ``split`` (one forward per minibatch, through the project's taps):
 
     ``distance`` [N, L, H]   each head's mean attention distance (pixels between patch centres; spatial queries,
@@ -80,14 +80,14 @@ def per_image(model, split, normalize, batch: int = 16, windows: dict | None = N
                              minus the mean over spatial tokens of the log of theirs (norm_ratio's definition, per image);
     ``cls_input_spread`` [2, L] the CLS token's skip input z: largest deviation from its mean over images, relative to
                              its norm (0: the same vector for every image, as block 0's cls_token + pos_embed[0]);
-    ``window_mass`` [N, K]   for each (block, head, (dr, dc)) in ``windows``: the share of the head's attention,
+    ``window_mass`` [N, K]   for each (block, head, (dr, dc)) in the list ``windows``: the share of the head's attention,
                              averaged over spatial queries, on the keys within ``WINDOW`` tokens of query + (dr, dc)
                              (aligned_attention's window mass, per image)."""
     blocks, p = block_names(model), num_prefix_tokens(model)
     grid, patch = tuple(grid_of(model)), int(model.patch_embed.patch_size[0])
     dist = grid_distances(grid, patch, "pixels").float()
     names = [f"{b}.{k}" for b in blocks for k in ("attn_probs", "in", "attn_branch", "attn_out", "mlp_branch")]
-    keys = list(windows or {})
+    keys = list(windows or [])
     masks = _window_masks(grid, keys)
     out = {"distance": [], "log_gap": [], "window_mass": [], "cls_in": []}
     for i in range(0, len(split), batch):
@@ -203,7 +203,7 @@ def claim_cls_phase(log_gap: np.ndarray, spread: np.ndarray, blocks: list) -> di
     return {"decision": T.decide(parts, pre), "left_out": left_out}
 
 
-def offset_windows(probe_mass: np.ndarray, local: np.ndarray, offset: np.ndarray, peaks: np.ndarray) -> dict:
+def offset_windows(probe_mass: np.ndarray, offset: np.ndarray, peaks: np.ndarray) -> dict:
     """The windows to test, chosen on the probe crops' aligned_attention: per half of the blocks, the offset-local head
     with the most mass in its window (first half), and the head of the second half with the most mass in an offset
     window at most MAX_OFFSET away (whether or not it passes)."""
@@ -383,8 +383,8 @@ def build(root: Path, out_md: Path, fig_dir: Path, views: int = 16, probe_views:
     probe_aligned = run_suite(model, type(data)(data.probe_train, data.probe_train, data.num_classes, data.class_names,
                                                 data.mean, data.std), S.suite_options(["aligned_attention"], 32))["aligned_attention"]
     pcls = offset_local_heads(probe_aligned["mass_maps"], MAX_OFFSET, MIN_MASS, WINDOW)
-    chosen = offset_windows(pcls["peak_mass"], pcls["local"], pcls["offset_local"], pcls["peak_offset"])
-    pi = per_image(model, data.analysis, data.normalize, batch, windows={v: None for v in chosen.values()})
+    chosen = offset_windows(pcls["peak_mass"], pcls["offset_local"], pcls["peak_offset"])
+    pi = per_image(model, data.analysis, data.normalize, batch, windows=list(chosen.values()))
     t_claims = time.time() - t1
     blocks = pi["blocks"]
     decisions = {
@@ -404,7 +404,7 @@ def build(root: Path, out_md: Path, fig_dir: Path, views: int = 16, probe_views:
         if (figs / name).is_file():
             shutil.copy(figs / name, fig_dir / name)
             copied.append(name)
-    summary = {"model": f"timm:{arch}", "weights_sha256_of_onnx": None, "images": data.meta, "uniform_px": uniform,
+    summary = {"model": f"timm:{arch}", "images": data.meta, "uniform_px": uniform,
                "grid": list(grid), "patch": patch, "n_analysis": len(data.analysis), "n_probe": len(data.probe_train),
                "wall_s": {"suite": round(t_suite, 1), "claims": round(t_claims, 1)}, "computed": len(stats["computed"]),
                "reused": len(stats["reused"]), "chosen_windows": {k: list(map(list, [v[:2], v[2]])) for k, v in chosen.items()},
