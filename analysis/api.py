@@ -32,6 +32,7 @@ streamed minibatch by minibatch to the CPU, into one tensor per tap or onto disk
     acts["blocks.3.attn_probs"]                  # Tensor [N, heads, T, T]; acts["labels"]: [N] (-1 where unknown)
     acts = activations("runs/default", taps="blocks.*.out", out="acts/")   # acts/blocks.0.out.npy ... (memory-mapped)
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -86,7 +87,9 @@ def _images(images, labels) -> TensorBatches:
         raise ValueError(f"images must be [N, C, H, W], not of shape {tuple(x.shape)}.")
     if x.is_floating_point() and not torch.isfinite(x).all():
         bad = int((~torch.isfinite(x)).flatten(1).any(1).sum())
-        raise ValueError(f"{bad} of the {len(x)} images hold NaN or infinite values, which make every number NaN: pass finite images.")
+        raise ValueError(
+            f"{bad} of the {len(x)} images hold NaN or infinite values, which make every number NaN: pass finite images."
+        )
     if len(y) != len(x):
         raise ValueError(f"{len(x)} images but {len(y)} labels.")
     return TensorBatches(x, y.long())
@@ -101,21 +104,38 @@ def _check_fits(model, data) -> None:
         raise ValueError(f"{e} Pass a timm model (timm.create_model) or a run folder.") from None
     x = data.analysis.images[:1]
     if len(x) == 0:
-        raise ValueError("no images to analyse: pass a tensor [N, C, H, W] with N >= 1 or a DataLoader that yields some.")
+        raise ValueError(
+            "no images to analyse: pass a tensor [N, C, H, W] with N >= 1 or a DataLoader that yields some."
+        )
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             model(data.normalize(x.to(next(model.parameters()).device)))
     except (RuntimeError, AssertionError, ValueError) as e:
-        raise ValueError(f"the model cannot take images of shape {tuple(x.shape[1:])} [C, H, W] ({' '.join(str(e).split())[:160]}): "
-                         "pass images with the channel count and size it was built for.") from None
+        raise ValueError(
+            f"the model cannot take images of shape {tuple(x.shape[1:])} [C, H, W] ({' '.join(str(e).split())[:160]}): "
+            "pass images with the channel count and size it was built for."
+        ) from None
     finally:
         model.train(was_training)
 
 
-def analyze(model, images=None, labels=None, *, measures=None, options: dict | None = None, probe_images=None, probe_labels=None,
-            normalize=None, num_classes: int | None = None, batch_size: int = 256, figures: bool = True, part: str | None = None) -> dict:
+def analyze(
+    model,
+    images=None,
+    labels=None,
+    *,
+    measures=None,
+    options: dict | None = None,
+    probe_images=None,
+    probe_labels=None,
+    normalize=None,
+    num_classes: int | None = None,
+    batch_size: int = 256,
+    figures: bool = True,
+    part: str | None = None,
+) -> dict:
     """Run ``measures`` (default: CKA, norm ratios, attention distances, few-shot probes; ``"all"`` for every one)
     with ``options`` ({measure: {option: value}}) on ``images``. Returns ``{"results": {measure: arrays},
     "summary": {measure: key numbers}, "figures": {tag: matplotlib Figure}}`` (figures only if ``figures``)."""
@@ -127,41 +147,65 @@ def analyze(model, images=None, labels=None, *, measures=None, options: dict | N
     _check_fits(model, data)
     missing = missing_labels(data, opts)
     if missing:
-        raise ValueError(f"measures {', '.join(missing)} read class labels: pass labels= for the images and, for probes and k-NN, "
-                         "probe_images= / probe_labels= to train on (a folder of images: one subfolder per class), or leave "
-                         "those measures out.")
+        raise ValueError(
+            f"measures {', '.join(missing)} read class labels: pass labels= for the images and, for probes and k-NN, "
+            "probe_images= / probe_labels= to train on (a folder of images: one subfolder per class), or leave "
+            "those measures out."
+        )
     res = run_suite(model, data, opts)
-    if len(res) == 1:  # only "meta": no measure asked for applies to this model (e.g. cls_attention without a class token)
-        raise ValueError(f"{' and '.join(opts.measures)} {'does' if len(opts.measures) == 1 else 'do'} not apply to this "
-                         f"{res['meta']['arch']}: see python -m analysis --list for what each measure needs.")
-    out = {"results": {k: v for k, v in res.items() if k != "meta"}, "meta": res["meta"], "summary": storage.summary_of(res)}
+    if (
+        len(res) == 1
+    ):  # only "meta": no measure asked for applies to this model (e.g. cls_attention without a class token)
+        raise ValueError(
+            f"{' and '.join(opts.measures)} {'does' if len(opts.measures) == 1 else 'do'} not apply to this "
+            f"{res['meta']['arch']}: see python -m analysis --list for what each measure needs."
+        )
+    out = {
+        "results": {k: v for k, v in res.items() if k != "meta"},
+        "meta": res["meta"],
+        "summary": storage.summary_of(res),
+    }
     if figures:
         out["figures"] = storage.make_figures(res, part=part)
     return out
 
 
-def _model_and_data(model, images, labels, probe_images=None, probe_labels=None, normalize=None, num_classes=None, part=None):
+def _model_and_data(
+    model, images, labels, probe_images=None, probe_labels=None, normalize=None, num_classes=None, part=None
+):
     """(network, Data) from :func:`analyze`'s arguments: a run folder's checkpoint and its own images unless ``images``
     are given, or a network object and ``images``."""
     if isinstance(model, (str, Path)):
-        run, step = O.parse_against(str(model))  # "runs/x" (last checkpoint) or "runs/x:STEP"; AnalysisError is a ValueError
+        run, step = O.parse_against(
+            str(model)
+        )  # "runs/x" (last checkpoint) or "runs/x:STEP"; AnalysisError is a ValueError
         O.select_part(run, part)
         run_data = O.load_data(run)
         model = O.load_model(run, step, run_data)
         if images is None:
             return model, run_data
-        return model, Data(_images(images, labels), _images(probe_images, probe_labels) if probe_images is not None else run_data.probe_train,
-                           num_classes or run_data.num_classes, normalize or run_data.normalize)
+        return model, Data(
+            _images(images, labels),
+            _images(probe_images, probe_labels) if probe_images is not None else run_data.probe_train,
+            num_classes or run_data.num_classes,
+            normalize or run_data.normalize,
+        )
     if part is not None:
-        raise ValueError(f"part='{part}' picks a network of a run folder's checkpoint: pass the network object itself instead.")
+        raise ValueError(
+            f"part='{part}' picks a network of a run folder's checkpoint: pass the network object itself instead."
+        )
     if images is None:
-        raise ValueError("give images to analyse a model object (a tensor [N, C, H, W], a DataLoader, a folder or 'photos').")
+        raise ValueError(
+            "give images to analyse a model object (a tensor [N, C, H, W], a DataLoader, a folder or 'photos')."
+        )
     if isinstance(images, (str, Path)):
         return model, _image_set(model, images, labels, probe_images)
     x = _images(images, labels)
     px = _images(probe_images, probe_labels) if probe_images is not None else TensorBatches(x.images[:0], x.labels[:0])
     known = torch.cat([x.labels, px.labels])
-    k = num_classes or (int(known.max()) + 1 if len(known) and int(known.max()) >= 0 else getattr(model, "num_classes", 1))
+    k = num_classes or (
+        int(known.max()) + 1 if len(known) and int(known.max()) >= 0 else getattr(model, "num_classes", 1)
+    )
     return model, Data(x, px, int(k), normalize)
 
 
@@ -198,14 +242,25 @@ def tap_names(model, taps) -> list[str]:
         hits = [n for n in known if fnmatch.fnmatchcase(n, str(pat))]
         if not hits:
             blk = block_names(model)[0]
-            raise ValueError(f"tap '{pat}' matches no tap of this {type(model).__name__}: taps are <block>.<kind>, blocks "
-                             f"{blk} ... {block_names(model)[-1]}, kinds {', '.join(block_kinds(model, blk))} (analysis/taps.py).")
+            raise ValueError(
+                f"tap '{pat}' matches no tap of this {type(model).__name__}: taps are <block>.<kind>, blocks "
+                f"{blk} ... {block_names(model)[-1]}, kinds {', '.join(block_kinds(model, blk))} (analysis/taps.py)."
+            )
         out += [n for n in hits if n not in out]
     return sorted(out, key=known.index)
 
 
-def iter_activations(model, images=None, labels=None, *, taps="*.out", batch_size: int = 256, normalize=None, part: str | None = None,
-                     dtype: torch.dtype | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+def iter_activations(
+    model,
+    images=None,
+    labels=None,
+    *,
+    taps="*.out",
+    batch_size: int = 256,
+    normalize=None,
+    part: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """``(start, {tap: Tensor [b, ...]})`` for each minibatch of ``images`` in order (``start``: the index of its first
     image; key ``labels`` [b] too), the taps' tensors on the CPU (in ``dtype`` if given, e.g. torch.float16). The
     model runs in eval mode and float32 (its train flag restored afterwards); arguments as :func:`activations`, checked
@@ -229,16 +284,26 @@ def _stream(net, data, names: list[str], batch_size: int, dtype) -> Iterator[tup
     try:
         with float32_forward(net), torch.no_grad():
             for start in range(0, len(split), batch_size):
-                x = data.normalize(split.images[start:start + batch_size].to(device))
+                x = data.normalize(split.images[start : start + batch_size].to(device))
                 with Taps(net, names, to="cpu", dtype=dtype) as cap:
                     net(x)
-                yield start, {**cap.captures, "labels": split.labels[start:start + batch_size].cpu()}
+                yield start, {**cap.captures, "labels": split.labels[start : start + batch_size].cpu()}
     finally:
         net.train(was_training)
 
 
-def activations(model, images=None, labels=None, *, taps="*.out", batch_size: int = 256, normalize=None, part: str | None = None,
-                dtype: torch.dtype | None = None, out: str | Path | None = None) -> dict:
+def activations(
+    model,
+    images=None,
+    labels=None,
+    *,
+    taps="*.out",
+    batch_size: int = 256,
+    normalize=None,
+    part: str | None = None,
+    dtype: torch.dtype | None = None,
+    out: str | Path | None = None,
+) -> dict:
     """The taps' tensors of ``model`` on ``images``: ``{tap: [N, ...], "labels": [N]}`` (labels -1 where unknown).
 
     ``model``: a timm ViT / ResNet / MLP-Mixer object or a run folder (``"runs/default"``, ``"runs/default:600"``; its
@@ -253,7 +318,9 @@ def activations(model, images=None, labels=None, *, taps="*.out", batch_size: in
     if out is not None:
         dest = Path(out)
         if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise ValueError(f"the activations folder {dest} already exists and is not empty: choose a new or empty folder.")
+            raise ValueError(
+                f"the activations folder {dest} already exists and is not empty: choose a new or empty folder."
+            )
         if dtype == torch.bfloat16:
             raise ValueError("numpy files cannot hold bfloat16: give dtype=torch.float16 or torch.float32 with out=.")
     net, data, names = _prepare(model, images, labels, taps, batch_size, normalize, part)
@@ -271,13 +338,18 @@ def activations(model, images=None, labels=None, *, taps="*.out", batch_size: in
                     if tmp is None:
                         bufs[k] = torch.empty(shape, dtype=t.dtype)
                     else:
-                        bufs[k] = np.lib.format.open_memmap(tmp / f"{k}.npy", mode="w+", dtype=t.numpy().dtype, shape=shape)
+                        bufs[k] = np.lib.format.open_memmap(
+                            tmp / f"{k}.npy", mode="w+", dtype=t.numpy().dtype, shape=shape
+                        )
             for k, t in part_.items():
-                bufs[k][start:start + len(t)] = t if tmp is None else t.numpy()
+                bufs[k][start : start + len(t)] = t if tmp is None else t.numpy()
         if tmp is None:
             return bufs
-        index = {"n_images": n, "batch_size": batch_size,
-                 "arrays": {k: {"file": f"{k}.npy", "shape": list(v.shape), "dtype": str(v.dtype)} for k, v in bufs.items()}}
+        index = {
+            "n_images": n,
+            "batch_size": batch_size,
+            "arrays": {k: {"file": f"{k}.npy", "shape": list(v.shape), "dtype": str(v.dtype)} for k, v in bufs.items()},
+        }
         for v in bufs.values():
             v.flush()
         bufs.clear()
@@ -291,4 +363,3 @@ def activations(model, images=None, labels=None, *, taps="*.out", batch_size: in
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-

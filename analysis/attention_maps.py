@@ -7,6 +7,7 @@ patches). Everything is accumulated in float64 as sums over images (and queries)
 Shared by the ``cls_attention`` and ``aligned_attention`` measures (analysis/measures/): input checks, the
 per-block float64 sums reduced over processes (:class:`BlockSums`), entropy and the map-grid figure.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,14 +24,14 @@ from analysis.reduce import all_reduce_tree
 _CHUNK_ELEMENTS = 1 << 22  # float64 elements of attention converted at a time (32 MiB)
 
 
-
-
 def check(attn: Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> None:
     if attn.ndim != 4 or attn.shape[-1] != attn.shape[-2]:
         raise ValueError(f"attn must be [B, H, T, T], got shape {tuple(attn.shape)}")
     expected = num_prefix_tokens + grid[0] * grid[1]
     if attn.shape[-1] != expected:
-        raise ValueError(f"attn has T={attn.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {grid[0]}x{grid[1]} = {expected}")
+        raise ValueError(
+            f"attn has T={attn.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {grid[0]}x{grid[1]} = {expected}"
+        )
 
 
 def block_label(name: str, i: int) -> str:
@@ -42,7 +43,9 @@ def renormalise(rows: Tensor) -> tuple[Tensor, Tensor]:
     """Rows [..., N] (float64) divided by their sums; rows with no mass become 0. Returns (rows, valid [...])."""
     mass = rows.sum(-1, keepdim=True)
     valid = mass > 0
-    return torch.where(valid, rows / torch.where(valid, mass, torch.ones_like(mass)), torch.zeros_like(rows)), valid.squeeze(-1)
+    return torch.where(
+        valid, rows / torch.where(valid, mass, torch.ones_like(mass)), torch.zeros_like(rows)
+    ), valid.squeeze(-1)
 
 
 def entropy(p: Tensor) -> Tensor:
@@ -91,8 +94,14 @@ class BlockSums(Measure):
         return {k: v.cpu() for k, v in out.items()}
 
 
-def map_grid(maps: np.ndarray, blocks: list[str], title: str, marked: np.ndarray | None = None, peaks: np.ndarray | None = None,
-             midlines: bool = False):
+def map_grid(
+    maps: np.ndarray,
+    blocks: list[str],
+    title: str,
+    marked: np.ndarray | None = None,
+    peaks: np.ndarray | None = None,
+    midlines: bool = False,
+):
     """Grid of maps [L, H, h, w]: rows are blocks, columns heads, each map on its own colour scale from 0 to its maximum
     (Walmer Fig. 2, 3, 17, 18). ``marked`` [L, H] heads get a red frame and their ``peaks`` offset as title; ``midlines`` draws the canvas
     centre lines (Walmer's red mid-lines)."""

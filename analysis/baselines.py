@@ -39,6 +39,7 @@ off-diagonal CKA is the floor of "ViT maps are uniform"), and a trained layer's 
 initialisation says how far training moved it. :func:`cka_floors` computes both in one pass over the images, with the
 same minibatch CKA estimator (analysis/similarity.py) and layer representation as the maps.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -85,7 +86,9 @@ def noise_like(x: Tensor, seed: int, kind: str = DEFAULT_BASELINE) -> Tensor:
     raise ValueError(f"unknown baseline {kind!r}: use one of {', '.join(BASELINES)}")
 
 
-def gaussian_like_layers(feats: Mapping[str, Tensor] | Sequence[Tensor], seed: int, kind: str = DEFAULT_BASELINE) -> dict[str, Tensor] | list[Tensor]:
+def gaussian_like_layers(
+    feats: Mapping[str, Tensor] | Sequence[Tensor], seed: int, kind: str = DEFAULT_BASELINE
+) -> dict[str, Tensor] | list[Tensor]:
     """:func:`noise_like` for every layer: entry ``i`` (in the mapping's / sequence's order) gets seed ``seed + i``,
     so layers get independent noise. Returns a dict with the same keys for a mapping, else a list."""
     if isinstance(feats, Mapping):
@@ -94,8 +97,17 @@ def gaussian_like_layers(feats: Mapping[str, Tensor] | Sequence[Tensor], seed: i
 
 
 @torch.no_grad()
-def cka_floors(model, init_model, images: Tensor, normalize, layers: Sequence[tuple[str, str]], num_prefix_tokens: int,
-               how: str = "flatten", batch_size: int = 256, unbiased: bool = True) -> dict:
+def cka_floors(
+    model,
+    init_model,
+    images: Tensor,
+    normalize,
+    layers: Sequence[tuple[str, str]],
+    num_prefix_tokens: int,
+    how: str = "flatten",
+    batch_size: int = 256,
+    unbiased: bool = True,
+) -> dict:
     """The CKA floors of a trained ``model`` (module docstring): ``init_model`` is the same architecture at random
     initialisation, ``layers`` (tap name, label) pairs as :func:`analysis.measures.cka.cka_layers` gives them (the same
     taps exist in both models), ``how`` the layer representation (``flatten``, ``cls``, ``mean_spatial``; the pixels
@@ -107,7 +119,9 @@ def cka_floors(model, init_model, images: Tensor, normalize, layers: Sequence[tu
     ``init_matrix`` [L, L] (the random-init model's map)."""
     n = len(images)
     if n < 4 or 0 < n % batch_size < 4:
-        raise ValueError(f"{n} images in minibatches of {batch_size} leave a minibatch of fewer than 4 images: CKA needs >= 4.")
+        raise ValueError(
+            f"{n} images in minibatches of {batch_size} leave a minibatch of fewer than 4 images: CKA needs >= 4."
+        )
     taps = [t for t, _ in layers]
     modes = model.training, init_model.training
     model.eval()
@@ -116,7 +130,7 @@ def cka_floors(model, init_model, images: Tensor, normalize, layers: Sequence[tu
     acc = MinibatchCKA(unbiased=unbiased)
     try:
         for j in range((n + batch_size - 1) // batch_size):
-            x = normalize(images[j * batch_size:(j + 1) * batch_size])
+            x = normalize(images[j * batch_size : (j + 1) * batch_size])
             with Taps(model, taps) as cap:
                 model(x.to(dev))
             with Taps(init_model, taps) as icap:
@@ -131,6 +145,12 @@ def cka_floors(model, init_model, images: Tensor, normalize, layers: Sequence[tu
     m = acc.compute().cpu().numpy()
     k = len(taps)
     trained, init = slice(1, 1 + k), slice(1 + k, 1 + 2 * k)
-    return {"labels": [lab for _, lab in layers], "taps": taps, "pixels": m[0, trained].copy(), "init_pixels": m[0, init].copy(),
-            "init_same": np.diag(m[trained, init]).copy(), "matrix": m[trained, trained].copy(),
-            "init_matrix": m[init, init].copy()}
+    return {
+        "labels": [lab for _, lab in layers],
+        "taps": taps,
+        "pixels": m[0, trained].copy(),
+        "init_pixels": m[0, init].copy(),
+        "init_same": np.diag(m[trained, init]).copy(),
+        "matrix": m[trained, trained].copy(),
+        "init_matrix": m[init, init].copy(),
+    }

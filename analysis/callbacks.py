@@ -20,6 +20,7 @@ figures (~0.6 s per checkpoint on the default model, 1 thread) and writes them t
 while training goes on; the trainer's ``on_close`` waits for them before TensorBoard closes, whatever ends the
 run. A figure that fails to draw costs a warning, never the run.
 """
+
 from __future__ import annotations
 
 import sys
@@ -49,7 +50,9 @@ def _drawer() -> ThreadPoolExecutor:
 class AnalysisSuiteCallback(Callback):
     name = "analysis_suite"
 
-    def __init__(self, every: int | None = None, measures=None, batch_size: int = 256, figures: bool = True, **measure_options):
+    def __init__(
+        self, every: int | None = None, measures=None, batch_size: int = 256, figures: bool = True, **measure_options
+    ):
         super().__init__(every)
         try:
             self.opts = suite_options(DEFAULT if measures is None else measures, batch_size, measure_options)
@@ -83,8 +86,12 @@ class AnalysisSuiteCallback(Callback):
             if wid:
                 if self._fingerprint is None:  # the analysis images do not change during a run: hash them once
                     self._fingerprint = storage.data_fingerprint(ctx.data)
-                keys = {n: storage.cache_key(wid, self._fingerprint, self.opts.settings(n), n) for n in res if n != "meta"}
-            storage.publish(res, storage.step_dir(ctx.run_dir, ctx.step), ctx.writer, ctx.step, figures=False, keys=keys)
+                keys = {
+                    n: storage.cache_key(wid, self._fingerprint, self.opts.settings(n), n) for n in res if n != "meta"
+                }
+            storage.publish(
+                res, storage.step_dir(ctx.run_dir, ctx.step), ctx.writer, ctx.step, figures=False, keys=keys
+            )
             if self.figures:
                 self._draw_later(res, ctx.writer, ctx.step, storage.step_dir(ctx.run_dir, ctx.step, "figures"))
 
@@ -101,8 +108,12 @@ class AnalysisSuiteCallback(Callback):
                 continue
             e = f.exception()
             if e is not None:
-                print(f"warning: callback '{self.name}' could not draw its figures ({type(e).__name__}: {e}); "
-                      "the results and scalars are written.", file=sys.stderr, flush=True)
+                print(
+                    f"warning: callback '{self.name}' could not draw its figures ({type(e).__name__}: {e}); "
+                    "the results and scalars are written.",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self._pending = keep
 
     def on_close(self, ctx) -> None:

@@ -25,6 +25,7 @@ we pool to ``max_side`` (default 7, the grid of ViT-B/32 and of this project's d
 the last stage when the input is not 224 px (the project's Fashion-MNIST ResNet ends at 4 x 4: set
 ``resnet_max_side: 4`` to follow the paper there). The rule for p is ours: the paper only says "close to".
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,13 @@ def patchify(fmap: Tensor, patch: int) -> Tensor:
     return F.pixel_unshuffle(fmap[..., :h, :w], patch)
 
 
-def resnet_patch_side(shape: tuple[int, ...], final_channels: int | None, mode: str = "patch", patch: int = 0,
-                      max_side: int = DEFAULT_MAX_SIDE) -> int:
+def resnet_patch_side(
+    shape: tuple[int, ...],
+    final_channels: int | None,
+    mode: str = "patch",
+    patch: int = 0,
+    max_side: int = DEFAULT_MAX_SIDE,
+) -> int:
     """The patch side for a ResNet map of ``shape`` [B, C, H, W] (module docstring): 1 for ``mode="pool"``,
     ``patch`` when > 0, else the largest p with ``C p^2 <= final_channels`` dividing H and W and with
     ``H // p >= min(H, max_side)`` and ``W // p >= min(W, max_side)``."""
@@ -128,8 +134,13 @@ def pool_features(t: Tensor, how: str, num_prefix_tokens: int, patch: int = 1) -
     return pool_tokens(t, how, num_prefix_tokens)
 
 
-def spatial_tokens(t: torch.Tensor, num_prefix_tokens: int = 0, grid: tuple[int, int] | None = None,
-                   max_side: int = DEFAULT_MAX_SIDE, patch: int = 1) -> tuple[torch.Tensor, tuple[int, int]]:
+def spatial_tokens(
+    t: torch.Tensor,
+    num_prefix_tokens: int = 0,
+    grid: tuple[int, int] | None = None,
+    max_side: int = DEFAULT_MAX_SIDE,
+    patch: int = 1,
+) -> tuple[torch.Tensor, tuple[int, int]]:
     """A layer's spatial tokens [B, T, D] and their grid (gh, gw).
 
     ViT tokens [B, prefix + T, D]: the prefix tokens are dropped and ``grid`` (the patch grid) must be given.
@@ -147,7 +158,9 @@ def spatial_tokens(t: torch.Tensor, num_prefix_tokens: int = 0, grid: tuple[int,
         raise ValueError("ViT tokens need the patch grid (gh, gw)")
     t = t[:, num_prefix_tokens:]
     if t.shape[1] != grid[0] * grid[1]:
-        raise ValueError(f"{t.shape[1]} spatial tokens after {num_prefix_tokens} prefix tokens, but the grid {grid} has {grid[0] * grid[1]}")
+        raise ValueError(
+            f"{t.shape[1]} spatial tokens after {num_prefix_tokens} prefix tokens, but the grid {grid} has {grid[0] * grid[1]}"
+        )
     return t, (int(grid[0]), int(grid[1]))
 
 
@@ -183,8 +196,11 @@ class PooledFeatures:
         return {f"{b}.out" for b in self.blocks}
 
     def add(self, j: int, cap: dict, y: Tensor) -> None:
-        feats = {f"{p}|{b}": pool_features(cap[f"{b}.out"].detach(), p, self.prefix).float().cpu()
-                 for p in self.pools for b in self.blocks}
+        feats = {
+            f"{p}|{b}": pool_features(cap[f"{b}.out"].detach(), p, self.prefix).float().cpu()
+            for p in self.pools
+            for b in self.blocks
+        }
         self.parts.append((int(j), feats, y.detach().cpu().long()))
 
     def gather(self, accelerator=None) -> tuple[dict[str, Tensor], Tensor]:

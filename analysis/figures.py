@@ -4,6 +4,7 @@
 Figures are made with :func:`subplots`, not ``pyplot``: a ``Figure`` with its own Agg canvas and no entry in
 pyplot's global registry, so figures can be drawn in a background thread while the main thread trains (the
 training-time callback renders them off the training path, analysis/callbacks.py) and nothing needs closing."""
+
 from __future__ import annotations
 
 import os
@@ -13,10 +14,10 @@ import threading
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.image  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.image
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 
 def subplots(nrows: int = 1, ncols: int = 1, figsize=None, **kw):
@@ -26,8 +27,14 @@ def subplots(nrows: int = 1, ncols: int = 1, figsize=None, **kw):
     return fig, fig.subplots(nrows, ncols, **kw)
 
 
-def cka_heatmap(m: np.ndarray, xlabels: list[str], ylabels: list[str] | None = None, title: str = "CKA",
-                xname: str = "layer", yname: str = "layer"):
+def cka_heatmap(
+    m: np.ndarray,
+    xlabels: list[str],
+    ylabels: list[str] | None = None,
+    title: str = "CKA",
+    xname: str = "layer",
+    yname: str = "layer",
+):
     """Raghu Fig. 1/2/8: CKA between every pair of layers (origin bottom-left, as in the paper)."""
     fig, ax = subplots(figsize=(5, 4.2))
     im = ax.imshow(np.asarray(m), origin="lower", vmin=0, vmax=1, cmap="magma", aspect="auto")
@@ -104,8 +111,12 @@ def attention_distance_plot(dist: np.ndarray, title: str = "mean attention dista
     return fig
 
 
-def attention_distance_panels(panels: dict[str, tuple[np.ndarray, float]], threshold: float | None = None,
-                              title: str = "mean attention distance per head", unit: str = "pixels"):
+def attention_distance_panels(
+    panels: dict[str, tuple[np.ndarray, float]],
+    threshold: float | None = None,
+    title: str = "mean attention distance per head",
+    unit: str = "pixels",
+):
     """Raghu Fig. 3 / Fig. 4 (ViT Fig. 7 right) for several runs: one panel per run ``{title: (dist [blocks, heads],
     uniform)}``, x = block (by depth), y = each head's mean attention distance (one dot per head, coloured by head),
     dotted line = uniform attention's distance on the run's grid, dashed = ``threshold`` x uniform when given."""
@@ -113,7 +124,7 @@ def attention_distance_panels(panels: dict[str, tuple[np.ndarray, float]], thres
     cols = min(4, n)
     rows = (n + cols - 1) // cols
     fig, axes = subplots(rows, cols, figsize=(3.4 * cols, 2.9 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     for i, (ax, (name, (dist, uniform))) in enumerate(zip(axes.flat, panels.items())):
         d = np.asarray(dist, dtype=float)
@@ -150,7 +161,9 @@ def layer_lines(panels: dict[str, tuple[list[str], dict[str, np.ndarray]]], ylab
     return fig
 
 
-def probe_plot(curves: dict[str, tuple[np.ndarray, np.ndarray]], title: str = "10-shot linear probe", chance: float | None = None):
+def probe_plot(
+    curves: dict[str, tuple[np.ndarray, np.ndarray]], title: str = "10-shot linear probe", chance: float | None = None
+):
     """Raghu Fig. 11 right / 13: probe top-1 vs normalised depth; curves {name: (mean, std)}."""
     fig, ax = subplots(figsize=(5, 3.5))
     for name, (mean, std) in curves.items():
@@ -175,7 +188,7 @@ def depth_plot(panels: dict[str, tuple[np.ndarray, np.ndarray]], pools: list[str
         for p, pool in enumerate(pools):
             n = vals.shape[1]
             x = np.linspace(0, 1, n) if n > 1 else np.array([1.0])
-            line, = ax.plot(x, vals[p], marker="o", ms=3, label=pool)
+            (line,) = ax.plot(x, vals[p], marker="o", ms=3, label=pool)
             ax.plot(x, base[p], ls="--", lw=1, color=line.get_color(), label=f"{pool} (Gaussian)")
         ax.set_xlabel("normalised depth")
         ax.set_ylabel(metric)

@@ -34,6 +34,7 @@ Two passes over the images: attention distances first (they fix the order and th
 With an ``accelerator`` (N processes), minibatch j goes to process j mod N and all sums are added over processes,
 so 1 and N processes agree.
 """
+
 from __future__ import annotations
 
 import matplotlib
@@ -51,7 +52,7 @@ from analysis.taps import Taps, grid_of, is_vit, resnet_blocks
 
 def default_resnet_layers(resnet, stages: tuple[int, ...] = (1, 2)) -> list[str]:
     """Taps ``layer{s}.{j}.out`` of every residual block of the given stages (Raghu Fig. 5: 'lower layers')."""
-    names = [n for n, _ in resnet_blocks(resnet) if int(n.split(".")[0][len("layer"):]) in stages]
+    names = [n for n, _ in resnet_blocks(resnet) if int(n.split(".")[0][len("layer") :]) in stages]
     if not names:
         raise ValueError(f"{type(resnet).__name__} has no residual blocks in stages {stages}")
     return [f"{n}.out" for n in names]
@@ -66,9 +67,19 @@ def split_heads(x: Tensor, num_heads: int, num_prefix_tokens: int) -> Tensor:
 
 
 @torch.no_grad()
-def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 256, block: int = 0,
-                    resnet_layers: list[str] | None = None, k: int | None = None, unit: str = "pixels",
-                    unbiased: bool = True, accelerator=None) -> dict:
+def head_subset_cka(
+    vit,
+    resnet,
+    images: Tensor,
+    normalize,
+    batch_size: int = 256,
+    block: int = 0,
+    resnet_layers: list[str] | None = None,
+    k: int | None = None,
+    unit: str = "pixels",
+    unbiased: bool = True,
+    accelerator=None,
+) -> dict:
     """Raghu et al. 2021 Fig. 5: CKA between single ViT attention heads (sorted local -> global) / windows of ``k``
     consecutive heads sliding from the most local to the most global, and the ResNet's lower layers (module docstring).
 
@@ -89,8 +100,10 @@ def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 25
     n = len(images)
     tail = n % batch_size
     if n < 4 or 0 < tail < 4:
-        raise ValueError(f"{n} images in minibatches of {batch_size} leave a minibatch of {tail or n} < 4 images; "
-                         "unbiased CKA needs >= 4 per minibatch: change batch_size or the number of images.")
+        raise ValueError(
+            f"{n} images in minibatches of {batch_size} leave a minibatch of {tail or n} < 4 images; "
+            "unbiased CKA needs >= 4 per minibatch: change batch_size or the number of images."
+        )
     layers = list(resnet_layers) if resnet_layers is not None else default_resnet_layers(resnet)
     heads = vit.blocks[block].attn.num_heads
     k = max(1, heads // 2) if k is None else int(k)
@@ -107,20 +120,20 @@ def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 25
         ad = AttentionDistance(grid, vit.patch_embed.patch_size[0], prefix)
         tap = f"blocks.{block}.attn_probs"
         for j in shard((n + batch_size - 1) // batch_size, accelerator):
-            x = images[j * batch_size:(j + 1) * batch_size]
+            x = images[j * batch_size : (j + 1) * batch_size]
             with Taps(vit, [tap]) as cap:
                 vit(normalize(x.to(vdev)))
             ad.update(block, cap[tap])
         ad.sync(accelerator)
         dist = ad.compute(unit)[block].numpy()
         order = np.argsort(dist, kind="stable")
-        subsets = np.stack([order[i:i + k] for i in range(heads - k + 1)])  # windows, local -> global
+        subsets = np.stack([order[i : i + k] for i in range(heads - k + 1)])  # windows, local -> global
 
         # pass 2: head outputs and ResNet features, minibatch CKA
         cka = MinibatchCKA(unbiased=unbiased)
         sel = [torch.as_tensor(s, dtype=torch.long) for s in subsets]
         for j in shard((n + batch_size - 1) // batch_size, accelerator):
-            x = images[j * batch_size:(j + 1) * batch_size]
+            x = images[j * batch_size : (j + 1) * batch_size]
             with Taps(vit, [f"blocks.{block}.heads"]) as hcap:
                 vit(normalize(x.to(vdev)))
             hs = split_heads(hcap[f"blocks.{block}.heads"], heads, prefix)  # [b, H, N, dh]
@@ -135,10 +148,20 @@ def head_subset_cka(vit, resnet, images: Tensor, normalize, batch_size: int = 25
     finally:
         vit.train(modes[0])
         resnet.train(modes[1])
-    return {"head_order": order.astype(np.int64), "head_distance": dist[order], "cka": m[:heads], "subset_cka": m[heads:],
-            "subset_heads": subsets.astype(np.int64), "subset_distance": np.array([dist[s].mean() for s in subsets]),
-            "subsets": [f"sorted {i}-{i + k - 1}" for i in range(len(subsets))], "k": int(k), "resnet_layers": layers,
-            "block": int(block), "unit": unit, "n_images": int(n)}
+    return {
+        "head_order": order.astype(np.int64),
+        "head_distance": dist[order],
+        "cka": m[:heads],
+        "subset_cka": m[heads:],
+        "subset_heads": subsets.astype(np.int64),
+        "subset_distance": np.array([dist[s].mean() for s in subsets]),
+        "subsets": [f"sorted {i}-{i + k - 1}" for i in range(len(subsets))],
+        "k": int(k),
+        "resnet_layers": layers,
+        "block": int(block),
+        "unit": unit,
+        "n_images": int(n),
+    }
 
 
 def head_subset_figure(r: dict, title: str | None = None):

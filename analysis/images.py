@@ -21,6 +21,7 @@ scikit-image and scikit-learn, prepared the way the model was trained to see the
 :class:`ImageSet` is what the suite needs of a data bundle (analysis and probe-train images, labels, normalisation),
 so these images go through the same suite, cache, figures and reports as a run's.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,25 @@ import torch
 from train.splits import TensorBatches
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif", ".ppm", ".pgm"}
-SKIMAGE_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina",
-                  "camera", "moon", "coins", "clock", "brick", "grass", "gravel", "cell", "page", "text")
+SKIMAGE_PHOTOS = (
+    "astronaut",
+    "chelsea",
+    "coffee",
+    "rocket",
+    "hubble_deep_field",
+    "immunohistochemistry",
+    "retina",
+    "camera",
+    "moon",
+    "coins",
+    "clock",
+    "brick",
+    "grass",
+    "gravel",
+    "cell",
+    "page",
+    "text",
+)
 SKLEARN_PHOTOS = ("china.jpg", "flower.jpg")
 BUNDLED = "photos"  # the name of the bundled set on the command line (--images photos) and in the API
 CROP_AREA = (0.08, 0.6)
@@ -107,10 +125,16 @@ def folder_images(path: str | Path, cfg: dict) -> tuple[torch.Tensor, torch.Tens
 
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise ImageError(f"image folder '{path}' does not exist: pass a folder of image files (or '{BUNDLED}' for the bundled photos).")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+        raise ImageError(
+            f"image folder '{path}' does not exist: pass a folder of image files (or '{BUNDLED}' for the bundled photos)."
+        )
+    files = sorted(
+        p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
+    )
     if not files:
-        raise ImageError(f"no image files under '{path}' (looked for {', '.join(sorted(IMAGE_SUFFIXES))}): put your images there.")
+        raise ImageError(
+            f"no image files under '{path}' (looked for {', '.join(sorted(IMAGE_SUFFIXES))}): put your images there."
+        )
     rel = [f.relative_to(root) for f in files]
     labelled = all(len(r.parts) == 2 for r in rel) and len({r.parts[0] for r in rel}) >= 2
     names = sorted({r.parts[0] for r in rel}) if labelled else []
@@ -121,7 +145,9 @@ def folder_images(path: str | Path, cfg: dict) -> tuple[torch.Tensor, torch.Tens
             with Image.open(f) as im:
                 xs.append(_to_uint8(_apply(steps, im.convert("RGB"))))
         except (UnidentifiedImageError, OSError) as e:
-            raise ImageError(f"'{f}' is not an image PIL can read ({type(e).__name__}): remove it or convert it.") from None
+            raise ImageError(
+                f"'{f}' is not an image PIL can read ({type(e).__name__}): remove it or convert it."
+            ) from None
     labels = torch.tensor([names.index(r.parts[0]) for r in rel] if labelled else [-1] * len(files), dtype=torch.long)
     return torch.stack(xs), labels, names
 
@@ -134,8 +160,10 @@ def _bundled_pil() -> list[tuple[str, object]]:
         import skimage.data as skd
         from sklearn.datasets import load_sample_image
     except ImportError:
-        raise ImageError(f"the bundled photos ('{BUNDLED}') come with scikit-image and scikit-learn: run 'pip install scikit-image "
-                         "scikit-learn' (or install vitlab's dev extra, pip install -e '.[dev]').") from None
+        raise ImageError(
+            f"the bundled photos ('{BUNDLED}') come with scikit-image and scikit-learn: run 'pip install scikit-image "
+            "scikit-learn' (or install vitlab's dev extra, pip install -e '.[dev]')."
+        ) from None
     out = []
     for n in SKIMAGE_PHOTOS:
         a = np.asarray(getattr(skd, n)())
@@ -161,7 +189,9 @@ def _crop_box(w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, 
     return (w - s) // 2, (h - s) // 2, (w - s) // 2 + s, (h - s) // 2 + s
 
 
-def bundled_photos(cfg: dict, views: int = 16, seed: int = 0, whole: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def bundled_photos(
+    cfg: dict, views: int = 16, seed: int = 0, whole: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """``views`` views of each bundled photo (the whole-image view first when ``whole``, then seeded random crops):
     uint8 [19 * views, 3, S, S], labels = the photo's index, the photo names."""
     from PIL import Image
@@ -186,8 +216,15 @@ def bundled_photos(cfg: dict, views: int = 16, seed: int = 0, whole: bool = True
     return torch.stack(xs), torch.tensor(ys, dtype=torch.long), names
 
 
-def image_set(images, model: torch.nn.Module, probe_images=None, img_size: int | None = None, views: int = 16,
-              probe_views: int = 24, seed: int = 0) -> ImageSet:
+def image_set(
+    images,
+    model: torch.nn.Module,
+    probe_images=None,
+    img_size: int | None = None,
+    views: int = 16,
+    probe_views: int = 24,
+    seed: int = 0,
+) -> ImageSet:
     """The :class:`ImageSet` for ``images`` (a folder path, or :data:`BUNDLED`) as ``model`` sees them.
 
     The bundled photos give ``views`` analysis views per photo (seed ``seed``) and ``probe_views`` other crops per
@@ -205,10 +242,15 @@ def image_set(images, model: torch.nn.Module, probe_images=None, img_size: int |
         if probe_images is not None:
             px, py, pnames = folder_images(probe_images, cfg)
             if pnames != names:
-                raise ImageError(f"the probe images' class folders ({', '.join(pnames) or 'none'}) differ from the analysis images' "
-                                 f"({', '.join(names) or 'none'}): give both folders the same class subfolders.")
+                raise ImageError(
+                    f"the probe images' class folders ({', '.join(pnames) or 'none'}) differ from the analysis images' "
+                    f"({', '.join(names) or 'none'}): give both folders the same class subfolders."
+                )
         else:
             px, py = x[:0], y[:0]
-    meta = {"source": source, "preprocessing": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
-            "hash": hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16]}
+    meta = {
+        "source": source,
+        "preprocessing": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
+        "hash": hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16],
+    }
     return ImageSet(TensorBatches(x, y), TensorBatches(px, py), max(len(names), 1), names, mean, std, meta)

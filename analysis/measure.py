@@ -27,6 +27,7 @@ A result is a FLAT dict ``{key: numpy array | int | float | str | list[str]}``: 
 ``<name>.npz`` with ``np.savez(**result)`` and read back with :func:`load_result`, which gives numpy arrays
 (0-d for scalars, str arrays for label lists). ``summary``, ``scalars`` and ``figures`` must accept both forms.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-REGISTRY: dict[str, type["Measure"]] = {}
+REGISTRY: dict[str, type[Measure]] = {}
 ENTRY_POINT_GROUP = "vitlab.measures"
 
 
@@ -77,12 +78,16 @@ class NoOptions:
 def labels_problem(data, probe: bool = False) -> str | None:
     """One sentence if the analysis images (and with ``probe`` the probe-train images) have no labels or unknown ones
     (-1, what :func:`analysis.api.analyze` gives images passed without labels), for a measure that compares against them."""
-    for split, what, how in ((data.analysis, "the analysis images", "labels"),
-                             *(((data.probe_train, "probe-train images (probe_train)", "probe_images and probe_labels"),) if probe else ())):
+    for split, what, how in (
+        (data.analysis, "the analysis images", "labels"),
+        *(((data.probe_train, "probe-train images (probe_train)", "probe_images and probe_labels"),) if probe else ()),
+    ):
         y = split.labels
         if len(y) == 0 or int(y.min()) < 0:
-            return (f"it needs {what} with their class labels, and {'there are none' if len(y) == 0 else 'some are unknown'}: "
-                    f"pass {how} (from Python), or analyse a run folder.")
+            return (
+                f"it needs {what} with their class labels, and {'there are none' if len(y) == 0 else 'some are unknown'}: "
+                f"pass {how} (from Python), or analyse a run folder."
+            )
     return None
 
 
@@ -92,7 +97,8 @@ class Measure:
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     needs_grad: ClassVar[bool] = False  # True: finish() runs its own backward passes
-    # what it reads of the labels: "" none; "analysis" the analysis images' labels; "probe" also labelled probe-train images
+    # what it reads of the labels: "" none; "analysis" the analysis images' labels; "probe" also labelled probe-train
+    # images
     uses_labels: ClassVar[str] = ""
     version: ClassVar[int] = 1  # raise it when the definition changes: cached results of older versions are recomputed
 
@@ -150,7 +156,7 @@ class Measure:
 
 
 def register(cls: type[Measure]) -> type[Measure]:
-    if not cls.name or cls.name in REGISTRY and REGISTRY[cls.name].__qualname__ != cls.__qualname__:
+    if not cls.name or (cls.name in REGISTRY and REGISTRY[cls.name].__qualname__ != cls.__qualname__):
         raise ValueError(f"measure name {cls.name!r} is empty or taken")
     if not dataclasses.is_dataclass(cls.Options):
         raise TypeError(f"measure {cls.name!r}: Options must be a dataclass")
@@ -186,11 +192,15 @@ def resolve(name: str) -> str:
         try:
             cls = getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as e:
-            raise MeasureError(f"measure '{name}' cannot be imported ({e}): give an importable package.module:Class.") from None
+            raise MeasureError(
+                f"measure '{name}' cannot be imported ({e}): give an importable package.module:Class."
+            ) from None
         if not (isinstance(cls, type) and issubclass(cls, Measure)):
             raise MeasureError(f"'{name}' is not a Measure subclass (analysis.measure.Measure).")
         return register(cls).name
-    raise MeasureError(f"unknown measure '{name}': choose from {', '.join(sorted(known))} (or give package.module:Class).")
+    raise MeasureError(
+        f"unknown measure '{name}': choose from {', '.join(sorted(known))} (or give package.module:Class)."
+    )
 
 
 def resolve_all(names) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ cross-run comparisons on the same analysis images.
 
 Every user error raises :class:`AnalysisError` with one sentence, before anything is written.
 """
+
 from __future__ import annotations
 
 import json
@@ -87,7 +88,9 @@ class Run:
         try:
             s = int(spec)
         except ValueError:
-            raise AnalysisError(f"step '{spec}' is not a number: pass e.g. {max(self.checkpoints)} or 'last'.") from None
+            raise AnalysisError(
+                f"step '{spec}' is not a number: pass e.g. {max(self.checkpoints)} or 'last'."
+            ) from None
         if s not in self.checkpoints:
             raise AnalysisError(f"run {self.path} has no checkpoint at step {s}: it has {sorted(self.checkpoints)}.")
         return s
@@ -112,7 +115,9 @@ def open_run(path: str | Path, part: str | None = None) -> Run:
         raise AnalysisError(f"the recipe of run {p} cannot be read: {e}") from None
     ckpts = list_checkpoints(p / "checkpoints", warn=False)
     if not ckpts:
-        raise AnalysisError(f"run {p} has no complete checkpoint: train it until its first checkpoint (./launch.sh RECIPE), or pass another run.")
+        raise AnalysisError(
+            f"run {p} has no complete checkpoint: train it until its first checkpoint (./launch.sh RECIPE), or pass another run."
+        )
     run = Run(p, p.name, recipe, {int(STEP_RE.match(c.name).group(1)): c for c in ckpts})
     return select_part(run, part) if part is not None else run
 
@@ -136,10 +141,14 @@ def part_prefix(run: Run, step: int) -> str:
     parts = checkpoint_parts(run, step)
     if run.part not in parts:
         if run.external:
-            raise AnalysisError(f"model {run.external['arch']} has no part '{run.part}': a model from elsewhere is one network "
-                                f"({DEFAULT_PART}), so leave --part out.")
-        raise AnalysisError(f"run {run.path} has no part '{run.part}' (objective {run.recipe.train.objective} saves "
-                            f"{', '.join(parts)}): pass --part {' or --part '.join(parts)}.")
+            raise AnalysisError(
+                f"model {run.external['arch']} has no part '{run.part}': a model from elsewhere is one network "
+                f"({DEFAULT_PART}), so leave --part out."
+            )
+        raise AnalysisError(
+            f"run {run.path} has no part '{run.part}' (objective {run.recipe.train.objective} saves "
+            f"{', '.join(parts)}): pass --part {' or --part '.join(parts)}."
+        )
     return parts[run.part]
 
 
@@ -150,9 +159,16 @@ def select_part(run: Run, part: str | None) -> Run:
     return run
 
 
-def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: list[str], out: str | Path | None,
-                 images: str | Path | None = None, probe_images: str | Path | None = None,
-                 preprocessing: str = "model") -> Run:
+def external_run(
+    arch: str,
+    weights: str,
+    recipe_path: str | Path,
+    overrides: list[str],
+    out: str | Path | None,
+    images: str | Path | None = None,
+    probe_images: str | Path | None = None,
+    preprocessing: str = "model",
+) -> Run:
     """A model not trained here: ``arch`` = "timm:<name>", ``weights`` a local .safetensors file (or "pretrained"
     for timm's own weights, which needs a network); results go to ``out`` (default runs/external-<name>).
 
@@ -165,15 +181,21 @@ def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: li
     if not arch.startswith("timm:") or len(arch) <= 5:
         raise AnalysisError(f"--model '{arch}' must look like timm:<architecture>, e.g. timm:vit_tiny_patch16_224.")
     if weights != "pretrained" and not Path(weights).is_file():
-        raise AnalysisError(f"weights file '{weights}' does not exist: pass a .safetensors file (or 'pretrained' with a network).")
+        raise AnalysisError(
+            f"weights file '{weights}' does not exist: pass a .safetensors file (or 'pretrained' with a network)."
+        )
     if preprocessing not in ("model", "recipe"):
         raise AnalysisError(f"--preprocessing '{preprocessing}' is not one of model, recipe.")
     if probe_images is not None and images is None:
-        raise AnalysisError("--probe-images needs --images: the probe-train images of a recipe's data come from its train split.")
+        raise AnalysisError(
+            "--probe-images needs --images: the probe-train images of a recipe's data come from its train split."
+        )
     given = {o.split("=", 1)[0].strip() for o in overrides}
     extra = []
     if "data.in_memory" not in given:
-        extra.append("data.in_memory=false")  # only the analysed rows are decoded (the train split can be 60k images at 224)
+        extra.append(
+            "data.in_memory=false"
+        )  # only the analysed rows are decoded (the train split can be 60k images at 224)
     size = None
     if images is not None:
         size = None if "data.img_size" in given else implied_img_size(arch, weights)
@@ -182,12 +204,20 @@ def external_run(arch: str, weights: str, recipe_path: str | Path, overrides: li
         recipe = load_recipe(recipe_path, list(overrides) + extra)
         if images is None and "data.eval_size" not in given and recipe.data.eval_size is None:
             # the analysis rows are a seeded choice from the eval split whatever eval_size is: decode only those
-            recipe = load_recipe(recipe_path, list(overrides) + extra + [f"data.eval_size={max(recipe.data.analysis_size, 1)}"])
+            recipe = load_recipe(
+                recipe_path, list(overrides) + extra + [f"data.eval_size={max(recipe.data.analysis_size, 1)}"]
+            )
     except RecipeError as e:
         raise AnalysisError(str(e)) from None
     name = arch[5:].replace("/", "_")
     path = Path(out) if out else Path(recipe.run.root) / f"external-{name}"
-    run = Run(path, path.name, recipe, {0: Path(weights)}, external={"arch": arch, "weights": weights, "preprocessing": preprocessing})
+    run = Run(
+        path,
+        path.name,
+        recipe,
+        {0: Path(weights)},
+        external={"arch": arch, "weights": weights, "preprocessing": preprocessing},
+    )
     if images is not None:
         from analysis.images import ImageError, image_set
 
@@ -245,21 +275,27 @@ def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, im
         if "Unknown model" in str(e):
             raise AnalysisError(f"timm has no architecture '{name}': see timm.list_models().") from None
         if "Invalid pretrained tag" in str(e):
-            raise AnalysisError(f"timm has no pretrained tag '{name.partition('.')[2]}' for {name.partition('.')[0]}: see "
-                                f"timm.list_models('{name.partition('.')[0]}*', pretrained=True).") from None
+            raise AnalysisError(
+                f"timm has no pretrained tag '{name.partition('.')[2]}' for {name.partition('.')[0]}: see "
+                f"timm.list_models('{name.partition('.')[0]}*', pretrained=True)."
+            ) from None
         raise
     except OSError as e:  # also what huggingface_hub raises offline (its errors subclass OSError)
-        raise AnalysisError(f"timm could not download the pretrained weights of '{name}' ({type(e).__name__}): pass a local "
-                            "--weights FILE.safetensors when offline.") from None
+        raise AnalysisError(
+            f"timm could not download the pretrained weights of '{name}' ({type(e).__name__}): pass a local "
+            "--weights FILE.safetensors when offline."
+        ) from None
     if state is not None:
         _head_like(model, state)
         try:
             model.load_state_dict(state)
         except RuntimeError:
-            raise AnalysisError(f"weights in {weights} do not fit this model ({arch} at data.img_size={img_size}, data.in_chans={in_chans}: "
-                                f"{fit_report(model.state_dict(), state) or 'load_state_dict refused them'}): pass the architecture "
-                                "they belong to and the image size and channels they were trained at (e.g. --set data.img_size=224 "
-                                "data.in_chans=3).") from None
+            raise AnalysisError(
+                f"weights in {weights} do not fit this model ({arch} at data.img_size={img_size}, data.in_chans={in_chans}: "
+                f"{fit_report(model.state_dict(), state) or 'load_state_dict refused them'}): pass the architecture "
+                "they belong to and the image size and channels they were trained at (e.g. --set data.img_size=224 "
+                "data.in_chans=3)."
+            ) from None
     return model
 
 
@@ -280,7 +316,9 @@ def load_model(run: Run, step: int, data) -> torch.nn.Module:
     """The run's model with the weights of checkpoint ``step`` (checksums verified first)."""
     if run.external:
         r = run.recipe.data
-        return model_from_timm(run.external["arch"], run.external["weights"], data.num_classes, r.in_chans, r.img_size).eval()
+        return model_from_timm(
+            run.external["arch"], run.external["weights"], data.num_classes, r.in_chans, r.img_size
+        ).eval()
     prefix = part_prefix(run, step)
     # an objective without labels trains a backbone without classifier head (as the trainer builds it)
     model = build_model(run.recipe, data.num_classes if uses_labels(run.recipe) else 0)
@@ -302,7 +340,9 @@ def weights_key(run: Run, step: int) -> str:
         return sha256_file(Path(w))
     wid = storage.weights_id(run.checkpoints[step])
     if wid is None:
-        raise AnalysisError(f"checkpoint {run.checkpoints[step]} records no model.safetensors checksum: it was not written by vitlab.")
+        raise AnalysisError(
+            f"checkpoint {run.checkpoints[step]} records no model.safetensors checksum: it was not written by vitlab."
+        )
     return wid if run.part == DEFAULT_PART else f"{wid}:{run.part}"
 
 
@@ -363,8 +403,14 @@ class _Writer:
             self.w.close()
 
 
-def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force: bool = False, tensorboard: bool = True,
-                progress: bool = True) -> dict:
+def analyze_run(
+    run: Run,
+    steps=None,
+    opts: S.SuiteOptions | None = None,
+    force: bool = False,
+    tensorboard: bool = True,
+    progress: bool = True,
+) -> dict:
     """Run the suite on ``steps`` (default: every checkpoint) of ``run``, reusing cached results.
     Returns {"computed": [(step, measure)], "reused": [(step, measure)], "steps": [...], "skipped": [...]}: steps whose
     checkpoint was deleted while this ran (pruned by a trainer still running) are skipped, not reported as damaged."""
@@ -372,7 +418,9 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
     check_writable(run)
     data, fp = load_data(run), fingerprint(run)
     if not steps and not run.external:  # every checkpoint: those complete now (a trainer still running adds and prunes)
-        run.checkpoints = {int(STEP_RE.match(c.name).group(1)): c for c in list_checkpoints(run.path / "checkpoints", warn=False)} or run.checkpoints
+        run.checkpoints = {
+            int(STEP_RE.match(c.name).group(1)): c for c in list_checkpoints(run.path / "checkpoints", warn=False)
+        } or run.checkpoints
     steps = sorted({run.step(s) for s in (steps or sorted(run.checkpoints))})
     problem = S.problem(data, opts)  # e.g. too few probe-train images for the shots: one sentence, nothing written
     if problem:
@@ -386,7 +434,9 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
         try:
             wkeys[step] = weights_key(run, step)
             if not run.external:
-                if own is None:  # the recipe's model without weights: do the checkpoints' tensors fit it (cached or not)?
+                if (
+                    own is None
+                ):  # the recipe's model without weights: do the checkpoints' tensors fit it (cached or not)?
                     with torch.device("meta"):
                         own = build_model(run.recipe, data.num_classes if uses_labels(run.recipe) else 0).state_dict()
                 try:
@@ -399,8 +449,10 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
                 raise
             stats["skipped"].append(step)
             wkeys.pop(step, None)
-    all_gone = AnalysisError(f"the checkpoints of run {run.path} to analyse ({', '.join(map(str, steps))}) were deleted while being "
-                             "analysed (a trainer still running keeps only its last train.keep_last): analyse newer ones, e.g. --steps last.")
+    all_gone = AnalysisError(
+        f"the checkpoints of run {run.path} to analyse ({', '.join(map(str, steps))}) were deleted while being "
+        "analysed (a trainer still running keeps only its last train.keep_last): analyse newer ones, e.g. --steps last."
+    )
     if not wkeys:
         raise all_gone
     writer = _Writer(run, tensorboard)
@@ -424,11 +476,17 @@ def analyze_run(run: Run, steps=None, opts: S.SuiteOptions | None = None, force:
             except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
                 raise AnalysisError(f"run {run.path}: {e}") from None
             meta = res["meta"]
-            stats["model"] = f"a {meta['arch']}" + (" without a class token" if meta["arch"] == "vit" and not meta["num_prefix_tokens"] else "")
+            stats["model"] = f"a {meta['arch']}" + (
+                " without a class token" if meta["arch"] == "vit" and not meta["num_prefix_tokens"] else ""
+            )
             stats["not_applicable"] += [n for n in todo if n not in res and n not in stats["not_applicable"]]
-            if not stats["computed"] and not stats["reused"] and len(res) == 1:  # nothing asked for applies: say so, write nothing
-                raise AnalysisError(f"run {run.path}: {' and '.join(todo)} {'does' if len(todo) == 1 else 'do'} not apply to this model "
-                                    f"({stats['model']}): see python -m analysis --list for what each measure needs.")
+            if (
+                not stats["computed"] and not stats["reused"] and len(res) == 1
+            ):  # nothing asked for applies: say so, write nothing
+                raise AnalysisError(
+                    f"run {run.path}: {' and '.join(todo)} {'does' if len(todo) == 1 else 'do'} not apply to this model "
+                    f"({stats['model']}): see python -m analysis --list for what each measure needs."
+                )
             stats["computed"] += [(step, n) for n in res if n != "meta"]
             publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
     finally:
@@ -449,8 +507,10 @@ def check_writable(run: Run) -> None:
         with tempfile.TemporaryFile(dir=p):
             pass
     except OSError as e:
-        raise AnalysisError(f"cannot write the analysis of {run.path} into {p} ({e.strerror or e}): make it writable, or copy "
-                            "the run folder somewhere writable and analyse the copy.") from None
+        raise AnalysisError(
+            f"cannot write the analysis of {run.path} into {p} ({e.strerror or e}): make it writable, or copy "
+            "the run folder somewhere writable and analyse the copy."
+        ) from None
 
 
 def pruned(run: Run, step: int, wait_s: float = 2.0) -> bool:
@@ -474,7 +534,9 @@ def pruned(run: Run, step: int, wait_s: float = 2.0) -> bool:
 
 def publish_step(run: Run, step: int, res: dict, writer, keys: dict) -> None:
     """Arrays and cache keys to analysis/step_X/, PNGs to figures/step_X/, scalars and images to TensorBoard."""
-    storage.publish(res, step_dir(run, step), writer, step, keys=keys, figure_dir=step_dir(run, step, "figures"), part=run.part)
+    storage.publish(
+        res, step_dir(run, step), writer, step, keys=keys, figure_dir=step_dir(run, step, "figures"), part=run.part
+    )
 
 
 # ---------------------------------------------------------------- cross-run comparisons
@@ -503,13 +565,15 @@ def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
     bs = opts.batch_size
     split = data.analysis
     for j in range((len(split) + bs - 1) // bs):
-        x = data.normalize(split.images[j * bs:(j + 1) * bs])
+        x = data.normalize(split.images[j * bs : (j + 1) * bs])
         with Taps(model_a, [t for t, _ in la]) as capa:
             model_a(x.to(ca.device))
         with Taps(model_b, [t for t, _ in lb]) as capb:
             model_b(x.to(cb.device))
-        acc.update([represent(capa[t], co.repr, ca.prefix) for t, _ in la],
-                   [represent(capb[t], co.repr, cb.prefix) for t, _ in lb])
+        acc.update(
+            [represent(capa[t], co.repr, ca.prefix) for t, _ in la],
+            [represent(capb[t], co.repr, cb.prefix) for t, _ in lb],
+        )
     m = acc.compute().numpy()
     out = {"matrix": m, "labels_a": [lab for _, lab in la], "labels_b": [lab for _, lab in lb], "repr": co.repr}
     if out["labels_a"] == out["labels_b"]:
@@ -521,8 +585,10 @@ def check_same_images(run: Run, other: Run) -> tuple:
     """Both runs' data; raise AnalysisError unless they analyse the same images."""
     data, odata = load_data(run), load_data(other)
     if fingerprint(run) != fingerprint(other):
-        raise AnalysisError(f"runs {run.path} and {other.path} analyse different images (their data sections differ): "
-                            "cross-run CKA needs the same analysis images, so compare runs made with the same data settings.")
+        raise AnalysisError(
+            f"runs {run.path} and {other.path} analyse different images (their data sections differ): "
+            "cross-run CKA needs the same analysis images, so compare runs made with the same data settings."
+        )
     return data, odata
 
 
@@ -531,8 +597,15 @@ def against_dir(run: Run, step: int, other: Run, other_step: int, kind: str = "a
     return storage.against_dir(run.path, step, other_name, other_step, kind, run.part)
 
 
-def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOptions | None = None, force: bool = False,
-            progress: bool = True) -> dict:
+def against(
+    run: Run,
+    other: Run,
+    other_step: int,
+    steps=None,
+    opts: S.SuiteOptions | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
     """Cross-run CKA of ``run``'s checkpoints (default: the last) against ``other`` at ``other_step``; cached like
     :func:`analyze_run`. Returns {"results": {step: result}, "computed": [...], "reused": [...]}."""
     opts = opts or S.SuiteOptions()
@@ -544,7 +617,9 @@ def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOpti
     omodel = None
     for step in tqdm(steps, desc=f"{run.name} vs {other.name}", disable=not progress, unit="ckpt"):
         out = against_dir(run, step, other, other_step)
-        key = storage.cache_key(weights_key(run, step) + ":" + weights_key(other, other_step), fp, opts.settings("cka"), "cross_cka")
+        key = storage.cache_key(
+            weights_key(run, step) + ":" + weights_key(other, other_step), fp, opts.settings("cka"), "cross_cka"
+        )
         f = out / "cross_cka.npz"
         if not force and storage.is_cached(out, "cross_cka", key):
             stats["results"][step] = load_result(f)
@@ -554,9 +629,17 @@ def against(run: Run, other: Run, other_step: int, steps=None, opts: S.SuiteOpti
         model = load_model(run, step, data)
         res = cross_cka(model, omodel, data, opts)
         heads = None
-        if arch_of(model) == "vit" and arch_of(omodel) == "resnet":  # Raghu Fig. 5: heads sorted by distance vs ResNet layers
-            heads = head_subset_cka(model, omodel, data.analysis.images, data.normalize, batch_size=opts.batch_size,
-                                    unbiased=opts.of("cka").unbiased)
+        if (
+            arch_of(model) == "vit" and arch_of(omodel) == "resnet"
+        ):  # Raghu Fig. 5: heads sorted by distance vs ResNet layers
+            heads = head_subset_cka(
+                model,
+                omodel,
+                data.analysis.images,
+                data.normalize,
+                batch_size=opts.batch_size,
+                unbiased=opts.of("cka").unbiased,
+            )
         out.mkdir(parents=True, exist_ok=True)
         save_result(res, out / "cross_cka.npz")
         if heads is not None:
@@ -574,8 +657,14 @@ def draw_cross(res: dict, fig_dir: Path, name_a: str, name_b: str, heads: dict |
     against a ResNet Fig. 5 (the first block's heads, sorted by attention distance, vs the ResNet's lower layers)."""
     fig_dir.mkdir(parents=True, exist_ok=True)
     paths = [fig_dir / "cross_cka.png"]
-    fig = cka_heatmap(np.asarray(res["matrix"]).T, as_list(res["labels_a"]), as_list(res["labels_b"]),
-                      title=f"CKA: {name_a} vs {name_b}", xname=name_a, yname=name_b)
+    fig = cka_heatmap(
+        np.asarray(res["matrix"]).T,
+        as_list(res["labels_a"]),
+        as_list(res["labels_b"]),
+        title=f"CKA: {name_a} vs {name_b}",
+        xname=name_a,
+        yname=name_b,
+    )
     save(fig, paths[0])
     if "same_index" in res:
         v = np.asarray(res["same_index"])

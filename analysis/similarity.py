@@ -18,6 +18,7 @@ centred features, as float32 products summed in float64 (:func:`_centred_gram`; 
 result); every other sum is float64. A layer's representation of one image is, by choice, all tokens flattened
 (default), the CLS token, or the mean of the spatial tokens (:func:`represent`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,9 @@ def represent(t: torch.Tensor, how: str = "flatten", num_prefix_tokens: int = 1)
         return t.reshape(t.shape[0], -1)
     if how == "cls":
         if num_prefix_tokens == 0:
-            raise ValueError("representation 'cls' needs a class token; this model has none (GAP ViT or ResNet): use 'mean_spatial' or 'flatten'.")
+            raise ValueError(
+                "representation 'cls' needs a class token; this model has none (GAP ViT or ResNet): use 'mean_spatial' or 'flatten'."
+            )
         return t[:, 0]
     if how == "mean_spatial":
         return t[:, num_prefix_tokens:].mean(1)
@@ -92,11 +95,11 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
     buf, g = torch.empty(n, cols, dtype=dt, device=x.device), torch.zeros(n, n, dtype=dt, device=x.device)
     m = x.mean(0, dtype=dt)  # once: a mean over a column chunk (a strided slice) is slow with 2 threads
     for c in range(0, p, cols):
-        xc = x[:, c:c + cols]
-        b = buf[:, :xc.shape[1]]
-        torch.sub(xc, m[c:c + cols], out=b)
+        xc = x[:, c : c + cols]
+        b = buf[:, : xc.shape[1]]
+        torch.sub(xc, m[c : c + cols], out=b)
         for r in range(0, n, rows):  # block row r: its diagonal block and everything right of it
-            torch.mm(b[r:r + rows], b[r:].T, out=g[r:r + rows, r:])
+            torch.mm(b[r : r + rows], b[r:].T, out=g[r : r + rows, r:])
         k += g
     return k.triu() + k.triu(1).T  # the upper triangle (all computed) mirrored: K exactly symmetric
 
@@ -166,7 +169,9 @@ class MinibatchCKA:
     def update(self, xs: list[torch.Tensor], ys: list[torch.Tensor] | None = None) -> None:
         n = xs[0].shape[0]
         if n < 4:
-            raise ValueError(f"MinibatchCKA needs minibatches of at least 4 examples, got {n}: raise the analysis batch size.")
+            raise ValueError(
+                f"MinibatchCKA needs minibatches of at least 4 examples, got {n}: raise the analysis batch size."
+            )
         if any(r.shape[0] != n for r in xs + (ys or [])):
             raise ValueError("every layer's representation in a minibatch must hold the same examples.")
         scale = _hsic_scale(n, self.unbiased)

@@ -18,6 +18,7 @@ analysis images (:func:`data_fingerprint`), the measure's name and what the meas
 (:meth:`analysis.suite.SuiteOptions.settings`: the batch size, the measure's own options and its definition's
 ``version``): changing one measure's options recomputes that measure only. A cached result is reused only if its file reads back whole.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,12 @@ def step_dir(run_path: Path, step: int, kind: str = "analysis", part: str | None
     return _part_root(run_path, kind, part) / step_dir_name(step)
 
 
-def against_dir(run_path: Path, step: int, other_name: str, other_step: int, kind: str = "analysis", part: str | None = None) -> Path:
-    return _part_root(run_path, kind, part) / "against" / f"{other_name}_{step_dir_name(other_step)}" / step_dir_name(step)
+def against_dir(
+    run_path: Path, step: int, other_name: str, other_step: int, kind: str = "analysis", part: str | None = None
+) -> Path:
+    return (
+        _part_root(run_path, kind, part) / "against" / f"{other_name}_{step_dir_name(other_step)}" / step_dir_name(step)
+    )
 
 
 def part_label(part: str | None) -> str | None:
@@ -113,7 +118,7 @@ def readable(path: Path) -> bool:
     try:
         load_result(path)
         return True
-    except Exception:  # noqa: BLE001 -- any failure to read means "not usable"
+    except Exception:
         return False
 
 
@@ -130,8 +135,9 @@ def is_cached(out_dir: Path, name: str, key: str) -> bool:
     """A result of ``name`` with this key that reads back whole, its key numbers in a readable summary.json (an
     unreadable one is rewritten: the measure is recomputed, as for a garbled .npz)."""
     f = Path(out_dir) / f"{name}.npz"
-    return (cached_keys(out_dir).get(name) == key and f.is_file() and readable(f)
-            and name in (read_summary(out_dir) or {}))
+    return (
+        cached_keys(out_dir).get(name) == key and f.is_file() and readable(f) and name in (read_summary(out_dir) or {})
+    )
 
 
 def summary_of(res: dict) -> dict:
@@ -185,8 +191,11 @@ def write_results(res: dict, out_dir: Path, step: int | None = None, keys: dict 
     with folder_lock(out_dir):
         old = read_summary(out_dir)
         if old is None:  # none yet, or unreadable: the key numbers of the other results in the folder, from their files
-            others = {n: load_result(out_dir / f"{n}.npz") for n in reg
-                      if n not in res and (out_dir / f"{n}.npz").is_file() and readable(out_dir / f"{n}.npz")}
+            others = {
+                n: load_result(out_dir / f"{n}.npz")
+                for n in reg
+                if n not in res and (out_dir / f"{n}.npz").is_file() and readable(out_dir / f"{n}.npz")
+            }
             old = {k: v for k, v in summary_of(others).items() if k != "meta"}
         atomic_text(out_dir / "summary.json", json.dumps({**old, "step": step, **summary_of(res)}, indent=1))
         cache = cached_keys(out_dir)
@@ -243,8 +252,17 @@ def log_results(res: dict, writer, step: int, part: str | None = None) -> None:
                 writer.add_scalar(prefix + tag, v, step)
 
 
-def publish(res: dict, out_dir: Path, writer=None, step: int | None = None, figures: bool = True, keys: dict | None = None,
-            figure_dir: Path | None = None, png: bool = True, part: str | None = None) -> Path:
+def publish(
+    res: dict,
+    out_dir: Path,
+    writer=None,
+    step: int | None = None,
+    figures: bool = True,
+    keys: dict | None = None,
+    figure_dir: Path | None = None,
+    png: bool = True,
+    part: str | None = None,
+) -> Path:
     """Write arrays + summary.json (+ cache keys) to ``out_dir``, log scalars, and draw each figure ONCE, as an
     image that goes to TensorBoard and (``png``) to ``figure_dir`` (default ``out_dir``); ``part``: the network the
     results are of, labelling tags and titles unless it is the default one."""
@@ -255,8 +273,9 @@ def publish(res: dict, out_dir: Path, writer=None, step: int | None = None, figu
     return Path(out_dir)
 
 
-def publish_figures(res: dict, figure_dir: Path, writer=None, step: int | None = None, png: bool = True,
-                    part: str | None = None) -> None:
+def publish_figures(
+    res: dict, figure_dir: Path, writer=None, step: int | None = None, png: bool = True, part: str | None = None
+) -> None:
     """Draw each measure's figures ONCE, as images that go to TensorBoard and (``png``) to ``figure_dir``. Uses no
     pyplot state (analysis/figures.py), so it may run in a background thread."""
     if not png and writer is None:
@@ -269,7 +288,7 @@ def publish_figures(res: dict, figure_dir: Path, writer=None, step: int | None =
         if writer is not None:
             writer.add_image(name, rgb, step, dataformats="HWC")
         if png:  # the file name without the part: the part's own folder says it
-            stem = name[len(label) + 1:] if label else name
+            stem = name[len(label) + 1 :] if label else name
             write_png(rgb, Path(figure_dir) / f"{stem.replace('/', '_')}.png")
     if writer is not None:  # drawn after the checkpoint's flush (in the background): a kill must not lose them
         writer.flush()

@@ -7,6 +7,7 @@ always holds the same images; with several processes, process r takes the miniba
 (:func:`analysis.reduce.shard`) and every measure reduces its state over processes, so 1 and N processes give
 the same numbers. Results are written and read by analysis/storage.py.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -15,7 +16,16 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 
-from analysis.measure import Context, MeasureError, labels_problem, make_options, options_dict, registry, resolve, resolve_all
+from analysis.measure import (
+    Context,
+    MeasureError,
+    labels_problem,
+    make_options,
+    options_dict,
+    registry,
+    resolve,
+    resolve_all,
+)
 from analysis.reduce import shard
 from analysis.taps import Taps, arch_of, block_names, grid_of, num_prefix_tokens
 
@@ -37,7 +47,11 @@ class SuiteOptions:
 
     def settings(self, name: str) -> dict:
         """What a result of measure ``name`` depends on besides the weights and the images."""
-        return {"batch_size": self.batch_size, "options": options_dict(self.of(name)), "version": registry()[name].version}
+        return {
+            "batch_size": self.batch_size,
+            "options": options_dict(self.of(name)),
+            "version": registry()[name].version,
+        }
 
 
 def suite_options(measures=None, batch_size: int = 256, options: dict | None = None) -> SuiteOptions:
@@ -74,7 +88,9 @@ def parse_opt_args(items: list[str]) -> dict:
         try:
             out.setdefault(measure, {})[opt] = yaml.safe_load(value)
         except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an integer of over 4300 digits
-            raise MeasureError(f"--opt '{key}': the value is not valid YAML, or too long or too deeply nested to read.") from None
+            raise MeasureError(
+                f"--opt '{key}': the value is not valid YAML, or too long or too deeply nested to read."
+            ) from None
     return out
 
 
@@ -83,8 +99,10 @@ def batch_problem(n_images: int, batch_size: int) -> str | None:
     if batch_size < 4:
         return f"the analysis batch size is {batch_size}; minibatch CKA needs at least 4."
     if n_images < 4 or 0 < n_images % batch_size < 4:
-        return (f"{n_images} analysis images in minibatches of {batch_size} leave a last minibatch of {n_images % batch_size or n_images} "
-                "images; minibatch CKA needs at least 4: change data.analysis_size or the analysis batch size.")
+        return (
+            f"{n_images} analysis images in minibatches of {batch_size} leave a last minibatch of {n_images % batch_size or n_images} "
+            "images; minibatch CKA needs at least 4: change data.analysis_size or the analysis batch size."
+        )
     return None
 
 
@@ -92,7 +110,9 @@ def missing_labels(data, opts: SuiteOptions) -> list[str]:
     """The requested measures that read labels the data does not have (:func:`analysis.measure.labels_problem`:
     unlabelled analysis images, label -1, or no labelled probe-train images), in the order requested."""
     reg = registry()
-    return [m for m in opts.measures if reg[m].uses_labels and labels_problem(data, probe=reg[m].uses_labels == "probe")]
+    return [
+        m for m in opts.measures if reg[m].uses_labels and labels_problem(data, probe=reg[m].uses_labels == "probe")
+    ]
 
 
 def problem(data, opts: SuiteOptions) -> str | None:
@@ -127,9 +147,18 @@ def make_context(model, data, batch_size: int = 256, accelerator=None) -> Contex
     if tokens:
         pe = model.patch_embed if arch == "vit" else model.stem
         patch = int(pe.patch_size[0])
-    return Context(model=model, data=data, device=next(model.parameters()).device, accelerator=accelerator,
-                   arch=arch, blocks=tuple(block_names(model)), prefix=num_prefix_tokens(model),
-                   grid=tuple(grid_of(model)) if tokens else None, patch_size=patch, batch_size=batch_size)
+    return Context(
+        model=model,
+        data=data,
+        device=next(model.parameters()).device,
+        accelerator=accelerator,
+        arch=arch,
+        blocks=tuple(block_names(model)),
+        prefix=num_prefix_tokens(model),
+        grid=tuple(grid_of(model)) if tokens else None,
+        patch_size=patch,
+        batch_size=batch_size,
+    )
 
 
 @torch.no_grad()
@@ -138,8 +167,8 @@ def _pass(ctx: Context, split, taps: list[str], on_batch) -> None:
     ``on_batch(j, captures, normalised inputs, labels)`` for each."""
     bs = ctx.batch_size
     for j in shard((len(split) + bs - 1) // bs, ctx.accelerator):
-        x = ctx.data.normalize(split.images[j * bs:(j + 1) * bs].to(ctx.device))
-        y = split.labels[j * bs:(j + 1) * bs]
+        x = ctx.data.normalize(split.images[j * bs : (j + 1) * bs].to(ctx.device))
+        y = split.labels[j * bs : (j + 1) * bs]
         with Taps(ctx.model, taps) as cap:
             ctx.model(x)
         on_batch(j, cap.captures, x, y)
@@ -185,9 +214,20 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
                 _pass(ctx, data.analysis, taps, lambda j, cap, x, y: [m.update(j, cap, x, y) for m in ms])
             ptaps = sorted(set().union(*(m.probe_taps() for m in ms))) if ms else []
             if ptaps:
-                _pass(ctx, data.probe_train, ptaps, lambda j, cap, x, y: [m.update_probe(j, cap, x, y) for m in ms if m.probe_taps()])
-            out: dict = {"meta": {"arch": ctx.arch, "blocks": list(ctx.blocks), "num_prefix_tokens": ctx.prefix,
-                                  "n_images": len(data.analysis)}}
+                _pass(
+                    ctx,
+                    data.probe_train,
+                    ptaps,
+                    lambda j, cap, x, y: [m.update_probe(j, cap, x, y) for m in ms if m.probe_taps()],
+                )
+            out: dict = {
+                "meta": {
+                    "arch": ctx.arch,
+                    "blocks": list(ctx.blocks),
+                    "num_prefix_tokens": ctx.prefix,
+                    "n_images": len(data.analysis),
+                }
+            }
             for m in ms:
                 with torch.no_grad():
                     out[m.name] = m.finish()

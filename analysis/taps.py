@@ -63,15 +63,37 @@ Every requested tap must fire during the context, or TapError is raised at exit;
 This is the ONE map from tap names to timm modules: every measure, the receptive fields (``graph=True``: tensors
 keep their autograd graph) and the head-subset comparison read their tensors through it.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 from timm.models.mlp_mixer import MixerBlock
 
-VIT_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "attn_probs", "heads", "proj_in", "norm1", "norm2")
+VIT_KINDS = (
+    "in",
+    "attn_branch",
+    "attn_out",
+    "mlp_hidden",
+    "mlp_branch",
+    "out",
+    "attn_probs",
+    "heads",
+    "proj_in",
+    "norm1",
+    "norm2",
+)
 RESNET_KINDS = ("in", "branch", "shortcut", "out")  # every residual block; the layers inside: RESNET_INNER_KINDS
-RESNET_INNER_KINDS = ("conv1", "bn1", "act1", "conv2", "bn2", "act2", "conv3", "bn3")  # those the block has (block_kinds)
+RESNET_INNER_KINDS = (
+    "conv1",
+    "bn1",
+    "act1",
+    "conv2",
+    "bn2",
+    "act2",
+    "conv3",
+    "bn3",
+)  # those the block has (block_kinds)
 MIXER_KINDS = ("in", "attn_branch", "attn_out", "mlp_hidden", "mlp_branch", "out", "norm1", "norm2")
 
 
@@ -87,8 +109,12 @@ def is_vit(model: nn.Module) -> bool:
 def is_mixer(model: nn.Module) -> bool:
     """A timm MlpMixer made of MixerBlocks (timm's ResMLP/gMLP variants use other blocks and are not tapped)."""
     blocks = getattr(model, "blocks", None)
-    return (hasattr(model, "stem") and isinstance(blocks, nn.Sequential) and len(blocks) > 0
-            and all(isinstance(b, MixerBlock) for b in blocks))
+    return (
+        hasattr(model, "stem")
+        and isinstance(blocks, nn.Sequential)
+        and len(blocks) > 0
+        and all(isinstance(b, MixerBlock) for b in blocks)
+    )
 
 
 def arch_of(model: nn.Module) -> str:
@@ -121,8 +147,16 @@ def resnet_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def resnet_branch_end(blk: nn.Module) -> nn.Module:
     """The last module of a ResNet block's residual branch (drop_path, else se, else the last bn): its output is the
     branch as the block adds it to the shortcut."""
-    return next(m for m in (getattr(blk, "drop_path", None), getattr(blk, "se", None), getattr(blk, "bn3", None),
-                            getattr(blk, "bn2", None)) if isinstance(m, nn.Module))
+    return next(
+        m
+        for m in (
+            getattr(blk, "drop_path", None),
+            getattr(blk, "se", None),
+            getattr(blk, "bn3", None),
+            getattr(blk, "bn2", None),
+        )
+        if isinstance(m, nn.Module)
+    )
 
 
 def block_names(model: nn.Module) -> list[str]:
@@ -135,6 +169,7 @@ def block_names(model: nn.Module) -> list[str]:
 def resnet_inner_kinds(blk: nn.Module) -> tuple[str, ...]:
     """The layers inside a ResNet block that have taps, in forward order: ``conv{n}``/``bn{n}`` where the block
     has them, ``act{n}`` only when ``conv{n+1}`` follows (the last activation is the block output ``out``)."""
+
     def has(name):
         return isinstance(getattr(blk, name, None), nn.Module)
 
@@ -173,7 +208,9 @@ class Taps:
     captured is passed on as a clone, so a later in-place op (a ResNet's ``x += shortcut``) leaves it intact.
     """
 
-    def __init__(self, model: nn.Module, names: list[str], accumulate: bool = False, to=None, dtype=None, graph: bool = False):
+    def __init__(
+        self, model: nn.Module, names: list[str], accumulate: bool = False, to=None, dtype=None, graph: bool = False
+    ):
         self.model, self.names, self.accumulate, self.to, self.dtype = model, list(names), accumulate, to, dtype
         self.graph = graph
         known = set(available_taps(model))
@@ -181,9 +218,13 @@ class Taps:
         if bad:
             blk = bad[0].rsplit(".", 1)[0]
             if blk in block_names(model):
-                raise TapError(f"unknown tap '{bad[0]}' for {type(model).__name__}: the tap kinds of {blk} are "
-                               f"{', '.join(block_kinds(model, blk))} (see analysis/taps.py).")
-            raise TapError(f"unknown tap '{bad[0]}' for {type(model).__name__}: taps look like {sorted(known)[:3]} ... (see analysis/taps.py).")
+                raise TapError(
+                    f"unknown tap '{bad[0]}' for {type(model).__name__}: the tap kinds of {blk} are "
+                    f"{', '.join(block_kinds(model, blk))} (see analysis/taps.py)."
+                )
+            raise TapError(
+                f"unknown tap '{bad[0]}' for {type(model).__name__}: taps look like {sorted(known)[:3]} ... (see analysis/taps.py)."
+            )
         self.captures: dict = {}
         self._handles: list = []
         self._fused: list = []
@@ -218,7 +259,7 @@ class Taps:
         return self.captures[name]
 
     # -- hooks
-    def __enter__(self) -> "Taps":
+    def __enter__(self) -> Taps:
         want: dict[str, set] = {}
         for n in self.names:
             blk, kind = n.rsplit(".", 1)
@@ -240,7 +281,9 @@ class Taps:
                     reg(blk.register_forward_hook(self._out(name)))
                 elif kind in ("norm1", "norm2"):
                     reg(getattr(blk, kind).register_forward_hook(self._out(name)))
-                elif kind in RESNET_INNER_KINDS:  # bn outputs are overwritten in place by the next ReLU or the shortcut add
+                elif (
+                    kind in RESNET_INNER_KINDS
+                ):  # bn outputs are overwritten in place by the next ReLU or the shortcut add
                     reg(getattr(blk, kind).register_forward_hook(self._out(name, clone=kind.startswith("bn"))))
                 elif kind == "attn_branch":
                     reg(blk.drop_path1.register_forward_hook(self._out(name)))
@@ -309,5 +352,7 @@ class Taps:
         if exc_type is None:
             missing = [n for n in self.names if n not in self.captures]
             if missing:
-                raise TapError(f"tap '{missing[0]}' never fired during the forward pass: the model does not run that module "
-                               "(a changed block class, torch.compile, or no forward inside the context).")
+                raise TapError(
+                    f"tap '{missing[0]}' never fired during the forward pass: the model does not run that module "
+                    "(a changed block class, torch.compile, or no forward inside the context)."
+                )

@@ -21,6 +21,7 @@ Each figure is the CPU time of this process (``time.process_time``; one thread b
 repeats: on a shared machine other jobs inflate wall time by up to 2x here, this process's CPU time much less. The last line starts with ``RATIO``: heads / suite, and the marginal cost
 of adding the head ablations to a suite run, ((suite+heads) - suite) / suite.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,14 @@ if __name__ == "__main__":
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(k, "1")
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.suite import DEFAULT, run_suite, suite_options  # noqa: E402
-from train.data import build_data  # noqa: E402
-from train.models import build_model  # noqa: E402
-from train.recipe import load_recipe  # noqa: E402
+from analysis.suite import DEFAULT, run_suite, suite_options
+from train.data import build_data
+from train.models import build_model
+from train.recipe import load_recipe
 
 
 def main() -> None:
@@ -51,30 +52,44 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (seconds)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    over = ["data.analysis_size=64", "data.probe_train_size=200", "data.train_size=512", "data.eval_size=256",
-            "model.depth=2", "model.embed_dim=32", "model.num_heads=2"] if a.smoke else []
+    over = (
+        [
+            "data.analysis_size=64",
+            "data.probe_train_size=200",
+            "data.train_size=512",
+            "data.eval_size=256",
+            "model.depth=2",
+            "model.embed_dim=32",
+            "model.num_heads=2",
+        ]
+        if a.smoke
+        else []
+    )
     r = load_recipe("recipes/default.yaml", over)
     data = build_data(r, quiet=True)
     torch.manual_seed(0)
     model = build_model(r, data.num_classes).eval()
     bs = 32 if a.smoke else 256
     heads = {"ablation": {"targets": ["heads"]}}
-    opts = {"suite": suite_options(None, bs), "heads": suite_options(["ablation"], bs, heads),
-            "suite+heads": suite_options(list(DEFAULT) + ["ablation"], bs, heads),
-            "heads_nocka": suite_options(["ablation"], bs, {"ablation": {"targets": ["heads"], "cka": False}})}
+    opts = {
+        "suite": suite_options(None, bs),
+        "heads": suite_options(["ablation"], bs, heads),
+        "suite+heads": suite_options([*list(DEFAULT), "ablation"], bs, heads),
+        "heads_nocka": suite_options(["ablation"], bs, {"ablation": {"targets": ["heads"], "cka": False}}),
+    }
     if a.all:
         opts["all"] = suite_options(["ablation"], bs)
 
     @torch.no_grad()
     def forward():
         for j in range(0, len(data.analysis), bs):
-            model(data.normalize(data.analysis.images[j:j + bs]))
+            model(data.normalize(data.analysis.images[j : j + bs]))
 
     variants = {"forward": forward, **{k: (lambda o=o: run_suite(model, data, o)) for k, o in opts.items()}}
     best = {k: float("inf") for k in variants}
     names = list(variants)
     for rep in range(1 if a.smoke else a.repeats):
-        for k in names[rep % len(names):] + names[:rep % len(names)]:
+        for k in names[rep % len(names) :] + names[: rep % len(names)]:
             t0, w0 = time.process_time(), time.perf_counter()
             variants[k]()
             cpu = time.process_time() - t0
@@ -83,11 +98,16 @@ def main() -> None:
     for k, v in best.items():
         print(f"{k:12s} {v:7.2f} s CPU")
     f = best["forward"]
-    print("in forwards of the analysis images: " + ", ".join(f"{k} {v / f:.1f}" for k, v in best.items() if k != "forward"))
-    print(f"RATIO ablation threads={a.threads}: heads/suite={best['heads'] / best['suite']:.2f} "
-          f"((suite+heads)-suite)/suite={(best['suite+heads'] - best['suite']) / best['suite']:.2f} "
-          f"heads_nocka/suite={best['heads_nocka'] / best['suite']:.2f}"
-          + (f" all/suite={best['all'] / best['suite']:.2f}" if "all" in best else ""))
+    print(
+        "in forwards of the analysis images: "
+        + ", ".join(f"{k} {v / f:.1f}" for k, v in best.items() if k != "forward")
+    )
+    print(
+        f"RATIO ablation threads={a.threads}: heads/suite={best['heads'] / best['suite']:.2f} "
+        f"((suite+heads)-suite)/suite={(best['suite+heads'] - best['suite']) / best['suite']:.2f} "
+        f"heads_nocka/suite={best['heads_nocka'] / best['suite']:.2f}"
+        + (f" all/suite={best['all'] / best['suite']:.2f}" if "all" in best else "")
+    )
 
 
 if __name__ == "__main__":

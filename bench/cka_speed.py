@@ -25,6 +25,7 @@ that machine noise (this is a shared machine) hits all alike; each figure is the
 memory (VmHWM of a fresh process streaming minibatches through ``new`` or ``old``) must stay flat in the
 number of images. The last lines, one per width and thread count, start with ``RATIO``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,10 +79,12 @@ def model_minibatches(images: int, batch: int):
     data = build_data(r)
     torch.manual_seed(0)
     model = build_model(r, data.num_classes).eval()
-    layers = [f"blocks.{i}.{k}" for i in range(len(model.blocks)) for k in ("attn_out", "out")]  # the CKA measure's layers
+    layers = [
+        f"blocks.{i}.{k}" for i in range(len(model.blocks)) for k in ("attn_out", "out")
+    ]  # the CKA measure's layers
     for j in range(0, images, batch):
         with torch.no_grad(), Taps(model, layers) as cap:
-            model(data.normalize(data.analysis.images[j:j + batch]))
+            model(data.normalize(data.analysis.images[j : j + batch]))
         yield [represent(cap[t]) for t in layers]
 
 
@@ -175,13 +178,13 @@ class NumpeeStyleCKA:
         if self.xy is None:
             self.xy, self.xx = torch.zeros(L * L), torch.zeros(L)
         for s in range(0, L, self.group):
-            k = torch.stack(grams[s:s + self.group])
-            self.xx[s:s + len(k)] += self.hsic1(k, k) * self.eps
+            k = torch.stack(grams[s : s + self.group])
+            self.xx[s : s + len(k)] += self.hsic1(k, k) * self.eps
         for s in range(0, L * L, self.group):
             idx = range(s, min(s + self.group, L * L))
             k = torch.stack([grams[i % L] for i in idx])
             l_ = torch.stack([grams[i // L] for i in idx])
-            self.xy[s:s + len(idx)] += self.hsic1(k, l_) * self.eps
+            self.xy[s : s + len(idx)] += self.hsic1(k, l_) * self.eps
 
     def compute(self):
         L = len(self.xx)
@@ -233,20 +236,30 @@ def peak_rss(width: str, variant: str, images: int, batch: int, smoke: bool) -> 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--images", type=int, default=2048)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS))
-    p.add_argument("--memory", type=int, nargs="*", default=[512, 1024, 2048], help="image counts for peak memory (none: skip)")
-    p.add_argument("--smoke", action="store_true", help="tiny synthetic features, one repeat, one thread, one memory probe: checks that it runs")
+    p.add_argument(
+        "--memory", type=int, nargs="*", default=[512, 1024, 2048], help="image counts for peak memory (none: skip)"
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny synthetic features, one repeat, one thread, one memory probe: checks that it runs",
+    )
     p.add_argument("--peak-only", nargs=3, metavar=("WIDTH", "VARIANT", "IMAGES"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.smoke:
         a.images, a.batch, a.threads, a.repeats, a.memory = 64, 32, [1], 1, [64]
     if a.batch < 4 or a.images < a.batch:
-        p.error(f"--batch {a.batch} with --images {a.images}: use a batch of at least 4 and at least one batch of images.")
+        p.error(
+            f"--batch {a.batch} with --images {a.images}: use a batch of at least 4 and at least one batch of images."
+        )
     if a.peak_only:
         torch.set_num_threads(1)
         print(peak_rss(a.peak_only[0], a.peak_only[1], int(a.peak_only[2]), a.batch, a.smoke))
@@ -259,36 +272,60 @@ def main() -> None:
         for t in a.threads:
             torch.set_num_threads(t)
             for w in a.widths:
-                order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]
+                order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
                 for v in order:
                     s, m = run_variant(v, streams[w])
                     times[w, t, v].append(s)
                     results[w, v] = m
-                print(f"# repeat {rep} threads {t} {w}: " + " ".join(f"{v}={times[w, t, v][-1]:.3f}s" for v in order), flush=True)
+                print(
+                    f"# repeat {rep} threads {t} {w}: " + " ".join(f"{v}={times[w, t, v][-1]:.3f}s" for v in order),
+                    flush=True,
+                )
 
-    out = {"images": a.images, "batch": a.batch, "repeats": a.repeats, "layers": len(streams[a.widths[0]][0]),
-           "load_avg_1min": round(os.getloadavg()[0], 2), "seconds_min": {}, "agreement_vs_old": {}, "peak_rss_mib": {}}
+    out = {
+        "images": a.images,
+        "batch": a.batch,
+        "repeats": a.repeats,
+        "layers": len(streams[a.widths[0]][0]),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+        "seconds_min": {},
+        "agreement_vs_old": {},
+        "peak_rss_mib": {},
+    }
     for w in a.widths:
         ref = results[w, "old"]
         big = ref.abs() >= 0.1
         for v in ("new", "numpee"):
             d = (results[w, v] - ref).abs()
-            out["agreement_vs_old"][f"{w}/{v}"] = {"max_abs": float(d.max()), "max_rel_where_abs_ge_0.1": float((d[big] / ref.abs()[big]).max())}
+            out["agreement_vs_old"][f"{w}/{v}"] = {
+                "max_abs": float(d.max()),
+                "max_rel_where_abs_ge_0.1": float((d[big] / ref.abs()[big]).max()),
+            }
         for t in a.threads:
             out["seconds_min"][f"{w}/{t}thr"] = {v: round(min(times[w, t, v]), 4) for v in VARIANTS}
     del streams
     for w in a.widths[:1] if a.smoke else a.widths:
         for v in ("new",) if a.smoke else ("new", "old"):
             for n in a.memory:
-                cmd = [sys.executable, __file__, "--peak-only", w, v, str(n), "--batch", str(min(a.batch, n))] + (["--smoke"] if a.smoke else [])
-                res = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+                cmd = [sys.executable, __file__, "--peak-only", w, v, str(n), "--batch", str(min(a.batch, n))] + (
+                    ["--smoke"] if a.smoke else []
+                )
+                res = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+                )
                 out["peak_rss_mib"][f"{w}/{v}/{n}"] = round(float(res.stdout.strip().splitlines()[-1]), 1)
     print(json.dumps(out, indent=1))
     for w in a.widths:
         for t in a.threads:
             s = out["seconds_min"][f"{w}/{t}thr"]
-            print(f"RATIO cka {w} threads={t}: new/floor={s['new'] / s['floor']:.3f} old/new={s['old'] / s['new']:.2f} "
-                  f"numpee/new={s['numpee'] / s['new']:.2f} new={s['new']:.3f}s max_abs_vs_old={out['agreement_vs_old'][f'{w}/new']['max_abs']:.1e}")
+            print(
+                f"RATIO cka {w} threads={t}: new/floor={s['new'] / s['floor']:.3f} old/new={s['old'] / s['new']:.2f} "
+                f"numpee/new={s['numpee'] / s['new']:.2f} new={s['new']:.3f}s max_abs_vs_old={out['agreement_vs_old'][f'{w}/new']['max_abs']:.1e}"
+            )
 
 
 if __name__ == "__main__":

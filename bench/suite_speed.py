@@ -15,6 +15,7 @@ hits all alike, with threads pinned:
 
 Each figure is the minimum over repeats. The last line starts with ``RATIO``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,15 +29,15 @@ if __name__ == "__main__":
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(k, "1")
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis import storage  # noqa: E402
-from analysis.suite import run_suite, suite_options  # noqa: E402
-from train.data import build_data  # noqa: E402
-from train.models import build_model  # noqa: E402
-from train.recipe import load_recipe  # noqa: E402
+from analysis import storage
+from analysis.suite import run_suite, suite_options
+from train.data import build_data
+from train.models import build_model
+from train.recipe import load_recipe
 
 
 def main() -> None:
@@ -46,8 +47,19 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (seconds)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    over = ["data.analysis_size=64", "data.probe_train_size=200", "data.train_size=512", "data.eval_size=256",
-            "model.depth=2", "model.embed_dim=32", "model.num_heads=2"] if a.smoke else []
+    over = (
+        [
+            "data.analysis_size=64",
+            "data.probe_train_size=200",
+            "data.train_size=512",
+            "data.eval_size=256",
+            "model.depth=2",
+            "model.embed_dim=32",
+            "model.num_heads=2",
+        ]
+        if a.smoke
+        else []
+    )
     r = load_recipe("recipes/default.yaml", over)
     data = build_data(r, quiet=True)
     torch.manual_seed(0)
@@ -59,7 +71,7 @@ def main() -> None:
     def forward():
         for split in (data.analysis, data.probe_train):
             for j in range(0, len(split), bs):
-                model(data.normalize(split.images[j:j + bs]))
+                model(data.normalize(split.images[j : j + bs]))
 
     res = run_suite(model, data, opts)
     tmp = Path(tempfile.mkdtemp())
@@ -74,15 +86,17 @@ def main() -> None:
     best = {k: float("inf") for k in variants}
     names = list(variants)
     for rep in range(1 if a.smoke else a.repeats):
-        for k in names[rep % len(names):] + names[:rep % len(names)]:
+        for k in names[rep % len(names) :] + names[: rep % len(names)]:
             t0 = time.perf_counter()
             variants[k]()
             best[k] = min(best[k], time.perf_counter() - t0)
     writer.close()
     for k, v in best.items():
         print(f"{k:8s} {v:7.3f} s")
-    print(f"RATIO suite threads={a.threads}: suite/forward={best['suite'] / best['forward']:.2f} "
-          f"(suite+figures)/forward={(best['suite'] + best['figures']) / best['forward']:.2f}")
+    print(
+        f"RATIO suite threads={a.threads}: suite/forward={best['suite'] / best['forward']:.2f} "
+        f"(suite+figures)/forward={(best['suite'] + best['figures']) / best['forward']:.2f}"
+    )
 
 
 if __name__ == "__main__":

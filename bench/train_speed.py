@@ -10,6 +10,7 @@ Threads are pinned for every variant alike (OpenMP / MKL environment before torc
 and VITLAB_THREADS, which the trainer obeys). Ratios are the figures to quote (this shared machine's absolute
 speed varies +-50%); the last line starts with ``RATIO``. ``--smoke``: a tiny model for a few steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,7 +60,7 @@ def bare_loop(recipe, data, steps: int, warmup: int, bf16: bool) -> float:
     for s in range(steps + warmup):
         if s == warmup:
             t0 = time.perf_counter()
-        idx = perm[(s * bs) % (n - bs):][:bs]
+        idx = perm[(s * bs) % (n - bs) :][:bs]
         x = data.normalize(augment(data.train.images[idx], recipe.data.augment.shift, recipe.data.augment.hflip))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(x)
@@ -77,9 +78,18 @@ def harness_loop(recipe_path: str, steps: int, warmup: int, bf16: bool, root: st
 
     from train.trainer import train
 
-    ov = [f"train.steps={warmup + steps}", f"train.log_every={warmup}", "train.eval_every=0", "train.checkpoint_every=0",
-          f"train.mixed_precision={'bf16' if bf16 else 'no'}", f"run.root={root}", f"run.name=h{time.time_ns()}", "data.eval_size=500",
-          "callbacks=[]", *extra]
+    ov = [
+        f"train.steps={warmup + steps}",
+        f"train.log_every={warmup}",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        f"train.mixed_precision={'bf16' if bf16 else 'no'}",
+        f"run.root={root}",
+        f"run.name=h{time.time_ns()}",
+        "data.eval_size=500",
+        "callbacks=[]",
+        *extra,
+    ]
     r = load_recipe(recipe_path, ov)
     out = train(r, progress=False)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -92,8 +102,16 @@ def harness_loop(recipe_path: str, steps: int, warmup: int, bf16: bool, root: st
     return statistics.mean(vals)
 
 
-SMOKE = ["data.train_size=256", "data.eval_size=64", "data.probe_train_size=32", "data.analysis_size=32", "model.depth=1",
-         "model.embed_dim=32", "model.num_heads=2", "train.batch_size=16"]
+SMOKE = [
+    "data.train_size=256",
+    "data.eval_size=64",
+    "data.probe_train_size=32",
+    "data.analysis_size=32",
+    "model.depth=1",
+    "model.embed_dim=32",
+    "model.num_heads=2",
+    "train.batch_size=16",
+]
 VARIANTS = ("bare_bf16", "harness_bf16", "bare_fp32", "harness_fp32")
 
 
@@ -117,13 +135,15 @@ def main() -> None:
     res = {k: [] for k in VARIANTS}
     with tempfile.TemporaryDirectory() as root:
         for rep in range(args.repeats):
-            for v in VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]:
+            for v in VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]:
                 torch.set_num_threads(threads)
                 kind, prec = v.split("_")
                 if kind == "bare":
                     res[v].append(bare_loop(recipe, data, args.steps, args.warmup, prec == "bf16"))
                 else:
-                    res[v].append(harness_loop(args.recipe, args.steps, args.warmup, prec == "bf16", root, args.overrides))
+                    res[v].append(
+                        harness_loop(args.recipe, args.steps, args.warmup, prec == "bf16", root, args.overrides)
+                    )
                 assert torch.get_num_threads() == threads, "a variant changed the thread count"
             print({k: [round(x, 1) for x in vs] for k, vs in res.items()}, flush=True)
     med = {k: statistics.median(v) for k, v in res.items()}
@@ -133,12 +153,19 @@ def main() -> None:
         "harness_over_bare_fp32": round(med["harness_fp32"] / med["bare_fp32"], 3),
         "bf16_over_fp32_harness": round(med["harness_bf16"] / med["harness_fp32"], 3),
         "bf16_over_fp32_bare": round(med["bare_bf16"] / med["bare_fp32"], 3),
-        "threads": threads, "recipe": args.recipe, "overrides": args.overrides, "batch": recipe.train.batch_size,
-        "steps": args.steps, "repeats": args.repeats, "load_avg_1min": round(os.getloadavg()[0], 2),
+        "threads": threads,
+        "recipe": args.recipe,
+        "overrides": args.overrides,
+        "batch": recipe.train.batch_size,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "load_avg_1min": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(summary, indent=1))
-    print(f"RATIO train threads={threads}: harness/bare fp32={summary['harness_over_bare_fp32']} "
-          f"bf16={summary['harness_over_bare_bf16']}; bf16/fp32 harness={summary['bf16_over_fp32_harness']}")
+    print(
+        f"RATIO train threads={threads}: harness/bare fp32={summary['harness_over_bare_fp32']} "
+        f"bf16={summary['harness_over_bare_bf16']}; bf16/fp32 harness={summary['bf16_over_fp32_harness']}"
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ One module per intervention, found by name: ``interventions/<name>.py`` is the r
 This package is a leaf: it imports nothing from ``train`` or ``analysis`` (``train`` imports it). The GAP head
 (Raghu §7) is not an intervention entry but a model option, ``model.head: gap`` (see ``train/models.py``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +54,14 @@ def _is_list(name: str) -> bool:
 
 def _config_class():
     """The ``interventions`` section of a recipe: one field per registered intervention, absent by default."""
-    fields = [(name, entry_type(name), dataclasses.field(default_factory=list) if _is_list(name) else dataclasses.field(default=None))
-              for name in REGISTRY]
+    fields = [
+        (
+            name,
+            entry_type(name),
+            dataclasses.field(default_factory=list) if _is_list(name) else dataclasses.field(default=None),
+        )
+        for name in REGISTRY
+    ]
     cls = dataclasses.make_dataclass("InterventionsConfig", fields)
     cls.__module__ = __name__
     cls.__doc__ = "The recipe's ``interventions:`` section: " + ", ".join(REGISTRY) + " (each absent by default)."
@@ -69,11 +76,14 @@ def active(interventions) -> list[tuple[str, ModuleType, object]]:
     ``Config``, or for a list-typed intervention the non-empty list of them): what every hook receives."""
     if interventions is None:
         return []
-    return [(name, mod, getattr(interventions, name)) for name, mod in REGISTRY.items()
-            if getattr(interventions, name, None) not in (None, [])]
+    return [
+        (name, mod, getattr(interventions, name))
+        for name, mod in REGISTRY.items()
+        if getattr(interventions, name, None) not in (None, [])
+    ]
 
 
-def check(recipe) -> Optional[str]:
+def check(recipe) -> str | None:
     """The first error sentence of the active interventions' ``check`` hooks (None when all pass)."""
     for _, mod, entry in active(recipe.interventions):
         msg = mod.check(entry, recipe) if hasattr(mod, "check") else None
@@ -95,7 +105,9 @@ def describe(recipe) -> dict:
 
 def model_interventions(interventions) -> list[str]:
     """Names of the active interventions that change the model (``build_block`` or ``apply_model``)."""
-    return [name for name, mod, _ in active(interventions) if hasattr(mod, "build_block") or hasattr(mod, "apply_model")]
+    return [
+        name for name, mod, _ in active(interventions) if hasattr(mod, "build_block") or hasattr(mod, "apply_model")
+    ]
 
 
 def block_fn_for(interventions, block_cls):

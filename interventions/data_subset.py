@@ -2,18 +2,18 @@
 class-balanced, seeded, nested subset of the train split (after ``data.train_size``): for one seed the 3%
 subset lies inside the 10% one. The data layer records its size and the hash of its indices in meta.json.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass
 class Config:
     """Pretrain on a class-balanced, seeded, nested subset of the train split (give fraction or count)."""
 
-    fraction: Optional[float] = field(default=None, metadata={"lo": 0.0, "hi": 1.0, "lo_open": True})
-    count: Optional[int] = field(default=None, metadata={"lo": 1})
+    fraction: float | None = field(default=None, metadata={"lo": 0.0, "hi": 1.0, "lo_open": True})
+    count: int | None = field(default=None, metadata={"lo": 1})
     seed: int = field(default=0, metadata={"lo": 0})
 
 
@@ -27,5 +27,7 @@ def select_train(cfg: Config, labels, balanced_indices):
     """``balanced_indices(labels, n, seed)`` with n = count, or fraction x the split's size (rounded)."""
     n = cfg.count if cfg.count is not None else int(round(cfg.fraction * len(labels)))
     if n > len(labels):
-        raise ValueError(f"interventions.data_subset.count {n} exceeds the train split's {len(labels)} images: lower it.")
+        raise ValueError(
+            f"interventions.data_subset.count {n} exceeds the train split's {len(labels)} images: lower it."
+        )
     return balanced_indices(labels, n, cfg.seed)

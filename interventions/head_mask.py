@@ -3,6 +3,7 @@ zeroed before the output projection (an ablation); works with fused attention.
 
 Entries naming the same block mask the union of their heads, through one hook per block.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

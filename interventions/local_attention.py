@@ -25,10 +25,10 @@ attention probabilities after the softmax of the explicit path, so it sees the b
 Entries may name different blocks, heads, offsets and radii; two entries may not force the same head of the same
 block. Works with ``no_skip`` blocks (their attention is called the same way).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -42,7 +42,7 @@ class Config:
     heads: list[int] = field(default_factory=lambda: [0])
     offset: list[int] = field(default_factory=lambda: [0, 0])  # (rows, columns) in tokens: [0, 1] = one token right
     radius: int = field(default=1, metadata={"lo": 0})  # Chebyshev radius of the window, in tokens
-    strength: Optional[float] = field(default=None, metadata={"lo": 0.0, "lo_open": True})  # null: hard mask
+    strength: float | None = field(default=None, metadata={"lo": 0.0, "lo_open": True})  # null: hard mask
 
 
 ENTRY = list[Config]  # one mapping or a list of them
@@ -64,11 +64,15 @@ def check(entries: list[Config], recipe) -> str | None:
         if not e.heads or any(not 0 <= h < m.num_heads for h in e.heads):
             return f"key '{_key(i, 'heads')}' must list heads in 0..{m.num_heads - 1}, got {e.heads}."
         if len(e.offset) != 2 or any(abs(o) > g - 1 for o in e.offset):
-            return (f"key '{_key(i, 'offset')}' must be [rows, columns], each in -{g - 1}..{g - 1} on the {g}x{g} token "
-                    f"grid, got {e.offset}.")
+            return (
+                f"key '{_key(i, 'offset')}' must be [rows, columns], each in -{g - 1}..{g - 1} on the {g}x{g} token "
+                f"grid, got {e.offset}."
+            )
         if e.radius >= g - 1:
-            return (f"key '{_key(i, 'radius')}' is {e.radius}: a window of radius {g - 1} or more covers the whole {g}x{g} token "
-                    f"grid from every cell and restricts nothing; use 0..{g - 2}.")
+            return (
+                f"key '{_key(i, 'radius')}' is {e.radius}: a window of radius {g - 1} or more covers the whole {g}x{g} token "
+                f"grid from every cell and restricts nothing; use 0..{g - 2}."
+            )
         for b in e.blocks:
             for h in e.heads:
                 if (b, h) in seen:
@@ -87,7 +91,9 @@ def window(grid: tuple[int, int], offset, radius: int) -> torch.Tensor:
     return ((r[None, :] - cr[:, None]).abs() <= radius) & ((c[None, :] - cc[:, None]).abs() <= radius)
 
 
-def head_bias(grid: tuple[int, int], num_prefix_tokens: int, offset, radius: int, strength: float | None) -> torch.Tensor:
+def head_bias(
+    grid: tuple[int, int], num_prefix_tokens: int, offset, radius: int, strength: float | None
+) -> torch.Tensor:
     """[T, T] float32 additive attention bias of one forced head, T = prefix + N: 0 where allowed, -inf (hard) or
     -strength elsewhere; prefix queries are unrestricted, spatial queries may not attend to prefix keys."""
     p = num_prefix_tokens
@@ -111,8 +117,10 @@ class LocalAttentionBias(nn.Module):
         x = args[0] if args else kwargs["x"]
         t = self.bias.shape[-1]
         if x.shape[1] != t:
-            raise RuntimeError(f"interventions.local_attention was built for {t} tokens; this forward has {x.shape[1]} "
-                               "(another image size?): build the model for the image size it sees.")
+            raise RuntimeError(
+                f"interventions.local_attention was built for {t} tokens; this forward has {x.shape[1]} "
+                "(another image size?): build the model for the image size it sees."
+            )
         if kwargs.get("is_causal"):
             raise RuntimeError("interventions.local_attention cannot combine with is_causal attention.")
         device = x.device.type
@@ -130,7 +138,9 @@ class LocalAttentionBias(nn.Module):
         return f"heads={forced.nonzero().flatten().tolist()}, tokens={self.bias.shape[-1]}"
 
 
-def biases_by_block(entries: list[Config], num_heads: int, grid: tuple[int, int], num_prefix_tokens: int) -> dict[int, torch.Tensor]:
+def biases_by_block(
+    entries: list[Config], num_heads: int, grid: tuple[int, int], num_prefix_tokens: int
+) -> dict[int, torch.Tensor]:
     """{block: bias [H, T, T]} with every entry's heads filled in (zeros on the free heads)."""
     t = num_prefix_tokens + grid[0] * grid[1]
     out: dict[int, torch.Tensor] = {}
@@ -148,7 +158,9 @@ def apply_model(entries: list[Config], model: nn.Module) -> list:
     kwargs) of ``attn``; returns the hook handles."""
     grid = tuple(int(g) for g in model.patch_embed.grid_size)
     handles = []
-    for block, bias in biases_by_block(entries, model.blocks[0].attn.num_heads, grid, int(model.num_prefix_tokens)).items():
+    for block, bias in biases_by_block(
+        entries, model.blocks[0].attn.num_heads, grid, int(model.num_prefix_tokens)
+    ).items():
         attn = model.blocks[block].attn
         attn.local_bias = LocalAttentionBias(bias)
         handles.append(attn.register_forward_pre_hook(attn.local_bias.hook, with_kwargs=True))

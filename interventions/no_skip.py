@@ -3,6 +3,7 @@ connection(s) of those ViT blocks are removed, x = f(norm(x)) instead of x + f(n
 
 Built through timm's ``block_fn`` (which receives the block index), so state-dict keys are unchanged.
 """
+
 from __future__ import annotations
 
 import functools

@@ -14,8 +14,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TINY = {
     "data": {"train_size": 512, "eval_size": 250, "probe_train_size": 100, "analysis_size": 64},
     "model": {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2.0},
-    "train": {"steps": 8, "batch_size": 32, "warmup_steps": 2, "eval_every": 4, "checkpoint_every": 4,
-              "log_every": 1, "eval_batch_size": 64},
+    "train": {
+        "steps": 8,
+        "batch_size": 32,
+        "warmup_steps": 2,
+        "eval_every": 4,
+        "checkpoint_every": 4,
+        "log_every": 1,
+        "eval_batch_size": 64,
+    },
 }
 
 
@@ -91,9 +98,26 @@ def two_process_launch(recipe_path, port: int) -> tuple[list[str], dict]:
     ``VITLAB_NPROC=2 ./launch.sh`` does; ``port`` keeps concurrent tests apart."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["ACCELERATE_USE_CPU"] = "true"
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           "-m", "train", "--recipe", str(recipe_path), "--no-progress"]
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(port),
+        "-m",
+        "train",
+        "--recipe",
+        str(recipe_path),
+        "--no-progress",
+    ]
     return cmd, env
 
 
@@ -107,8 +131,9 @@ def tiny_vit(class_token: bool = True):
 
     torch.manual_seed(0)
     kw = {} if class_token else {"class_token": False, "global_pool": "avg"}
-    return VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2,
-                             mlp_ratio=2.0, **kw).eval()
+    return VisionTransformer(
+        img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, **kw
+    ).eval()
 
 
 def tiny_resnet():
@@ -131,7 +156,7 @@ def class_split(n: int, seed: int):
     y = torch.arange(n) % 10
     images = (torch.rand(n, 1, 28, 28, generator=g) * 20).to(torch.uint8)
     for c in range(10):
-        images[y == c, :, 2 * c:2 * c + 10, 2 * c:2 * c + 10] = 250
+        images[y == c, :, 2 * c : 2 * c + 10, 2 * c : 2 * c + 10] = 250
     return types.SimpleNamespace(images=images, labels=y)
 
 

@@ -1,6 +1,7 @@
 """A test-only self-supervised objective (no labels, a student and an EMA teacher), registered into
 train.objectives.REGISTRY by :func:`register`, so the analysis of wrapped checkpoints and init_from are tested
 without the real DINO / MAE modules. Its loss is the mean squared norm of the student's features."""
+
 from __future__ import annotations
 
 import copy

@@ -2,6 +2,7 @@
 another way (a training-time head mask, a block built without its skip, zeroed value weights, explicit hooks that
 substitute means or another image's activation), read out by plain code (argmax, cross-entropy, train.knn, the
 MinibatchCKA of analysis.similarity)."""
+
 import copy
 
 import numpy as np
@@ -48,8 +49,17 @@ def data():
 
 def measure(model, targets, replace="zero", **opts):
     a, p = data()
-    res = analyze(model, a.images, a.labels, probe_images=p.images, probe_labels=p.labels, measures=["ablation"],
-                  options={"ablation": {"targets": targets, "replace": replace, **opts}}, batch_size=BS, figures=False)
+    res = analyze(
+        model,
+        a.images,
+        a.labels,
+        probe_images=p.images,
+        probe_labels=p.labels,
+        measures=["ablation"],
+        options={"ablation": {"targets": targets, "replace": replace, **opts}},
+        batch_size=BS,
+        figures=False,
+    )
     r = res["results"]["ablation"]
     return {name: n for n, name in enumerate(r["targets"])}, r
 
@@ -69,8 +79,10 @@ def reference(model, blocks, intervene=None, changed=None):
     def run(net, x, handles=()):
         got, outs = {}, {}
         hs = [net.get_classifier().register_forward_pre_hook(lambda m, args: got.__setitem__("f", args[0]))]
-        hs += [net.get_submodule(b).register_forward_hook(lambda m, args, out, i=i: outs.__setitem__(i, out.clone()))
-               for i, b in enumerate(blocks)]
+        hs += [
+            net.get_submodule(b).register_forward_hook(lambda m, args, out, i=i: outs.__setitem__(i, out.clone()))
+            for i, b in enumerate(blocks)
+        ]
         try:
             logits = net(x)
         finally:
@@ -78,10 +90,10 @@ def reference(model, blocks, intervene=None, changed=None):
                 h.remove()
         return logits, got["f"], outs
 
-    bank = torch.cat([run(model, _x(p.images[j:j + BS]))[1] for j in range(0, len(p.images), BS)])
+    bank = torch.cat([run(model, _x(p.images[j : j + BS]))[1] for j in range(0, len(p.images), BS)])
     correct, loss, feats, ckas = 0, 0.0, [], [MinibatchCKA() for _ in blocks]
     for j in range(len(a.images) // BS):
-        x, y = _x(a.images[j * BS:(j + 1) * BS]), a.labels[j * BS:(j + 1) * BS]
+        x, y = _x(a.images[j * BS : (j + 1) * BS]), a.labels[j * BS : (j + 1) * BS]
         _, _, plain = run(model, x)
         net = changed if changed is not None else model
         logits, f, outs = run(net, x, intervene(net, j, x) if intervene else ())
@@ -92,7 +104,12 @@ def reference(model, blocks, intervene=None, changed=None):
             c.update([outs[i].reshape(BS, -1)], [plain[i].reshape(BS, -1)])
     n = len(a.images)
     knn = knn_accuracy(bank, p.labels, torch.cat(feats), a.labels, 20, 0.07, 10)
-    return {"top1": correct / n, "loss": loss / n, "knn_top1": knn, "cka": np.array([float(c.compute()[0, 0]) for c in ckas])}
+    return {
+        "top1": correct / n,
+        "loss": loss / n,
+        "knn_top1": knn,
+        "cka": np.array([float(c.compute()[0, 0]) for c in ckas]),
+    }
 
 
 def check(r, n, ref, block, tol=1e-5):
@@ -164,11 +181,13 @@ def test_removing_a_skip_path_equals_the_block_built_without_it(where):
 
 def _replacing(module_of, value_of, output=True):
     """An ``intervene`` that replaces a module's output (or first input) on minibatch j by ``value_of(j, tensor)``."""
+
     def intervene(model, j, x):
         mod = module_of(model)
         if output:
             return [mod.register_forward_hook(lambda m, args, out: value_of(j, out))]
-        return [mod.register_forward_pre_hook(lambda m, args: (value_of(j, args[0]),) + tuple(args[1:]))]
+        return [mod.register_forward_pre_hook(lambda m, args: (value_of(j, args[0]), *tuple(args[1:])))]
+
     return intervene
 
 
@@ -178,8 +197,11 @@ def _clean_activation(model, module_of, output=True):
     a, _ = data()
     got = {}
     mod = module_of(model)
-    h = (mod.register_forward_hook(lambda m, args, out: got.__setitem__("a", out.clone())) if output else
-         mod.register_forward_pre_hook(lambda m, args: got.__setitem__("a", args[0].clone())))
+    h = (
+        mod.register_forward_hook(lambda m, args, out: got.__setitem__("a", out.clone()))
+        if output
+        else mod.register_forward_pre_hook(lambda m, args: got.__setitem__("a", args[0].clone()))
+    )
     model(_x(a.images))
     h.remove()
     return got["a"]
@@ -189,10 +211,14 @@ def test_mean_ablation_of_a_branch_and_of_the_cls_path():
     model = vit()
     idx, r = measure(model, ["blocks.0.attn", "blocks.1.mlp", "blocks.1.cls"], "mean")
     mean0 = _clean_activation(model, lambda m: m.blocks[0].drop_path1).mean(0)
-    ref = reference(model, BLOCKS, _replacing(lambda m: m.blocks[0].drop_path1, lambda j, out: mean0.expand_as(out).clone()))
+    ref = reference(
+        model, BLOCKS, _replacing(lambda m: m.blocks[0].drop_path1, lambda j, out: mean0.expand_as(out).clone())
+    )
     check(r, idx["blocks.0.attn"], ref, 0)
     mean1 = _clean_activation(model, lambda m: m.blocks[1].drop_path2).mean(0)
-    ref = reference(model, BLOCKS, _replacing(lambda m: m.blocks[1].drop_path2, lambda j, out: mean1.expand_as(out).clone()))
+    ref = reference(
+        model, BLOCKS, _replacing(lambda m: m.blocks[1].drop_path2, lambda j, out: mean1.expand_as(out).clone())
+    )
     check(r, idx["blocks.1.mlp"], ref, 1)
     cls_mean = _clean_activation(model, lambda m: m.blocks[1], output=False)[:, 0].mean(0)
 
@@ -216,21 +242,28 @@ def test_resample_takes_another_images_activation_with_a_seeded_cyclic_permutati
         assert torch.equal(p, resample_permutation(n, 7, j)) and not torch.equal(p, resample_permutation(n, 8, j))
     model = vit()
     idx, r = measure(model, ["blocks.0.mlp", "blocks.0.spatial"], "resample", seed=3)
-    a, _ = data()
+    _a, _ = data()
     branch = _clean_activation(model, lambda m: m.blocks[0].drop_path2)
     z0 = _clean_activation(model, lambda m: m.blocks[0], output=False)
 
     def other(full):
-        return lambda j, out: full[j * BS:(j + 1) * BS][resample_permutation(BS, 3, j)].clone()
+        return lambda j, out: full[j * BS : (j + 1) * BS][resample_permutation(BS, 3, j)].clone()
 
-    check(r, idx["blocks.0.mlp"], reference(model, BLOCKS, _replacing(lambda m: m.blocks[0].drop_path2, other(branch))), 0)
+    check(
+        r, idx["blocks.0.mlp"], reference(model, BLOCKS, _replacing(lambda m: m.blocks[0].drop_path2, other(branch))), 0
+    )
 
     def spatial(j, z):
         z = z.clone()
         z[:, 1:] = other(z0)(j, z)[:, 1:]
         return z
 
-    check(r, idx["blocks.0.spatial"], reference(model, BLOCKS, _replacing(lambda m: m.blocks[0], spatial, output=False)), 0)
+    check(
+        r,
+        idx["blocks.0.spatial"],
+        reference(model, BLOCKS, _replacing(lambda m: m.blocks[0], spatial, output=False)),
+        0,
+    )
 
 
 def test_heads_starting_at_the_projection_equal_whole_block_copies_and_batching_changes_nothing(monkeypatch):
@@ -272,7 +305,9 @@ def resnet():
     from timm.models.resnet import BasicBlock, ResNet
 
     torch.manual_seed(0)  # layer1.1 has an identity shortcut, the other blocks a projection
-    return lively(ResNet(block=BasicBlock, layers=(2, 1, 1, 1), channels=(8, 16, 16, 16), in_chans=1, num_classes=10).eval())
+    return lively(
+        ResNet(block=BasicBlock, layers=(2, 1, 1, 1), channels=(8, 16, 16, 16), in_chans=1, num_classes=10).eval()
+    )
 
 
 RBLOCKS = ["layer1.0", "layer1.1", "layer2.0", "layer3.0", "layer4.0"]
@@ -314,7 +349,10 @@ def test_results_read_back_give_the_same_key_numbers_and_figures(tmp_path):
     assert set(s) >= {"attn_drop", "mlp_drop", "skip_drop", "cls_drop", "spatial_drop", "most_important_head"}
     figs = Ablation.figures(back, step=5)
     assert set(figs) == {"ablation/heads", "ablation/sublayers", "ablation/skip_cka"}
-    assert "Head importance" in figs["ablation/heads"].axes[0].get_title() and "(step 5)" in figs["ablation/heads"].axes[0].get_title()
+    assert (
+        "Head importance" in figs["ablation/heads"].axes[0].get_title()
+        and "(step 5)" in figs["ablation/heads"].axes[0].get_title()
+    )
     assert "Raghu Fig. 8" in figs["ablation/skip_cka"].axes[0].get_title()
     for f in figs.values():
         plt.close(f)
@@ -323,7 +361,7 @@ def test_results_read_back_give_the_same_key_numbers_and_figures(tmp_path):
 def test_a_model_without_classifier_is_read_out_by_knn():
     model = vit()
     model.reset_classifier(0)
-    idx, r = measure(model, ["blocks.1.attn"])
+    _idx, r = measure(model, ["blocks.1.attn"])
     assert np.isnan(r["top1"]).all() and np.isnan(r["clean_top1"]) and np.isfinite(r["knn_top1"]).all()
     assert Ablation.summary(r)["readout"] == "knn_drop"
     ref = reference(model, BLOCKS, _replacing(lambda m: m.blocks[1].drop_path1, lambda j, out: torch.zeros_like(out)))

@@ -1,5 +1,6 @@
 """The notebook API: the README example runs as written, and a model object, a DataLoader and a run folder give
 the same numbers as the suite."""
+
 import re
 
 import numpy as np
@@ -23,7 +24,12 @@ def test_the_readme_example_runs(tmp_path, monkeypatch):
 def test_tensor_and_dataloader_give_the_same_numbers():
     model = tiny_vit()
     a, p = class_split(64, 0), class_split(200, 1)
-    kw = dict(measures=["cka", "fewshot_probe", "knn"], options={"fewshot_probe": {"seeds": [0]}}, batch_size=32, figures=False)
+    kw = dict(
+        measures=["cka", "fewshot_probe", "knn"],
+        options={"fewshot_probe": {"seeds": [0]}},
+        batch_size=32,
+        figures=False,
+    )
     r1 = analyze(model, a.images, a.labels, probe_images=p.images, probe_labels=p.labels, **kw)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(a.images, a.labels), batch_size=10)
     r2 = analyze(model, loader, probe_images=p.images, probe_labels=p.labels, **kw)
@@ -40,7 +46,9 @@ def test_bad_input_is_one_sentence():
         analyze(model, torch.rand(8, 1, 28, 28), measures=["nope"])
     with pytest.raises(ValueError, match=r"must be \[N, C, H, W\]"):
         analyze(model, torch.rand(8, 28, 28))
-    with pytest.raises(ValueError, match="probe_images="):  # probes need images to train on, named as the API names them
+    with pytest.raises(
+        ValueError, match="probe_images="
+    ):  # probes need images to train on, named as the API names them
         analyze(model, torch.rand(8, 1, 28, 28), torch.arange(8) % 2, measures=["fewshot_probe"])
     # images the model cannot take (torch's and timm's own errors, in one sentence), a model the taps do not know
     for x, says in ((torch.rand(8, 3, 28, 28), "to have 1 channels"), (torch.rand(8, 1, 32, 32), "Input height (32)")):
@@ -54,7 +62,12 @@ def test_bad_input_is_one_sentence():
         analyze(model, x, measures=["cka"], batch_size=4)
     # measures that compare with labels, given none: one sentence, not purity 1.0 or a bare internal error
     a = class_split(16, 0)
-    for measures, kw in ((["clustering"], {}), (["knn"], {}), (["knn"], {"labels": a.labels}), (["cka", "knn", "clustering"], {})):
+    for measures, kw in (
+        (["clustering"], {}),
+        (["knn"], {}),
+        (["knn"], {"labels": a.labels}),
+        (["cka", "knn", "clustering"], {}),
+    ):
         needs = [m for m in measures if m != "cka" and not (m == "clustering" and kw)]
         with pytest.raises(ValueError, match=re.escape(f"measures {', '.join(needs)} read class labels: pass labels=")):
             analyze(model, a.images, measures=measures, batch_size=8, **kw)
@@ -63,7 +76,13 @@ def test_bad_input_is_one_sentence():
     with pytest.raises(ValueError, match="no measure named"):
         analyze(model, torch.rand(8, 1, 28, 28), measures=[], batch_size=4)
     with pytest.raises(ValueError, match="repr=cls reads the class token"):  # a GAP ViT has none
-        analyze(tiny_vit(class_token=False), torch.rand(8, 1, 28, 28), measures=["cka"], options={"cka": {"repr": "cls"}}, batch_size=4)
+        analyze(
+            tiny_vit(class_token=False),
+            torch.rand(8, 1, 28, 28),
+            measures=["cka"],
+            options={"cka": {"repr": "cls"}},
+            batch_size=4,
+        )
 
 
 def test_activations_stream_the_taps_to_a_dict_and_to_disk(tmp_path):
@@ -79,15 +98,22 @@ def test_activations_stream_the_taps_to_a_dict_and_to_disk(tmp_path):
         model(a.images.float() / 255)
     model.train()
     acts = activations(model, a.images, a.labels, taps=["blocks.*.attn_probs", "blocks.1.out"], batch_size=10)
-    assert model.training and list(acts) == names + ["labels"]
+    assert model.training and list(acts) == [*names, "labels"]
     assert acts["blocks.0.attn_probs"].shape == (25, 2, 50, 50) and torch.equal(acts["labels"], a.labels)
     for n in names:
         torch.testing.assert_close(acts[n], cap[n], atol=1e-6, rtol=1e-5)
     assert [s for s, _ in iter_activations(model, a.images, taps="blocks.0.out", batch_size=10)] == [0, 10, 20]
-    disk = activations(model, a.images, a.labels, taps=["blocks.*.attn_probs", "blocks.1.out"], batch_size=10, out=tmp_path / "acts",
-                       dtype=torch.float16)
+    disk = activations(
+        model,
+        a.images,
+        a.labels,
+        taps=["blocks.*.attn_probs", "blocks.1.out"],
+        batch_size=10,
+        out=tmp_path / "acts",
+        dtype=torch.float16,
+    )
     index = json.loads((tmp_path / "acts" / "index.json").read_text())
-    assert index["n_images"] == 25 and sorted(index["arrays"]) == sorted(names + ["labels"])
+    assert index["n_images"] == 25 and sorted(index["arrays"]) == sorted([*names, "labels"])
     assert disk["blocks.1.out"].dtype == np.float16 and not disk["blocks.1.out"].flags.writeable
     np.testing.assert_allclose(disk["blocks.1.out"], acts["blocks.1.out"].numpy(), atol=2e-3, rtol=2e-3)
     np.testing.assert_array_equal(disk["labels"], a.labels.numpy())
@@ -95,6 +121,8 @@ def test_activations_stream_the_taps_to_a_dict_and_to_disk(tmp_path):
     # a folder that holds files is not touched; a pattern that matches nothing is one sentence
     with pytest.raises(ValueError, match="already exists and is not empty"):
         activations(model, a.images, taps="blocks.0.out", out=tmp_path / "acts")
-    assert sorted(p.name for p in (tmp_path / "acts").iterdir()) == sorted([f"{n}.npy" for n in names + ["labels"]] + ["index.json"])
+    assert sorted(p.name for p in (tmp_path / "acts").iterdir()) == sorted(
+        [f"{n}.npy" for n in [*names, "labels"]] + ["index.json"]
+    )
     with pytest.raises(ValueError, match="matches no tap.*kinds in, attn_branch"):
         activations(model, a.images, taps="blocks.*.attention")

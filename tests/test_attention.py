@@ -1,5 +1,6 @@
 """Mean attention distance per head: known answers (patch centres, Walmer's unit square, the ViT paper's pixel-level
 distance), prefix handling, accumulation and the sum-reduced sync."""
+
 from __future__ import annotations
 
 import itertools
@@ -8,7 +9,13 @@ import math
 import pytest
 import torch
 
-from analysis.measures.attention_distance import UNITS, AttentionDistance, AttentionDistanceMeasure, attention_distance, grid_distances
+from analysis.measures.attention_distance import (
+    UNITS,
+    AttentionDistance,
+    AttentionDistanceMeasure,
+    attention_distance,
+    grid_distances,
+)
 
 
 def _self_attention(batch, heads, grid, prefix):
@@ -35,17 +42,23 @@ def test_grid_distances_are_exact():
     assert d.shape == (6, 6) and d.dtype == torch.float64
     assert d.diagonal().eq(0).all() and d[0, 1] == 4 and d[0, 3] == 4 and d[0, 5] == pytest.approx(math.hypot(4, 8))
     # Walmer's unit square: token (r, c) at (r / (gh - 1), c / (gw - 1)), so token 5 = (1, 2) sits at the corner (1, 1)
-    torch.testing.assert_close(grid_distances((2, 3), 4, unit="unit_square")[0, 5], torch.tensor(math.sqrt(2), dtype=torch.float64))
+    torch.testing.assert_close(
+        grid_distances((2, 3), 4, unit="unit_square")[0, 5], torch.tensor(math.sqrt(2), dtype=torch.float64)
+    )
     assert grid_distances((2, 3), 4, unit="unit_square")[0, 1] == 0.5
 
 
 def test_unit_square_on_a_2x2_grid_by_hand():
     """The four tokens sit at the corners of the unit square: sides 1, diagonals sqrt(2) (Walmer's code)."""
     s = math.sqrt(2)
-    torch.testing.assert_close(grid_distances((2, 2), 16, unit="unit_square"),
-                               torch.tensor([[0, 1, 1, s], [1, 0, s, 1], [1, s, 0, 1], [s, 1, 1, 0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        grid_distances((2, 2), 16, unit="unit_square"),
+        torch.tensor([[0, 1, 1, s], [1, 0, s, 1], [1, s, 0, 1], [s, 1, 1, 0]], dtype=torch.float64),
+    )
     uniform = torch.full((1, 1, 5, 5), 0.2)  # CLS + 4 tokens: each query's spatial row renormalises to 1/4 each
-    assert attention_distance(uniform, (2, 2), 16, 1, unit="unit_square").item() == pytest.approx((2 + s) / 4, rel=1e-12)
+    assert attention_distance(uniform, (2, 2), 16, 1, unit="unit_square").item() == pytest.approx(
+        (2 + s) / 4, rel=1e-12
+    )
     right = torch.tensor([[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0]], dtype=torch.float32)[None, None]
     assert attention_distance(right, (2, 2), 16, 0, unit="unit_square").item() == pytest.approx(1.0, rel=1e-12)
 
@@ -55,8 +68,12 @@ def test_pixel_level_distance_of_a_purely_local_head_by_hand():
     4 pixels of its own patch (weight 1/4 each) are at 0, 1, 1 and sqrt(2): (2 + sqrt(2)) / 4 for every query pixel;
     the patch-centre distance of the same head is 0."""
     attn = _self_attention(3, 2, (2, 2), 1)
-    torch.testing.assert_close(attention_distance(attn, (2, 2), 2, 1, unit="pixel_level"),
-                               torch.full((2,), (2 + math.sqrt(2)) / 4, dtype=torch.float64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        attention_distance(attn, (2, 2), 2, 1, unit="pixel_level"),
+        torch.full((2,), (2 + math.sqrt(2)) / 4, dtype=torch.float64),
+        rtol=1e-12,
+        atol=0,
+    )
     assert attention_distance(attn, (2, 2), 2, 1).eq(0).all()
     # a head looking one token right (left in the last column), 1x1 grid rows of 2 tokens, patches of 2 pixels:
     # pixel column offsets 2 + (i - i') with i, i' in {0, 1}: 1, 2, 2, 3 and row offsets 0, 0, 1, 1 (each pair once)
@@ -77,7 +94,9 @@ def test_pixel_level_matches_pixel_loops_and_bounds_patch_centres():
     torch.testing.assert_close(d, torch.tensor(ref, dtype=torch.float64), rtol=1e-12, atol=1e-12)
     assert (d >= grid_distances(grid, patch) - 1e-12).all()  # convexity of the norm: pixel-level >= patch centres
     attn = _softmax_attention(2, 3, 1 + 6, seed=9)
-    assert (attention_distance(attn, grid, patch, 1, unit="pixel_level") > attention_distance(attn, grid, patch, 1)).all()
+    assert (
+        attention_distance(attn, grid, patch, 1, unit="pixel_level") > attention_distance(attn, grid, patch, 1)
+    ).all()
 
 
 @pytest.mark.parametrize("prefix", [0, 1, 5])
@@ -115,7 +134,7 @@ def test_fixed_offset_one_row_down_gives_patch_size():
     attn = torch.zeros(1, 2, prefix + n, prefix + n)
     attn[:, :, 0, 0] = 1.0
     for q in range(n):
-        r, c = divmod(q, 5)
+        r, _c = divmod(q, 5)
         attn[0, 0, prefix + q, prefix + (q + 5 if r < 3 else q)] = 1.0  # head 0: one row down, self in the last row
         attn[0, 1, prefix + q, prefix + (q + 5 if r < 3 else q - 5)] = 1.0  # head 1: one row down, else one row up
     out = attention_distance(attn, grid, patch, prefix)
@@ -144,8 +163,12 @@ def test_unit_square_is_pixels_over_corner_centre_span():
 def test_no_prefix_tokens_gap_model():
     grid, patch = (3, 3), 4
     attn = torch.full((2, 3, 9, 9), 1.0 / 9)
-    torch.testing.assert_close(attention_distance(attn, grid, patch, 0), torch.full((3,), _reference_mean_pairwise(grid, patch),
-                                                                                     dtype=torch.float64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        attention_distance(attn, grid, patch, 0),
+        torch.full((3,), _reference_mean_pairwise(grid, patch), dtype=torch.float64),
+        rtol=1e-12,
+        atol=0,
+    )
     with pytest.raises(ValueError):
         attention_distance(attn, grid, patch, 1)  # T does not match 1 + 3 * 3
 
@@ -173,7 +196,9 @@ def test_accumulator_over_batches_equals_function_on_concatenation():
     assert acc.count[0].tolist() == [7 * 16] * 3 and acc.sums["pixels"][0].dtype == torch.float64
     for blk, whole in {0: torch.cat([a1, a2]), 3: torch.cat([b1, b2])}.items():
         for u in UNITS:
-            torch.testing.assert_close(acc.compute(u)[blk], attention_distance(whole, grid, patch, prefix, unit=u), rtol=1e-12, atol=0)
+            torch.testing.assert_close(
+                acc.compute(u)[blk], attention_distance(whole, grid, patch, prefix, unit=u), rtol=1e-12, atol=0
+            )
     acc.reset()
     assert acc.compute() == {}
     with pytest.raises(ValueError):
@@ -236,8 +261,12 @@ def test_sync_over_two_gloo_processes_equals_one_process(tmp_path):
     both = torch.cat([_softmax_attention(3, 2, 10, seed=10), _softmax_attention(4, 2, 10, seed=11)])
     assert sorted(got["px"]) == [1, 4]
     torch.testing.assert_close(got["px"][1], attention_distance(both, (3, 3), 8, 1), rtol=1e-12, atol=0)
-    torch.testing.assert_close(got["unit"][4], attention_distance(_softmax_attention(2, 2, 10, seed=20), (3, 3), 8, 1, unit="unit_square"),
-                               rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        got["unit"][4],
+        attention_distance(_softmax_attention(2, 2, 10, seed=20), (3, 3), 8, 1, unit="unit_square"),
+        rtol=1e-12,
+        atol=0,
+    )
 
 
 def test_measure_result_names_each_distance_and_figures_label_them():

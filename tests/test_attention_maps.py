@@ -1,5 +1,6 @@
 """CLS attention maps and aligned aggregated attention maps (Walmer et al. 2023 Fig. 2, 3, 14): known answers,
 explicit-loop references, the Measures end to end on a tiny timm ViT, sum-reduction over processes, save/load."""
+
 from __future__ import annotations
 
 import math
@@ -47,6 +48,7 @@ def _pattern_attention(grid, prefix, rule, batch=2):
 
 
 # ----------------------------------------------------------------------------------------- aligned attention maps
+
 
 def _aligned_reference(attn, grid, prefix):
     """Explicit loops: renormalise each spatial row, drop it on the canvas centred on its query, count who sees what."""
@@ -100,17 +102,21 @@ def test_uniform_attention_is_flat_and_not_offset_local():
     attn = torch.full((2, 3, t, t), 1.0 / t)
     maps, mass = aligned_attention_maps(attn, grid, prefix)
     np.testing.assert_allclose(maps.numpy(), 1 / 49, rtol=1e-12)  # per-offset mean: flat
-    np.testing.assert_allclose(mass.numpy(), np.broadcast_to(coverage(grid) / 49**2, mass.shape), rtol=1e-12)  # Walmer's: a pyramid
+    np.testing.assert_allclose(
+        mass.numpy(), np.broadcast_to(coverage(grid) / 49**2, mass.shape), rtol=1e-12
+    )  # Walmer's: a pyramid
     cls = offset_local_heads(mass.numpy())
     assert cls["peak_offset"].tolist() == [[0, 0]] * 3  # flat: ties go to the centre
-    np.testing.assert_allclose(cls["peak_mass"], (6 + 7 + 6) ** 2 / 49**2, rtol=1e-12)  # 3x3 window: sum of (7-|dr|)(7-|dc|)
+    np.testing.assert_allclose(
+        cls["peak_mass"], (6 + 7 + 6) ** 2 / 49**2, rtol=1e-12
+    )  # 3x3 window: sum of (7-|dr|)(7-|dc|)
     np.testing.assert_allclose(cls["mass_centre"], 0, atol=1e-15)
     assert not cls["local"].any() and not cls["offset_local"].any()
 
 
 def test_attention_to_self_is_local_but_not_offset():
     attn = _pattern_attention((5, 6), 1, lambda r, c: (r, c))
-    maps, mass = aligned_attention_maps(attn, (5, 6), 1)
+    _maps, mass = aligned_attention_maps(attn, (5, 6), 1)
     cls = offset_local_heads(mass.numpy())
     assert cls["peak_offset"].tolist() == [[0, 0]]
     assert cls["peak_mass"].tolist() == [pytest.approx(1.0, rel=1e-12)]
@@ -146,14 +152,16 @@ def test_right_neighbour_head_with_a_few_far_edge_queries_is_offset_local():
     attn = torch.zeros(2, 1, t, t, dtype=torch.float64)
     attn[:, :, :prefix, 0] = 1.0
     for q in range(49):
-        r, c = divmod(q, 7)
+        _r, c = divmod(q, 7)
         if c < 6:
             attn[:, 0, prefix + q, prefix + q + 1] = 0.9
             attn[:, 0, prefix + q, prefix + q] = 0.1
         else:
             attn[:, 0, prefix + q, prefix] = 1.0  # token (0, 0)
     maps, mass = aligned_attention_maps(attn, grid, prefix)
-    assert maps[0, 0, 0].item() == pytest.approx(1.0) and maps[0, 6, 7].item() == pytest.approx(0.9)  # mean map: far cell wins
+    assert maps[0, 0, 0].item() == pytest.approx(1.0) and maps[0, 6, 7].item() == pytest.approx(
+        0.9
+    )  # mean map: far cell wins
     assert mass[0, 6, 7].item() == pytest.approx(42 * 0.9 / 49, rel=1e-12)
     cls = offset_local_heads(mass.numpy())
     assert cls["peak_offset"].tolist() == [[0, 1]]
@@ -177,12 +185,13 @@ def test_offset_sign_convention_and_thresholds():
     down_left = _pattern_attention(grid, 1, lambda r, c: (min(r + 1, 5), max(c - 1, 0)))  # key below and to the left
     far = _pattern_attention(grid, 1, lambda r, c: (r, c + 3) if c + 3 < 6 else (r, c - 3))  # 3 columns away
     attn = torch.cat([down_left, far], 1)
-    maps, mass = aligned_attention_maps(attn, grid, 1)
+    _maps, mass = aligned_attention_maps(attn, grid, 1)
     cls = offset_local_heads(mass.numpy())
     assert cls["peak_offset"][0].tolist() == [1, -1]
     assert cls["offset_local"].tolist() == [True, False]  # 3 columns is beyond max_offset = 2
     assert offset_local_heads(mass.numpy(), max_offset=3)["offset_local"].tolist() == [True, True]
-    # clamped at the grid edge, the edge queries look at (0, -1), (+1, 0) or (0, 0): inside the 3x3 window, outside a 1x1 one
+    # clamped at the grid edge, the edge queries look at (0, -1), (+1, 0) or (0, 0): inside the 3x3 window, outside a
+    # 1x1 one
     assert cls["peak_mass"][0] == pytest.approx(1.0, rel=1e-12)
     one_cell = offset_local_heads(mass.numpy(), window=0, min_mass=0.99)
     assert one_cell["peak_mass"][0] == pytest.approx(25 / 36, rel=1e-12) and not one_cell["local"][0]
@@ -215,6 +224,7 @@ def test_find_peaks_tie_break_and_shape():
 
 # ------------------------------------------------------------------------------------------------ CLS attention maps
 
+
 def test_cls_maps_known_answer_and_grid_orientation():
     grid, prefix = (2, 3), 1
     attn = torch.zeros(2, 2, 7, 7, dtype=torch.float64)
@@ -228,8 +238,12 @@ def test_cls_maps_known_answer_and_grid_orientation():
     assert out["maps_raw"][0].tolist() == [[0, 0.25, 0], [0, 0, 0.25]]
     np.testing.assert_allclose(out["maps"][1].numpy(), 1 / 6, rtol=1e-12)
     np.testing.assert_allclose(out["prefix_mass"].numpy(), [0.5, 1 / 7], rtol=1e-12)
-    np.testing.assert_allclose(out["entropy"].numpy(), [0.0, math.log(6)], rtol=1e-12, atol=1e-15)  # per image: one token
-    np.testing.assert_allclose(out["map_entropy"].numpy(), [math.log(2), math.log(6)], rtol=1e-12)  # average: two tokens
+    np.testing.assert_allclose(
+        out["entropy"].numpy(), [0.0, math.log(6)], rtol=1e-12, atol=1e-15
+    )  # per image: one token
+    np.testing.assert_allclose(
+        out["map_entropy"].numpy(), [math.log(2), math.log(6)], rtol=1e-12
+    )  # average: two tokens
 
 
 def test_cls_maps_against_loops_with_registers():
@@ -242,7 +256,9 @@ def test_cls_maps_against_loops_with_registers():
         rows = [a[b, h, 0, prefix:] / a[b, h, 0, prefix:].sum() for b in range(4) if a[b, h, 0, prefix:].sum() > 0]
         ref = np.mean(rows, 0).reshape(3, 3)
         np.testing.assert_allclose(out["maps"][h].numpy(), ref, rtol=1e-12)
-        np.testing.assert_allclose(out["entropy"][h].item(), np.mean([-(r * np.log(r)).sum() for r in rows]), rtol=1e-12)
+        np.testing.assert_allclose(
+            out["entropy"][h].item(), np.mean([-(r * np.log(r)).sum() for r in rows]), rtol=1e-12
+        )
         np.testing.assert_allclose(out["maps_raw"][h].numpy(), a[:, h, 0, prefix:].mean(0).reshape(3, 3), rtol=1e-12)
         np.testing.assert_allclose(out["prefix_mass"][h].item(), a[:, h, 0, :prefix].sum(1).mean(), rtol=1e-12)
     with pytest.raises(ValueError):
@@ -251,21 +267,43 @@ def test_cls_maps_against_loops_with_registers():
 
 # ---------------------------------------------------------------------------------------- Measures, end to end
 
+
 def _tiny_vit(class_token=True):
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
-    return VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0,
-                             class_token=class_token, global_pool="token" if class_token else "avg").eval()
+    return VisionTransformer(
+        img_size=28,
+        patch_size=4,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=32,
+        depth=2,
+        num_heads=2,
+        mlp_ratio=2.0,
+        class_token=class_token,
+        global_pool="token" if class_token else "avg",
+    ).eval()
 
 
 def _ctx(model, accelerator=None):
     g = torch.Generator().manual_seed(1)
-    split = types.SimpleNamespace(images=torch.randint(0, 256, (12, 1, 28, 28), generator=g, dtype=torch.uint8),
-                                  labels=torch.randint(0, 10, (12,), generator=g))
+    split = types.SimpleNamespace(
+        images=torch.randint(0, 256, (12, 1, 28, 28), generator=g, dtype=torch.uint8),
+        labels=torch.randint(0, 10, (12,), generator=g),
+    )
     data = types.SimpleNamespace(analysis=split, probe_train=split, normalize=lambda x: x.float() / 255, num_classes=10)
-    return Context(model=model, data=data, device=torch.device("cpu"), accelerator=accelerator, arch="vit",
-                   blocks=tuple(block_names(model)), prefix=model.num_prefix_tokens, grid=grid_of(model), patch_size=4)
+    return Context(
+        model=model,
+        data=data,
+        device=torch.device("cpu"),
+        accelerator=accelerator,
+        arch="vit",
+        blocks=tuple(block_names(model)),
+        prefix=model.num_prefix_tokens,
+        grid=grid_of(model),
+        patch_size=4,
+    )
 
 
 def _run(measure, ctx, batches, replay=None):
@@ -273,14 +311,14 @@ def _run(measure, ctx, batches, replay=None):
     Taps context (or replaying captures recorded by an earlier run); returns the captures per minibatch."""
     caps = {}
     for j in batches:
-        x = ctx.data.analysis.images[4 * j:4 * (j + 1)]
+        x = ctx.data.analysis.images[4 * j : 4 * (j + 1)]
         if replay is None:
             with Taps(ctx.model, sorted(measure.taps())) as cap, torch.no_grad():
                 ctx.model(ctx.data.normalize(x))
             caps[j] = cap.captures
         else:
             caps[j] = replay[j]
-        measure.update(j, caps[j], ctx.data.normalize(x), ctx.data.analysis.labels[4 * j:4 * (j + 1)])
+        measure.update(j, caps[j], ctx.data.normalize(x), ctx.data.analysis.labels[4 * j : 4 * (j + 1)])
     return caps
 
 
@@ -320,7 +358,11 @@ def test_measure_end_to_end_and_round_trip(cls, tmp_path):
             maps, mass = aligned_attention_maps(a, (7, 7), 1)
             np.testing.assert_allclose(r["maps"][i], maps.numpy(), rtol=1e-10)
             np.testing.assert_allclose(r["mass_maps"][i], mass.numpy(), rtol=1e-10)
-    shapes = {"maps": (2, 2, 7, 7)} if cls is ClsAttention else {"maps": (2, 2, 13, 13), "peak_offset": (2, 2, 2), "offset_local": (2, 2)}
+    shapes = (
+        {"maps": (2, 2, 7, 7)}
+        if cls is ClsAttention
+        else {"maps": (2, 2, 13, 13), "peak_offset": (2, 2, 2), "offset_local": (2, 2)}
+    )
     assert all(r[k].shape == s for k, s in shapes.items())
 
     # two processes (minibatches 0, 2 and 1) give the same numbers as one
@@ -345,7 +387,9 @@ def test_measure_end_to_end_and_round_trip(cls, tmp_path):
         assert set(scalars) == {f"cls_attention/{k}/block{i:02d}" for k in ("entropy", "map_entropy") for i in range(2)}
         assert all(0 <= v <= math.log(49) + 1e-9 for v in scalars.values())
     else:
-        assert scalars["aligned_attention/offset_local_count"] == sum(scalars[f"aligned_attention/offset_local_count/block{i:02d}"] for i in range(2))
+        assert scalars["aligned_attention/offset_local_count"] == sum(
+            scalars[f"aligned_attention/offset_local_count/block{i:02d}"] for i in range(2)
+        )
     figs = cls.figures(back, step=3)
     assert figs and all(tag.startswith(cls.name + "/") for tag in figs)
     import matplotlib.pyplot as plt
@@ -359,8 +403,18 @@ def test_applies():
     assert not ClsAttention.applies(gap) and AlignedAttention.applies(gap)
     from timm.models.vision_transformer import VisionTransformer
 
-    registers_only = VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=1, num_heads=2,
-                                       class_token=False, reg_tokens=2, global_pool="avg")
+    registers_only = VisionTransformer(
+        img_size=28,
+        patch_size=4,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=32,
+        depth=1,
+        num_heads=2,
+        class_token=False,
+        reg_tokens=2,
+        global_pool="avg",
+    )
     ctx = _ctx(registers_only)
     assert ctx.prefix == 2 and not ClsAttention.applies(ctx) and AlignedAttention.applies(ctx)
     resnet_ctx = Context(model=torch.nn.Linear(1, 1), data=None, device=torch.device("cpu"), arch="resnet")
@@ -381,7 +435,10 @@ def test_aligned_figure_marks_offset_local_heads_after_round_trip(tmp_path):
     assert back["offset_local"].tolist() == [[True, False], [True, False]]
     assert back["peak_offset"][:, 0].tolist() == [[0, 1], [0, 1]]
     s = AlignedAttention.summary(back)
-    assert s["offset_local_count"] == 2 and s["offset_local_heads"] == ["block00.head00 (+0,+1)", "block01.head00 (+0,+1)"]
+    assert s["offset_local_count"] == 2 and s["offset_local_heads"] == [
+        "block00.head00 (+0,+1)",
+        "block01.head00 (+0,+1)",
+    ]
     assert AlignedAttention.scalars(back)["aligned_attention/offset_local_count/block01"] == 1.0
     figs = AlignedAttention.figures(back)
     ax = figs["aligned_attention/maps"].axes[0]

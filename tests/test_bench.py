@@ -1,4 +1,5 @@
 """Every bench script runs: its --smoke invocation exits 0 and prints its ratio line (tiny sizes, a few seconds)."""
+
 import os
 import re
 import subprocess
@@ -24,7 +25,9 @@ def test_every_bench_script_has_a_smoke_check():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bench_smoke(script):
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, f"bench/{script}", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [sys.executable, f"bench/{script}", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RATIO")]
     assert lines and all(re.match(RATIO[script], ln) for ln in lines), r.stdout[-2000:]

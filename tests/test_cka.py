@@ -1,4 +1,5 @@
 """CKA against a plain reference (full Gram matrices, explicit centring matrix H)."""
+
 import os
 import tempfile
 
@@ -58,7 +59,7 @@ def test_minibatch_sums_hsic_over_minibatches():
     ys = [xs[0] + torch.randn(96, 10, generator=g), torch.randn(96, 5, generator=g)]
     m = MinibatchCKA()
     for b in range(3):
-        m.update([x[b * 32:(b + 1) * 32] for x in xs], [y[b * 32:(b + 1) * 32] for y in ys])
+        m.update([x[b * 32 : (b + 1) * 32] for x in xs], [y[b * 32 : (b + 1) * 32] for y in ys])
 
     def hs(a, b):
         from analysis.similarity import center_unbiased, gram
@@ -66,9 +67,9 @@ def test_minibatch_sums_hsic_over_minibatches():
         return float((center_unbiased(gram(a)) * center_unbiased(gram(b))).sum() / (32 * 29))
 
     for j, y in enumerate(ys):
-        xy = sum(hs(xs[0][b * 32:(b + 1) * 32], y[b * 32:(b + 1) * 32]) for b in range(3))
-        xx = sum(hs(xs[0][b * 32:(b + 1) * 32], xs[0][b * 32:(b + 1) * 32]) for b in range(3))
-        yy = sum(hs(y[b * 32:(b + 1) * 32], y[b * 32:(b + 1) * 32]) for b in range(3))
+        xy = sum(hs(xs[0][b * 32 : (b + 1) * 32], y[b * 32 : (b + 1) * 32]) for b in range(3))
+        xx = sum(hs(xs[0][b * 32 : (b + 1) * 32], xs[0][b * 32 : (b + 1) * 32]) for b in range(3))
+        yy = sum(hs(y[b * 32 : (b + 1) * 32], y[b * 32 : (b + 1) * 32]) for b in range(3))
         assert m.compute()[0, j].item() == pytest.approx(xy / (xx * yy) ** 0.5, abs=1e-12)
 
 
@@ -81,7 +82,9 @@ def test_invariances():
     assert cka(x, x) == pytest.approx(1.0, abs=1e-12)
     assert cka(x @ q, y) == pytest.approx(base, abs=1e-10)  # orthogonal transform
     assert cka(3.7 * x, y) == pytest.approx(base, abs=1e-10)  # isotropic scaling
-    a = torch.randn(20, 20, generator=g, dtype=torch.float64) * torch.linspace(0.05, 5, 20, dtype=torch.float64)  # a general invertible linear map
+    a = torch.randn(20, 20, generator=g, dtype=torch.float64) * torch.linspace(
+        0.05, 5, 20, dtype=torch.float64
+    )  # a general invertible linear map
     assert abs(cka(x @ a, y) - base) > 1e-2
 
 
@@ -180,17 +183,23 @@ def _layers(kind, g, n=256, batches=2, p=600):
     if kind in ("random", "bf16"):
         h = torch.randn(N, p, generator=g, dtype=torch.float64)
         layers = [h, h + 0.7 * torch.randn(N, p, generator=g, dtype=torch.float64)]
-        layers += [layers[1] @ torch.randn(p, p, generator=g, dtype=torch.float64) / p ** 0.5, torch.randn(N, p, generator=g, dtype=torch.float64)]
+        layers += [
+            layers[1] @ torch.randn(p, p, generator=g, dtype=torch.float64) / p**0.5,
+            torch.randn(N, p, generator=g, dtype=torch.float64),
+        ]
     else:
         z = torch.randn(N, 5, generator=g, dtype=torch.float64)
         layers = []
         for a in (1.0, 0.8, 0.5, 0.0):  # latents shared with the first layer's in share a
             zi = a * z + (1 - a * a) ** 0.5 * torch.randn(N, 5, generator=g, dtype=torch.float64)
-            layers.append(zi @ torch.randn(5, p, generator=g, dtype=torch.float64) + 0.3 * torch.randn(N, p, generator=g, dtype=torch.float64))
+            layers.append(
+                zi @ torch.randn(5, p, generator=g, dtype=torch.float64)
+                + 0.3 * torch.randn(N, p, generator=g, dtype=torch.float64)
+            )
         layers = [x + 300 * torch.randn(p, generator=g, dtype=torch.float64) for x in layers]
     dt = torch.bfloat16 if kind == "bf16" else torch.float32
     layers = [x.to(dt) for x in layers]
-    return [[x[b * n:(b + 1) * n] for x in layers] for b in range(batches)]
+    return [[x[b * n : (b + 1) * n] for x in layers] for b in range(batches)]
 
 
 @pytest.mark.parametrize("kind", ["random", "lowrank_offset", "bf16"])

@@ -1,5 +1,6 @@
 """CKA layer sets (blocks / sublayers / paper / all) on tiny ViTs, Mixers and ResNets (BasicBlock, Bottleneck);
 the taps they add (ViT / Mixer norm outputs, ResNet layers inside blocks) against the block's maths by hand."""
+
 import types
 
 import numpy as np
@@ -66,13 +67,23 @@ def test_vit_layer_sets():
     every = ["norm1", "heads", "attn_branch", "attn", "norm2", "mlp_hidden", "mlp_branch", "mlp"]
     assert _labels(m, "all") == ["0.in"] + [f"{i}.{k}" for i in range(2) for k in every]
     taps = [t for t, _ in cka_layers(make_context(m, None, 8), "paper")]
-    assert taps[:7] == [f"blocks.0.{k}" for k in ("norm1", "attn_branch", "attn_out", "norm2", "mlp_hidden", "mlp_branch", "out")]
+    assert taps[:7] == [
+        f"blocks.0.{k}" for k in ("norm1", "attn_branch", "attn_out", "norm2", "mlp_hidden", "mlp_branch", "out")
+    ]
 
 
 def test_mixer_layer_sets():
     m = _mixer()
     assert _labels(m, "sublayers") == ["0.token", "0.channel", "1.token", "1.channel"]
-    assert _labels(m, "paper")[:7] == ["0.norm1", "0.token_branch", "0.token", "0.norm2", "0.channel_hidden", "0.channel_branch", "0.channel"]
+    assert _labels(m, "paper")[:7] == [
+        "0.norm1",
+        "0.token_branch",
+        "0.token",
+        "0.norm2",
+        "0.channel_hidden",
+        "0.channel_branch",
+        "0.channel",
+    ]
     assert len(_labels(m, "all")) == 1 + 2 * 7
 
 
@@ -80,13 +91,28 @@ def test_resnet_basic_layer_sets():
     m = _basic_identity()  # blocks layer1.0 (projection), layer1.1 (identity), layer2.0, layer3.0, layer4.0
     blocks = ["layer1.0", "layer1.1", "layer2.0", "layer3.0", "layer4.0"]
     assert _labels(m, "blocks") == _labels(m, "sublayers") == blocks
-    assert _labels(m, "paper") == [lab for b in blocks for lab in (f"{b}.conv1", f"{b}.bn1", f"{b}.conv2", f"{b}.bn2", b)]
+    assert _labels(m, "paper") == [
+        lab for b in blocks for lab in (f"{b}.conv1", f"{b}.bn1", f"{b}.conv2", f"{b}.bn2", b)
+    ]
     every = _labels(m, "all")
-    assert every[:9] == ["layer1.0.in", "layer1.0.conv1", "layer1.0.bn1", "layer1.0.act1", "layer1.0.conv2", "layer1.0.bn2",
-                         "layer1.0.shortcut", "layer1.0", "layer1.1.conv1"]
+    assert every[:9] == [
+        "layer1.0.in",
+        "layer1.0.conv1",
+        "layer1.0.bn1",
+        "layer1.0.act1",
+        "layer1.0.conv2",
+        "layer1.0.bn2",
+        "layer1.0.shortcut",
+        "layer1.0",
+        "layer1.1.conv1",
+    ]
     # 1 input + 5 blocks x (5 inner layers + out) + 4 projection shortcuts; the identity shortcut and the branch
     # (= bn2 without SE) repeat other tensors and are left out
-    assert len(every) == 1 + 5 * 6 + 4 and "layer1.1.shortcut" not in every and not any(lab.endswith(".branch") for lab in every)
+    assert (
+        len(every) == 1 + 5 * 6 + 4
+        and "layer1.1.shortcut" not in every
+        and not any(lab.endswith(".branch") for lab in every)
+    )
     assert "layer1.0.act2" not in every  # a BasicBlock's act2 is its output
 
 
@@ -95,7 +121,9 @@ def test_resnet_bottleneck_layer_sets():
     inner = ["conv1", "bn1", "act1", "conv2", "bn2", "act2", "conv3", "bn3"]
     assert block_kinds(m, "layer2.0") == ("in", "branch", "shortcut", "out", *inner)
     blocks = ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
-    assert _labels(m, "paper") == [lab for b in blocks for lab in [f"{b}.{k}" for k in ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3")] + [b]]
+    assert _labels(m, "paper") == [
+        lab for b in blocks for lab in [f"{b}.{k}" for k in ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3")] + [b]
+    ]
     assert len(_labels(m, "paper")) == 4 * 7 and len(_labels(m, "all")) == 1 + 4 * (8 + 1 + 1)
 
 
@@ -161,7 +189,9 @@ def test_resnet_inner_taps_are_the_block_maths(make, graph):
 
 
 def test_a_kind_the_block_lacks_is_refused_with_the_block_kinds():
-    with pytest.raises(TapError, match=r"unknown tap 'layer1.0.conv3' .*tap kinds of layer1.0 are in, branch, shortcut, out, conv1"):
+    with pytest.raises(
+        TapError, match=r"unknown tap 'layer1.0.conv3' .*tap kinds of layer1.0 are in, branch, shortcut, out, conv1"
+    ):
         Taps(tiny_resnet(), ["layer1.0.conv3"])
 
 
@@ -187,7 +217,9 @@ def test_cka_measure_on_all_layers_is_pairwise_cka_of_the_taps(make):
     taps = r["taps"]
     for i, j in [(0, L - 1), (1, 2), (L // 2, L // 3)]:  # one minibatch: minibatch CKA == cka on the whole set
         want = cka(cap[taps[i]].flatten(1), cap[taps[j]].flatten(1))
-        assert r["matrix"][i, j] == pytest.approx(want, abs=2e-7)  # float32 Gram products summed in float64 (analysis/similarity.py)
+        assert r["matrix"][i, j] == pytest.approx(
+            want, abs=2e-7
+        )  # float32 Gram products summed in float64 (analysis/similarity.py)
 
 
 def test_cross_cka_uses_the_layer_set():
@@ -197,7 +229,10 @@ def test_cross_cka_uses_the_layer_set():
     vit, res = tiny_vit(), _perturb_bn(tiny_resnet())  # timm zero-initialises the last BN: a constant bn2 has no CKA
     out = offline.cross_cka(vit, res, data, suite_options(["cka"], 8, {"cka": {"layers": "paper"}}))
     assert out["matrix"].shape == (2 * 7, 4 * 5)
-    assert out["labels_a"][:3] == ["0.norm1", "0.attn_branch", "0.attn"] and out["labels_b"][:2] == ["layer1.0.conv1", "layer1.0.bn1"]
+    assert out["labels_a"][:3] == ["0.norm1", "0.attn_branch", "0.attn"] and out["labels_b"][:2] == [
+        "layer1.0.conv1",
+        "layer1.0.bn1",
+    ]
     same = offline.cross_cka(res, res, data, suite_options(["cka"], 8, {"cka": {"layers": "all"}}))
     assert np.allclose(same["same_index"], 1.0) and len(same["same_index"]) == 1 + 4 * 6 + 4
 
@@ -209,10 +244,10 @@ def test_localization_reads_resnet_inner_taps():
     ctx = make_context(m, data, 8)
     loc = Localization(ctx, LocalizationOptions(kinds=("conv1", "act1", "out")))
     for j in range(2):
-        x = data.normalize(split.images[8 * j:8 * (j + 1)])
+        x = data.normalize(split.images[8 * j : 8 * (j + 1)])
         with torch.no_grad(), Taps(m, sorted(loc.taps())) as cap:
             m(x)
-        loc.update(j, cap.captures, x, split.labels[8 * j:8 * (j + 1)])
+        loc.update(j, cap.captures, x, split.labels[8 * j : 8 * (j + 1)])
     r = loc.finish()
     assert r["layers"][:3] == ["layer1.0.conv1", "layer1.0.act1", "layer1.0.out"] and np.isfinite(r["own_share"]).all()
 

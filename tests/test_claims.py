@@ -1,6 +1,7 @@
 """The claim rules (analysis/reports/claims.py) on synthetic inputs shaped like the paper's figure (held), like its
 negation (did not hold), within the seed-to-seed noise (inconclusive), and with a failed precondition (not testable);
 the passages are the papers' own sentences; the JSON record reads back."""
+
 import os
 from pathlib import Path
 
@@ -21,6 +22,7 @@ def _jitter(x, eps):
 
 # -------------------------------------------------------------- uniformity (Fig. 1, 2)
 
+
 def _cka(first_last: float, off: float, n: int = 6):
     m = np.full((n, n), off)
     m[0, -1] = m[-1, 0] = first_last
@@ -37,10 +39,15 @@ def test_uniformity_four_outcomes():
     v = C.rule_uniformity(vit, res, 0, 4)
     assert v.outcome == C.NOT_TESTABLE and "0 of its 4 blocks" in v.why
     one = C.rule_uniformity(vit[:1], res[:1], 5, 8)
-    assert one.outcome == C.NOT_TESTABLE and "Fewer than two seeds" in one.why and "mean_offdiag: effect +0.407;" in one.why
+    assert (
+        one.outcome == C.NOT_TESTABLE
+        and "Fewer than two seeds" in one.why
+        and "mean_offdiag: effect +0.407;" in one.why
+    )
 
 
 # -------------------------------------------------------------- no-skip partitions (Fig. 8)
+
 
 def _labels(depth=6):
     return [f"{b}.{s}" for b in range(depth) for s in ("attn", "mlp")]
@@ -50,7 +57,7 @@ def _block_map(cut: int | None, across: float, depth: int = 6):
     n = 2 * depth
     m = np.full((n, n), 0.9)
     if cut is not None:
-        m[: 2 * cut, 2 * cut:] = m[2 * cut:, : 2 * cut] = across
+        m[: 2 * cut, 2 * cut :] = m[2 * cut :, : 2 * cut] = across
     np.fill_diagonal(m, 1.0)
     return m
 
@@ -66,21 +73,28 @@ def test_noskip_partition_held_negated_noisy():
     assert v.outcome == C.HELD and "block 3" in v.ours and "3.95 ± 0.35 points" in v.ours  # next to the paper's 4%
     # negation: the no-skip map is MORE uniform across block 3 than the normal one, and top-1 rises
     neg = {3: [_run(_block_map(None, 0), 0.92), _run(_block_map(None, 0), 0.921)]}
-    assert C.rule_noskip([_run(_block_map(3, 0.5), 0.88), _run(_block_map(3, 0.5), 0.881)], neg, 6).outcome == C.NOT_HELD
+    assert (
+        C.rule_noskip([_run(_block_map(3, 0.5), 0.88), _run(_block_map(3, 0.5), 0.881)], neg, 6).outcome == C.NOT_HELD
+    )
     # a 0.5-point drop on 10,000 images (SE of the mean difference over two seeds 0.33 points) is within 2 SE
     small = {3: [_run(_block_map(3, 0.3), 0.875), _run(_block_map(3, 0.3), 0.876)]}
     v = C.rule_noskip(base, small, 6)
-    assert v.outcome == C.INCONCLUSIVE and v.noise_floor["block 3 top-1 drop"]["binomial_se"] == pytest.approx(0.00327, abs=1e-4)
+    assert v.outcome == C.INCONCLUSIVE and v.noise_floor["block 3 top-1 drop"]["binomial_se"] == pytest.approx(
+        0.00327, abs=1e-4
+    )
     # block 5 is not a middle block: only the partition counts there
-    assert C.rule_noskip(base, {5: [_run(_block_map(5, 0.3), 0.95), _run(_block_map(5, 0.3), 0.95)]}, 6).outcome == C.HELD
+    assert (
+        C.rule_noskip(base, {5: [_run(_block_map(5, 0.3), 0.95), _run(_block_map(5, 0.3), 0.95)]}, 6).outcome == C.HELD
+    )
 
 
 # -------------------------------------------------------------- norm ratios (Fig. 7)
 
+
 def _ratios(cls_first, cls_second, spatial, blocks=6, tokens=5):
     r = np.full((2, blocks, tokens), float(spatial))
     r[:, : blocks // 2, 0] = cls_first
-    r[:, blocks // 2:, 0] = cls_second
+    r[:, blocks // 2 :, 0] = cls_second
     return r
 
 
@@ -104,7 +118,9 @@ def test_skip_dominance_needs_an_identity_shortcut():
     mask = np.array([1, 1, 0, 1, 0, 1, 0, 1], dtype=bool)
     assert C.rule_skip_dominance(vit, res, mask).outcome == C.HELD
     assert C.rule_skip_dominance(res, vit, np.ones(6, bool)).outcome == C.NOT_HELD
-    assert C.rule_skip_dominance([np.full((2, 6, 5), 1.55), np.full((2, 6, 5), 1.65)], res, mask).outcome == C.INCONCLUSIVE
+    assert (
+        C.rule_skip_dominance([np.full((2, 6, 5), 1.55), np.full((2, 6, 5), 1.65)], res, mask).outcome == C.INCONCLUSIVE
+    )
     # only the identity blocks of the ResNet count: projections with a huge ratio are left out
     proj = [r.copy() for r in res]
     for r in proj:
@@ -115,6 +131,7 @@ def test_skip_dominance_needs_an_identity_shortcut():
 
 
 # -------------------------------------------------------------- attention distance (Fig. 3)
+
 
 def test_head_mix_four_outcomes():
     u = C.uniform_distance(7, 4)
@@ -139,6 +156,7 @@ def test_head_mix_names_the_configuration_it_read():
 
 
 # -------------------------------------------------------------- head subsets (Fig. 5)
+
 
 def _subsets(cka_local, cka_global, block0_min=2.0, windows=5, layers=3):
     """A head-subset result: windows from local to global with CKA falling linearly from cka_local to cka_global."""
@@ -165,6 +183,7 @@ def test_head_subsets_four_outcomes():
 
 # -------------------------------------------------------------- the pilot check
 
+
 def test_go_no_go_reads_the_second_checkpoint():
     u = C.uniform_distance(7, 4)  # 14.44 px; the threshold is 0.7 x = 10.11 px
     flat = np.full((6, 8), 14.0)
@@ -186,6 +205,7 @@ def test_go_no_go_reads_the_second_checkpoint():
 
 
 # -------------------------------------------------------------- CLS vs GAP (Fig. 9-11), data subsets (Fig. 12)
+
 
 def test_difference_rule():
     assert C.rule_difference("x", [0.7, 0.72], [0.6, 0.61], ("a", "b")).outcome == C.HELD
@@ -218,6 +238,7 @@ def test_checkpoint_selection_reads_validation_never_test():
 
 # -------------------------------------------------------------- offset heads (Walmer)
 
+
 def _heads(local, offset):
     loc, off = np.zeros((6, 4), bool), np.zeros((6, 4), bool)
     loc.flat[:local] = True
@@ -235,10 +256,13 @@ def test_offset_heads():
 
 # -------------------------------------------------------------- passages and the JSON record
 
+
 @pytest.mark.skipif(not PAPERS.is_dir(), reason="VITLAB_PAPERS (a folder with the papers' text) is not set")
 def test_every_passage_is_quoted_from_its_paper():
-    texts = {"Raghu": (PAPERS / "raghu2021-do-vits-see-like-cnns.md").read_text(),
-             "Walmer": (PAPERS / "walmer2023-teaching-matters.txt").read_text()}
+    texts = {
+        "Raghu": (PAPERS / "raghu2021-do-vits-see-like-cnns.md").read_text(),
+        "Walmer": (PAPERS / "walmer2023-teaching-matters.txt").read_text(),
+    }
     for c in C.CLAIMS.values():
         text = " ".join(texts[c.source.split()[0]].split())
         at = 0
@@ -253,15 +277,25 @@ def test_claims_state_the_papers_direction_and_the_json_reads_back(tmp_path):
     # every claim says the paper's number, or that its text states none
     assert all(c.paper_value for c in C.CLAIMS.values())
     assert [c.id for c in C.CLAIMS.values() if not c.paper_value.startswith("not stated as a number")] == [
-        "noskip_partition", "offset_heads"]
+        "noskip_partition",
+        "offset_heads",
+    ]
     v = C.rule_difference("x", [0.7, 0.72], [0.6, 0.61], ("a", "b"))
     recs = [C.record(C.CLAIMS["cls_localization"], v), C.record(C.CLAIMS["offset_heads"], C.rule_offset_heads({}))]
-    C.write_json(tmp_path / "r.json", "mini", recs, ["a note"], {"pilots": {"a_s0": {"go": C.GO, "smallest": {3000: 5.0}}}})
+    C.write_json(
+        tmp_path / "r.json", "mini", recs, ["a note"], {"pilots": {"a_s0": {"go": C.GO, "smallest": {3000: 5.0}}}}
+    )
     back = C.read_json(tmp_path / "r.json")
-    assert back["noise_factor"] == C.NOISE_FACTOR and back["notes"] == ["a note"] and back["go_fraction"] == C.GO_FRACTION
+    assert (
+        back["noise_factor"] == C.NOISE_FACTOR and back["notes"] == ["a note"] and back["go_fraction"] == C.GO_FRACTION
+    )
     assert back["pilots"] == {"a_s0": {"go": "go", "smallest": {"3000": 5.0}}}
     loc = back["claims"]["cls_localization"]
-    assert loc["verdict"] == "held" and loc["figure"] == "Raghu Fig. 9, 10" and loc["passage"].startswith("The results, shown in Figure 10")
+    assert (
+        loc["verdict"] == "held"
+        and loc["figure"] == "Raghu Fig. 9, 10"
+        and loc["passage"].startswith("The results, shown in Figure 10")
+    )
     assert loc["measured"]["x"]["a"] == [0.7, 0.72] and loc["noise_floor"]["x"]["threshold"] == pytest.approx(0.04)
     assert back["claims"]["offset_heads"]["verdict"] == "not testable"
     with pytest.raises(ValueError):
@@ -269,6 +303,7 @@ def test_claims_state_the_papers_direction_and_the_json_reads_back(tmp_path):
 
 
 # -------------------------------------------------------------- effective receptive fields (Fig. 6), probes (Fig. 13)
+
 
 def test_erf_four_outcomes():
     vit = [np.array([6.0, 8.0, 11.0, 12.0, 12.5, 13.0]) + e for e in (0.0, 0.1)]  # wide early, global midway

@@ -1,5 +1,6 @@
 """The ablation rules beside Raghu Fig. 8 (analysis/reports/claims_ablation.py) on synthetic ablation results whose
 answers are known."""
+
 import numpy as np
 import pytest
 
@@ -26,9 +27,20 @@ def result(clean, skip_top1=None, head_drop=None, replace="mean", skip="remove",
         heads.append("")
         top1.append((skip_top1 or {}).get(b, clean))
     top1 = np.array(top1)
-    return {"targets": targets, "kinds": kinds, "target_block": np.array(blocks), "heads": heads, "top1": top1,
-            "top1_drop": clean - top1, "clean_top1": np.float64(clean), "blocks": [f"blocks.{b}" for b in range(L)],
-            "num_heads": H, "replace": replace, "skip": skip, "n_images": n}
+    return {
+        "targets": targets,
+        "kinds": kinds,
+        "target_block": np.array(blocks),
+        "heads": heads,
+        "top1": top1,
+        "top1_drop": clean - top1,
+        "clean_top1": np.float64(clean),
+        "blocks": [f"blocks.{b}" for b in range(L)],
+        "num_heads": H,
+        "replace": replace,
+        "skip": skip,
+        "n_images": n,
+    }
 
 
 def test_test_time_removal_costing_far_more_than_training_without_holds():
@@ -56,7 +68,10 @@ def test_the_opposite_direction_and_noise_give_the_other_outcomes():
     # the binomial standard error on few images is part of the threshold: 100 images cannot resolve 4 points
     base = [result(0.86, {3: 0.80}, n=100), result(0.86, {3: 0.80}, n=100)]
     v = rule_skip_test_time(base, {3: [result(0.84, n=100), result(0.84, n=100)]})
-    assert v.outcome == C.INCONCLUSIVE and v.noise_floor["block 3: test-time minus training-time top-1 cost"]["binomial_se"] > 0.02
+    assert (
+        v.outcome == C.INCONCLUSIVE
+        and v.noise_floor["block 3: test-time minus training-time top-1 cost"]["binomial_se"] > 0.02
+    )
 
 
 def test_preconditions_are_not_testable_with_a_sentence():

@@ -1,6 +1,7 @@
 """Walmer et al. 2023's claims (analysis/reports/claims_walmer.py) on synthetic per-seed values shaped like the paper's
 figure (held), like its negation (did not hold), within the seed-to-seed noise (inconclusive), and with a failed
 precondition (not testable)."""
+
 import numpy as np
 import pytest
 
@@ -35,6 +36,7 @@ def test_halves():
 
 # -------------------------------------------------------------- offset local heads (Fig. 3)
 
+
 def _heads(local, offset):
     loc, off = np.zeros((6, 4), bool), np.zeros((6, 4), bool)
     loc.flat[:local] = True
@@ -61,21 +63,31 @@ def test_offset_heads_in_every_objective():
 
 # -------------------------------------------------------------- attention distance by depth (Fig. 4)
 
+
 def _dist(curve, heads=4):
     return np.repeat(np.asarray(curve, dtype=float)[:, None], heads, 1)
 
 
 def test_reconstruction_stays_local():
     # Walmer Fig. 4 right: high, a dip around the middle, then up for supervised and DINO; MAE stays low
-    sup, dino, mae = [0.45, 0.3, 0.25, 0.35, 0.45, 0.5], [0.45, 0.3, 0.28, 0.38, 0.47, 0.5], [0.45, 0.3, 0.22, 0.2, 0.2, 0.22]
+    sup, dino, mae = (
+        [0.45, 0.3, 0.25, 0.35, 0.45, 0.5],
+        [0.45, 0.3, 0.28, 0.38, 0.47, 0.5],
+        [0.45, 0.3, 0.22, 0.2, 0.2, 0.22],
+    )
     paper = {"supervised": _seeds(_dist(sup)), "dino": _seeds(_dist(dino)), "mae": _seeds(_dist(mae))}
     v = W.rule_reconstruction_local(paper)
-    assert v.outcome == C.HELD and set(v.measured) == {"later-half attention distance, supervised - mae",
-                                                       "later-half attention distance, dino - mae"}
+    assert v.outcome == C.HELD and set(v.measured) == {
+        "later-half attention distance, supervised - mae",
+        "later-half attention distance, dino - mae",
+    }
     neg = {"supervised": _seeds(_dist(mae)), "dino": _seeds(_dist(mae)), "mae": _seeds(_dist(sup))}
     assert W.rule_reconstruction_local(neg).outcome == C.NOT_HELD
-    noisy = {"supervised": _seeds(_dist(sup)), "dino": _seeds(_dist(dino)),
-             "mae": [_dist(mae), _dist([0.45, 0.3, 0.3, 0.5, 0.6, 0.6])]}  # MAE's seeds disagree by more than the effect
+    noisy = {
+        "supervised": _seeds(_dist(sup)),
+        "dino": _seeds(_dist(dino)),
+        "mae": [_dist(mae), _dist([0.45, 0.3, 0.3, 0.5, 0.6, 0.6])],
+    }  # MAE's seeds disagree by more than the effect
     assert W.rule_reconstruction_local(noisy).outcome == C.INCONCLUSIVE
     assert W.rule_reconstruction_local({"supervised": paper["supervised"]}).outcome == C.NOT_TESTABLE
     v = W.rule_reconstruction_local({**paper, "mae": paper["mae"][:1]})
@@ -85,6 +97,7 @@ def test_reconstruction_stays_local():
 
 
 # -------------------------------------------------------------- CLS attention entropy (Fig. 2)
+
 
 def test_reconstruction_cls_attention_covers_more():
     dino, mae = _dist([3.5, 3.2, 2.6, 2.2, 2.0, 1.9]), _dist([3.5, 3.3, 3.1, 3.2, 3.3, 3.4])  # nats, log 49 = 3.89
@@ -105,6 +118,7 @@ def test_supervised_cls_attention_is_sparse():
 
 # -------------------------------------------------------------- k-NN and clustering (Fig. 7, 9)
 
+
 def _knn(*top1, n=2560, baseline=0.1):
     return [{"top1": t, "n": n, "baseline": baseline} for t in top1]
 
@@ -115,11 +129,17 @@ def test_contrastive_beats_reconstruction():
     v = W.rule_more_semantic(knn, purity, "dino", "mae")
     assert v.outcome == C.HELD and "k-NN top-1 dino 80.50, mae 70.25" in v.ours
     assert v.noise_floor["last-block k-NN top-1, dino - mae"]["binomial_se"] == pytest.approx(0.0084, abs=2e-4)
-    assert W.rule_more_semantic({"dino": knn["mae"], "mae": knn["dino"]}, {"dino": purity["mae"], "mae": purity["dino"]},
-                                "dino", "mae").outcome == C.NOT_HELD
+    assert (
+        W.rule_more_semantic(
+            {"dino": knn["mae"], "mae": knn["dino"]}, {"dino": purity["mae"], "mae": purity["dino"]}, "dino", "mae"
+        ).outcome
+        == C.NOT_HELD
+    )
     # a 1-point gap is within 2 binomial SE on 2,560 images although the seeds agree exactly
     small = W.rule_more_semantic({"dino": _knn(0.80, 0.80), "mae": _knn(0.79, 0.79)}, purity, "dino", "mae")
-    assert small.outcome == C.INCONCLUSIVE and small.noise_floor["last-block k-NN top-1, dino - mae"]["seed_spread"] == 0
+    assert (
+        small.outcome == C.INCONCLUSIVE and small.noise_floor["last-block k-NN top-1, dino - mae"]["seed_spread"] == 0
+    )
     v = W.rule_more_semantic(knn, {"dino": purity["dino"]}, "dino", "mae")
     assert v.outcome == C.NOT_TESTABLE and "No clustering result on a CLS token for mae" in v.why
 
@@ -149,18 +169,26 @@ def test_contrastive_semantics_emerge_earlier():
     assert v.outcome == C.HELD and v.noise_floor["first-half k-NN top-1, dino - supervised"]["binomial_se"] > 0
     swapped = {"dino": purity["supervised"], "supervised": purity["dino"]}
     assert W.rule_semantic_earlier({"dino": knn(sup), "supervised": knn(dino)}, swapped).outcome == C.NOT_HELD
-    assert W.rule_semantic_earlier({"dino": knn(dino), "supervised": [knn(dino)[0], knn(sup)[0]]},
-                                   {"dino": purity["dino"], "supervised": [purity["dino"][0], purity["supervised"][0]]}
-                                   ).outcome == C.INCONCLUSIVE
+    assert (
+        W.rule_semantic_earlier(
+            {"dino": knn(dino), "supervised": [knn(dino)[0], knn(sup)[0]]},
+            {"dino": purity["dino"], "supervised": [purity["dino"][0], purity["supervised"][0]]},
+        ).outcome
+        == C.INCONCLUSIVE
+    )
     assert W.rule_semantic_earlier({"dino": knn(dino)}, purity).outcome == C.NOT_TESTABLE
 
 
 # -------------------------------------------------------------- cross-model CKA (Fig. 6)
 
+
 def test_objectives_agree_early_and_diverge_late():
     curve = [0.95, 0.9, 0.8, 0.6, 0.4, 0.3]
-    pairs = {W.pair_name("supervised", "dino"): _seeds(curve), W.pair_name("supervised", "mae"): _seeds(curve),
-             W.pair_name("dino", "mae"): _seeds(curve)}
+    pairs = {
+        W.pair_name("supervised", "dino"): _seeds(curve),
+        W.pair_name("supervised", "mae"): _seeds(curve),
+        W.pair_name("dino", "mae"): _seeds(curve),
+    }
     v = W.rule_diverge_late(pairs)
     assert v.outcome == C.HELD and len([k for k in v.noise_floor]) == 3
     assert W.rule_diverge_late({k: _seeds(curve[::-1]) for k in pairs}).outcome == C.NOT_HELD
@@ -183,17 +211,23 @@ def test_supervised_cls_closer_to_contrastive():
 
 # -------------------------------------------------------------- residual connections (Fig. 23)
 
+
 def test_residual_shift_in_supervised_not_dino():
     sup, dino = [0.8, 0.75, 0.7, 0.3, 0.2, 0.15], [0.8, 0.78, 0.75, 0.72, 0.7, 0.7]
     assert W.rule_residual_shift({"supervised": _seeds(sup), "dino": _seeds(dino)}).outcome == C.HELD
     assert W.rule_residual_shift({"supervised": _seeds(sup[::-1]), "dino": _seeds([0.1] * 6)}).outcome == C.NOT_HELD
-    assert W.rule_residual_shift({"supervised": [np.array(sup), np.array(sup[::-1])], "dino": _seeds(dino)}).outcome == C.INCONCLUSIVE
+    assert (
+        W.rule_residual_shift({"supervised": [np.array(sup), np.array(sup[::-1])], "dino": _seeds(dino)}).outcome
+        == C.INCONCLUSIVE
+    )
     assert W.rule_residual_shift({"supervised": _seeds(sup), "dino": []}).outcome == C.NOT_TESTABLE
     assert W.rule_residual_shift({"supervised": _seeds([0.8]), "dino": _seeds([0.7])}).outcome == C.NOT_TESTABLE
 
 
 def test_records_read_back(tmp_path):
-    v = W.rule_cls_groups({W.pair_name("supervised", "dino"): [0.7, 0.72], W.pair_name("supervised", "mae"): [0.35, 0.37]})
+    v = W.rule_cls_groups(
+        {W.pair_name("supervised", "dino"): [0.7, 0.72], W.pair_name("supervised", "mae"): [0.35, 0.37]}
+    )
     C.write_json(tmp_path / "t.json", "walmer", [C.record(W.CLAIMS["cls_similar_by_supervision"], v)], [])
     back = C.read_json(tmp_path / "t.json")["claims"]["cls_similar_by_supervision"]
     assert back["verdict"] == "held" and back["figure"] == "Walmer Fig. 6 left, 19" and back["source"].endswith("§5.1")

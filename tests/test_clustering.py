@@ -1,5 +1,6 @@
 """k-means clustering per layer (Walmer §5.2, App. D.5): known answers for purity / NMI / ARI, an explicit-loop purity,
 k-means quality against plain random-init Lloyd, determinism, the Measure protocol end to end and the round-trip."""
+
 from __future__ import annotations
 
 import math
@@ -82,7 +83,8 @@ def test_purity_matches_explicit_loop():
 def test_nmi_ari_known_values():
     a, b = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 0, 1, 2])
     s = cluster_scores(b, a)
-    # MI = ln 2, H(a) = ln 2, H(b) = 1.5 ln 2: NMI = ln 2 / (1.25 ln 2) = 0.8; ARI = 0.5714 (the scikit-learn doc example)
+    # MI = ln 2, H(a) = ln 2, H(b) = 1.5 ln 2: NMI = ln 2 / (1.25 ln 2) = 0.8; ARI = 0.5714 (the scikit-learn doc
+    # example)
     assert s["nmi"] == pytest.approx(0.8, abs=1e-6) and s["ari"] == pytest.approx(4 / 7, abs=1e-6)
     s = cluster_scores(torch.tensor([2, 2, 0, 0, 1, 1]), torch.tensor([0, 0, 1, 1, 2, 2]))  # a relabelling
     assert s == pytest.approx({"purity": 1.0, "nmi": 1.0, "ari": 1.0}, abs=1e-6)
@@ -107,7 +109,7 @@ def test_deterministic_per_seed_and_handles_duplicate_init():
     a1, c1, i1 = kmeans(x, 6, seed=7)
     a2, c2, i2 = kmeans(x.clone(), 6, seed=7)
     assert torch.equal(a1, a2) and torch.equal(c1, c2) and i1 == i2
-    a3, c3, _ = kmeans(x, 6, seed=8)
+    _a3, c3, _ = kmeans(x, 6, seed=8)
     assert not torch.equal(c1, c3)
     # two identical initial centres: the empty cluster is re-seeded, all K clusters end up used
     xb, _ = _blobs(20, 3, 4, sep=10.0, noise=0.1, seed=5)
@@ -122,10 +124,14 @@ def test_deterministic_per_seed_and_handles_duplicate_init():
 # the Measure, end to end
 # --------------------------------------------------------------------------------------------------------------
 
+
 def _ctx(model, arch, prefix):
-    data = types.SimpleNamespace(analysis=class_split(60, 1), probe_train=class_split(20, 2), normalize=lambda x: x.float() / 255, num_classes=10)
-    return Context(model=model, data=data, device=torch.device("cpu"), arch=arch,
-                   blocks=tuple(block_names(model)), prefix=prefix)
+    data = types.SimpleNamespace(
+        analysis=class_split(60, 1), probe_train=class_split(20, 2), normalize=lambda x: x.float() / 255, num_classes=10
+    )
+    return Context(
+        model=model, data=data, device=torch.device("cpu"), arch=arch, blocks=tuple(block_names(model)), prefix=prefix
+    )
 
 
 @torch.no_grad()
@@ -136,10 +142,10 @@ def _drive(m, ctx, batch=16, shard=None):
     for j in range((len(split.labels) + batch - 1) // batch):
         if shard is not None and j % shard[1] != shard[0]:
             continue
-        x = ctx.data.normalize(split.images[j * batch:(j + 1) * batch])
+        x = ctx.data.normalize(split.images[j * batch : (j + 1) * batch])
         with Taps(ctx.model, sorted(m.taps())) as cap:
             ctx.model(x)
-        m.update(j, cap.captures, x, split.labels[j * batch:(j + 1) * batch])
+        m.update(j, cap.captures, x, split.labels[j * batch : (j + 1) * batch])
 
 
 @torch.no_grad()
@@ -187,7 +193,12 @@ def test_measure_end_to_end_cls_vit(tmp_path):
     assert ClusteringMeasure.summary(back) == ClusteringMeasure.summary(r)
     sc = ClusteringMeasure.scalars(back)
     assert sc == ClusteringMeasure.scalars(r)
-    assert set(sc) == {f"clustering/{m}/{p}/block{i:02d}" for m in ("purity", "nmi", "ari") for p in ("cls", "mean_spatial") for i in (0, 1)}
+    assert set(sc) == {
+        f"clustering/{m}/{p}/block{i:02d}"
+        for m in ("purity", "nmi", "ari")
+        for p in ("cls", "mean_spatial")
+        for i in (0, 1)
+    }
     assert sc["clustering/ari/cls/block01"] == r["ari"][0, 1]
     figs = ClusteringMeasure.figures(back, step=5)
     assert list(figs) == ["clustering/metrics"] and len(figs["clustering/metrics"].axes) == 3

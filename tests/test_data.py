@@ -1,6 +1,9 @@
 """Data: sources, tensors, seeded class-balanced nested subsets, augmentation, clear errors."""
+
+import functools
 import gzip
 import http.server
+import operator
 import os
 import shutil
 import socket
@@ -87,9 +90,15 @@ print(out)
 def _run_unreachable(script: str, hf_home: Path):
     """``script`` in a fresh process with no offline switch, HF_HOME ``hf_home`` and the Hub unreachable (HF_ENDPOINT on a
     closed local port: the connection error of a machine without network, on any machine)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
     env.update(HF_HOME=str(hf_home), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_hub_unreachable_without_offline_mode_is_fast_and_one_sentence(tmp_path):
@@ -100,7 +109,10 @@ def test_hub_unreachable_without_offline_mode_is_fast_and_one_sentence(tmp_path)
     assert r.returncode == 0 and len(lines) == 2, r.stdout + r.stderr[-3000:]
     seconds, msg = float(lines[0]), lines[1]
     assert seconds < 5, f"{seconds} s"
-    assert "could not reach the Hugging Face Hub (this machine seems offline)" in msg and "'cifar10' is not in the local" in msg, msg
+    assert (
+        "could not reach the Hugging Face Hub (this machine seems offline)" in msg
+        and "'cifar10' is not in the local" in msg
+    ), msg
     assert "save_to_disk" in msg and "HF_HUB_OFFLINE=1" in msg
 
 
@@ -118,7 +130,9 @@ def test_hub_unreachable_reads_a_cached_data_set_at_once(tmp_path):
         d.to_parquet(files[split])
     datasets.load_dataset("parquet", data_files=files, cache_dir=str(cache))
     (config,) = (cache / "parquet").iterdir()
-    shutil.move(config, cache / "cifar10" / "default")  # datasets' layout: <name>/<config>/<version>/<hash>/<name>-<split>.arrow
+    shutil.move(
+        config, cache / "cifar10" / "default"
+    )  # datasets' layout: <name>/<config>/<version>/<hash>/<name>-<split>.arrow
     for f in (cache / "cifar10").rglob("parquet-*.arrow"):
         f.rename(f.with_name(f.name.replace("parquet-", "cifar10-", 1)))
     r = _run_unreachable(HUB_UNREACHABLE, tmp_path / "hf")
@@ -133,7 +147,9 @@ def test_hub_probe(monkeypatch):
 
     from train.sources import hub_reachable
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the tests run offline; this talks to 127.0.0.1
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HF_HUB_OFFLINE", False
+    )  # the tests run offline; this talks to 127.0.0.1
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501 to HEAD
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -185,8 +201,19 @@ def test_imagefolder_and_parquet_sources(tmp_path):
             d.mkdir(parents=True)
             for i in range(6):
                 Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(d / f"{i}.png")
-    cfg = from_dict({"data": {"source": "imagefolder", "path": str(tmp_path / "folder"), "img_size": 16, "in_chans": 3,
-                              "probe_train_size": 4, "analysis_size": 4}, "model": {"patch_size": 4}})
+    cfg = from_dict(
+        {
+            "data": {
+                "source": "imagefolder",
+                "path": str(tmp_path / "folder"),
+                "img_size": 16,
+                "in_chans": 3,
+                "probe_train_size": 4,
+                "analysis_size": 4,
+            },
+            "model": {"patch_size": 4},
+        }
+    )
     bundle = build_data(cfg)
     assert bundle.train.images.shape == (12, 3, 16, 16) and bundle.num_classes == 2
 
@@ -196,20 +223,38 @@ def test_imagefolder_and_parquet_sources(tmp_path):
     pq.mkdir()
     for split, n in (("train", 20), ("test", 10)):
         ds = datasets.Dataset.from_dict(
-            {"img": [Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)) for _ in range(n)], "label": [i % 2 for i in range(n)]},
+            {
+                "img": [Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)) for _ in range(n)],
+                "label": [i % 2 for i in range(n)],
+            },
             features=datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])}),
         )
         ds.to_parquet(str(pq / f"{split}.parquet"))
-    cfg = from_dict({"data": {"source": "parquet", "path": str(pq), "img_size": 8, "probe_train_size": 4, "analysis_size": 4},
-                     "model": {"patch_size": 4}})
+    cfg = from_dict(
+        {
+            "data": {"source": "parquet", "path": str(pq), "img_size": 8, "probe_train_size": 4, "analysis_size": 4},
+            "model": {"patch_size": 4},
+        }
+    )
     bundle = build_data(cfg)
     assert bundle.train.images.shape == (20, 1, 8, 8) and bundle.eval.labels.tolist() == [i % 2 for i in range(10)]
 
     # the same data saved with save_to_disk (an offline cluster's copy of a hub data set)
-    datasets.load_dataset("parquet", data_files={"train": str(pq / "train.parquet"), "test": str(pq / "test.parquet")}).save_to_disk(
-        str(tmp_path / "saved"))
-    cfg = from_dict({"data": {"source": "disk", "path": str(tmp_path / "saved"), "img_size": 8, "probe_train_size": 4,
-                              "analysis_size": 4}, "model": {"patch_size": 4}})
+    datasets.load_dataset(
+        "parquet", data_files={"train": str(pq / "train.parquet"), "test": str(pq / "test.parquet")}
+    ).save_to_disk(str(tmp_path / "saved"))
+    cfg = from_dict(
+        {
+            "data": {
+                "source": "disk",
+                "path": str(tmp_path / "saved"),
+                "img_size": 8,
+                "probe_train_size": 4,
+                "analysis_size": 4,
+            },
+            "model": {"patch_size": 4},
+        }
+    )
     saved = build_data(cfg)
     assert torch.equal(saved.train.images, bundle.train.images) and torch.equal(saved.eval.labels, bundle.eval.labels)
     with pytest.raises(DataError, match="not a data set saved with DatasetDict.save_to_disk"):
@@ -239,7 +284,9 @@ def test_augment_shifts_and_flips_within_bounds():
 def test_epoch_sampler_shards_without_overlap_and_resumes_mid_epoch():
     a, b = EpochBatchSampler(100, 10, seed=3, rank=0, world=2), EpochBatchSampler(100, 10, seed=3, rank=1, world=2)
     ea, eb = list(a), list(b)
-    assert len(ea) == 5 and not set(sum(ea, [])) & set(sum(eb, []))
+    assert len(ea) == 5 and not set(functools.reduce(operator.iadd, ea, [])) & set(
+        functools.reduce(operator.iadd, eb, [])
+    )
     a.set_epoch(1)
     e1 = list(a)
     assert e1 != ea
@@ -247,8 +294,15 @@ def test_epoch_sampler_shards_without_overlap_and_resumes_mid_epoch():
     assert list(a) == e1[3:]
 
 
-@pytest.mark.parametrize("key,size,split", [("train_size", 60001, "train"), ("probe_train_size", 70000, "train"),
-                                            ("eval_size", 10001, "eval"), ("analysis_size", 20000, "eval")])
+@pytest.mark.parametrize(
+    "key,size,split",
+    [
+        ("train_size", 60001, "train"),
+        ("probe_train_size", 70000, "train"),
+        ("eval_size", 10001, "eval"),
+        ("analysis_size", 20000, "eval"),
+    ],
+)
 def test_sizes_above_a_split_are_refused_not_clamped(key, size, split):
     with pytest.raises(DataError) as e:
         build_data(from_dict({"data": {key: size}}))
@@ -260,6 +314,16 @@ def test_size_above_a_split_is_one_sentence_exit_2_before_the_run_folder(tmp_pat
     from train.cli import main
 
     root = tmp_path / "runs"
-    assert main([str(Path(__file__).resolve().parents[1] / "recipes/tiny.yaml"), "--set", f"run.root={root}", "data.eval_size=20000"]) == 2
+    assert (
+        main(
+            [
+                str(Path(__file__).resolve().parents[1] / "recipes/tiny.yaml"),
+                "--set",
+                f"run.root={root}",
+                "data.eval_size=20000",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: data.eval_size is 20000") and "\n" not in err and not root.exists()

@@ -1,5 +1,6 @@
 """Two processes on CPU (gloo) through accelerate launch: eval top-1 neither duplicates nor drops samples; a killed
 launcher leaves no trainer behind."""
+
 import json
 import os
 import subprocess
@@ -21,11 +22,14 @@ from train.trainer import eval_loader, evaluate, make_accelerator
 @pytest.mark.multiprocess
 def test_two_process_eval_top1_equals_one_process(write_recipe, tmp_path):
     # 250 eval images in batches of 64 over 2 processes: the last batches are uneven and get padded
-    p = write_recipe(train={"mixed_precision": "no", "steps": 4, "checkpoint_every": 4, "eval_every": 4, "eval_batch_size": 64})
+    p = write_recipe(
+        train={"mixed_precision": "no", "steps": 4, "checkpoint_every": 4, "eval_every": 4, "eval_batch_size": 64}
+    )
     cmd, env = two_process_launch(p, 29533)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     run = tmp_path / "runs" / "tiny"
-    # judged by what it wrote: gloo can rarely abort at interpreter exit after all work is done (seen with torch 2.x on CPU)
+    # judged by what it wrote: gloo can rarely abort at interpreter exit after all work is done (seen with torch 2.x on
+    # CPU)
     ckpts = list_checkpoints(run / "checkpoints")
     assert ckpts and ckpts[-1].name == "step_0000004", out.stderr[-3000:]
     meta = json.loads((ckpts[-1] / "meta.json").read_text())
@@ -49,7 +53,9 @@ def test_two_process_eval_top1_equals_one_process(write_recipe, tmp_path):
     model.eval()
     with torch.no_grad():
         pred = acc.unwrap_model(model)(data.normalize(data.eval.images)).argmax(-1)
-    assert (pred == data.eval.labels).sum().item() / 250 == pytest.approx(two_proc_top1, rel=1e-6)  # torchmetrics computes in float32
+    assert (pred == data.eval.labels).sum().item() / 250 == pytest.approx(
+        two_proc_top1, rel=1e-6
+    )  # torchmetrics computes in float32
 
 
 def _alive(pid: int) -> bool:
@@ -69,11 +75,30 @@ def test_sigkill_of_the_two_process_launcher_leaves_no_trainer(write_recipe, tmp
 
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    p = write_recipe(callbacks=[pause(tmp_path, 3)], train={"mixed_precision": "no", "eval_every": 0, "steps": 100000, "checkpoint_every": 1000})
+    p = write_recipe(
+        callbacks=[pause(tmp_path, 3)],
+        train={"mixed_precision": "no", "eval_every": 0, "steps": 100000, "checkpoint_every": 1000},
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(ACCELERATE_USE_CPU="true", PYTHONPATH=str(ROOT))
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29534", str(driver), str(p), "--no-progress"]
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "29534",
+        str(driver),
+        str(p),
+        "--no-progress",
+    ]
     log = open(tmp_path / "launcher.log", "w")  # noqa: SIM115
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     markers = [tmp_path / f"paused3.{r}" for r in (0, 1)]

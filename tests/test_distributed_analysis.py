@@ -1,5 +1,6 @@
 """Every measure on 2 real processes (gloo, accelerate launch) when there are fewer analysis minibatches than
 processes: the process without a minibatch adds zeros, and the numbers equal one process's."""
+
 import subprocess
 
 import numpy as np
@@ -12,14 +13,19 @@ from analysis.measure import registry
 from train.checkpoint import list_checkpoints
 
 # one analysis minibatch (32 images in minibatches of 64) for two processes; ERF on few images (it is slow)
-OPTS = {"fewshot_probe": {"shots": 5, "seeds": [0]}, "token_probes": {"shots": 5, "seeds": [0], "stride": 3},
-        "erf": {"images": 2, "batch": 1}}
+OPTS = {
+    "fewshot_probe": {"shots": 5, "seeds": [0]},
+    "token_probes": {"shots": 5, "seeds": [0], "stride": 3},
+    "erf": {"images": 2, "batch": 1},
+}
 
 
 @pytest.mark.multiprocess
 def test_every_measure_on_two_processes_with_one_minibatch(write_recipe, tmp_path):
     cb = {"name": "analysis_suite", "measures": "all", "batch_size": 64, "figures": False, **OPTS}
-    p = write_recipe(data={"analysis_size": 32}, train={"steps": 4, "checkpoint_every": 4, "eval_every": 4}, callbacks=[cb])
+    p = write_recipe(
+        data={"analysis_size": 32}, train={"steps": 4, "checkpoint_every": 4, "eval_every": 4}, callbacks=[cb]
+    )
     cmd, env = two_process_launch(p, 29541)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     run = tmp_path / "runs" / "tiny"
@@ -45,8 +51,16 @@ def test_every_measure_on_two_processes_with_one_minibatch(write_recipe, tmp_pat
 def test_ablation_on_two_processes_equals_one(write_recipe, tmp_path):
     """Four analysis minibatches, two per process: the means of the first pass, the k-NN bank and the read-out sums
     are reduced over processes, and the numbers equal one process's offline."""
-    cb = {"name": "analysis_suite", "measures": ["ablation"], "batch_size": 16, "figures": False, "ablation": {"replace": "mean"}}
-    p = write_recipe(data={"analysis_size": 64}, train={"steps": 4, "checkpoint_every": 4, "eval_every": 4}, callbacks=[cb])
+    cb = {
+        "name": "analysis_suite",
+        "measures": ["ablation"],
+        "batch_size": 16,
+        "figures": False,
+        "ablation": {"replace": "mean"},
+    }
+    p = write_recipe(
+        data={"analysis_size": 64}, train={"steps": 4, "checkpoint_every": 4, "eval_every": 4}, callbacks=[cb]
+    )
     cmd, env = two_process_launch(p, 29543)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     run = tmp_path / "runs" / "tiny"
@@ -54,7 +68,9 @@ def test_ablation_on_two_processes_equals_one(write_recipe, tmp_path):
     assert two.is_file(), out.stderr[-3000:]
     r = O.open_run(run)
     data = O.load_data(r)
-    one = S.run_suite(O.load_model(r, 4, data), data, S.suite_options(["ablation"], 16, {"ablation": {"replace": "mean"}}))["ablation"]
+    one = S.run_suite(
+        O.load_model(r, 4, data), data, S.suite_options(["ablation"], 16, {"ablation": {"replace": "mean"}})
+    )["ablation"]
     saved = np.load(two)
     assert int(saved["n_images"]) == 64 and len(saved["targets"]) == 2 * (2 + 2 + 3 + 2)
     for k in saved.files:

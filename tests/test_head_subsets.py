@@ -1,5 +1,6 @@
 """ViT attention-head subsets vs ResNet layers by CKA (Raghu et al. 2021 Fig. 5): a constructed case with CKA 1, an
 independent reference for every entry, the head order on hand-built attention, and a run on tiny timm models."""
+
 from __future__ import annotations
 
 import functools
@@ -26,7 +27,9 @@ def _vit(heads=4):
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
-    return VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=heads, mlp_ratio=2.0).eval()
+    return VisionTransformer(
+        img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=heads, mlp_ratio=2.0
+    ).eval()
 
 
 def _resnet():
@@ -51,7 +54,7 @@ def _manual_heads(vit, x):
     qkv = h @ blk.attn.qkv.weight.T + blk.attn.qkv.bias  # channels: [q | k | v], each head-major
     out = []
     for i in range(heads):
-        q, k, v = (qkv[..., s * c + i * dh:s * c + (i + 1) * dh] for s in range(3))
+        q, k, v = (qkv[..., s * c + i * dh : s * c + (i + 1) * dh] for s in range(3))
         a = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(dh), dim=-1)
         out.append(a @ v)
     return torch.stack(out, 1)
@@ -83,7 +86,11 @@ def test_head_equal_to_resnet_layer_gives_cka_one_and_entries_match_reference():
     finally:
         for h in handles:
             h.remove()
-    assert r["resnet_layers"] == ["layer1.0.out", "layer2.0.out"] and r["cka"].shape == (4, 2) and r["subset_cka"].shape == (3, 2)
+    assert (
+        r["resnet_layers"] == ["layer1.0.out", "layer2.0.out"]
+        and r["cka"].shape == (4, 2)
+        and r["subset_cka"].shape == (3, 2)
+    )
     row0 = r["head_order"].tolist().index(0)
     assert r["cka"][row0, 0] == pytest.approx(1.0, abs=1e-9)
     assert r6["cka"][r6["head_order"].tolist().index(0), 0] == pytest.approx(1.0, abs=1e-9)
@@ -127,15 +134,21 @@ def test_order_follows_distance_on_hand_built_attention():
     handle = attn.attn_drop.register_forward_pre_hook(replace)
     try:
         r = head_subset_cka(vit, resnet, images, normalize, batch_size=6, resnet_layers=["layer1.0.out"])
-        ru = head_subset_cka(vit, resnet, images, normalize, batch_size=6, resnet_layers=["layer1.0.out"], unit="unit_square", k=1)
+        ru = head_subset_cka(
+            vit, resnet, images, normalize, batch_size=6, resnet_layers=["layer1.0.out"], unit="unit_square", k=1
+        )
         r3 = head_subset_cka(vit, resnet, images, normalize, batch_size=6, resnet_layers=["layer1.0.out"], k=3)
-        rp = head_subset_cka(vit, resnet, images, normalize, batch_size=6, resnet_layers=["layer1.0.out"], unit="pixel_level")
+        rp = head_subset_cka(
+            vit, resnet, images, normalize, batch_size=6, resnet_layers=["layer1.0.out"], unit="pixel_level"
+        )
         with torch.no_grad():  # the head outputs are the hand-built attention applied to the values
             out = {}
             hook = attn.proj.register_forward_pre_hook(lambda mod, args: out.__setitem__("x", args[0]))
             vit(normalize(images[:2]))
             hook.remove()
-            v = attn.qkv(vit.blocks[0].norm1(vit.norm_pre(vit._pos_embed(vit.patch_embed(normalize(images[:2]))))))[..., 64:]
+            v = attn.qkv(vit.blocks[0].norm1(vit.norm_pre(vit._pos_embed(vit.patch_embed(normalize(images[:2]))))))[
+                ..., 64:
+            ]
     finally:
         handle.remove()
     expected = attention_distance(_hand_built(1, 4), (7, 7), 4, 1).numpy()
@@ -143,14 +156,20 @@ def test_order_follows_distance_on_hand_built_attention():
     assert r["head_order"].tolist() == [1, 2, 3, 0]
     np.testing.assert_allclose(r["head_distance"], expected[[1, 2, 3, 0]], rtol=1e-6)
     # windows of k = 2 consecutive heads in the distance order, sliding from the most local to the most global
-    assert r["subset_heads"].tolist() == [[1, 2], [2, 3], [3, 0]] and list(r["subsets"]) == ["sorted 0-1", "sorted 1-2", "sorted 2-3"]
+    assert r["subset_heads"].tolist() == [[1, 2], [2, 3], [3, 0]] and list(r["subsets"]) == [
+        "sorted 0-1",
+        "sorted 1-2",
+        "sorted 2-3",
+    ]
     np.testing.assert_allclose(r["subset_distance"], [2.0, 6.0, (8 + expected[0]) / 2], rtol=1e-6)
     assert r["k"] == 2 and r["subset_cka"].shape == (3, 1) and r["cka"].shape == (4, 1)
     assert r3["subset_heads"].tolist() == [[1, 2, 3], [2, 3, 0]] and r3["subset_cka"].shape == (2, 1)
     np.testing.assert_allclose(ru["head_distance"], r["head_distance"] / 24, rtol=1e-6)  # (7 - 1) patches of 4 pixels
     assert ru["subset_heads"].tolist() == [[1], [2], [3], [0]]
     np.testing.assert_allclose(ru["subset_cka"], ru["cka"], rtol=1e-9)  # k = 1: the windows are the single heads
-    assert rp["head_order"].tolist() == [1, 2, 3, 0] and rp["head_distance"][0] > 0  # pixel level: a self head is not at 0
+    assert (
+        rp["head_order"].tolist() == [1, 2, 3, 0] and rp["head_distance"][0] > 0
+    )  # pixel level: a self head is not at 0
     heads = split_heads(out["x"], 4, 1)  # [2, 4, 49, 8]
     torch.testing.assert_close(heads[:, 1], v[:, 1:, 8:16])  # self attention: head 1 outputs its own values
 
@@ -164,7 +183,9 @@ def test_sweep_on_tiny_models_has_the_stated_shapes_and_order():
     assert r["cka"].shape == (4, 2) and r["subset_cka"].shape == (3, 2) and r["subset_heads"].shape == (3, 2)
     assert r["subset_heads"].tolist() == [order[0:2], order[1:3], order[2:4]]
     assert np.all(np.diff(r["subset_distance"]) >= 0) and np.all(np.diff(r["head_distance"]) >= 0)
-    np.testing.assert_allclose(r["subset_distance"], [r["head_distance"][i:i + 2].mean() for i in range(3)], rtol=1e-12)
+    np.testing.assert_allclose(
+        r["subset_distance"], [r["head_distance"][i : i + 2].mean() for i in range(3)], rtol=1e-12
+    )
     assert np.isfinite(r["subset_cka"]).all()
     r1 = head_subset_cka(vit, resnet, images, normalize, batch_size=4, k=4)  # one window: all heads
     assert r1["subset_heads"].tolist() == [order] and r1["subset_cka"].shape == (1, 2)

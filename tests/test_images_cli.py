@@ -1,6 +1,7 @@
 """Your own images and a model from elsewhere, from the command line and the API (``--images DIR``, ``images=DIR``):
 the model's own preprocessing, unlabelled folders, one sentence for what cannot run, and a recipe's data decoded
 only where it is analysed."""
+
 from __future__ import annotations
 
 import json
@@ -40,24 +41,42 @@ def _folder(root, classes=("cats", "dogs"), n=3, size=(40, 70)):
 
 def test_implied_size_and_model_preprocessing(tiny_weights, tmp_path):
     assert O.implied_img_size("timm:vit_tiny_patch16_224", str(tiny_weights)) == 48
-    run = O.external_run("timm:vit_tiny_patch16_224", str(tiny_weights), "recipes/default.yaml", [], tmp_path / "out",
-                         images=_folder(tmp_path / "imgs", classes=("",)))
+    run = O.external_run(
+        "timm:vit_tiny_patch16_224",
+        str(tiny_weights),
+        "recipes/default.yaml",
+        [],
+        tmp_path / "out",
+        images=_folder(tmp_path / "imgs", classes=("",)),
+    )
     data = O.load_data(run)
     assert data.analysis.images.shape == (3, 3, 48, 48)  # resized shorter side, centre-cropped to the model's size
     cfg = timm.data.resolve_data_config({}, model=timm.create_model("vit_tiny_patch16_224", pretrained=False))
-    assert data.mean.tolist() == pytest.approx(list(cfg["mean"])) and data.std.tolist() == pytest.approx(list(cfg["std"]))
+    assert data.mean.tolist() == pytest.approx(list(cfg["mean"])) and data.std.tolist() == pytest.approx(
+        list(cfg["std"])
+    )
     assert data.analysis.labels.tolist() == [-1, -1, -1]
 
 
 def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(tiny_weights, tmp_path, capsys):
     imgs = _folder(tmp_path / "imgs", classes=("",), n=4)
-    base = ["--model", "timm:vit_tiny_patch16_224", "--weights", str(tiny_weights), "--images", str(imgs),
-            "--batch-size", "4", "--no-progress", "--no-tensorboard"]
-    assert analysis_main(base + ["--out", str(tmp_path / "a"), "--measures", "attention_distance,knn"]) == 2
+    base = [
+        "--model",
+        "timm:vit_tiny_patch16_224",
+        "--weights",
+        str(tiny_weights),
+        "--images",
+        str(imgs),
+        "--batch-size",
+        "4",
+        "--no-progress",
+        "--no-tensorboard",
+    ]
+    assert analysis_main([*base, "--out", str(tmp_path / "a"), "--measures", "attention_distance,knn"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "knn" in err and "subfolder per class" in err
     assert not (tmp_path / "a").exists()
-    assert analysis_main(base + ["--out", str(tmp_path / "b"), "--measures", "attention_distance,norm_ratio"]) == 0
+    assert analysis_main([*base, "--out", str(tmp_path / "b"), "--measures", "attention_distance,norm_ratio"]) == 0
     s = json.loads((tmp_path / "b" / "analysis" / "step_0000000" / "summary.json").read_text())
     assert set(s) >= {"attention_distance", "norm_ratio"}
     assert "images from" in (tmp_path / "b" / "report.md").read_text()
@@ -65,26 +84,69 @@ def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(tiny
     from analysis import suite as S
     from analysis.__main__ import without_unlabelled
 
-    run = O.external_run("timm:vit_tiny_patch16_224", str(tiny_weights), "recipes/default.yaml", [], tmp_path / "c", images=imgs)
-    kept = without_unlabelled(run, S.suite_options("all"), "all")  # --measures all: what can run runs, the rest is named
+    run = O.external_run(
+        "timm:vit_tiny_patch16_224", str(tiny_weights), "recipes/default.yaml", [], tmp_path / "c", images=imgs
+    )
+    kept = without_unlabelled(
+        run, S.suite_options("all"), "all"
+    )  # --measures all: what can run runs, the rest is named
     assert "skipped clustering, fewshot_probe, knn, token_probes" in capsys.readouterr().err
     assert {"clustering", "fewshot_probe", "knn", "token_probes"}.isdisjoint(kept.measures) and "cka" in kept.measures
 
 
 def test_cli_labelled_folders_train_probes_and_knn(tiny_weights, tmp_path):
     a, p = _folder(tmp_path / "a", n=3), _folder(tmp_path / "p", n=4)
-    assert analysis_main(["--model", "timm:vit_tiny_patch16_224", "--weights", str(tiny_weights), "--images", str(a),
-                          "--probe-images", str(p), "--measures", "knn", "--opt", "knn.k=2", "--out", str(tmp_path / "o"),
-                          "--batch-size", "6", "--no-progress", "--no-tensorboard"]) == 0
+    assert (
+        analysis_main(
+            [
+                "--model",
+                "timm:vit_tiny_patch16_224",
+                "--weights",
+                str(tiny_weights),
+                "--images",
+                str(a),
+                "--probe-images",
+                str(p),
+                "--measures",
+                "knn",
+                "--opt",
+                "knn.k=2",
+                "--out",
+                str(tmp_path / "o"),
+                "--batch-size",
+                "6",
+                "--no-progress",
+                "--no-tensorboard",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "o" / "analysis" / "step_0000000" / "knn.npz").is_file()
 
 
 def test_bad_image_input_is_one_sentence(tiny_weights, tmp_path, capsys):
-    base = ["--model", "timm:vit_tiny_patch16_224", "--weights", str(tiny_weights), "--no-progress", "--out", str(tmp_path / "o")]
-    for extra, words in ((["--images", str(tmp_path / "missing")], "does not exist"),
-                         (["--probe-images", str(tmp_path)], "--probe-images needs --images"),
-                         (["--images", str(_folder(tmp_path / "a")), "--probe-images", str(_folder(tmp_path / "b", classes=("x", "y")))],
-                          "class folders")):
+    base = [
+        "--model",
+        "timm:vit_tiny_patch16_224",
+        "--weights",
+        str(tiny_weights),
+        "--no-progress",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    for extra, words in (
+        (["--images", str(tmp_path / "missing")], "does not exist"),
+        (["--probe-images", str(tmp_path)], "--probe-images needs --images"),
+        (
+            [
+                "--images",
+                str(_folder(tmp_path / "a")),
+                "--probe-images",
+                str(_folder(tmp_path / "b", classes=("x", "y"))),
+            ],
+            "class folders",
+        ),
+    ):
         assert analysis_main(base + extra) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and words in err
@@ -94,7 +156,13 @@ def test_bad_image_input_is_one_sentence(tiny_weights, tmp_path, capsys):
 
 def test_api_images_from_a_folder(tiny_weights, tmp_path):
     m = timm.create_model("vit_tiny_patch16_224", img_size=48, num_classes=0, pretrained=False).eval()
-    res = analyze(m, str(_folder(tmp_path / "imgs", classes=("",), n=4)), measures=["attention_distance"], batch_size=4, figures=False)
+    res = analyze(
+        m,
+        str(_folder(tmp_path / "imgs", classes=("",), n=4)),
+        measures=["attention_distance"],
+        batch_size=4,
+        figures=False,
+    )
     assert np.asarray(res["results"]["attention_distance"]["pixels"]).shape == (12, 3)
     with pytest.raises(ValueError, match="labels="):
         analyze(m, torch.rand(4, 3, 48, 48), measures=["knn"], batch_size=4)
@@ -104,11 +172,21 @@ def test_a_recipe_for_a_model_from_elsewhere_decodes_only_the_analysed_rows(tiny
     """Fashion-MNIST at 48 x 48 x 3 for a model from elsewhere: the 60k-image train split stays on disk (lazy), and only
     the analysis rows (and as many eval rows) are decoded."""
     p = write_recipe(data={"train_size": None, "eval_size": None, "probe_train_size": 20, "analysis_size": 16})
-    run = O.external_run("timm:vit_tiny_patch16_224", str(tiny_weights), p, ["data.img_size=48", "data.in_chans=3"], tmp_path / "o")
+    run = O.external_run(
+        "timm:vit_tiny_patch16_224", str(tiny_weights), p, ["data.img_size=48", "data.in_chans=3"], tmp_path / "o"
+    )
     data = O.load_data(run)
     assert type(data.train).__name__ == "LazySplit"
     assert len(data.eval) == 16 and data.analysis.images.shape == (16, 3, 48, 48)
-    assert data.mean.tolist() == pytest.approx([0.5, 0.5, 0.5])  # vit_tiny's pretrained configuration: mean 0.5, std 0.5
-    run2 = O.external_run("timm:vit_tiny_patch16_224", str(tiny_weights), p, ["data.img_size=48", "data.in_chans=3"],
-                          tmp_path / "o2", preprocessing="recipe")
+    assert data.mean.tolist() == pytest.approx(
+        [0.5, 0.5, 0.5]
+    )  # vit_tiny's pretrained configuration: mean 0.5, std 0.5
+    run2 = O.external_run(
+        "timm:vit_tiny_patch16_224",
+        str(tiny_weights),
+        p,
+        ["data.img_size=48", "data.in_chans=3"],
+        tmp_path / "o2",
+        preprocessing="recipe",
+    )
     assert O.load_data(run2).mean.tolist() != pytest.approx([0.5, 0.5, 0.5])

@@ -1,4 +1,5 @@
 """Interventions: no skip at block i, GAP head, head masks, data subsets, sweeps; every recipe trains."""
+
 import json
 import os
 import subprocess
@@ -30,7 +31,7 @@ def _zero_branches(block):
 
 
 def test_no_skip_block_drops_its_residual_and_leaves_others_untouched():
-    Block, NoSkipBlock = block_classes()
+    _Block, NoSkipBlock = block_classes()
     plain, noskip = _model(), _model(no_skip={"blocks": [2], "where": "both"})
     assert [type(b) is NoSkipBlock for b in noskip.blocks] == [False, False, True, False]
     assert plain.state_dict().keys() == noskip.state_dict().keys()
@@ -41,7 +42,9 @@ def test_no_skip_block_drops_its_residual_and_leaves_others_untouched():
         _zero_branches(blk)
         y = blk(x)
         if i == 2:
-            assert torch.allclose(y, torch.zeros_like(y)), "no-skip block with zero branches outputs zero, not its input"
+            assert torch.allclose(y, torch.zeros_like(y)), (
+                "no-skip block with zero branches outputs zero, not its input"
+            )
         else:
             assert torch.equal(y, x), "a normal block with zero branches returns its input"
 
@@ -110,13 +113,15 @@ def test_head_mask_zeroes_exactly_the_chosen_heads():
     with torch.no_grad():
         out = attn(x)
     heads = seen["x"].view(2, 50, 4, hd)
-    assert heads[:, :, [0, 2]].abs().max() == 0 and heads[:, :, 1].abs().min() >= 0 and heads[:, :, [1, 3]].abs().max() > 0
+    assert (
+        heads[:, :, [0, 2]].abs().max() == 0 and heads[:, :, 1].abs().min() >= 0 and heads[:, :, [1, 3]].abs().max() > 0
+    )
     # a change to a masked head's value weights changes nothing; a change to a kept head's does
     with torch.no_grad():
         c = 32
-        attn.qkv.weight[2 * c + 0 * hd: 2 * c + 1 * hd] += 1.0  # V of head 0 (masked)
+        attn.qkv.weight[2 * c + 0 * hd : 2 * c + 1 * hd] += 1.0  # V of head 0 (masked)
         assert torch.allclose(attn(x), out, atol=1e-6)
-        attn.qkv.weight[2 * c + 1 * hd: 2 * c + 2 * hd] += 1.0  # V of head 1 (kept)
+        attn.qkv.weight[2 * c + 1 * hd : 2 * c + 2 * hd] += 1.0  # V of head 1 (kept)
         assert not torch.allclose(attn(x), out, atol=1e-3)
     # with fused attention too
     attn.fused_attn = not attn.fused_attn
@@ -128,28 +133,67 @@ def test_head_mask_zeroes_exactly_the_chosen_heads():
 def test_data_subsets_balanced_seeded_nested_and_recorded():
     sizes, sets = {}, {}
     for f in (0.03, 0.1, 0.3):
-        r = from_dict({"data": {"probe_train_size": 10, "analysis_size": 10}, "interventions": {"data_subset": {"fraction": f, "seed": 5}}})
+        r = from_dict(
+            {
+                "data": {"probe_train_size": 10, "analysis_size": 10},
+                "interventions": {"data_subset": {"fraction": f, "seed": 5}},
+            }
+        )
         b = build_data(r)
         sizes[f] = b.meta["data_subset"]["size"]
         assert b.train.labels.bincount().tolist() == [sizes[f] // 10] * 10
         sets[f] = {bytes(img.numpy()) for img in b.train.images[:: max(1, sizes[f] // 50)]}
         assert len(b.meta["data_subset"]["hash"]) == 16
     assert sizes == {0.03: 1800, 0.1: 6000, 0.3: 18000}
-    assert sets[0.03] <= {bytes(i.numpy()) for i in build_data(from_dict({"data": {"probe_train_size": 10, "analysis_size": 10},
-                          "interventions": {"data_subset": {"fraction": 0.1, "seed": 5}}})).train.images}
-    other = build_data(from_dict({"data": {"probe_train_size": 10, "analysis_size": 10}, "interventions": {"data_subset": {"count": 1800, "seed": 6}}}))
+    assert sets[0.03] <= {
+        bytes(i.numpy())
+        for i in build_data(
+            from_dict(
+                {
+                    "data": {"probe_train_size": 10, "analysis_size": 10},
+                    "interventions": {"data_subset": {"fraction": 0.1, "seed": 5}},
+                }
+            )
+        ).train.images
+    }
+    other = build_data(
+        from_dict(
+            {
+                "data": {"probe_train_size": 10, "analysis_size": 10},
+                "interventions": {"data_subset": {"count": 1800, "seed": 6}},
+            }
+        )
+    )
     assert other.meta["data_subset"]["size"] == 1800
-    assert other.meta["data_subset"]["hash"] != build_data(from_dict({"data": {"probe_train_size": 10, "analysis_size": 10},
-                                                                      "interventions": {"data_subset": {"count": 1800, "seed": 5}}})).meta["data_subset"]["hash"]
+    assert (
+        other.meta["data_subset"]["hash"]
+        != build_data(
+            from_dict(
+                {
+                    "data": {"probe_train_size": 10, "analysis_size": 10},
+                    "interventions": {"data_subset": {"count": 1800, "seed": 5}},
+                }
+            )
+        ).meta["data_subset"]["hash"]
+    )
 
 
-TINY_SET = ["train.steps=2", "train.batch_size=16", "train.warmup_steps=1", "train.eval_every=0", "train.checkpoint_every=0",
-            "data.train_size=640", "data.eval_size=64", "data.probe_train_size=200", "data.analysis_size=32"]
+TINY_SET = [
+    "train.steps=2",
+    "train.batch_size=16",
+    "train.warmup_steps=1",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "data.train_size=640",
+    "data.eval_size=64",
+    "data.probe_train_size=200",
+    "data.analysis_size=32",
+]
 
 
 @pytest.mark.parametrize("path", [p.relative_to(ROOT) for p in shipped_recipes(include_paper=False)], ids=str)
 def test_every_recipe_trains_a_few_steps(path, tmp_path):
-    r = load_recipe(ROOT / path, TINY_SET + [f"run.root={tmp_path}"])
+    r = load_recipe(ROOT / path, [*TINY_SET, f"run.root={tmp_path}"])
     if r.interventions.data_subset is not None and r.interventions.data_subset.count:
         r.interventions.data_subset.count = min(r.interventions.data_subset.count, 64)
     out = train(r, progress=False)
@@ -158,7 +202,15 @@ def test_every_recipe_trains_a_few_steps(path, tmp_path):
 
 def test_sweep_runs_each_point_once_and_rerun_starts_nothing(write_recipe, tmp_path):
     p = write_recipe(train={"steps": 2, "checkpoint_every": 0, "eval_every": 0})
-    cmd = [str(ROOT / "launch.sh"), "sweep", str(p), "--grid", "interventions.no_skip.blocks=[0],[1]", "--set", "train.lr=0.002"]
+    cmd = [
+        str(ROOT / "launch.sh"),
+        "sweep",
+        str(p),
+        "--grid",
+        "interventions.no_skip.blocks=[0],[1]",
+        "--set",
+        "train.lr=0.002",
+    ]
     env = {**os.environ, "VITLAB_NPROC": "1"}
     first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
@@ -213,6 +265,12 @@ def test_interventions_are_found_by_file_name_and_are_a_leaf_package():
     assert sorted(interventions.REGISTRY) == files == sorted(f.name for f in dataclasses.fields(InterventionsConfig))
     for p in (ROOT / "interventions").glob("*.py"):
         for node in ast.walk(ast.parse(p.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(n.split(".")[0] in ("train", "analysis") for n in names), (p.name, names)
     assert Recipe().interventions == InterventionsConfig()

@@ -1,5 +1,6 @@
 """Weighted k-NN per layer (DINO / Walmer §6.1) and the Gaussian baseline: known answers, an explicit-loop reference,
 edge cases, the Measure protocol end to end on a tiny timm ViT / ResNet, and the save/load round-trip."""
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,9 @@ def _reference_predict(bank, bank_y, queries, k, temperature, num_classes):
     for q in queries.double().tolist():
         sims = []
         for i, b in enumerate(bank_rows):
-            cos = sum(u * v for u, v in zip(q, b)) / (math.sqrt(sum(u * u for u in q)) * math.sqrt(sum(v * v for v in b)))
+            cos = sum(u * v for u, v in zip(q, b)) / (
+                math.sqrt(sum(u * u for u in q)) * math.sqrt(sum(v * v for v in b))
+            )
             sims.append((cos, i))
         sims.sort(key=lambda t: -t[0])
         votes = [0.0] * num_classes
@@ -81,7 +84,11 @@ def test_chunking_does_not_change_predictions(monkeypatch):
     import train.knn as knn  # the definition (the analysis measure and the trainer's monitor share it)
 
     g = torch.Generator().manual_seed(5)
-    bank, bank_y, q = torch.randn(50, 4, generator=g), torch.randint(3, (50,), generator=g), torch.randn(37, 4, generator=g)
+    bank, bank_y, q = (
+        torch.randn(50, 4, generator=g),
+        torch.randint(3, (50,), generator=g),
+        torch.randn(37, 4, generator=g),
+    )
     whole = knn_predict(bank, bank_y, q)
     monkeypatch.setattr(knn, "_CHUNK", 5)
     assert torch.equal(knn_predict(bank, bank_y, q), whole)
@@ -102,7 +109,9 @@ def test_k_larger_than_bank_uses_the_whole_bank():
 def test_weights_follow_exp_sim_over_t():
     # two neighbours of class 0 at cosine 1 and 0, three of class 1 at cosine 0.9: with T = 0.07 the single
     # exact match wins (e^14.3 > 3 e^12.9); with T = 10 the three class-1 votes win
-    bank = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.9, math.sqrt(1 - 0.81)], [0.9, math.sqrt(1 - 0.81)], [0.9, math.sqrt(1 - 0.81)]])
+    bank = torch.tensor(
+        [[1.0, 0.0], [0.0, 1.0], [0.9, math.sqrt(1 - 0.81)], [0.9, math.sqrt(1 - 0.81)], [0.9, math.sqrt(1 - 0.81)]]
+    )
     bank_y = torch.tensor([0, 0, 1, 1, 1])
     q = torch.tensor([[1.0, 0.0]])
     assert knn_predict(bank, bank_y, q, k=5, temperature=0.07).item() == 0
@@ -126,9 +135,16 @@ def test_uniform_like_is_the_authors_code_draw():
     """Walmer et al.'s code (wrapper_random.py) draws torch.rand: uniform [0, 1), mean 1/2, variance 1/12."""
     x = torch.zeros(500, 40, dtype=torch.float64)
     u = uniform_like(x, 0)
-    assert u.shape == x.shape and u.dtype == torch.float64 and torch.equal(u, uniform_like(x, 0)) and not torch.equal(u, uniform_like(x, 1))
+    assert (
+        u.shape == x.shape
+        and u.dtype == torch.float64
+        and torch.equal(u, uniform_like(x, 0))
+        and not torch.equal(u, uniform_like(x, 1))
+    )
     assert u.min() >= 0 and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
-    assert torch.equal(noise_like(x, 2, "uniform"), uniform_like(x, 2)) and torch.equal(noise_like(x, 2), gaussian_like(x, 2))
+    assert torch.equal(noise_like(x, 2, "uniform"), uniform_like(x, 2)) and torch.equal(
+        noise_like(x, 2), gaussian_like(x, 2)
+    )
     assert torch.equal(gaussian_like_layers([x], 4, "uniform")[0], uniform_like(x, 4))
     with pytest.raises(ValueError):
         noise_like(x, 0, "normal")
@@ -143,7 +159,10 @@ def test_uniform_baseline_option():
     bank = _features_at_once(model, ctx.data.probe_train, "blocks.1.out", "mean_spatial", 1)
     q = _features_at_once(model, ctx.data.analysis, "blocks.1.out", "mean_spatial", 1)
     noise = uniform_like(torch.cat([bank, q]).double(), 1 * 2 + 1)
-    base = (_reference_predict(noise[:60], ctx.data.probe_train.labels, noise[60:], 20, 0.07, 10) == ctx.data.analysis.labels)
+    base = (
+        _reference_predict(noise[:60], ctx.data.probe_train.labels, noise[60:], 20, 0.07, 10)
+        == ctx.data.analysis.labels
+    )
     assert r["baseline"][1, 1] == pytest.approx(base.double().mean().item(), abs=1e-12)
 
 
@@ -161,25 +180,32 @@ def test_pool_features():
 # the Measure, end to end
 # --------------------------------------------------------------------------------------------------------------
 
+
 def _ctx(model, arch, prefix):
-    data = types.SimpleNamespace(analysis=class_split(40, 1), probe_train=class_split(60, 2), normalize=lambda x: x.float() / 255, num_classes=10)
-    return Context(model=model, data=data, device=torch.device("cpu"), arch=arch,
-                   blocks=tuple(block_names(model)), prefix=prefix)
+    data = types.SimpleNamespace(
+        analysis=class_split(40, 1), probe_train=class_split(60, 2), normalize=lambda x: x.float() / 255, num_classes=10
+    )
+    return Context(
+        model=model, data=data, device=torch.device("cpu"), arch=arch, blocks=tuple(block_names(model)), prefix=prefix
+    )
 
 
 @torch.no_grad()
 def _drive(m, ctx, batch=16, shard=None):
     """The suite's protocol: fixed minibatches j of the analysis (then probe-train) split; ``shard=(r, world)`` keeps j = r mod world."""
-    for split, taps, update in ((ctx.data.analysis, m.taps(), m.update), (ctx.data.probe_train, m.probe_taps(), m.update_probe)):
+    for split, taps, update in (
+        (ctx.data.analysis, m.taps(), m.update),
+        (ctx.data.probe_train, m.probe_taps(), m.update_probe),
+    ):
         if not taps:
             continue
         for j in range((len(split.labels) + batch - 1) // batch):
             if shard is not None and j % shard[1] != shard[0]:
                 continue
-            x = ctx.data.normalize(split.images[j * batch:(j + 1) * batch])
+            x = ctx.data.normalize(split.images[j * batch : (j + 1) * batch])
             with Taps(ctx.model, sorted(taps)) as cap:
                 ctx.model(x)
-            update(j, cap.captures, x, split.labels[j * batch:(j + 1) * batch])
+            update(j, cap.captures, x, split.labels[j * batch : (j + 1) * batch])
 
 
 @torch.no_grad()
@@ -207,10 +233,17 @@ def test_measure_end_to_end_cls_vit(tmp_path):
         for i, blk in enumerate(r["layers"]):
             bank = _features_at_once(model, ctx.data.probe_train, f"{blk}.out", pool, 1)
             q = _features_at_once(model, ctx.data.analysis, f"{blk}.out", pool, 1)
-            ref = (_reference_predict(bank, ctx.data.probe_train.labels, q, 20, 0.07, 10) == ctx.data.analysis.labels).double().mean()
+            ref = (
+                (_reference_predict(bank, ctx.data.probe_train.labels, q, 20, 0.07, 10) == ctx.data.analysis.labels)
+                .double()
+                .mean()
+            )
             assert r["acc"][p, i] == pytest.approx(ref.item(), abs=1e-12)
             noise = gaussian_like(torch.cat([bank, q]).double(), p * 2 + i)
-            base = (_reference_predict(noise[:60], ctx.data.probe_train.labels, noise[60:], 20, 0.07, 10) == ctx.data.analysis.labels)
+            base = (
+                _reference_predict(noise[:60], ctx.data.probe_train.labels, noise[60:], 20, 0.07, 10)
+                == ctx.data.analysis.labels
+            )
             assert r["baseline"][p, i] == pytest.approx(base.double().mean().item(), abs=1e-12)
     assert r["acc"].max() > 0.3  # the bright square is easy to find; chance is 0.1
 
@@ -229,7 +262,9 @@ def test_measure_end_to_end_cls_vit(tmp_path):
     back = load_result(tmp_path / "knn.npz")
     assert KNNMeasure.summary(back) == KNNMeasure.summary(r)
     sc = KNNMeasure.scalars(back)
-    assert sc == KNNMeasure.scalars(r) and set(sc) == {f"knn/{p}/block{i:02d}" for p in ("cls", "mean_spatial") for i in (0, 1)}
+    assert sc == KNNMeasure.scalars(r) and set(sc) == {
+        f"knn/{p}/block{i:02d}" for p in ("cls", "mean_spatial") for i in (0, 1)
+    }
     assert sc["knn/mean_spatial/block01"] == r["acc"][1, 1]
     figs = KNNMeasure.figures(back, step=3)
     assert list(figs) == ["knn/accuracy"]
@@ -240,8 +275,10 @@ def test_measure_end_to_end_cls_vit(tmp_path):
 
 
 def test_measure_gap_vit_and_resnet_pools():
-    for model, arch, prefix, layers in ((tiny_vit(class_token=False), "vit", 0, ["blocks.0", "blocks.1"]),
-                                        (tiny_resnet(), "resnet", 0, ["layer1.0", "layer2.0", "layer3.0", "layer4.0"])):
+    for model, arch, prefix, layers in (
+        (tiny_vit(class_token=False), "vit", 0, ["blocks.0", "blocks.1"]),
+        (tiny_resnet(), "resnet", 0, ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]),
+    ):
         ctx = _ctx(model, arch, prefix)
         m = KNNMeasure(ctx)
         _drive(m, ctx, batch=32)
@@ -249,7 +286,9 @@ def test_measure_gap_vit_and_resnet_pools():
         assert r["pools"] == ["mean_spatial"] and r["layers"] == layers and r["acc"].shape == (1, len(layers))
         bank = _features_at_once(model, ctx.data.probe_train, f"{layers[-1]}.out", "mean_spatial", prefix)
         q = _features_at_once(model, ctx.data.analysis, f"{layers[-1]}.out", "mean_spatial", prefix)
-        assert r["acc"][0, -1] == pytest.approx(knn_accuracy(bank, ctx.data.probe_train.labels, q, ctx.data.analysis.labels), abs=1e-12)
+        assert r["acc"][0, -1] == pytest.approx(
+            knn_accuracy(bank, ctx.data.probe_train.labels, q, ctx.data.analysis.labels), abs=1e-12
+        )
 
 
 def test_small_bank_reports_effective_k():

@@ -1,5 +1,6 @@
 """Lazy (memory-mapped, decoded in workers) train splits: same batches as in memory, seeded random-resized crops,
 exact resume."""
+
 from pathlib import Path
 
 import numpy as np
@@ -46,13 +47,23 @@ def image_sets(tmp_path_factory):
     feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
     for split, n in (("train", 36), ("test", 15)):
         ims = [Image.fromarray(rng.integers(0, 255, sizes[i % 4] + (3,), dtype=np.uint8)) for i in range(n)]
-        datasets.Dataset.from_dict({"image": ims, "label": [i % 3 for i in range(n)]}, features=feats).to_parquet(str(pq / f"{split}.parquet"))
+        datasets.Dataset.from_dict({"image": ims, "label": [i % 3 for i in range(n)]}, features=feats).to_parquet(
+            str(pq / f"{split}.parquet")
+        )
     return {"imagefolder": root / "folder", "parquet": pq}
 
 
 def _recipe(source, path, **data):
-    d = {"source": source, "path": str(path), "img_size": 16, "in_chans": 3, "probe_train_size": 6, "analysis_size": 6,
-         "augment": {"shift": 0, "hflip": False}, **data}
+    d = {
+        "source": source,
+        "path": str(path),
+        "img_size": 16,
+        "in_chans": 3,
+        "probe_train_size": 6,
+        "analysis_size": 6,
+        "augment": {"shift": 0, "hflip": False},
+        **data,
+    }
     return from_dict({"data": d, "model": {"patch_size": 4}})
 
 
@@ -70,7 +81,9 @@ def test_lazy_and_in_memory_give_identical_batches(image_sets, source):
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
         la = torch.utils.data.DataLoader(a.train.dataset(), batch_sampler=sampler, collate_fn=batch_collate)
-        lb = torch.utils.data.DataLoader(b.train.dataset(), batch_sampler=sampler, collate_fn=batch_collate, num_workers=2)
+        lb = torch.utils.data.DataLoader(
+            b.train.dataset(), batch_sampler=sampler, collate_fn=batch_collate, num_workers=2
+        )
         batches = list(zip(la, lb))
         assert len(batches) == 3
         for (xa, ya), (xb, yb) in batches:
@@ -86,7 +99,12 @@ def test_auto_is_lazy_only_above_the_memory_limit(image_sets, monkeypatch):
 
 
 def test_lazy_crops_are_seeded_by_seed_epoch_index(image_sets):
-    r = _recipe("imagefolder", image_sets["imagefolder"], in_memory="false", augment={"random_resized_crop": True, "shift": 0, "hflip": False})
+    r = _recipe(
+        "imagefolder",
+        image_sets["imagefolder"],
+        in_memory="false",
+        augment={"random_resized_crop": True, "shift": 0, "hflip": False},
+    )
     split = build_data(r).train
     plain = build_data(_recipe("imagefolder", image_sets["imagefolder"], in_memory="false")).train
     idx = [5, 0, 17, 33, 2]
@@ -98,7 +116,9 @@ def test_lazy_crops_are_seeded_by_seed_epoch_index(image_sets):
     # through workers, in any order, with the epoch riding on the sampler's batches
     sampler = EpochBatchSampler(len(split), 6, seed=3)
     sampler.set_epoch(2)
-    loader = torch.utils.data.DataLoader(split.dataset(), batch_sampler=sampler, collate_fn=batch_collate, num_workers=2)
+    loader = torch.utils.data.DataLoader(
+        split.dataset(), batch_sampler=sampler, collate_fn=batch_collate, num_workers=2
+    )
     for b, (x, _) in zip(list(sampler), loader):
         assert b.epoch == 2 and torch.equal(x, split.take(b, epoch=2))
     other_seed = LazySplit(split.ds, split.rows, split.labels, split.cfg, crop_seed=split.crop_seed + 1)
@@ -132,12 +152,21 @@ def _final_weights(run: Path) -> dict:
 
 def test_resume_is_exact_with_a_lazy_cropped_split(write_recipe):
     """N steps + crash + resume + N steps == 2N steps with the train split decoded and cropped in a worker."""
-    kw = dict(data={"in_memory": "false", "num_workers": 1, "train_size": 144,
-                    "augment": {"random_resized_crop": True, "shift": 0, "hflip": True}},
-              model={"dropout": 0.1},
-              train={"steps": 4, "checkpoint_every": 2, "eval_every": 0, "batch_size": 48})  # 3 batches/epoch: crosses one
+    kw = dict(
+        data={
+            "in_memory": "false",
+            "num_workers": 1,
+            "train_size": 144,
+            "augment": {"random_resized_crop": True, "shift": 0, "hflip": True},
+        },
+        model={"dropout": 0.1},
+        train={"steps": 4, "checkpoint_every": 2, "eval_every": 0, "batch_size": 48},
+    )  # 3 batches/epoch: crosses one
     # sample_images decodes (and crops) lazy images itself; as any callback, it must not disturb the run
-    straight = train(load_recipe(write_recipe("lazy_s", callbacks=[{"name": "sample_images", "every": 2, "n": 8}], **kw)), progress=False)
+    straight = train(
+        load_recipe(write_recipe("lazy_s", callbacks=[{"name": "sample_images", "every": 2, "n": 8}], **kw)),
+        progress=False,
+    )
     p = write_recipe("lazy_r", callbacks=[{"name": "test_crash_at", "step": 2}], **kw)
     with pytest.raises(test_train.Crash):
         train(load_recipe(p), progress=False)

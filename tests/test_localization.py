@@ -1,5 +1,6 @@
 """Localization CKA (Raghu Fig. 9/10, D.1-D.3): known answers (a token-copies-its-patch ViT localizes perfectly, a
 token-mixing one does not), values against analysis.cka.cka on explicit slices, ResNet, round-trip, the protocol."""
+
 from __future__ import annotations
 
 import types
@@ -27,8 +28,18 @@ def _vit(class_token=True, embed_dim=32):
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
-    return VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=embed_dim, depth=2, num_heads=2,
-                             mlp_ratio=2.0, class_token=class_token, global_pool="token" if class_token else "avg").eval()
+    return VisionTransformer(
+        img_size=28,
+        patch_size=4,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=embed_dim,
+        depth=2,
+        num_heads=2,
+        mlp_ratio=2.0,
+        class_token=class_token,
+        global_pool="token" if class_token else "avg",
+    ).eval()
 
 
 def _resnet():
@@ -66,10 +77,19 @@ def _data(n=40, seed=0):
 
 def _ctx(model, n=40):
     vit = hasattr(model, "patch_embed")
-    data = types.SimpleNamespace(analysis=_data(n, 0), probe_train=_data(n, 1), normalize=lambda x: x.float() / 255, num_classes=10)
-    return Context(model=model, data=data, device=torch.device("cpu"),
-                   arch="vit" if vit else "resnet", blocks=tuple(block_names(model)), prefix=model.num_prefix_tokens if vit else 0,
-                   grid=grid_of(model) if vit else None, patch_size=4 if vit else None)
+    data = types.SimpleNamespace(
+        analysis=_data(n, 0), probe_train=_data(n, 1), normalize=lambda x: x.float() / 255, num_classes=10
+    )
+    return Context(
+        model=model,
+        data=data,
+        device=torch.device("cpu"),
+        arch="vit" if vit else "resnet",
+        blocks=tuple(block_names(model)),
+        prefix=model.num_prefix_tokens if vit else 0,
+        grid=grid_of(model) if vit else None,
+        patch_size=4 if vit else None,
+    )
 
 
 @torch.no_grad()
@@ -77,10 +97,10 @@ def _run(measure, ctx, batch_size=16):
     """Drive a Measure through the protocol, as the suite does: fixed minibatches j, taps, normalised inputs."""
     split = ctx.data.analysis
     for j in range((len(split.labels) + batch_size - 1) // batch_size):
-        x = ctx.data.normalize(split.images[j * batch_size:(j + 1) * batch_size])
+        x = ctx.data.normalize(split.images[j * batch_size : (j + 1) * batch_size])
         with Taps(ctx.model, sorted(measure.taps())) as cap:
             ctx.model(x)
-        measure.update(j, cap.captures, x, split.labels[j * batch_size:(j + 1) * batch_size])
+        measure.update(j, cap.captures, x, split.labels[j * batch_size : (j + 1) * batch_size])
     return measure.finish()
 
 
@@ -120,7 +140,9 @@ def test_mixing_tokens_do_not_localize():
     assert share < 0.15  # chance is 1/49 ~ 0.02
     assert abs(contrast) < 0.05
     # the same patches with the noise but no mixing do localize
-    share2, contrast2 = localization_scores(localization_cka(patches + 0.5 * torch.randn(200, 49, 16), x, (7, 7), batch_size=50))
+    share2, contrast2 = localization_scores(
+        localization_cka(patches + 0.5 * torch.randn(200, 49, 16), x, (7, 7), batch_size=50)
+    )
     assert share2 == 1.0 and contrast2 > 0.5
 
 
@@ -133,7 +155,9 @@ def test_scores_on_a_hand_matrix():
 
 def test_values_match_cka_on_explicit_slices():
     ctx = _ctx(_vit(), n=24)
-    r = _run(Localization(ctx, LocalizationOptions(kinds=("attn_out", "out"))), ctx, batch_size=24)  # one minibatch: minibatch CKA == cka on the whole set
+    r = _run(
+        Localization(ctx, LocalizationOptions(kinds=("attn_out", "out"))), ctx, batch_size=24
+    )  # one minibatch: minibatch CKA == cka on the whole set
     x = ctx.data.normalize(ctx.data.analysis.images)
     layers = ["blocks.0.attn_out", "blocks.0.out", "blocks.1.attn_out", "blocks.1.out"]
     with Taps(ctx.model, layers) as cap:
@@ -143,9 +167,13 @@ def test_values_match_cka_on_explicit_slices():
         tok = cap[tap][:, 1:]
         for t, q in [(0, 0), (3, 17), (24, 24), (48, 5)]:
             qr, qc = divmod(q, 7)
-            ref = cka(tok[:, t], x[:, :, 4 * qr:4 * qr + 4, 4 * qc:4 * qc + 4].reshape(24, -1))
+            ref = cka(tok[:, t], x[:, :, 4 * qr : 4 * qr + 4, 4 * qc : 4 * qc + 4].reshape(24, -1))
             assert r["cka"][li, t, q] == pytest.approx(ref, rel=1e-8, abs=1e-10)
-    assert set(Localization.scalars(r)) == {f"localization/{k}/{t}" for k in ("own_share", "contrast") for t in ("block00", "block01", "block00_attn_out", "block01_attn_out")}
+    assert set(Localization.scalars(r)) == {
+        f"localization/{k}/{t}"
+        for k in ("own_share", "contrast")
+        for t in ("block00", "block01", "block00_attn_out", "block01_attn_out")
+    }
 
 
 def test_minibatches_accumulate_hsic():
@@ -163,8 +191,8 @@ def test_minibatches_accumulate_hsic():
             r0, c0 = divmod(q, 2)
             xy = xx = yy = 0.0
             for s in range(0, 30, 10):
-                k = center_unbiased(gram(tokens[s:s + 10, t]))
-                lm = center_unbiased(gram(x[s:s + 10, :, 4 * r0:4 * r0 + 4, 4 * c0:4 * c0 + 4]))
+                k = center_unbiased(gram(tokens[s : s + 10, t]))
+                lm = center_unbiased(gram(x[s : s + 10, :, 4 * r0 : 4 * r0 + 4, 4 * c0 : 4 * c0 + 4]))
                 xy, xx, yy = xy + (k * lm).sum(), xx + (k * k).sum(), yy + (lm * lm).sum()
             ref[t, q] = xy / (xx * yy).sqrt()
     torch.testing.assert_close(a, ref, rtol=1e-9, atol=1e-12)
@@ -175,7 +203,9 @@ def test_constant_patch_gives_nan_not_noise():
     x = torch.randn(16, 1, 8, 8)
     x[:, :, :4, :4] = 0.37  # patch 0 constant over every image
     m = localization_cka(torch.stack(input_patches(x, (2, 2)), 1), x, (2, 2))
-    assert torch.isnan(m[:, 0]).all() and torch.isnan(m[0]).all() and torch.isfinite(m[1:, 1:]).all()  # token 0 is constant too
+    assert (
+        torch.isnan(m[:, 0]).all() and torch.isnan(m[0]).all() and torch.isfinite(m[1:, 1:]).all()
+    )  # token 0 is constant too
     share, contrast = localization_scores(m.numpy())
     assert share == 1.0 and np.isfinite(contrast)
 
@@ -187,7 +217,11 @@ def test_resnet_pools_large_maps_and_pads(tmp_path):
     assert r["layers"] == ["layer1.0.out", "layer2.0.out", "layer3.0.out", "layer4.0.out"]
     assert r["grid"].tolist() == [[7, 7], [7, 7], [7, 7], [4, 4]]  # 28 and 14 px maps pooled to 7, 4 px map kept
     assert r["cka"].shape == (4, 49, 49)
-    assert np.isnan(r["cka"][3, 16:]).all() and np.isnan(r["cka"][3, :, 16:]).all() and np.isfinite(r["cka"][3, :16, :16]).all()
+    assert (
+        np.isnan(r["cka"][3, 16:]).all()
+        and np.isnan(r["cka"][3, :, 16:]).all()
+        and np.isfinite(r["cka"][3, :16, :16]).all()
+    )
     assert np.isfinite(r["own_share"]).all() and r["chance"].tolist() == [1 / 49] * 3 + [1 / 16]
     # layer 1 against the definition on the pooled map (4x4 px input patches); layer 4 with 7x7 px input patches
     x = ctx.data.normalize(ctx.data.analysis.images)
@@ -197,11 +231,19 @@ def test_resnet_pools_large_maps_and_pads(tmp_path):
     np.testing.assert_allclose(r["cka"][0], localization_cka(pooled, x, (7, 7), 12).numpy(), rtol=1e-9, atol=1e-12)
     t4, g4 = spatial_tokens(cap["layer4.0.out"])
     assert g4 == (4, 4)
-    np.testing.assert_allclose(r["cka"][3, :16, :16], localization_cka(t4, x, (4, 4), 12).numpy(), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        r["cka"][3, :16, :16], localization_cka(t4, x, (4, 4), 12).numpy(), rtol=1e-9, atol=1e-12
+    )
     one = localization_cka(t4, x, (4, 4))  # one minibatch: token 5 = (1, 1) against input pixels [7, 14) x [7, 14)
     assert one[5, 5].item() == pytest.approx(cka(t4[:, 5], x[:, :, 7:14, 7:14].reshape(24, -1)), rel=1e-8)
     figs = Localization.figures(r)
-    assert set(figs) == {"localization/block00", "localization/block01", "localization/block02", "localization/block03", "localization/score"}
+    assert set(figs) == {
+        "localization/block00",
+        "localization/block01",
+        "localization/block02",
+        "localization/block03",
+        "localization/score",
+    }
     _close(figs)
 
 
@@ -233,7 +275,9 @@ def test_round_trip_and_figures(tmp_path):
     back = load_result(tmp_path / "localization.npz")
     for fn in (Localization.summary, Localization.scalars):
         assert fn(back) == fn(r)
-    assert set(Localization.scalars(back)) == {f"localization/{k}/block{i:02d}" for k in ("own_share", "contrast") for i in range(2)}
+    assert set(Localization.scalars(back)) == {
+        f"localization/{k}/block{i:02d}" for k in ("own_share", "contrast") for i in range(2)
+    }
     import json
 
     json.dumps(Localization.summary(back))
@@ -267,10 +311,10 @@ def test_state_is_additive_over_shards_like_two_processes():
     ranks = [Localization(ctx), Localization(ctx)]
     x_all = ctx.data.normalize(ctx.data.analysis.images)
     for j in range(3):
-        x = x_all[12 * j:12 * (j + 1)]
+        x = x_all[12 * j : 12 * (j + 1)]
         with Taps(ctx.model, sorted(ranks[0].taps())) as cap:
             ctx.model(x)
-        ranks[j % 2].update(j, cap.captures, x, ctx.data.analysis.labels[12 * j:12 * (j + 1)])
+        ranks[j % 2].update(j, cap.captures, x, ctx.data.analysis.labels[12 * j : 12 * (j + 1)])
     for lay in ranks[0].layers:
         a, b = ranks[0].acc[lay], ranks[1].acc[lay]
         a.xy, a.xx, a.yy = a.xy + b.xy, a.xx + b.xx, a.yy + b.yy

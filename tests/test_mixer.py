@@ -1,5 +1,6 @@
 """MLP-Mixer (Raghu et al. 2021 App. H) as a third architecture: built from a recipe, tapped like a ViT
 (token mixing in the place of attention), trained through the trainer."""
+
 from pathlib import Path
 
 import pytest
@@ -7,12 +8,24 @@ import torch
 from conftest import ROOT
 from safetensors.torch import load_file
 
-from analysis.taps import MIXER_KINDS, TapError, Taps, arch_of, available_taps, block_names, grid_of, is_vit, num_prefix_tokens
+from analysis.taps import (
+    MIXER_KINDS,
+    TapError,
+    Taps,
+    arch_of,
+    available_taps,
+    block_names,
+    grid_of,
+    is_vit,
+    num_prefix_tokens,
+)
 from train.checkpoint import list_checkpoints
 from train.models import build_model
 from train.recipe import RecipeError, from_dict, load_recipe
 
-SMALL = {"model": {"arch": "mixer", "depth": 3, "embed_dim": 32, "mlp_ratio": 2.0, "mixer_token_ratio": 0.5, "head": "gap"}}
+SMALL = {
+    "model": {"arch": "mixer", "depth": 3, "embed_dim": 32, "mlp_ratio": 2.0, "mixer_token_ratio": 0.5, "head": "gap"}
+}
 
 
 def _mixer(**model):
@@ -49,7 +62,9 @@ def test_build_from_the_shipped_recipe():
 def test_arch_of_tells_the_three_apart():
     vit = build_model(from_dict({"model": {"depth": 1, "embed_dim": 32, "num_heads": 2}}), 10)
     gap = build_model(from_dict({"model": {"depth": 1, "embed_dim": 32, "num_heads": 2, "head": "gap"}}), 10)
-    res = build_model(from_dict({"model": {"arch": "resnet", "resnet_layers": [1, 1, 1, 1], "resnet_channels": [8, 8, 8, 8]}}), 10)
+    res = build_model(
+        from_dict({"model": {"arch": "resnet", "resnet_layers": [1, 1, 1, 1], "resnet_channels": [8, 8, 8, 8]}}), 10
+    )
     assert [arch_of(x) for x in (vit, gap, res, _mixer())] == ["vit", "vit", "resnet", "mixer"]
     assert is_vit(vit) and not is_vit(res) and not is_vit(_mixer())
     assert num_prefix_tokens(vit) == 1 and num_prefix_tokens(gap) == 0 and num_prefix_tokens(res) == 0
@@ -60,12 +75,15 @@ def test_arch_of_tells_the_three_apart():
         arch_of(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("model, words", [
-    ({"patch_size": 5}, ["model.patch_size", "divide", "data.img_size"]),
-    ({"mixer_token_ratio": 0}, ["model.mixer_token_ratio", "out of range"]),
-    ({"mixer_token_ratio": 0.01}, ["model.mixer_token_ratio", "hidden unit"]),
-    ({"arch": "mlp"}, ["model.arch", "'mixer'"]),
-])
+@pytest.mark.parametrize(
+    "model, words",
+    [
+        ({"patch_size": 5}, ["model.patch_size", "divide", "data.img_size"]),
+        ({"mixer_token_ratio": 0}, ["model.mixer_token_ratio", "out of range"]),
+        ({"mixer_token_ratio": 0.01}, ["model.mixer_token_ratio", "hidden unit"]),
+        ({"arch": "mlp"}, ["model.arch", "'mixer'"]),
+    ],
+)
 def test_recipe_errors_are_one_sentence(model, words):
     with pytest.raises(RecipeError) as e:
         from_dict({"model": {**SMALL["model"], **model}})
@@ -106,7 +124,11 @@ def test_taps_fire_with_token_shapes_and_decompose_the_block():
             a_ref = blk.mlp_tokens(blk.norm1(z).permute(0, 2, 1)).permute(0, 2, 1)
             h_ref = torch.nn.functional.gelu(blk.mlp_channels.fc1(blk.norm2(z + a_ref)))
             f_ref = blk.mlp_channels.fc2(h_ref)
-        assert torch.allclose(a, a_ref, atol=1e-6) and torch.allclose(h, h_ref, atol=1e-6) and torch.allclose(f, f_ref, atol=1e-6)
+        assert (
+            torch.allclose(a, a_ref, atol=1e-6)
+            and torch.allclose(h, h_ref, atol=1e-6)
+            and torch.allclose(f, f_ref, atol=1e-6)
+        )
         if i:
             assert torch.equal(z, cap[f"blocks.{i - 1}.out"])
     assert torch.equal(out, ref)  # tapping changes nothing, and every hook is gone afterwards
@@ -151,7 +173,10 @@ def test_zeroed_branches_make_the_block_the_identity(monkeypatch):
     assert torch.equal(cap["blocks.1.attn_out"], cap["blocks.1.in"])  # no token mixing: the stream is unchanged
     assert not torch.equal(cap["blocks.1.out"], cap["blocks.1.in"])
     monkeypatch.setattr(blk.mlp_channels, "forward", lambda t: torch.zeros_like(t))
-    with torch.no_grad(), Taps(m, ["blocks.1.in", "blocks.1.attn_branch", "blocks.1.mlp_branch", "blocks.1.out"]) as cap:
+    with (
+        torch.no_grad(),
+        Taps(m, ["blocks.1.in", "blocks.1.attn_branch", "blocks.1.mlp_branch", "blocks.1.out"]) as cap,
+    ):
         m(x)
     assert torch.equal(cap["blocks.1.out"], cap["blocks.1.in"])
     assert not cap["blocks.1.attn_branch"].any() and not cap["blocks.1.mlp_branch"].any()
@@ -160,9 +185,13 @@ def test_zeroed_branches_make_the_block_the_identity(monkeypatch):
 def test_two_training_steps_through_the_trainer(write_recipe):
     from train.trainer import train
 
-    p = write_recipe("tiny_mixer", model={"arch": "mixer", "head": "gap", "mlp_ratio": 2.0, "mixer_token_ratio": 0.5},
-                     train={"steps": 2, "eval_every": 2, "checkpoint_every": 2, "mixed_precision": "no"},
-                     data={"eval_size": 64}, callbacks=[])
+    p = write_recipe(
+        "tiny_mixer",
+        model={"arch": "mixer", "head": "gap", "mlp_ratio": 2.0, "mixer_token_ratio": 0.5},
+        train={"steps": 2, "eval_every": 2, "checkpoint_every": 2, "mixed_precision": "no"},
+        data={"eval_size": 64},
+        callbacks=[],
+    )
     r = load_recipe(p)
     assert r.model.arch == "mixer" and r.callbacks == []
     out = train(r, progress=False)

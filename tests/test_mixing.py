@@ -1,5 +1,6 @@
 """Mixup / CutMix (data.augment.mixup_alpha, cutmix_alpha, ...): recipe keys, soft targets and their loss, exact
 resume with mixing on, the default recipe's hash."""
+
 from pathlib import Path
 
 import numpy as np
@@ -24,15 +25,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DEFAULT = ROOT / "recipes/default.yaml"
 
 
-@pytest.mark.parametrize("override, words", [
-    ("data.augment.cutmix_alpha=-1", "'data.augment.cutmix_alpha' is -1.0, out of range: it must be >= 0.0"),
-    ("data.augment.mixup_alpha=lots", "'data.augment.mixup_alpha' must be float, got 'lots'"),
-    ("data.augment.mix_prob=1.5", "'data.augment.mix_prob' is 1.5, out of range"),
-    ("data.augment.switch_prob=-0.1", "'data.augment.switch_prob' is -0.1, out of range"),
-    ("data.augment.mix_mode=image", "'data.augment.mix_mode' must be one of 'batch', 'pair', 'elem'"),
-    ("data.augment.randaugment_magnitude=31", "'data.augment.randaugment_magnitude' is 31, out of range: it must be >= 0 and <= 30"),
-    ("data.augment.randaugment_ops=-1", "'data.augment.randaugment_ops' is -1, out of range"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("data.augment.cutmix_alpha=-1", "'data.augment.cutmix_alpha' is -1.0, out of range: it must be >= 0.0"),
+        ("data.augment.mixup_alpha=lots", "'data.augment.mixup_alpha' must be float, got 'lots'"),
+        ("data.augment.mix_prob=1.5", "'data.augment.mix_prob' is 1.5, out of range"),
+        ("data.augment.switch_prob=-0.1", "'data.augment.switch_prob' is -0.1, out of range"),
+        ("data.augment.mix_mode=image", "'data.augment.mix_mode' must be one of 'batch', 'pair', 'elem'"),
+        (
+            "data.augment.randaugment_magnitude=31",
+            "'data.augment.randaugment_magnitude' is 31, out of range: it must be >= 0 and <= 30",
+        ),
+        ("data.augment.randaugment_ops=-1", "'data.augment.randaugment_ops' is -1, out of range"),
+    ],
+)
 def test_bad_mixing_keys_are_one_sentence(override, words):
     with pytest.raises(RecipeError, match=words.replace("(", r"\(").replace(".", r"\.")) as e:
         load_recipe(DEFAULT, [override])
@@ -55,13 +62,25 @@ def test_mixing_needs_an_even_batch():
 def test_default_hash_unchanged_and_new_keys_hashed_only_when_used():
     r = load_recipe(DEFAULT)
     assert r.hash() == "82a396f18b71fd7d"
-    spelled = ["data.augment.mixup_alpha=0.0", "data.augment.cutmix_alpha=0.0", "data.augment.mix_prob=1.0",
-               "data.augment.switch_prob=0.5", "data.augment.mix_mode=batch", "data.augment.randaugment_ops=0",
-               "data.augment.randaugment_magnitude=9"]
+    spelled = [
+        "data.augment.mixup_alpha=0.0",
+        "data.augment.cutmix_alpha=0.0",
+        "data.augment.mix_prob=1.0",
+        "data.augment.switch_prob=0.5",
+        "data.augment.mix_mode=batch",
+        "data.augment.randaugment_ops=0",
+        "data.augment.randaugment_magnitude=9",
+    ]
     assert load_recipe(DEFAULT, spelled).hash() == r.hash()
-    for o in ("data.augment.mixup_alpha=0.8", "data.augment.cutmix_alpha=1.0", "data.augment.mix_prob=0.5",
-              "data.augment.switch_prob=0.3", "data.augment.mix_mode=elem", "data.augment.randaugment_ops=2",
-              "data.augment.randaugment_magnitude=5"):
+    for o in (
+        "data.augment.mixup_alpha=0.8",
+        "data.augment.cutmix_alpha=1.0",
+        "data.augment.mix_prob=0.5",
+        "data.augment.switch_prob=0.3",
+        "data.augment.mix_mode=elem",
+        "data.augment.randaugment_ops=2",
+        "data.augment.randaugment_magnitude=5",
+    ):
         assert load_recipe(DEFAULT, [o]).hash() != r.hash(), o
     cutmix = load_recipe(ROOT / "recipes/vit_cutmix.yaml")
     assert cutmix.data.augment.cutmix_alpha > 0 and cutmix.data.augment.mixup_alpha > 0 and cutmix.hash() != r.hash()
@@ -101,7 +120,9 @@ def test_mixup_batch_soft_targets_and_loss_by_hand():
     plain = make_mixer(AugmentConfig(cutmix_alpha=1.0, mix_prob=0.0), k, eps)
     same, t0 = plain(x.clone(), y)
     assert torch.equal(same, x)
-    assert float(SoftTargetCrossEntropy()(logits, t0)) == pytest.approx(float(F.cross_entropy(logits, y, label_smoothing=eps)), rel=1e-6)
+    assert float(SoftTargetCrossEntropy()(logits, t0)) == pytest.approx(
+        float(F.cross_entropy(logits, y, label_smoothing=eps)), rel=1e-6
+    )
 
 
 def test_cutmix_elem_pastes_a_box_and_weighs_targets_by_area():
@@ -118,7 +139,9 @@ def test_cutmix_elem_pastes_a_box_and_weighs_targets_by_area():
         own = float((mixed[i] == i).float().mean())
         other = float((mixed[i] == b - 1 - i).float().mean())
         assert own + other == pytest.approx(1.0)
-        assert float(t[i, i]) == pytest.approx(own, abs=1e-6) and float(t[i, b - 1 - i]) == pytest.approx(other, abs=1e-6)
+        assert float(t[i, i]) == pytest.approx(own, abs=1e-6) and float(t[i, b - 1 - i]) == pytest.approx(
+            other, abs=1e-6
+        )
     assert any(0 < float(t[i, i]) < 1 for i in range(b))  # some box was pasted
 
 
@@ -191,7 +214,16 @@ def test_resume_is_exact_with_cutmix_and_mixup(write_recipe, monkeypatch):
     straight run and not of the resumed one, unless numpy is reseeded from (seed, step, rank) like torch."""
     real = train.augment.make_mixer
     monkeypatch.setattr(train.augment, "make_mixer", lambda *a, **kw: CountingMixer(real(*a, **kw)))
-    aug = {"augment": {"shift": 2, "hflip": True, "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "mix_mode": "elem", "randaugment_ops": 2}}
+    aug = {
+        "augment": {
+            "shift": 2,
+            "hflip": True,
+            "mixup_alpha": 0.8,
+            "cutmix_alpha": 1.0,
+            "mix_mode": "elem",
+            "randaugment_ops": 2,
+        }
+    }
     CountingMixer.calls = {}
     samples = [{"name": "sample_images", "n": 8}, {"name": "test_numpy_draw"}]
     straight = run_training(load_recipe(write_recipe("straight", data=aug, callbacks=samples)), progress=False)

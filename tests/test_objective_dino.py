@@ -1,6 +1,7 @@
 """train.objective: dino (Caron et al. 2021): the loss on a case with a known value and against DINO's own loop,
 the teacher's EMA schedule, the multi-crop views, timm's dynamic_img_size at the native size, checkpoint parts,
 a few-step run with the k-NN monitor and the analysis suite, exact resume, two processes, bad options."""
+
 import json
 import math
 import subprocess
@@ -29,8 +30,9 @@ TINY_MODEL = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2.0}
 
 
 def _recipe(steps: int = 10, **dino):
-    return from_dict({"model": TINY_MODEL, "train": {"objective": "dino", "steps": steps},
-                      "objectives": {"dino": {**DINO, **dino}}})
+    return from_dict(
+        {"model": TINY_MODEL, "train": {"objective": "dino", "steps": steps}, "objectives": {"dino": {**DINO, **dino}}}
+    )
 
 
 def _objective(steps: int = 10, **dino):
@@ -86,13 +88,17 @@ def _dino_reference(student_output, teacher_output, center, temp, student_temp, 
 def test_loss_equals_the_authors_loop(ncrops):
     torch.manual_seed(1)
     b, k = 4, 16
-    s, t, c = torch.randn(ncrops * b, k, dtype=torch.float64), torch.randn(2 * b, k, dtype=torch.float64), torch.randn(1, k, dtype=torch.float64)
+    s, t, c = (
+        torch.randn(ncrops * b, k, dtype=torch.float64),
+        torch.randn(2 * b, k, dtype=torch.float64),
+        torch.randn(1, k, dtype=torch.float64),
+    )
     ours, _ = dino_loss(s, t, c, 0.04, 0.1)
     assert ours.item() == pytest.approx(_dino_reference(s, t, c, 0.04, 0.1, ncrops).item(), rel=1e-12)
 
 
 def test_center_is_an_ema_of_the_teacher_batch_mean_and_terms_are_logged():
-    r, obj = _objective()
+    _r, obj = _objective()
     x = torch.randn(4, 1, 28, 28)
     with torch.no_grad():
         glob, _ = obj.views(x, 0)
@@ -100,7 +106,14 @@ def test_center_is_an_ema_of_the_teacher_batch_mean_and_terms_are_logged():
     c0 = obj.center.clone()
     loss, terms = obj(x, None, 0)
     assert torch.allclose(obj.center, 0.9 * c0 + 0.1 * t.mean(0, keepdim=True), atol=1e-6)
-    assert set(terms) == {"dino_loss", "teacher_entropy", "teacher_student_kl", "center_norm", "teacher_momentum", "teacher_temp"}
+    assert set(terms) == {
+        "dino_loss",
+        "teacher_entropy",
+        "teacher_student_kl",
+        "center_norm",
+        "teacher_momentum",
+        "teacher_temp",
+    }
     assert terms["teacher_student_kl"].item() == pytest.approx(loss.item() - terms["teacher_entropy"].item(), abs=1e-6)
     assert terms["teacher_student_kl"].item() > 0
     assert terms["center_norm"].item() == pytest.approx(obj.center.norm().item())
@@ -147,7 +160,10 @@ def test_teacher_stays_in_eval_mode_and_gets_no_gradient():
     loss, _ = obj(torch.randn(4, 1, 28, 28), None, 0)
     loss.backward()
     assert all(p.grad is None for p in [*obj.teacher_backbone.parameters(), *obj.teacher_head.parameters()])
-    assert obj.backbone.pos_embed.grad is not None and obj.head.last_layer.parametrizations.weight.original1.grad is not None
+    assert (
+        obj.backbone.pos_embed.grad is not None
+        and obj.head.last_layer.parametrizations.weight.original1.grad is not None
+    )
     assert obj.head.last_layer.parametrizations.weight.original0.grad is None, "norm_last_layer: the norm is fixed at 1"
 
 
@@ -242,7 +258,7 @@ def test_every_part_loads_into_a_fresh_backbone():
     x = torch.randn(2, 1, 28, 28)
     for name, prefix in obj.parts.items():
         fresh = build_model(r, 0)
-        fresh.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
+        fresh.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
         net = obj.backbone if name == "student" else obj.teacher_backbone
         fresh.eval(), net.eval()
         with torch.no_grad():
@@ -252,8 +268,14 @@ def test_every_part_loads_into_a_fresh_backbone():
 def test_a_gap_vit_with_hooked_interventions_has_a_teacher_of_its_own():
     """The teacher is a deep copy: a hook an intervention put on the student's block is the teacher's own copy on
     the teacher's block (head_mask), so the teacher computes what the student's architecture computes."""
-    r = from_dict({"model": {**TINY_MODEL, "head": "gap"}, "train": {"objective": "dino"}, "objectives": {"dino": DINO},
-                   "interventions": {"head_mask": {"block": 0, "heads": [1]}}})
+    r = from_dict(
+        {
+            "model": {**TINY_MODEL, "head": "gap"},
+            "train": {"objective": "dino"},
+            "objectives": {"dino": DINO},
+            "interventions": {"head_mask": {"block": 0, "heads": [1]}},
+        }
+    )
     obj = build_objective(r, build_model(r, 0), 10)
     t_attn, s_attn = obj.teacher_backbone.blocks[0].attn, obj.backbone.blocks[0].attn
     (hook,) = t_attn.proj._forward_pre_hooks.values()
@@ -266,13 +288,22 @@ def test_a_gap_vit_with_hooked_interventions_has_a_teacher_of_its_own():
 
 
 def _dino_recipe(write_recipe, name, callbacks=()):
-    return write_recipe(name, train={"objective": "dino", "steps": 6, "checkpoint_every": 3, "eval_every": 3},
-                        objectives={"dino": DINO}, callbacks=list(callbacks))
+    return write_recipe(
+        name,
+        train={"objective": "dino", "steps": 6, "checkpoint_every": 3, "eval_every": 3},
+        objectives={"dino": DINO},
+        callbacks=list(callbacks),
+    )
 
 
 def test_a_few_steps_train_log_the_terms_and_the_knn_monitor_and_run_the_suite(write_recipe):
-    suite = [{"name": "analysis_suite", "measures": ["cka", "norm_ratio", "attention_distance", "fewshot_probe", "knn"],
-              "fewshot_probe": {"shots": 2}}]
+    suite = [
+        {
+            "name": "analysis_suite",
+            "measures": ["cka", "norm_ratio", "attention_distance", "fewshot_probe", "knn"],
+            "fewshot_probe": {"shots": 2},
+        }
+    ]
     out = run_training(load_recipe(_dino_recipe(write_recipe, "dino", callbacks=suite)), progress=False)
     run = Path(out["run_dir"])
     s = read_scalars(run)
@@ -294,7 +325,7 @@ def test_a_few_steps_train_log_the_terms_and_the_knn_monitor_and_run_the_suite(w
     # the saved teacher loads into the recipe's backbone
     w = load_file(str(list_checkpoints(run / "checkpoints")[-1] / "model.safetensors"))
     fresh = build_model(load_recipe(run / "recipe.yaml"), 0)
-    fresh.load_state_dict({k[len("teacher_backbone."):]: v for k, v in w.items() if k.startswith("teacher_backbone.")})
+    fresh.load_state_dict({k[len("teacher_backbone.") :]: v for k, v in w.items() if k.startswith("teacher_backbone.")})
     assert "center" in w and any(k.startswith("teacher_head.") for k in w)
 
 
@@ -325,8 +356,18 @@ def test_two_processes_share_the_center_and_the_knn_monitor_counts_every_image(w
     from train.knn import knn_monitor
     from train.trainer import eval_loader, make_accelerator
 
-    p = write_recipe(train={"objective": "dino", "mixed_precision": "no", "steps": 3, "checkpoint_every": 2, "eval_every": 3,
-                            "log_every": 10, "eval_batch_size": 64}, objectives={"dino": DINO})
+    p = write_recipe(
+        train={
+            "objective": "dino",
+            "mixed_precision": "no",
+            "steps": 3,
+            "checkpoint_every": 2,
+            "eval_every": 3,
+            "log_every": 10,
+            "eval_batch_size": 64,
+        },
+        objectives={"dino": DINO},
+    )
     cmd, env = two_process_launch(p, 29561)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     ckpts = list_checkpoints(tmp_path / "runs" / "tiny" / "checkpoints")
@@ -341,7 +382,7 @@ def test_two_processes_share_the_center_and_the_knn_monitor_counts_every_image(w
     data = build_data(recipe)
     model = build_model(recipe, 0)
     w = load_file(str(ckpts[-1] / "model.safetensors"))
-    model.load_state_dict({k[len("backbone."):]: v for k, v in w.items() if k.startswith("backbone.")})
+    model.load_state_dict({k[len("backbone.") :]: v for k, v in w.items() if k.startswith("backbone.")})
     bank, query = acc.prepare(eval_loader(data.probe_train, 64), eval_loader(data.eval, 64))
     one = knn_monitor(acc, model, bank, query, data.normalize, data.num_classes)
     assert one["n"] == 250 and one["top1"] == meta["eval"]["top1"]
@@ -350,15 +391,18 @@ def test_two_processes_share_the_center_and_the_knn_monitor_counts_every_image(w
 # ---------------------------------------------------------------- bad options
 
 
-@pytest.mark.parametrize("override, words", [
-    ("objectives.dino.local_crop_size=13", "must be a multiple of model.patch_size (4)"),
-    ("objectives.dino.local_crop_size=32", "no larger than data.img_size (28)"),
-    ("model.arch=resnet", "not model.arch 'resnet'"),
-    ("objectives.dino.local_crops_scale=[0.5, 0.1]", "0 < lo <= hi <= 1"),
-    ("objectives.dino.teacher_temp=0", "out of range"),
-    ("objectives.dino.momentum_teacher=1.5", "out of range"),
-    ("data.augment.mixup_alpha=0.8", "set both to 0"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("objectives.dino.local_crop_size=13", "must be a multiple of model.patch_size (4)"),
+        ("objectives.dino.local_crop_size=32", "no larger than data.img_size (28)"),
+        ("model.arch=resnet", "not model.arch 'resnet'"),
+        ("objectives.dino.local_crops_scale=[0.5, 0.1]", "0 < lo <= hi <= 1"),
+        ("objectives.dino.teacher_temp=0", "out of range"),
+        ("objectives.dino.momentum_teacher=1.5", "out of range"),
+        ("data.augment.mixup_alpha=0.8", "set both to 0"),
+    ],
+)
 def test_bad_options_are_one_sentence(override, words):
     with pytest.raises(RecipeError) as e:
         load_recipe(ROOT / "recipes/dino.yaml", [override])
@@ -369,13 +413,25 @@ def test_bad_options_are_one_sentence(override, words):
 def test_local_attention_with_local_crops_is_refused():
     with pytest.raises(RecipeError, match="local_crops_number=0"):
         load_recipe(ROOT / "recipes/dino.yaml", ["interventions.local_attention={blocks: [0], heads: [0], radius: 1}"])
-    load_recipe(ROOT / "recipes/dino.yaml", ["interventions.local_attention={blocks: [0], heads: [0], radius: 1}",
-                                             "objectives.dino.local_crops_number=0"])
+    load_recipe(
+        ROOT / "recipes/dino.yaml",
+        ["interventions.local_attention={blocks: [0], heads: [0], radius: 1}", "objectives.dino.local_crops_number=0"],
+    )
 
 
 def test_bad_option_from_the_cli_exits_2_before_anything_is_written(tmp_path, capsys):
-    assert main([str(ROOT / "recipes/dino.yaml"), "--set", "objectives.dino.local_crop_size=10", f"run.root={tmp_path}",
-                 "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                str(ROOT / "recipes/dino.yaml"),
+                "--set",
+                "objectives.dino.local_crop_size=10",
+                f"run.root={tmp_path}",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "objectives.dino.local_crop_size" in err and len(err.splitlines()) == 1
     assert not any(tmp_path.iterdir())

@@ -1,6 +1,7 @@
 """train.objective: mae (train/objectives/mae.py, He et al. 2022): the loss on known cases, the masking, the encoder on
 visible patches only, the checkpoint's backbone part, a few-step run with the k-NN monitor and the analysis suite,
 exact resume, two processes, bad options."""
+
 import json
 import math
 import subprocess
@@ -26,8 +27,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = ROOT / "recipes/tiny.yaml"
 MAE = {"objective": "mae", "mixed_precision": "no"}
-SUITE = [{"name": "analysis_suite", "measures": ["cka", "norm_ratio", "attention_distance", "fewshot_probe", "knn"],
-          "batch_size": 32, "figures": False, "fewshot_probe": {"shots": 3}}]
+SUITE = [
+    {
+        "name": "analysis_suite",
+        "measures": ["cka", "norm_ratio", "attention_distance", "fewshot_probe", "knn"],
+        "batch_size": 32,
+        "figures": False,
+        "fewshot_probe": {"shots": 3},
+    }
+]
 
 
 def _objective(head="cls", *sets):
@@ -55,7 +63,7 @@ def test_loss_is_zero_for_a_decoder_that_copies_the_target_and_positive_otherwis
 
     def copy(latent, ids_restore):
         mask = torch.ones(ids_restore.shape)
-        mask[:, :obj.num_patches - obj.num_masked] = 0
+        mask[:, : obj.num_patches - obj.num_masked] = 0
         hidden = mask.gather(1, ids_restore).bool()
         seen["hidden"] = hidden
         return torch.where(hidden.unsqueeze(-1), obj.target(x), torch.full_like(obj.target(x), 7.0))
@@ -98,7 +106,7 @@ def test_norm_pix_targets_are_per_patch_standardised():
 @pytest.mark.parametrize("ratio", [0.75, 0.5, 0.9, 0.1])
 def test_masking_hides_round_ratio_n_patches_per_image_differently_per_image(ratio):
     obj, _ = _objective("cls", f"objectives.mae.mask_ratio={ratio}")
-    ids_keep, mask, ids_restore = obj.random_masking(64, 5, "cpu")
+    ids_keep, mask, _ids_restore = obj.random_masking(64, 5, "cpu")
     m = round(ratio * 49)
     assert mask.sum(1).tolist() == [m] * 64
     assert ids_keep.shape == (64, 49 - m)
@@ -114,8 +122,9 @@ def test_masks_are_a_function_of_seed_step_and_process(monkeypatch):
     again, _ = _objective()
     assert torch.equal(again.random_masking(8, 3, "cpu")[1], first), "same (seed, step, rank): same masks"
     assert not torch.equal(again.random_masking(8, 4, "cpu")[1], first), "another step: other masks"
-    assert not torch.equal(again.random_masking(8, 4, "cpu")[1], again.random_masking(8, 4, "cpu")[1]), \
+    assert not torch.equal(again.random_masking(8, 4, "cpu")[1], again.random_masking(8, 4, "cpu")[1]), (
         "micro-batches of one step continue its stream"
+    )
     other_seed, _ = _objective("cls", "seed=1")
     assert not torch.equal(other_seed.random_masking(8, 3, "cpu")[1], first)
     monkeypatch.setattr(mae, "_rank", lambda: 1)
@@ -169,7 +178,9 @@ def test_every_parameter_gets_a_gradient(head):
 
 def test_backbone_part_loads_into_a_fresh_backbone():
     obj, r = _objective()
-    state = {k[len("backbone."):]: v for k, v in obj.state_dict().items() if k.startswith(mae.Objective.parts["student"])}
+    state = {
+        k[len("backbone.") :]: v for k, v in obj.state_dict().items() if k.startswith(mae.Objective.parts["student"])
+    }
     fresh = build_model(r, 0)
     assert fresh.load_state_dict(state, strict=True) is not None
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
@@ -188,7 +199,15 @@ def _final_weights(run: Path) -> dict:
 def test_few_step_run_logs_mae_terms_and_knn_and_resumes_exactly(write_recipe):
     """6 steps straight (checkpoint at 3, the analysis suite with k-NN on the num_classes=0 backbone) == 3 steps,
     crash, resume 3 more: same loss curve and masks (mask_ratio_actual), same final weights."""
-    train_cfg = {**MAE, "steps": 6, "checkpoint_every": 3, "eval_every": 3, "log_every": 1, "warmup_steps": 1, "lr": 0.002}
+    train_cfg = {
+        **MAE,
+        "steps": 6,
+        "checkpoint_every": 3,
+        "eval_every": 3,
+        "log_every": 1,
+        "warmup_steps": 1,
+        "lr": 0.002,
+    }
     straight = run_training(load_recipe(write_recipe("straight", train=train_cfg, callbacks=SUITE)), progress=False)
     run = Path(straight["run_dir"])
     s = read_scalars(run)
@@ -207,7 +226,7 @@ def test_few_step_run_logs_mae_terms_and_knn_and_resumes_exactly(write_recipe):
     # the checkpoint's backbone part loads into the recipe's ViT without a head
     w = _final_weights(run)
     fresh = build_model(load_recipe(run / "recipe.yaml"), 0)
-    fresh.load_state_dict({k[len("backbone."):]: v for k, v in w.items() if k.startswith("backbone.")}, strict=True)
+    fresh.load_state_dict({k[len("backbone.") :]: v for k, v in w.items() if k.startswith("backbone.")}, strict=True)
 
     from test_train import Crash  # registers test_crash_at
 
@@ -223,8 +242,9 @@ def test_few_step_run_logs_mae_terms_and_knn_and_resumes_exactly(write_recipe):
 
 
 def test_gap_model_trains_with_the_suite(write_recipe):
-    p = write_recipe("gap", model={"head": "gap"}, train={**MAE, "steps": 2, "checkpoint_every": 2, "eval_every": 2},
-                     callbacks=SUITE)
+    p = write_recipe(
+        "gap", model={"head": "gap"}, train={**MAE, "steps": 2, "checkpoint_every": 2, "eval_every": 2}, callbacks=SUITE
+    )
     out = run_training(load_recipe(p), progress=False)
     assert out["step"] == 2 and 0.0 <= out["top1"] <= 1.0
     s = read_scalars(Path(out["run_dir"]))
@@ -258,7 +278,7 @@ def test_two_process_knn_top1_equals_one_process(write_recipe, tmp_path):
     data = build_data(recipe)
     backbone = build_model(recipe, 0)
     w = load_file(str(ckpts[-1] / "model.safetensors"))
-    backbone.load_state_dict({k[len("backbone."):]: v for k, v in w.items() if k.startswith("backbone.")}, strict=True)
+    backbone.load_state_dict({k[len("backbone.") :]: v for k, v in w.items() if k.startswith("backbone.")}, strict=True)
     bank, queries = acc.prepare(eval_loader(data.probe_train, 64)), acc.prepare(eval_loader(data.eval, 64))
     one = knn_monitor(acc, backbone, bank, queries, data.normalize, data.num_classes)
     assert one["n"] == 250 and one["top1"] == meta["eval"]["top1"]
@@ -267,16 +287,22 @@ def test_two_process_knn_top1_equals_one_process(write_recipe, tmp_path):
 # ---------------------------------------------------------------- bad options
 
 
-@pytest.mark.parametrize("sets, words", [
-    (["model.arch=resnet"], "needs a ViT (model.arch: vit, not resnet)"),
-    (["objectives.mae.mask_ratio=0.995"], "hides every patch of the 49-patch grid"),
-    (["objectives.mae.mask_ratio=0.005"], "hides no patch of the 49-patch grid"),
-    (["objectives.mae.mask_ratio=1.5"], "'objectives.mae.mask_ratio' is 1.5, out of range"),
-    (["objectives.mae.decoder_dim=30"], "'objectives.mae.decoder_dim' (30) must be a multiple of 4"),
-    (["objectives.mae.decoder_heads=3"], "must be a multiple of 4 (the 2-D sin-cos position embedding) and of"),
-    (["interventions.local_attention={blocks: [0], heads: [0]}"], "interventions.local_attention fixes the token grid"),
-    (["data.augment.mixup_alpha=0.8"], "mix labels, which train.objective 'mae' does not use"),
-])
+@pytest.mark.parametrize(
+    "sets, words",
+    [
+        (["model.arch=resnet"], "needs a ViT (model.arch: vit, not resnet)"),
+        (["objectives.mae.mask_ratio=0.995"], "hides every patch of the 49-patch grid"),
+        (["objectives.mae.mask_ratio=0.005"], "hides no patch of the 49-patch grid"),
+        (["objectives.mae.mask_ratio=1.5"], "'objectives.mae.mask_ratio' is 1.5, out of range"),
+        (["objectives.mae.decoder_dim=30"], "'objectives.mae.decoder_dim' (30) must be a multiple of 4"),
+        (["objectives.mae.decoder_heads=3"], "must be a multiple of 4 (the 2-D sin-cos position embedding) and of"),
+        (
+            ["interventions.local_attention={blocks: [0], heads: [0]}"],
+            "interventions.local_attention fixes the token grid",
+        ),
+        (["data.augment.mixup_alpha=0.8"], "mix labels, which train.objective 'mae' does not use"),
+    ],
+)
 def test_bad_options_are_one_sentence_exit_2_before_anything_is_written(sets, words, tmp_path, capsys):
     assert main([str(TINY), "--set", "train.objective=mae", *sets, f"run.root={tmp_path}", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()

@@ -1,5 +1,6 @@
 """Offline analysis (python -m analysis, analysis.reports.compare): same numbers as at training time, cached, cross-run
 CKA, reports, and one sentence + exit 2 for every bad input."""
+
 import json
 import os
 import shutil
@@ -22,7 +23,9 @@ ARGS = ["--batch-size", "32", "--opt", "fewshot_probe.seeds=[0]", "--no-progress
 
 
 def _train(root: Path, name: str, **sections) -> Path:
-    data = _merge(_merge(TINY, {"data": {"probe_train_size": 200}, "callbacks": [CB], "run": {"root": str(root)}}), sections)
+    data = _merge(
+        _merge(TINY, {"data": {"probe_train_size": 200}, "callbacks": [CB], "run": {"root": str(root)}}), sections
+    )
     p = root / f"{name}.yaml"
     p.write_text(yaml.safe_dump(data))
     return Path(train(load_recipe(p), progress=False)["run_dir"])
@@ -31,8 +34,12 @@ def _train(root: Path, name: str, **sections) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    return {"vit": _train(root, "vit"), "resnet": _train(root, "resnet", model={"arch": "resnet", "resnet_layers": [1, 1, 1, 1],
-                                                                               "resnet_channels": [8, 8, 16, 16]})}
+    return {
+        "vit": _train(root, "vit"),
+        "resnet": _train(
+            root, "resnet", model={"arch": "resnet", "resnet_layers": [1, 1, 1, 1], "resnet_channels": [8, 8, 16, 16]}
+        ),
+    }
 
 
 def _tree(path: Path) -> dict:
@@ -90,10 +97,14 @@ def test_against_a_resnet_gives_the_cross_architecture_map(runs, tmp_path):
     shutil.copytree(runs["vit"], run)
     a = O.against(O.open_run(run), O.open_run(runs["resnet"]), 8, opts=S.SuiteOptions(batch_size=32), progress=False)
     m = a["results"][8]["matrix"]
-    assert m.shape == (4, 4) and np.isfinite(m).all() and "same_index" not in a["results"][8]  # 2 ViT blocks x 2 sublayers vs 4 stages
+    assert (
+        m.shape == (4, 4) and np.isfinite(m).all() and "same_index" not in a["results"][8]
+    )  # 2 ViT blocks x 2 sublayers vs 4 stages
     d = O.against_dir(O.open_run(run), 8, O.open_run(runs["resnet"]), 8)
     heads = np.load(d / "head_subsets.npz")
-    assert sorted(heads["head_order"].tolist()) == [0, 1] and np.all(np.diff(heads["head_distance"]) >= 0)  # Raghu Fig. 5
+    assert sorted(heads["head_order"].tolist()) == [0, 1] and np.all(
+        np.diff(heads["head_distance"]) >= 0
+    )  # Raghu Fig. 5
     assert (run / "figures" / "against" / "resnet_step_0000008" / "step_0000008" / "head_subsets.png").is_file()
 
 
@@ -105,7 +116,14 @@ def test_compare_draws_runs_side_by_side(runs, tmp_path):
     shutil.copytree(runs["resnet"], resnet)
     out = tmp_path / "cmp"
     assert compare_main([str(vit), str(resnet), "--reference", f"{vit}:4", "--out", str(out), "--no-progress"]) == 0
-    for f in ("cka_grid.png", "probes.png", "attention_distance.png", "norm_ratio.png", "similarity_to_reference.png", "report.md"):
+    for f in (
+        "cka_grid.png",
+        "probes.png",
+        "attention_distance.png",
+        "norm_ratio.png",
+        "similarity_to_reference.png",
+        "report.md",
+    ):
         assert (out / f).is_file(), f
     assert check_report(out / "report.md") == []
     assert "| vit |" in (out / "report.md").read_text()
@@ -134,8 +152,24 @@ def test_a_model_not_trained_here(tmp_path, write_recipe):
     save_file(model.state_dict(), tmp_path / "r.safetensors")
     p = write_recipe(data={"probe_train_size": 200})
     out = tmp_path / "ext"
-    assert main(["--model", "timm:resnet10t", "--weights", str(tmp_path / "r.safetensors"), "--recipe", str(p), "--out", str(out),
-                 "--measures", "cka,norm_ratio", *ARGS]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "timm:resnet10t",
+                "--weights",
+                str(tmp_path / "r.safetensors"),
+                "--recipe",
+                str(p),
+                "--out",
+                str(out),
+                "--measures",
+                "cka,norm_ratio",
+                *ARGS,
+            ]
+        )
+        == 0
+    )
     assert (out / "analysis" / "step_0000000" / "cka.npz").is_file() and check_report(out / "report.md") == []
 
 
@@ -164,13 +198,24 @@ def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path
     _bad(capsys, [str(run), "--opt", "fewshot_probe.shots=0"], "shots must be at least 1", tmp_path)
     _bad(capsys, [str(run), "--opt", "token_probes.seeds=a,b"], "must be an integer", tmp_path)
     _bad(capsys, [str(run), "--opt", "knn=3"], "MEASURE.OPTION=VALUE", tmp_path)
-    _bad(capsys, [str(run), "--measures", "fewshot_probe", "--opt", "fewshot_probe.shots=20"], "probe_train_size to at least 400", tmp_path)
+    _bad(
+        capsys,
+        [str(run), "--measures", "fewshot_probe", "--opt", "fewshot_probe.shots=20"],
+        "probe_train_size to at least 400",
+        tmp_path,
+    )
     resnet = tmp_path / "resnet"
     shutil.copytree(runs["resnet"], resnet)
-    _bad(capsys, [str(resnet), "--measures", "cka", "--opt", "cka.repr=cls"], "repr=cls reads the class token", tmp_path)
+    _bad(
+        capsys, [str(resnet), "--measures", "cka", "--opt", "cka.repr=cls"], "repr=cls reads the class token", tmp_path
+    )
     argv = [str(run), "--batch-size", "62"]  # 64 images: a last minibatch of 2, too few for minibatch CKA
     before = _tree(tmp_path)
-    assert main(argv + ARGS[2:]) == 2 and "leave a last minibatch of 2" in capsys.readouterr().err and _tree(tmp_path) == before
+    assert (
+        main(argv + ARGS[2:]) == 2
+        and "leave a last minibatch of 2" in capsys.readouterr().err
+        and _tree(tmp_path) == before
+    )
     # a run analysed on other images
     other = tmp_path / "other"
     shutil.copytree(run, other)
@@ -181,12 +226,29 @@ def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path
     # weights that do not fit the architecture
     save_file(timm.create_model("resnet10t", num_classes=10, in_chans=3).state_dict(), tmp_path / "w.safetensors")
     p = write_recipe(data={"probe_train_size": 200})
-    _bad(capsys, ["--model", "timm:resnet10t", "--weights", str(tmp_path / "w.safetensors"), "--recipe", str(p), "--out",
-                  str(tmp_path / "ext")], "do not fit this model", tmp_path)
+    _bad(
+        capsys,
+        [
+            "--model",
+            "timm:resnet10t",
+            "--weights",
+            str(tmp_path / "w.safetensors"),
+            "--recipe",
+            str(p),
+            "--out",
+            str(tmp_path / "ext"),
+        ],
+        "do not fit this model",
+        tmp_path,
+    )
     assert not (tmp_path / "ext").exists()
     # timm's pretrained weights offline (the tests run with HF_HUB_OFFLINE=1), for a model without img_size too
-    _bad(capsys, ["--model", "timm:resnet10t", "--weights", "pretrained", "--recipe", str(p), "--out", str(tmp_path / "ext")],
-         "could not download", tmp_path)
+    _bad(
+        capsys,
+        ["--model", "timm:resnet10t", "--weights", "pretrained", "--recipe", str(p), "--out", str(tmp_path / "ext")],
+        "could not download",
+        tmp_path,
+    )
     # a corrupted LATER checkpoint: nothing is written for the earlier one either
     w = run / "checkpoints" / "step_0000008" / "model.safetensors"
     good = w.read_bytes()
@@ -213,7 +275,11 @@ def test_a_truncated_cached_result_is_recomputed(runs, tmp_path, monkeypatch):
 
 def test_launch_sh_analyze_is_wired():
     text = (Path(__file__).resolve().parents[1] / "launch.sh").read_text()
-    assert "analyze)" in text and "-m analysis" in text and os.access(Path(__file__).resolve().parents[1] / "launch.sh", os.X_OK)
+    assert (
+        "analyze)" in text
+        and "-m analysis" in text
+        and os.access(Path(__file__).resolve().parents[1] / "launch.sh", os.X_OK)
+    )
 
 
 def test_checkpoints_pruned_while_analysing_are_skipped(runs, tmp_path, monkeypatch, capsys):
@@ -264,7 +330,9 @@ def test_checkpoints_pruned_while_analysing_are_skipped(runs, tmp_path, monkeypa
     monkeypatch.setattr(S, "run_suite", suite_then_prune)
     assert main([str(run2), "--force", *ARGS]) == 0
     cap = capsys.readouterr()
-    assert "skipped step(s) 8" in cap.out and "(steps 4)" in cap.out and "delete the folder" not in cap.out + cap.err, cap
+    assert "skipped step(s) 8" in cap.out and "(steps 4)" in cap.out and "delete the folder" not in cap.out + cap.err, (
+        cap
+    )
 
 
 def test_two_analyses_writing_one_folder_at_once(runs, tmp_path):
@@ -283,7 +351,7 @@ def test_two_analyses_writing_one_folder_at_once(runs, tmp_path):
             for i in range(60):
                 storage.write_results({"meta": res["meta"], name: res[name]}, out, 8, {name: f"{name}-{i}"})
                 storage.atomic_text(out / "note.txt", name)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors.append(repr(e))
 
     threads = [threading.Thread(target=write, args=(n,)) for n in ("cka", "norm_ratio")]
@@ -296,7 +364,13 @@ def test_two_analyses_writing_one_folder_at_once(runs, tmp_path):
     import json
 
     assert {"cka", "norm_ratio"} <= set(json.loads((out / "summary.json").read_text()))
-    assert sorted(p.name for p in out.iterdir()) == ["cache.json", "cka.npz", "norm_ratio.npz", "note.txt", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "cache.json",
+        "cka.npz",
+        "norm_ratio.npz",
+        "note.txt",
+        "summary.json",
+    ]
 
 
 @pytest.mark.parametrize("garbage", [b"{not json", b"[1, 2]"])
@@ -377,7 +451,12 @@ def test_what_used_to_pass_silently_is_said(runs, tmp_path, capsys):
     shutil.copytree(runs["resnet"], resnet)
     _bad(capsys, [str(run), "--measures", ","], "has an empty name", tmp_path)
     _bad(capsys, [str(run), "--steps", "4,,8"], "has an empty step", tmp_path)
-    _bad(capsys, [str(resnet), "--measures", "cls_attention"], "cls_attention does not apply to this model (a resnet)", tmp_path)
+    _bad(
+        capsys,
+        [str(resnet), "--measures", "cls_attention"],
+        "cls_attention does not apply to this model (a resnet)",
+        tmp_path,
+    )
     assert main([str(resnet), "--measures", "cka,attention_distance", *ARGS]) == 0
     assert "attention_distance: not applicable to this model (a resnet), nothing computed" in capsys.readouterr().out
     # step 8 holding another model's weights (its checksum recorded, so only the shapes tell)

@@ -1,5 +1,6 @@
 """Full-scale recipes (recipes/paper/): they validate and build their models (nothing downloaded), ResNet-50,
 dropout, and recipe hashes that stay put for runs trained before the new fields existed."""
+
 import pytest
 import torch
 from conftest import ROOT
@@ -14,18 +15,46 @@ PAPER = sorted((ROOT / "recipes/paper").glob("*.yaml"))
 def test_default_recipe_hash_is_unchanged_by_the_new_fields():
     r = load_recipe(ROOT / "recipes/default.yaml")
     assert r.hash() == "82a396f18b71fd7d"
-    spelled = load_recipe(ROOT / "recipes/default.yaml", ["data.in_memory=auto", "data.augment.random_resized_crop=false",
-                                                          "model.resnet_block=basic", "model.dropout=0.0",
-                                                          "model.mixer_token_ratio=0.5", "train.objective=supervised",
-                                                          "data.val_size=0"])
+    spelled = load_recipe(
+        ROOT / "recipes/default.yaml",
+        [
+            "data.in_memory=auto",
+            "data.augment.random_resized_crop=false",
+            "model.resnet_block=basic",
+            "model.dropout=0.0",
+            "model.mixer_token_ratio=0.5",
+            "train.objective=supervised",
+            "data.val_size=0",
+        ],
+    )
     assert spelled.hash() == r.hash()  # written out at their defaults: still the old hash
-    for o in ("data.in_memory=false", "data.augment.random_resized_crop=true", "model.resnet_block=bottleneck", "model.dropout=0.1",
-              "model.mixer_token_ratio=0.25"):
+    for o in (
+        "data.in_memory=false",
+        "data.augment.random_resized_crop=true",
+        "model.resnet_block=bottleneck",
+        "model.dropout=0.1",
+        "model.mixer_token_ratio=0.25",
+    ):
         assert load_recipe(ROOT / "recipes/default.yaml", [o]).hash() != r.hash(), o
-    assert {k[-1] for k in ADDED_FIELDS} == {"in_memory", "random_resized_crop", "resnet_block", "dropout", "mixer_token_ratio",
-                                         "mixup_alpha", "cutmix_alpha", "mix_prob", "switch_prob", "mix_mode",
-                                         "randaugment_ops", "randaugment_magnitude", "val_size", "objective", "init_from",
-                                         "init_part", "freeze_backbone"}
+    assert {k[-1] for k in ADDED_FIELDS} == {
+        "in_memory",
+        "random_resized_crop",
+        "resnet_block",
+        "dropout",
+        "mixer_token_ratio",
+        "mixup_alpha",
+        "cutmix_alpha",
+        "mix_prob",
+        "switch_prob",
+        "mix_mode",
+        "randaugment_ops",
+        "randaugment_magnitude",
+        "val_size",
+        "objective",
+        "init_from",
+        "init_part",
+        "freeze_backbone",
+    }
 
 
 def test_paper_recipes_are_the_papers_hyper_parameters():
@@ -34,13 +63,27 @@ def test_paper_recipes_are_the_papers_hyper_parameters():
     vit = load_recipe(ROOT / "recipes/paper/vit_b32_imagenet.yaml")
     m, t, d = vit.model, vit.train, vit.data
     assert (m.patch_size, m.depth, m.embed_dim, m.num_heads, m.mlp_ratio, m.dropout) == (32, 12, 768, 12, 4.0, 0.1)
-    assert (t.lr, t.warmup_steps, t.schedule, t.weight_decay, t.grad_clip, t.betas) == (3e-3, 10000, "cosine", 0.3, 1.0, [0.9, 0.999])
-    assert t.batch_size * t.grad_accum * 8 == 4096 and t.steps == -(-300 * 1281167 // 4096) and t.mixed_precision == "bf16"
+    assert (t.lr, t.warmup_steps, t.schedule, t.weight_decay, t.grad_clip, t.betas) == (
+        3e-3,
+        10000,
+        "cosine",
+        0.3,
+        1.0,
+        [0.9, 0.999],
+    )
+    assert (
+        t.batch_size * t.grad_accum * 8 == 4096 and t.steps == -(-300 * 1281167 // 4096) and t.mixed_precision == "bf16"
+    )
     assert (d.name, d.img_size, d.augment.random_resized_crop, d.augment.hflip) == ("imagenet-1k", 224, True, True)
     gap = load_recipe(ROOT / "recipes/paper/vit_b32_gap_imagenet.yaml")
     assert gap.model.head == "gap" and gap.train.lr == pytest.approx(3e-3 * 3e-4 / 8e-4)
     rn = load_recipe(ROOT / "recipes/paper/resnet50_imagenet.yaml")
-    assert (rn.model.resnet_block, rn.model.resnet_layers, rn.train.steps, rn.data.name) == ("bottleneck", [3, 4, 6, 3], t.steps, "imagenet-1k")
+    assert (rn.model.resnet_block, rn.model.resnet_layers, rn.train.steps, rn.data.name) == (
+        "bottleneck",
+        [3, 4, 6, 3],
+        t.steps,
+        "imagenet-1k",
+    )
 
 
 @pytest.mark.parametrize("path", PAPER, ids=[p.stem for p in PAPER])

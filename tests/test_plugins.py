@@ -1,5 +1,6 @@
 """Plug-ins: a new measure is one file, a callback can come from the user's own module, every measure's options
 are set from a recipe and from the CLI (typos refused), and the suite runs once per step."""
+
 from __future__ import annotations
 
 import textwrap
@@ -68,8 +69,12 @@ def tiny_vit_and_data():
     from train.splits import TensorBatches
 
     a, p = class_split(64, 0), class_split(200, 1)
-    data = types.SimpleNamespace(analysis=TensorBatches(a.images, a.labels), probe_train=TensorBatches(p.images, p.labels),
-                                 num_classes=10, normalize=lambda x: x.float() / 255)
+    data = types.SimpleNamespace(
+        analysis=TensorBatches(a.images, a.labels),
+        probe_train=TensorBatches(p.images, p.labels),
+        num_classes=10,
+        normalize=lambda x: x.float() / 255,
+    )
     return tiny_vit(), data
 
 
@@ -121,7 +126,10 @@ def test_every_measure_has_options_that_are_checked():
     with pytest.raises(MeasureError, match="unknown measure 'ckaa'"):
         S.suite_options(["ckaa"])
     assert S.suite_options("cka").measures == ("cka",)  # a bare string is one name, not letters
-    assert S.parse_opt_args(["knn.k=10", "fewshot_probe.seeds=[0, 1]"]) == {"knn": {"k": 10}, "fewshot_probe": {"seeds": [0, 1]}}
+    assert S.parse_opt_args(["knn.k=10", "fewshot_probe.seeds=[0, 1]"]) == {
+        "knn": {"k": 10},
+        "fewshot_probe": {"seeds": [0, 1]},
+    }
     with pytest.raises(MeasureError, match="MEASURE.OPTION=VALUE"):
         S.parse_opt_args(["knn=10"])
     for value in ("9" * 5000, "[" * 20000 + "]" * 20000):  # Python's int() limit; the parser's recursion limit
@@ -136,18 +144,23 @@ def test_cache_keys_cover_only_the_measures_own_options():
 
 
 def test_options_from_a_recipe_and_typos_refused(write_recipe, tmp_path, capsys):
-    p = write_recipe("knn_opts", callbacks=[{"name": "analysis_suite", "batch_size": 32, "measures": ["knn"], "knn": {"k": 3}}])
+    p = write_recipe(
+        "knn_opts", callbacks=[{"name": "analysis_suite", "batch_size": 32, "measures": ["knn"], "knn": {"k": 3}}]
+    )
     run = Path(train(load_recipe(p), progress=False)["run_dir"])
     assert int(np.load(run / "analysis" / "step_0000008" / "knn.npz")["k"]) == 3
-    bad = write_recipe("typo", callbacks=[{"name": "analysis_suite", "measures": ["knn"], "knn": {"kk": 3}}],
-                       run={"root": str(tmp_path / "other")})
+    bad = write_recipe(
+        "typo",
+        callbacks=[{"name": "analysis_suite", "measures": ["knn"], "knn": {"kk": 3}}],
+        run={"root": str(tmp_path / "other")},
+    )
     assert train_main([str(bad), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "unknown option 'knn.kk'" in err and err.count("\n") == 1
     assert not (tmp_path / "other").exists()
 
 
-CALLBACK = textwrap.dedent('''
+CALLBACK = textwrap.dedent("""
     from pathlib import Path
 
     from train.callbacks import Callback
@@ -162,7 +175,7 @@ CALLBACK = textwrap.dedent('''
             if ctx.accelerator.is_main_process:
                 with open(Path(ctx.run_dir) / "marks.txt", "a") as f:
                     f.write(f"{self.word} {ctx.step}\\n")
-''')
+""")
 
 
 def test_a_callback_from_the_users_own_module(write_recipe, tmp_path, monkeypatch):
@@ -184,7 +197,9 @@ def test_the_suite_runs_once_at_a_step_that_is_both_due_and_a_checkpoint(write_r
     run = Path(train(load_recipe(p), progress=False)["run_dir"])
     assert len(calls) == 4
     assert [s for s, _ in read_scalars(run)["analysis/cka/mean_offdiag"]] == [2, 4, 6, 8]
-    assert (run / "analysis" / "step_0000004" / "cache.json").read_text().count("cka") == 1  # the checkpoint's run is keyed
+    assert (run / "analysis" / "step_0000004" / "cache.json").read_text().count(
+        "cka"
+    ) == 1  # the checkpoint's run is keyed
 
 
 def test_sample_images_at_every_checkpoint_by_default(write_recipe):

@@ -2,6 +2,7 @@
 attention mask must be reported as local / offset, with the right distance and peak, by attention distance,
 aligned attention (offset local heads) and head subsets -- on an untrained ViT and after a short training run
 read back offline. Before a study says "no local head", its detectors must find the heads built to be local."""
+
 import json
 import math
 import types
@@ -29,8 +30,10 @@ G, P = 7, 4  # 28x28 images, patch 4: a 7x7 token grid
 MODEL = {"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 2.0}
 # block 0: head 0 local (3x3 window around its own token), head 1 offset (only the token two to the right),
 # heads 2, 3 free; block 1: head 0 local, heads 1-3 free
-FORCED = [{"blocks": [0, 1], "heads": [0], "offset": [0, 0], "radius": 1},
-          {"blocks": [0], "heads": [1], "offset": [0, 2], "radius": 0}]
+FORCED = [
+    {"blocks": [0, 1], "heads": [0], "offset": [0, 0], "radius": 1},
+    {"blocks": [0], "heads": [1], "offset": [0, 2], "radius": 0},
+]
 SPEC = {(0, 0): ((0, 0), 1), (1, 0): ((0, 0), 1), (0, 1): ((0, 2), 0)}  # (block, head): (offset, radius)
 
 
@@ -57,7 +60,9 @@ UNIFORM = expected_distance((0, 0), G)  # a window covering the grid: uniform at
 
 def _model(entries=FORCED, **model):
     torch.manual_seed(0)
-    return build_model(from_dict({"model": {**MODEL, **model}, "interventions": {"local_attention": entries}}), 10).eval()
+    return build_model(
+        from_dict({"model": {**MODEL, **model}, "interventions": {"local_attention": entries}}), 10
+    ).eval()
 
 
 class _Split(types.SimpleNamespace):
@@ -75,8 +80,8 @@ def _zero_query_key(model):
     d = model.embed_dim
     with torch.no_grad():
         for blk in model.blocks:
-            blk.attn.qkv.weight[:2 * d].zero_()
-            blk.attn.qkv.bias[:2 * d].zero_()
+            blk.attn.qkv.weight[: 2 * d].zero_()
+            blk.attn.qkv.bias[: 2 * d].zero_()
 
 
 def _check_detectors(res, tol_px: float, free_tol_px: float):
@@ -108,7 +113,7 @@ def test_expected_distances_are_what_the_control_claims():
     assert (4 * 4 + 4 * 4 * math.sqrt(2)) / 9 == pytest.approx(4.29, abs=0.005)
     assert expected_distance((0, 0), 1) == pytest.approx(4.054, abs=0.001)
     assert expected_distance((0, 2), 0) == pytest.approx((35 * 8 + 7 * 4) / 49)
-    assert UNIFORM == pytest.approx(14.44, abs=0.005)
+    assert pytest.approx(14.44, abs=0.005) == UNIFORM
 
 
 def test_forced_heads_attend_only_within_their_window_and_taps_see_it():
@@ -159,16 +164,19 @@ def test_bf16_autocast_forward_runs_with_the_bias():
     assert torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("entry,words", [
-    ({"blocks": [2]}, ["local_attention[0].blocks", "0..1"]),
-    ({"heads": [4]}, ["local_attention[0].heads", "0..3"]),
-    ({"offset": [0, 7]}, ["local_attention[0].offset", "-6..6"]),
-    ({"offset": [1]}, ["local_attention[0].offset", "[rows, columns]"]),
-    ({"radius": 6}, ["local_attention[0].radius", "0..5"]),
-    ({"radius": -1}, ["local_attention[0].radius", ">= 0"]),
-    ({"strength": 0}, ["local_attention[0].strength", "> 0"]),
-    ([{"heads": [1]}, {"heads": [1, 2]}], ["local_attention[1].heads", "head 1 of block 0"]),
-])
+@pytest.mark.parametrize(
+    "entry,words",
+    [
+        ({"blocks": [2]}, ["local_attention[0].blocks", "0..1"]),
+        ({"heads": [4]}, ["local_attention[0].heads", "0..3"]),
+        ({"offset": [0, 7]}, ["local_attention[0].offset", "-6..6"]),
+        ({"offset": [1]}, ["local_attention[0].offset", "[rows, columns]"]),
+        ({"radius": 6}, ["local_attention[0].radius", "0..5"]),
+        ({"radius": -1}, ["local_attention[0].radius", ">= 0"]),
+        ({"strength": 0}, ["local_attention[0].strength", "> 0"]),
+        ([{"heads": [1]}, {"heads": [1, 2]}], ["local_attention[1].heads", "head 1 of block 0"]),
+    ],
+)
 def test_bad_values_are_one_sentence_exit_2(write_recipe, tmp_path, capsys, entry, words):
     p = write_recipe(model=MODEL, interventions={"local_attention": entry})
     code = train_main([str(p)])
@@ -187,16 +195,34 @@ def test_trained_briefly_the_detectors_still_find_the_local_heads(write_recipe):
     """24 steps of training with the mask (fp32: bf16 autocast is slower on CPU), then offline analysis (python -m analysis) of the last checkpoint: the
     forced heads stay local (distance within 0.6 px of the even-window value: where a head looks inside its window
     is learned) and the offset head's peak is (0, +2); meta.json records the intervention."""
-    p = write_recipe(model=MODEL, interventions={"local_attention": FORCED},
-                     train={"steps": 24, "eval_every": 0, "checkpoint_every": 0, "log_every": 8, "mixed_precision": "no"},
-                     data={"analysis_size": 64})
+    p = write_recipe(
+        model=MODEL,
+        interventions={"local_attention": FORCED},
+        train={"steps": 24, "eval_every": 0, "checkpoint_every": 0, "log_every": 8, "mixed_precision": "no"},
+        data={"analysis_size": 64},
+    )
     run = Path(train(load_recipe(p), progress=False)["run_dir"])
     meta = json.loads((run / "checkpoints" / "step_0000024" / "meta.json").read_text())
     assert meta["interventions"]["local_attention"] == [
         {"blocks": [0, 1], "heads": [0], "offset": [0, 0], "radius": 1, "strength": None},
-        {"blocks": [0], "heads": [1], "offset": [0, 2], "radius": 0, "strength": None}]
-    assert analysis_main([str(run), "--steps", "last", "--measures", "attention_distance,aligned_attention",
-                          "--batch-size", "32", "--no-progress", "--no-tensorboard"]) == 0
+        {"blocks": [0], "heads": [1], "offset": [0, 2], "radius": 0, "strength": None},
+    ]
+    assert (
+        analysis_main(
+            [
+                str(run),
+                "--steps",
+                "last",
+                "--measures",
+                "attention_distance,aligned_attention",
+                "--batch-size",
+                "32",
+                "--no-progress",
+                "--no-tensorboard",
+            ]
+        )
+        == 0
+    )
     res = load_results(step_dir(run, 24), ["attention_distance", "aligned_attention"])
     _check_detectors(res, tol_px=0.6, free_tol_px=3.0)
 
@@ -204,9 +230,7 @@ def test_trained_briefly_the_detectors_still_find_the_local_heads(write_recipe):
 # Block 0 head 0 of recipes/positive_control.yaml after 600 steps (test top-1 0.837): forced into the 3x3 window
 # around its own token, it learned a flat spread with its maximum on the diagonal neighbour (+1, +1). Its aligned
 # aggregated map (Walmer), the 3x3 centre of the 13x13 canvas, rows dr = -1..1, columns dc = -1..1:
-TRAINED_3X3 = [[0.109, 0.082, 0.128],
-               [0.106, 0.074, 0.129],
-               [0.126, 0.098, 0.147]]
+TRAINED_3X3 = [[0.109, 0.082, 0.128], [0.106, 0.074, 0.129], [0.126, 0.098, 0.147]]
 
 
 def test_a_trained_local_head_with_a_corner_maximum_is_local():
@@ -215,11 +239,13 @@ def test_a_trained_local_head_with_a_corner_maximum_is_local():
     maximum (+1, +1), which holds only 4 of the head's 9 cells (0.448 < 0.5). The rule now takes the best window
     centred within two tokens: the one around the query itself, with all of the mass."""
     canvas = np.zeros((2 * G - 1, 2 * G - 1))
-    canvas[G - 2:G + 1, G - 2:G + 1] = TRAINED_3X3
+    canvas[G - 2 : G + 1, G - 2 : G + 1] = TRAINED_3X3
     canvas /= canvas.sum()
     out = offset_local_heads(canvas)
     assert tuple(out["map_peak"]) == (1, 1)
     assert out["peak_mass"] == pytest.approx(1.0)
     assert tuple(out["peak_offset"]) == (1, 1)  # the point it attends to most: the corner maximum, inside the window
     assert np.abs(out["window_centre"]).max() < 0.1  # ... but the region it attends to is centred on the query
-    assert out["local"] and not out["offset_local"], "every bit of this head's attention lies within one token of its query"
+    assert out["local"] and not out["offset_local"], (
+        "every bit of this head's attention lies within one token of its query"
+    )

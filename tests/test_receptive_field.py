@@ -1,5 +1,6 @@
 """Effective receptive fields: an explicit per-image, per-channel gradient loop as reference, known supports (no token
 mixing -> the centre patch only; a 3x3-conv ResNet stage -> a 7x7 window), the protocol end-to-end, sharding, round-trip."""
+
 from __future__ import annotations
 
 import types
@@ -30,8 +31,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _vit(class_token=True, depth=2):
     torch.manual_seed(0)
-    return VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=depth, num_heads=2, mlp_ratio=2.0,
-                             class_token=class_token, global_pool="token" if class_token else "avg").eval()
+    return VisionTransformer(
+        img_size=28,
+        patch_size=4,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=32,
+        depth=depth,
+        num_heads=2,
+        mlp_ratio=2.0,
+        class_token=class_token,
+        global_pool="token" if class_token else "avg",
+    ).eval()
 
 
 def _resnet():
@@ -57,11 +68,21 @@ def _ctx(model, n=8, arch="vit", accelerator=None):
     g = torch.Generator().manual_seed(1)
     images = torch.randint(0, 256, (n, 1, 28, 28), dtype=torch.uint8, generator=g)
     split = types.SimpleNamespace(images=images, labels=torch.arange(n) % 10)
-    data = types.SimpleNamespace(analysis=split, probe_train=split, normalize=lambda x: x.float() / 255 - 0.5, num_classes=10)
+    data = types.SimpleNamespace(
+        analysis=split, probe_train=split, normalize=lambda x: x.float() / 255 - 0.5, num_classes=10
+    )
     tokens = arch == "vit"
-    return Context(model=model, data=data, device=torch.device("cpu"),
-                   accelerator=accelerator, arch=arch, blocks=tuple(block_names(model)), prefix=int(getattr(model, "num_prefix_tokens", 0)),
-                   grid=tuple(model.patch_embed.grid_size) if tokens else None, patch_size=4 if tokens else None)
+    return Context(
+        model=model,
+        data=data,
+        device=torch.device("cpu"),
+        accelerator=accelerator,
+        arch=arch,
+        blocks=tuple(block_names(model)),
+        prefix=int(getattr(model, "num_prefix_tokens", 0)),
+        grid=tuple(model.patch_embed.grid_size) if tokens else None,
+        patch_size=4 if tokens else None,
+    )
 
 
 def _vit_sublayers(model, x):
@@ -82,9 +103,11 @@ def _reference_erf(model, images, name, centre):
     """sum over images of the mean over channels d of sum_c |d F[centre, d] / d x| -- one image and one channel at a time."""
     total = torch.zeros(images.shape[-2:], dtype=torch.float64)
     for b in range(images.shape[0]):
-        x = images[b:b + 1].clone().requires_grad_(True)
+        x = images[b : b + 1].clone().requires_grad_(True)
         feat = _vit_sublayers(model, x)[name][0, centre]
-        per_channel = [torch.autograd.grad(feat[d], x, retain_graph=True)[0][0].abs().sum(0).double() for d in range(feat.shape[0])]
+        per_channel = [
+            torch.autograd.grad(feat[d], x, retain_graph=True)[0][0].abs().sum(0).double() for d in range(feat.shape[0])
+        ]
         total += torch.stack(per_channel).mean(0)
     return total
 
@@ -184,7 +207,7 @@ def test_scores_on_hand_made_maps():
     # window centre (5, 5): (4, 4) is at sqrt(0.5), (4, 6) at sqrt(2.5), (0, 0) at sqrt(2 * 4.5^2)
     assert radius_share(erf, win, 1.0) == pytest.approx(0.5)
     assert radius_share(erf, win, 2.0) == pytest.approx(0.75)
-    assert mean_distance(erf, win) == pytest.approx((2 * 0.5 ** 0.5 + 2.5 ** 0.5 + 2 ** 0.5 * 4.5) / 4)
+    assert mean_distance(erf, win) == pytest.approx((2 * 0.5**0.5 + 2.5**0.5 + 2**0.5 * 4.5) / 4)
     assert centre_window((50, 32), (28, 28), prefix=1, grid=(7, 7)) == (12, 16, 12, 16)
 
 
@@ -248,7 +271,11 @@ def test_protocol_round_trip_and_state(tmp_path):
     back = load_result(tmp_path / "erf.npz")
     for rr in (r, back):
         s = EffectiveReceptiveField.scalars(rr)
-        assert set(s) >= {"erf/concentration/residual/block00", "erf/concentration/branch/block01", "erf/concentration/attn_branch/block01"}
+        assert set(s) >= {
+            "erf/concentration/residual/block00",
+            "erf/concentration/branch/block01",
+            "erf/concentration/attn_branch/block01",
+        }
         assert s["erf/concentration/residual/block01"] == pytest.approx(float(r["concentration"][1, 0]))
         summ = EffectiveReceptiveField.summary(rr)
         assert summ["images"] == 3 and len(summ["concentration_branch"]) == 2
@@ -259,8 +286,6 @@ def test_protocol_round_trip_and_state(tmp_path):
         for f in figs.values():
             plt.close(f)
     assert EffectiveReceptiveField.scalars(back) == EffectiveReceptiveField.scalars(r)
-
-
 
 
 def test_two_processes_give_the_one_process_answer():

@@ -1,4 +1,5 @@
 """Recipes: typed schema, inheritance, overrides, and one-sentence errors with exit code 2."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -24,24 +25,42 @@ def test_every_shipped_recipe_validates():
 def test_base_inheritance_and_overrides(tmp_path):
     (tmp_path / "parent.yaml").write_text("model: {depth: 4, embed_dim: 64}\ntrain: {steps: 100, lr: 0.002}\n")
     (tmp_path / "child.yaml").write_text("base: parent.yaml\nmodel: {depth: 3}\n")
-    r = load_recipe(tmp_path / "child.yaml", ["train.steps=7", "model.head=gap", "train.betas=[0.9, 0.95]", "train.mixed_precision=no"])
+    r = load_recipe(
+        tmp_path / "child.yaml",
+        ["train.steps=7", "model.head=gap", "train.betas=[0.9, 0.95]", "train.mixed_precision=no"],
+    )
     assert r.train.mixed_precision == "no"  # YAML's boolean 'no' is read as the choice 'no'
     r = load_recipe(tmp_path / "child.yaml", ["train.steps=7", "model.head=gap", "train.betas=[0.9, 0.95]"])
     assert (r.model.depth, r.model.embed_dim, r.model.head) == (3, 64, "gap")
     assert (r.train.steps, r.train.lr, r.train.betas) == (7, 0.002, [0.9, 0.95])
     assert run_name(r, ["train.steps=7"]) == "child-train.steps_7"
     # the hash sees training changes but not the run folder
-    assert r.hash() != load_recipe(tmp_path / "child.yaml", ["train.steps=8", "model.head=gap", "train.betas=[0.9, 0.95]"]).hash()
-    assert r.hash() == load_recipe(tmp_path / "child.yaml", ["train.steps=7", "model.head=gap", "train.betas=[0.9, 0.95]", "run.name=x"]).hash()
+    assert (
+        r.hash()
+        != load_recipe(tmp_path / "child.yaml", ["train.steps=8", "model.head=gap", "train.betas=[0.9, 0.95]"]).hash()
+    )
+    assert (
+        r.hash()
+        == load_recipe(
+            tmp_path / "child.yaml", ["train.steps=7", "model.head=gap", "train.betas=[0.9, 0.95]", "run.name=x"]
+        ).hash()
+    )
 
 
 def test_callbacks_and_interventions_parse(tmp_path):
     p = tmp_path / "r.yaml"
-    p.write_text(yaml.safe_dump({
-        "callbacks": ["sample_images", {"name": "sample_images", "every": 5, "n": 8}],
-        "interventions": {"no_skip": {"blocks": [1], "where": "attn"}, "head_mask": {"block": 0, "heads": [1]},
-                          "data_subset": {"fraction": 0.1, "seed": 3}},
-    }))
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "callbacks": ["sample_images", {"name": "sample_images", "every": 5, "n": 8}],
+                "interventions": {
+                    "no_skip": {"blocks": [1], "where": "attn"},
+                    "head_mask": {"block": 0, "heads": [1]},
+                    "data_subset": {"fraction": 0.1, "seed": 3},
+                },
+            }
+        )
+    )
     r = load_recipe(p)
     assert r.callbacks[0].name == "sample_images" and r.callbacks[0].every is None
     assert r.callbacks[1].every == 5 and r.callbacks[1].options == {"n": 8}
@@ -94,8 +113,13 @@ def test_malformed_recipe_one_sentence_exit_2(tmp_path, capsys, text, overrides,
 
 
 def test_recipe_error_exit_code_from_a_real_process(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "train", "--recipe", str(tmp_path / "missing.yaml")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "train", "--recipe", str(tmp_path / "missing.yaml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2
     assert "does not exist" in p.stderr and p.stderr.count("\n") == 1
 
@@ -179,15 +203,36 @@ def test_resumable_keys_leave_the_resume_hash_and_the_rest_stay_in_it():
     from train.recipe import RESUMABLE, resume_conflicts
 
     base = load_recipe(ROOT / "recipes/default.yaml")
-    free = ["train.steps=3600", "train.lr=0.001", "train.warmup_steps=200", "train.grad_clip=0.5", "train.eval_every=100",
-            "train.checkpoint_every=100", "train.keep_last=5", "train.log_every=1", "train.eval_batch_size=100",
-            "data.num_workers=2", "callbacks=[]", "run.name=x"]
+    free = [
+        "train.steps=3600",
+        "train.lr=0.001",
+        "train.warmup_steps=200",
+        "train.grad_clip=0.5",
+        "train.eval_every=100",
+        "train.checkpoint_every=100",
+        "train.keep_last=5",
+        "train.log_every=1",
+        "train.eval_batch_size=100",
+        "data.num_workers=2",
+        "callbacks=[]",
+        "run.name=x",
+    ]
     for o in free:
         r = load_recipe(ROOT / "recipes/default.yaml", [o])
         assert r.resume_hash() == base.resume_hash(), o
         assert o.split("=")[0] in RESUMABLE or o.split("=")[0].split(".")[0] in RESUMABLE
-    for o in ["model.depth=4", "seed=1", "data.img_size=32", "train.batch_size=64", "train.weight_decay=0.1", "train.schedule=linear",
-              "train.min_lr=0.0001", "interventions.no_skip.blocks=[1]", "data.augment.shift=2", "train.mixed_precision=bf16"]:
+    for o in [
+        "model.depth=4",
+        "seed=1",
+        "data.img_size=32",
+        "train.batch_size=64",
+        "train.weight_decay=0.1",
+        "train.schedule=linear",
+        "train.min_lr=0.0001",
+        "interventions.no_skip.blocks=[1]",
+        "data.augment.shift=2",
+        "train.mixed_precision=bf16",
+    ]:
         r = load_recipe(ROOT / "recipes/default.yaml", [o])
         assert r.resume_hash() != base.resume_hash(), o
         assert r.hash() != base.hash(), o
@@ -201,8 +246,12 @@ def test_resumable_keys_leave_the_resume_hash_and_the_rest_stay_in_it():
     assert resume_conflicts(lr, new, saved) is None and resume_conflicts(lr, old, saved) is None
     assert resume_conflicts(base, old, None) is None
     assert resume_conflicts(lr, old, None) == []  # cannot tell without the saved recipe: refused
-    assert resume_conflicts(deep, new, saved) == ["model.depth"] and resume_conflicts(deep, old, saved) == ["model.depth"]
-    assert resume_conflicts(lr, old, deep.to_dict()) is not None  # a saved recipe that is not the checkpoint's own proves nothing
+    assert resume_conflicts(deep, new, saved) == ["model.depth"] and resume_conflicts(deep, old, saved) == [
+        "model.depth"
+    ]
+    assert (
+        resume_conflicts(lr, old, deep.to_dict()) is not None
+    )  # a saved recipe that is not the checkpoint's own proves nothing
 
 
 def test_resume_may_change_lr_cadence_and_extend_steps_but_not_the_model(write_recipe):
@@ -212,7 +261,17 @@ def test_resume_may_change_lr_cadence_and_extend_steps_but_not_the_model(write_r
 
     p = write_recipe(train={"steps": 4, "checkpoint_every": 2, "eval_every": 0, "log_every": 1})
     train(load_recipe(p), progress=False)
-    more = load_recipe(p, ["train.steps=6", "train.lr=0.0005", "train.grad_clip=0.5", "train.log_every=2", "train.keep_last=1", "run.name=tiny"])
+    more = load_recipe(
+        p,
+        [
+            "train.steps=6",
+            "train.lr=0.0005",
+            "train.grad_clip=0.5",
+            "train.log_every=2",
+            "train.keep_last=1",
+            "run.name=tiny",
+        ],
+    )
     out = train(more, resume=True, progress=False)
     assert out["step"] == 6 and not out.get("already_finished")
     from conftest import read_scalars
@@ -230,7 +289,12 @@ def test_measure_options_the_model_cannot_serve_are_refused_before_training(writ
     for extra in (["--check"], ["--no-progress"]):
         assert main([str(p), *extra]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: callback 'cka': measure cka: option repr=cls reads the class token") and err.count("\n") == 1, err
+        assert (
+            err.startswith("error: callback 'cka': measure cka: option repr=cls reads the class token")
+            and err.count("\n") == 1
+        ), err
         assert not (tmp_path / "runs").exists()
-    p = write_recipe(model={"head": "gap"}, callbacks=[{"name": "analysis_suite", "measures": ["cka"], "cka": {"repr": "cls"}}])
+    p = write_recipe(
+        model={"head": "gap"}, callbacks=[{"name": "analysis_suite", "measures": ["cka"], "cka": {"repr": "cls"}}]
+    )
     assert main([str(p), "--check"]) == 2 and "repr=cls" in capsys.readouterr().err

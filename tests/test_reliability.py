@@ -1,6 +1,7 @@
 """Processes, signals, logging and resume with real processes: one trainer per run folder, clean stops on SIGTERM /
 SIGINT, kill -9 + resume logs the same curve, --resume that finds nothing, override order, full disk, read-only
 folders, result.json after a death past the final checkpoint."""
+
 import errno
 import json
 import os
@@ -19,7 +20,7 @@ from train.trainer import RunFolderError, TrainingStopped, run_dir_for, train, w
 
 # A trainer process with a test callback: at on_step_end of `step` it flushes TensorBoard, writes its pid to
 # `marker` and waits (up to `wait` s) for the file `marker`.release, so the test can signal or kill it at a known step.
-DRIVER = r'''
+DRIVER = r"""
 import os, sys, time
 from pathlib import Path
 from train.callbacks import Callback, register_callback
@@ -42,7 +43,7 @@ class Pause(Callback):
 
 from train.cli import main
 sys.exit(main())
-'''
+"""
 
 exec(DRIVER.split("from train.cli")[0])  # the same callback registered here, so these recipes load in-process too
 
@@ -76,7 +77,9 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout=300) -> None:
     t0 = time.time()
     while not path.exists():
         if proc.poll() is not None:
-            raise AssertionError(f"process ended (rc {proc.returncode}) before {path.name}: {proc.log_path.read_text()[-3000:]}")
+            raise AssertionError(
+                f"process ended (rc {proc.returncode}) before {path.name}: {proc.log_path.read_text()[-3000:]}"
+            )
         if time.time() - t0 > timeout:
             raise AssertionError(f"timed out waiting for {path}")
         time.sleep(0.05)
@@ -202,8 +205,13 @@ def test_a_signal_while_the_stopped_trainer_exits_changes_nothing(write_recipe, 
     repeated Ctrl-C, a launcher signalling again) must not kill it: exit 0, not 143."""
     exiting = tmp_path / "exiting"
     d = tmp_path / "driver_exit.py"
-    d.write_text(DRIVER.replace("from train.cli import main", "import atexit\n"
-                                f"atexit.register(lambda: (Path({str(exiting)!r}).touch(), time.sleep(2)))\nfrom train.cli import main"))
+    d.write_text(
+        DRIVER.replace(
+            "from train.cli import main",
+            "import atexit\n"
+            f"atexit.register(lambda: (Path({str(exiting)!r}).touch(), time.sleep(2)))\nfrom train.cli import main",
+        )
+    )
     p = write_recipe(callbacks=[pause(tmp_path, 3)])
     a = start(train_cmd(d, p), tmp_path, "a")
     wait_for(tmp_path / "paused3.0", a)
@@ -216,15 +224,24 @@ def test_a_signal_while_the_stopped_trainer_exits_changes_nothing(write_recipe, 
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("VITLAB_SIGNAL_TESTS"), reason="timing-sensitive (two trainers and three signals; it timed out at 270 s on a loaded 2-core machine): set VITLAB_SIGNAL_TESTS=1 to run it")
+@pytest.mark.skipif(
+    not os.environ.get("VITLAB_SIGNAL_TESTS"),
+    reason="timing-sensitive (two trainers and three signals; it timed out at 270 s on a loaded 2-core machine): set VITLAB_SIGNAL_TESTS=1 to run it",
+)
 def test_launch_sh_several_processes_three_ctrl_c(write_recipe, tmp_path):
     """Ctrl-C three times to VITLAB_NPROC=2 ./launch.sh (the last ones after the trainers stopped): the trainers
     checkpoint and stop once, exit 0, and accelerate launch reports no failed child."""
     p = write_recipe(train={"steps": 100000, "checkpoint_every": 3, "eval_every": 0})
     log = tmp_path / "l.log"
     with open(log, "w") as out_f:
-        a = subprocess.Popen([str(ROOT / "launch.sh"), str(p), "--no-progress"], cwd=ROOT, env={**_env(), "VITLAB_NPROC": "2"},
-                             stdout=out_f, stderr=subprocess.STDOUT, start_new_session=True)
+        a = subprocess.Popen(
+            [str(ROOT / "launch.sh"), str(p), "--no-progress"],
+            cwd=ROOT,
+            env={**_env(), "VITLAB_NPROC": "2"},
+            stdout=out_f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     a.log_path = log
     wait_for(tmp_path / "runs/tiny/checkpoints/step_0000003", a)
     a.send_signal(signal.SIGINT)
@@ -244,17 +261,31 @@ def test_launch_sh_several_processes_bad_recipe_is_one_sentence(write_recipe, tm
     the user reads one sentence and exit 2 (not an error per process and accelerate's traceback), nothing written."""
     p = write_recipe()
     env = {**_env(), "VITLAB_NPROC": "2"}
-    r = subprocess.run([str(ROOT / "launch.sh"), str(p), "--set", "model.depht=3"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [str(ROOT / "launch.sh"), str(p), "--set", "model.depht=3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: unknown key 'model.depht'"), r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith(
+        "error: unknown key 'model.depht'"
+    ), r.stderr
     assert "Traceback" not in r.stdout + r.stderr and not (tmp_path / "runs").exists()
 
 
 def launch2(args: list, env: dict | None = None) -> subprocess.CompletedProcess:
     """``VITLAB_NPROC=2 ./launch.sh ARGS`` (2 processes on CPU through accelerate launch), its output captured."""
-    return subprocess.run([str(ROOT / "launch.sh"), *map(str, args)], cwd=ROOT, env={**_env(), "VITLAB_NPROC": "2", **(env or {})},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(ROOT / "launch.sh"), *map(str, args)],
+        cwd=ROOT,
+        env={**_env(), "VITLAB_NPROC": "2", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def assert_one_sentence(r: subprocess.CompletedProcess, says: str) -> None:
@@ -278,11 +309,18 @@ def test_launch_sh_several_processes_data_error_is_one_sentence(case, write_reci
     empty = tmp_path / "empty"
     empty.mkdir()
     sets, env, says = {
-        "disk": (["data.source=disk", "data.path=/nonexistent"], {}, "is not a data set saved with DatasetDict.save_to_disk"),
+        "disk": (
+            ["data.source=disk", "data.path=/nonexistent"],
+            {},
+            "is not a data set saved with DatasetDict.save_to_disk",
+        ),
         "fashion_mnist_folder": ([f"data.path={empty}"], {}, f"Fashion-MNIST is missing from {empty}"),
         # an empty cache: the hub data set cannot be in it
-        "hub_offline": (["data.source=hub", "data.name=cifar10"], {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
-                        "'cifar10' is not in the local Hugging Face cache"),
+        "hub_offline": (
+            ["data.source=hub", "data.name=cifar10"],
+            {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+            "'cifar10' is not in the local Hugging Face cache",
+        ),
     }[case]
     r = launch2([write_recipe(), "--no-progress", "--set", *sets], env)
     assert_one_sentence(r, says)
@@ -326,8 +364,10 @@ def test_check_opens_the_data_and_the_run_folder(write_recipe, tmp_path, capsys)
     assert not (tmp_path / "runs").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
-    for sets, says in ((["data.source=parquet", f"data.path={empty}"], "no .parquet files"),
-                       (["data.eval_split=validation"], "data.eval_split 'validation' is not a split of this data set")):
+    for sets, says in (
+        (["data.source=parquet", f"data.path={empty}"], "no .parquet files"),
+        (["data.eval_split=validation"], "data.eval_split 'validation' is not a split of this data set"),
+    ):
         assert main([str(p), "--check", "--set", *sets]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and says in err, err
@@ -338,7 +378,9 @@ def test_check_opens_the_data_and_the_run_folder(write_recipe, tmp_path, capsys)
     assert "already holds checkpoints" in capsys.readouterr().err
     fd = os.open(tmp_path / "runs/tiny/.lock", os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live trainer's lock (flock is per open file, even in one process)
+        fcntl.flock(
+            fd, fcntl.LOCK_EX | fcntl.LOCK_NB
+        )  # a live trainer's lock (flock is per open file, even in one process)
         assert main([str(p), "--check", "--resume"]) == 2
         assert "is in use by another trainer" in capsys.readouterr().err
     finally:
@@ -350,7 +392,9 @@ def test_launch_sh_forwards_sigterm(write_recipe, tmp_path):
     p = write_recipe(train={"steps": 100000, "checkpoint_every": 3, "eval_every": 0})
     env = {**_env(), "VITLAB_NPROC": "1"}
     out_f = open(tmp_path / "l.log", "w")  # noqa: SIM115
-    a = subprocess.Popen([str(ROOT / "launch.sh"), str(p), "--no-progress"], cwd=ROOT, env=env, stdout=out_f, stderr=subprocess.STDOUT)
+    a = subprocess.Popen(
+        [str(ROOT / "launch.sh"), str(p), "--no-progress"], cwd=ROOT, env=env, stdout=out_f, stderr=subprocess.STDOUT
+    )
     a.log_path = tmp_path / "l.log"
     wait_for(tmp_path / "runs/tiny/checkpoints/step_0000003", a)
     a.send_signal(signal.SIGTERM)
@@ -473,13 +517,17 @@ def test_full_disk_during_a_checkpoint(raised, write_recipe, tmp_path, monkeypat
         if output_dir.endswith("step_0000008"):
             if raised == "OSError":
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+            raise safetensors.SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            )
 
     monkeypatch.setattr(Accelerator, "save_state", full)
     p = write_recipe()
     assert main([str(p), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "No space left on device" in err and "step_0000004 is intact" in err, err
+    assert (
+        len(err.strip().splitlines()) == 1 and "No space left on device" in err and "step_0000004 is intact" in err
+    ), err
     ckpts = tmp_path / "runs/tiny/checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000004"]
     verify_checkpoint(ckpts / "step_0000004")

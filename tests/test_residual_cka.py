@@ -1,5 +1,6 @@
 """Residual-connection CKA: constructed features with known answers, an explicit HSIC reference over minibatches,
 analysis.cka.cka on one minibatch, the protocol end-to-end on tiny timm ViT and ResNet, sharding and the round-trip."""
+
 from __future__ import annotations
 
 import types
@@ -27,9 +28,18 @@ def _ctx(model=None, arch="vit", blocks=("blocks.0", "blocks.1"), accelerator=No
     data = types.SimpleNamespace(analysis=split, probe_train=split, normalize=lambda x: x.float() / 255, num_classes=10)
     if model is not None:
         blocks = tuple(block_names(model))
-    return Context(model=model, data=data, batch_size=8, device=torch.device("cpu"),
-                   accelerator=accelerator, arch=arch, blocks=blocks, prefix=1 if arch == "vit" else 0,
-                   grid=(7, 7) if arch == "vit" else None, patch_size=4 if arch == "vit" else None)
+    return Context(
+        model=model,
+        data=data,
+        batch_size=8,
+        device=torch.device("cpu"),
+        accelerator=accelerator,
+        arch=arch,
+        blocks=blocks,
+        prefix=1 if arch == "vit" else 0,
+        grid=(7, 7) if arch == "vit" else None,
+        patch_size=4 if arch == "vit" else None,
+    )
 
 
 def _hsic1(x, y):
@@ -40,7 +50,11 @@ def _hsic1(x, y):
     k.fill_diagonal_(0)
     l_.fill_diagonal_(0)
     one = torch.ones(n, 1, dtype=torch.float64)
-    t = torch.trace(k @ l_) + (one.T @ k @ one) * (one.T @ l_ @ one) / ((n - 1) * (n - 2)) - 2 / (n - 2) * (one.T @ k @ l_ @ one)
+    t = (
+        torch.trace(k @ l_)
+        + (one.T @ k @ one) * (one.T @ l_ @ one) / ((n - 1) * (n - 2))
+        - 2 / (n - 2) * (one.T @ k @ l_ @ one)
+    )
     return float(t) / (n * (n - 3))
 
 
@@ -70,12 +84,18 @@ def _vit_caps(g, n, blocks=2, tokens=50, dim=32, how=None):
 def test_constructed_features_give_known_answers():
     g = torch.Generator().manual_seed(0)
     m = ResidualCKA(_ctx())
-    assert m.taps() == {f"blocks.{i}.{k}" for i in range(2) for k in ("in", "attn_branch", "attn_out", "mlp_branch", "out")}
+    assert m.taps() == {
+        f"blocks.{i}.{k}" for i in range(2) for k in ("in", "attn_branch", "attn_out", "mlp_branch", "out")
+    }
     for j in range(3):
         m.update(j, _vit_caps(g, 64), None, None)
     r = m.finish()
     assert r["sublayers"] == ["attn", "mlp"] and r["blocks"] == ["blocks.0", "blocks.1"]
-    assert r["skip_branch"].shape == (2, 2) and r["skip_out"].shape == (2, 2) and r["skip_branch_matrix"].shape == (2, 2, 2)
+    assert (
+        r["skip_branch"].shape == (2, 2)
+        and r["skip_out"].shape == (2, 2)
+        and r["skip_branch_matrix"].shape == (2, 2, 2)
+    )
     np.testing.assert_allclose(r["skip_branch"][0], 1.0, atol=1e-9)  # rotated + scaled copy
     np.testing.assert_allclose(r["skip_out"][0], 1.0, atol=1e-9)  # attn_out = in
     assert np.abs(r["skip_branch"][1]).max() < 0.05  # independent noise
@@ -101,9 +121,13 @@ def test_one_minibatch_equals_full_batch_cka(unbiased):
             z, f, o = (cap[f"blocks.{i}.{k}"].reshape(12, -1) for k in (zk, fk, ok))
             assert r["skip_branch"][s, i] == pytest.approx(cka(z, f, unbiased=unbiased), abs=1e-6)
             assert r["skip_out"][s, i] == pytest.approx(cka(z, o, unbiased=unbiased), abs=1e-6)
-            assert r["skip_branch"][s, i] == pytest.approx(residual_cka(cap[f"blocks.{i}.{zk}"], cap[f"blocks.{i}.{fk}"], unbiased), abs=1e-12)
-    assert r["skip_branch_matrix"][0, 1, 0] == pytest.approx(cka(cap["blocks.1.in"].reshape(12, -1), cap["blocks.0.attn_branch"].reshape(12, -1),
-                                                                 unbiased=unbiased), abs=1e-6)
+            assert r["skip_branch"][s, i] == pytest.approx(
+                residual_cka(cap[f"blocks.{i}.{zk}"], cap[f"blocks.{i}.{fk}"], unbiased), abs=1e-12
+            )
+    assert r["skip_branch_matrix"][0, 1, 0] == pytest.approx(
+        cka(cap["blocks.1.in"].reshape(12, -1), cap["blocks.0.attn_branch"].reshape(12, -1), unbiased=unbiased),
+        abs=1e-6,
+    )
 
 
 def test_minibatches_match_an_explicit_hsic_reference():
@@ -137,7 +161,9 @@ def _run(model, ctx, measure=None, batches=((0, 8), (8, 16))):
 
 def _vit():
     torch.manual_seed(0)
-    return VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0).eval()
+    return VisionTransformer(
+        img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0
+    ).eval()
 
 
 def _resnet():
@@ -155,9 +181,14 @@ def test_vit_end_to_end_matches_direct_cka_on_taps(tmp_path):
     ctx = _ctx(model)
     assert ResidualCKA.applies(ctx)
     r = _run(model, ctx, batches=((0, 16),)).finish()
-    with torch.no_grad(), Taps(model, ["blocks.1.attn_out", "blocks.1.mlp_branch", "blocks.0.in", "blocks.0.attn_out"]) as cap:
+    with (
+        torch.no_grad(),
+        Taps(model, ["blocks.1.attn_out", "blocks.1.mlp_branch", "blocks.0.in", "blocks.0.attn_out"]) as cap,
+    ):
         model(ctx.data.normalize(ctx.data.analysis.images))
-    assert r["skip_branch"][1, 1] == pytest.approx(residual_cka(cap["blocks.1.attn_out"], cap["blocks.1.mlp_branch"]), abs=1e-6)
+    assert r["skip_branch"][1, 1] == pytest.approx(
+        residual_cka(cap["blocks.1.attn_out"], cap["blocks.1.mlp_branch"]), abs=1e-6
+    )
     assert r["skip_out"][0, 0] == pytest.approx(residual_cka(cap["blocks.0.in"], cap["blocks.0.attn_out"]), abs=1e-6)
     assert np.isfinite(r["skip_branch"]).all() and (r["skip_out"] > 0.5).all()  # at init the skip dominates the output
     _check_round_trip(r, tmp_path, n_sub=2, n_blocks=2)
@@ -179,8 +210,12 @@ def test_resnet_end_to_end(tmp_path):
         with torch.no_grad(), Taps(model, names) as cap:
             model(ctx.data.normalize(ctx.data.analysis.images[a:b]))
         caps.append(cap.captures)
-    assert r["skip_branch"][0, 2] == pytest.approx(_minibatch_cka([c[names[0]] for c in caps], [c[names[1]] for c in caps]), abs=1e-6)
-    assert r["skip_out"][0, 2] == pytest.approx(_minibatch_cka([c[names[0]] for c in caps], [c[names[2]] for c in caps]), abs=1e-6)
+    assert r["skip_branch"][0, 2] == pytest.approx(
+        _minibatch_cka([c[names[0]] for c in caps], [c[names[1]] for c in caps]), abs=1e-6
+    )
+    assert r["skip_out"][0, 2] == pytest.approx(
+        _minibatch_cka([c[names[0]] for c in caps], [c[names[2]] for c in caps]), abs=1e-6
+    )
     _check_round_trip(r, tmp_path, n_sub=1, n_blocks=4)
 
 
@@ -198,20 +233,22 @@ def _check_round_trip(r, tmp_path, n_sub, n_blocks):
         summ = ResidualCKA.summary(rr)
         assert len(summ[f"{sub}_skip_branch"]) == n_blocks
         figs = ResidualCKA.figures(rr, step=5)
-        assert set(figs) == {"residual_cka/lines"} | {f"residual_cka/{x}/matrix" for x in (["attn", "mlp"] if n_sub == 2 else ["block"])}
+        assert set(figs) == {"residual_cka/lines"} | {
+            f"residual_cka/{x}/matrix" for x in (["attn", "mlp"] if n_sub == 2 else ["block"])
+        }
         for f in figs.values():
             plt.close(f)
     assert ResidualCKA.scalars(back) == ResidualCKA.scalars(r)
 
 
-
-
 @pytest.mark.parametrize("rank1_batches", [((8, 16),), ()])
 def test_two_processes_give_the_one_process_answer(rank1_batches):
     model = _vit()
-    one = _run(model, _ctx(model), batches=((0, 8),) + rank1_batches).finish()
+    one = _run(model, _ctx(model), batches=((0, 8), *rank1_batches)).finish()
     log = []
-    _run(model, _ctx(model, accelerator=TwoProcessReplay(1, log)), batches=rank1_batches).finish()  # may hold no minibatch
+    _run(
+        model, _ctx(model, accelerator=TwoProcessReplay(1, log)), batches=rank1_batches
+    ).finish()  # may hold no minibatch
     two = _run(model, _ctx(model, accelerator=TwoProcessReplay(0, log)), batches=((0, 8),)).finish()
     assert not log
     for k in ("skip_branch", "skip_out", "skip_branch_matrix"):

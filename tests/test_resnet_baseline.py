@@ -2,6 +2,7 @@
 so its blocks keep IDENTITY shortcuts at any width (Raghu et al. 2021 compare ViTs against ResNets with identity
 skips); the standard ResNet-50 path unchanged; the layers inside its blocks in the paper's CKA layer set; and the
 per-token measures (localization, token probes, receptive fields, few-shot probes) on it, as on the ViT."""
+
 from __future__ import annotations
 
 import types
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _resnet(layers=(2, 2, 2, 2), channels=(8, 8, 16, 16), **model):
     torch.manual_seed(0)
-    r = from_dict({"model": {"arch": "resnet", "resnet_layers": list(layers), "resnet_channels": list(channels), **model}})
+    r = from_dict(
+        {"model": {"arch": "resnet", "resnet_layers": list(layers), "resnet_channels": list(channels), **model}}
+    )
     return build_model(r, 10).eval()
 
 
@@ -42,7 +45,9 @@ def test_small_stem_is_as_wide_as_the_first_stage_so_its_blocks_are_identity(cha
     assert [b.downsample for b in s1] == [None, None]  # identity shortcuts
     for stage, width in zip(later, channels[1:]):
         first, second = stage
-        assert isinstance(first.downsample, nn.Sequential) and first.downsample[0].out_channels == width  # strided: projects
+        assert (
+            isinstance(first.downsample, nn.Sequential) and first.downsample[0].out_channels == width
+        )  # strided: projects
         assert second.downsample is None
     assert [i["num_chs"] for i in m.feature_info] == [channels[0], *channels]
     assert [i["reduction"] for i in m.feature_info] == [1, 1, 2, 4, 8]
@@ -68,7 +73,9 @@ def test_small_stem_is_timms_resnet_when_the_widths_already_agree():
     assert str(ours) == str(ref)
     assert [p.shape for p in ours.parameters()] == [p.shape for p in ref.parameters()]
     with torch.no_grad():
-        assert all(float(b.bn2.weight.abs().sum()) == 0 for b in ours.layer1)  # timm's zero-init of each branch's last BN
+        assert all(
+            float(b.bn2.weight.abs().sum()) == 0 for b in ours.layer1
+        )  # timm's zero-init of each branch's last BN
         # the new stem has timm's init too (kaiming normal, fan_out: std sqrt(2 / (64 * 9)) = 0.059), not torch's
         # default (std 0.19 for a 1-channel 3x3 conv), which the swapped-in conv of the reference keeps
         assert float(ours.conv1.weight.std()) == pytest.approx((2 / (64 * 9)) ** 0.5, rel=0.15)
@@ -87,10 +94,17 @@ def test_resnet50_path_is_unchanged():
 
 def test_the_resnet_recipe_is_resnet18s_layout_with_identity_skips():
     r = load_recipe(ROOT / "recipes" / "resnet.yaml")
-    assert (r.model.resnet_layers, r.model.resnet_channels, r.model.small_stem) == ([2, 2, 2, 2], [32, 32, 64, 128], True)
+    assert (r.model.resnet_layers, r.model.resnet_channels, r.model.small_stem) == (
+        [2, 2, 2, 2],
+        [32, 32, 64, 128],
+        True,
+    )
     m = build_model(r, 10)
     blocks = [b for s in _stages(m) for b in s]
-    assert m.conv1.out_channels == 32 and [b.downsample is None for b in blocks] == [True, True, False, True] + [False, True] * 2
+    assert (
+        m.conv1.out_channels == 32
+        and [b.downsample is None for b in blocks] == [True, True, False, True] + [False, True] * 2
+    )
 
 
 # ---------------------------------------------------------------- CKA inside blocks, and the per-token measures
@@ -104,7 +118,13 @@ def test_paper_cka_layers_of_a_resnet18_layout_include_the_layers_inside_blocks(
     assert len(ctx.blocks) == 8
     paper, blocks = cka_layers(ctx, "paper"), cka_layers(ctx, "blocks")
     assert len(blocks) == 8 and len(paper) == 40 > len(blocks)
-    assert [lab for _, lab in paper[:5]] == ["layer1.0.conv1", "layer1.0.bn1", "layer1.0.conv2", "layer1.0.bn2", "layer1.0"]
+    assert [lab for _, lab in paper[:5]] == [
+        "layer1.0.conv1",
+        "layer1.0.bn1",
+        "layer1.0.conv2",
+        "layer1.0.bn2",
+        "layer1.0",
+    ]
     assert {t for t, _ in blocks} <= {t for t, _ in paper}
 
 
@@ -139,9 +159,12 @@ def _run_study_resnet():
     torch.set_num_threads(1)
     try:
         images = class_split(264, 0)
-        data = types.SimpleNamespace(analysis=TensorBatches(images.images[:64], images.labels[:64]),
-                                     probe_train=TensorBatches(images.images[64:], images.labels[64:]),
-                                     normalize=lambda x: (x.float() / 255 - 0.5) / 0.5, num_classes=10)
+        data = types.SimpleNamespace(
+            analysis=TensorBatches(images.images[:64], images.labels[:64]),
+            probe_train=TensorBatches(images.images[64:], images.labels[64:]),
+            normalize=lambda x: (x.float() / 255 - 0.5) / 0.5,
+            num_classes=10,
+        )
         res = run_suite(model, data, suite_options(run.measures, 32, {**s.options, "erf": {"images": 4}}))
     finally:
         torch.set_num_threads(n)
@@ -161,7 +184,11 @@ def test_the_study_resnet_runs_every_measure_it_lists(study_resnet_results):
     assert "attention_distance" not in measures
     assert set(measures) <= set(res) and res["meta"]["arch"] == "resnet"
     cka = res["cka"]
-    assert cka["layers"] == "paper" and cka["matrix"].shape == (40, 40) and np.allclose(np.diag(cka["matrix"]), 1.0, atol=1e-6)
+    assert (
+        cka["layers"] == "paper"
+        and cka["matrix"].shape == (40, 40)
+        and np.allclose(np.diag(cka["matrix"]), 1.0, atol=1e-6)
+    )
 
 
 def test_resnet_localization_takes_feature_map_positions_as_tokens(study_resnet_results):
@@ -180,7 +207,9 @@ def test_resnet_localization_takes_feature_map_positions_as_tokens(study_resnet_
 def test_resnet_token_probes_probe_every_position(study_resnet_results):
     r = study_resnet_results[1]["token_probes"]
     assert r["acc"].shape == (8, 49) and "cls_acc" not in r
-    assert np.isfinite(r["acc"][:6]).all() and np.isfinite(r["acc"][6:, :16]).all() and np.isnan(r["acc"][6:, 16:]).all()
+    assert (
+        np.isfinite(r["acc"][:6]).all() and np.isfinite(r["acc"][6:, :16]).all() and np.isnan(r["acc"][6:, 16:]).all()
+    )
     assert ((r["acc"][:6] >= 0) & (r["acc"][:6] <= 1)).all()
     assert np.nanmax(r["acc"]) > 0.3  # the class squares are visible to some positions (chance 0.1)
 

@@ -2,6 +2,7 @@
 prefixes, no classifier head), on the student or the teacher (``--part``), kept apart and labelled; the notebook API
 and the comparison report on such runs; public DINO / MAE checkpoints by timm name with a local file (no network);
 and one sentence + exit 2 for every bad input."""
+
 import json
 import shutil
 from pathlib import Path
@@ -24,14 +25,39 @@ from train.recipe import load_recipe
 from train.trainer import train
 
 # the slow measures on few images (as in test_distributed_analysis)
-ARGS = ["--batch-size", "32", "--no-progress", "--opt", "fewshot_probe.seeds=[0]", "--opt", "fewshot_probe.shots=5",
-        "--opt", "token_probes.shots=5", "--opt", "token_probes.seeds=[0]", "--opt", "token_probes.stride=3",
-        "--opt", "erf.images=2", "--opt", "erf.batch=1"]
+ARGS = [
+    "--batch-size",
+    "32",
+    "--no-progress",
+    "--opt",
+    "fewshot_probe.seeds=[0]",
+    "--opt",
+    "fewshot_probe.shots=5",
+    "--opt",
+    "token_probes.shots=5",
+    "--opt",
+    "token_probes.seeds=[0]",
+    "--opt",
+    "token_probes.stride=3",
+    "--opt",
+    "erf.images=2",
+    "--opt",
+    "erf.batch=1",
+]
 
 
 def _train(root: Path, name: str, **sections) -> Path:
-    data = _merge(_merge(TINY, {"data": {"probe_train_size": 200}, "run": {"root": str(root)},
-                                "train": {"mixed_precision": "no", "eval_every": 0}}), sections)
+    data = _merge(
+        _merge(
+            TINY,
+            {
+                "data": {"probe_train_size": 200},
+                "run": {"root": str(root)},
+                "train": {"mixed_precision": "no", "eval_every": 0},
+            },
+        ),
+        sections,
+    )
     p = root / f"{name}.yaml"
     p.write_text(yaml.safe_dump(data))
     return Path(train(load_recipe(p), progress=False)["run_dir"])
@@ -43,8 +69,10 @@ def runs(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         fake_objective.register(mp)
         root = tmp_path_factory.mktemp("runs")
-        yield {"ssl": _train(root, "ssl", train={"objective": fake_objective.NAME, "steps": 4, "checkpoint_every": 2}),
-               "sup": _train(root, "sup", train={"steps": 2, "checkpoint_every": 0})}
+        yield {
+            "ssl": _train(root, "ssl", train={"objective": fake_objective.NAME, "steps": 4, "checkpoint_every": 2}),
+            "sup": _train(root, "sup", train={"steps": 2, "checkpoint_every": 0}),
+        }
 
 
 @pytest.fixture
@@ -70,8 +98,10 @@ def test_the_student_and_the_teacher_load_by_name_without_a_head(ssl):
     for part, prefix in (("student", "backbone."), ("teacher", "teacher_backbone.")):
         model = O.load_model(O.select_part(run, part), 4, data)
         assert model.num_classes == 0 and not any(k.startswith("head.") for k in model.state_dict())
-        want = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
-        assert model.state_dict().keys() == want.keys() and all(torch.equal(model.state_dict()[k], want[k]) for k in want)
+        want = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
+        assert model.state_dict().keys() == want.keys() and all(
+            torch.equal(model.state_dict()[k], want[k]) for k in want
+        )
         nets[part] = model
     assert not torch.equal(nets["student"].blocks[0].attn.qkv.weight, nets["teacher"].blocks[0].attn.qkv.weight)
     assert O.open_run(ssl).part == "student"  # the default
@@ -85,8 +115,9 @@ def test_every_measure_on_the_student_and_on_the_teacher_kept_apart_and_labelled
     names = sorted(registry())
     student, teacher = ssl / "analysis" / "step_0000004", ssl / "analysis" / "teacher" / "step_0000004"
     assert sorted(p.stem for p in student.glob("*.npz")) == names == sorted(p.stem for p in teacher.glob("*.npz"))
-    assert sorted(p.name for p in (ssl / "figures" / "teacher" / "step_0000004").glob("*.png")) == \
-        sorted(p.name for p in (ssl / "figures" / "step_0000004").glob("*.png"))
+    assert sorted(p.name for p in (ssl / "figures" / "teacher" / "step_0000004").glob("*.png")) == sorted(
+        p.name for p in (ssl / "figures" / "step_0000004").glob("*.png")
+    )
     ks, kt = storage.cached_keys(student), storage.cached_keys(teacher)
     assert ks.keys() == kt.keys() and all(ks[n] != kt[n] for n in ks)  # the part is in every cache key
     a, b = load_result(student / "norm_ratio.npz"), load_result(teacher / "norm_ratio.npz")
@@ -108,11 +139,15 @@ def test_every_measure_on_the_student_and_on_the_teacher_kept_apart_and_labelled
 def test_the_notebook_api_reads_the_teacher(ssl):
     kw = dict(measures=["cka", "knn"], batch_size=32, figures=True)
     res_t, res_s = analyze(str(ssl), part="teacher", **kw), analyze(f"{ssl}:4", **kw)
-    assert main([str(ssl), "--measures", "cka,knn", "--part", "teacher", "--steps", "4", "--no-tensorboard", *ARGS]) == 0
+    assert (
+        main([str(ssl), "--measures", "cka,knn", "--part", "teacher", "--steps", "4", "--no-tensorboard", *ARGS]) == 0
+    )
     saved = load_result(ssl / "analysis" / "teacher" / "step_0000004" / "knn.npz")
     np.testing.assert_array_equal(res_t["results"]["knn"]["acc"], saved["acc"])
     assert not np.array_equal(res_t["results"]["cka"]["matrix"], res_s["results"]["cka"]["matrix"])
-    assert all(t.startswith("teacher/") for t in res_t["figures"]) and not any(t.startswith("teacher/") for t in res_s["figures"])
+    assert all(t.startswith("teacher/") for t in res_t["figures"]) and not any(
+        t.startswith("teacher/") for t in res_s["figures"]
+    )
     with pytest.raises(ValueError, match="has no part 'nope'"):
         analyze(str(ssl), part="nope", **kw)
     with pytest.raises(ValueError, match="run folder"):
@@ -120,7 +155,10 @@ def test_the_notebook_api_reads_the_teacher(ssl):
 
 
 def test_teacher_against_student_and_compare(ssl, tmp_path, capsys):
-    assert main([str(ssl), "--part", "teacher", "--against", str(ssl), "--measures", "cka", "--no-tensorboard", *ARGS]) == 0
+    assert (
+        main([str(ssl), "--part", "teacher", "--against", str(ssl), "--measures", "cka", "--no-tensorboard", *ARGS])
+        == 0
+    )
     assert "ssl (teacher)@4 vs ssl@4: mean CKA" in capsys.readouterr().out
     res = load_result(ssl / "analysis" / "teacher" / "against" / "ssl_step_0000004" / "step_0000004" / "cross_cka.npz")
     assert res["same_index"].shape == (len(res["labels_a"]),)
@@ -129,7 +167,10 @@ def test_teacher_against_student_and_compare(ssl, tmp_path, capsys):
 
     other = tmp_path / "ssl2"
     shutil.copytree(ssl, other)
-    assert compare_main([str(ssl), str(other), "--measures", "cka,knn", "--out", str(tmp_path / "cmp"), "--no-progress"]) == 0
+    assert (
+        compare_main([str(ssl), str(other), "--measures", "cka,knn", "--out", str(tmp_path / "cmp"), "--no-progress"])
+        == 0
+    )
     assert (tmp_path / "cmp" / "report.md").is_file() and (tmp_path / "cmp" / "cka_grid.png").is_file()
 
 
@@ -142,12 +183,18 @@ def _bad(capsys, argv, text, watch: Path):
 
 
 def test_an_unknown_part_is_one_sentence_naming_the_parts(ssl, runs, tmp_path, capsys):
-    _bad(capsys, [str(ssl), "--part", "nope"], "has no part 'nope' (objective fake_ssl saves student, teacher): pass --part student or "
-         "--part teacher.", ssl)
+    _bad(
+        capsys,
+        [str(ssl), "--part", "nope"],
+        "has no part 'nope' (objective fake_ssl saves student, teacher): pass --part student or --part teacher.",
+        ssl,
+    )
     sup = tmp_path / "sup"
     shutil.copytree(runs["sup"], sup)
     _bad(capsys, [str(sup), "--part", "teacher"], "has no part 'teacher' (objective supervised saves student)", sup)
-    assert main([str(sup), "--part", "student", "--measures", "cka", "--no-tensorboard", *ARGS]) == 0  # a supervised run's one network
+    assert (
+        main([str(sup), "--part", "student", "--measures", "cka", "--no-tensorboard", *ARGS]) == 0
+    )  # a supervised run's one network
     assert (sup / "analysis" / "step_0000002" / "cka.npz").is_file()
     # a checkpoint whose meta.json names a part that its weights do not have
     meta = ssl / "checkpoints" / "step_0000004" / "meta.json"
@@ -180,9 +227,23 @@ def test_a_public_dino_checkpoint_by_its_timm_name(tmp_path, write_recipe, no_do
     save_file(src.state_dict(), tmp_path / "dino.safetensors")
     p = write_recipe(data={"probe_train_size": 200})
     out = tmp_path / "ext"
-    argv = ["--model", "timm:vit_small_patch16_224.dino", "--weights", str(tmp_path / "dino.safetensors"), "--recipe", str(p),
-            "--set", "data.img_size=32", "data.in_chans=3", "--out", str(out), "--measures", "cka,knn,attention_distance",
-            "--no-tensorboard", *ARGS]
+    argv = [
+        "--model",
+        "timm:vit_small_patch16_224.dino",
+        "--weights",
+        str(tmp_path / "dino.safetensors"),
+        "--recipe",
+        str(p),
+        "--set",
+        "data.img_size=32",
+        "data.in_chans=3",
+        "--out",
+        str(out),
+        "--measures",
+        "cka,knn,attention_distance",
+        "--no-tensorboard",
+        *ARGS,
+    ]
     assert main(argv) == 0
     assert {f.stem for f in (out / "analysis" / "step_0000000").glob("*.npz")} == {"cka", "knn", "attention_distance"}
     model = O.model_from_timm("timm:vit_small_patch16_224.dino", str(tmp_path / "dino.safetensors"), 10, 3, 32)
@@ -214,15 +275,39 @@ def test_a_file_with_another_class_count_keeps_its_head(tmp_path, no_download):
 def test_bad_public_checkpoint_input_is_one_sentence(tmp_path, write_recipe, capsys, no_download):
     import timm
 
-    save_file(timm.create_model("vit_small_patch16_224.dino", pretrained=False, num_classes=0, img_size=32).state_dict(),
-              tmp_path / "dino.safetensors")
+    save_file(
+        timm.create_model("vit_small_patch16_224.dino", pretrained=False, num_classes=0, img_size=32).state_dict(),
+        tmp_path / "dino.safetensors",
+    )
     p = write_recipe(data={"probe_train_size": 200})
     common = ["--weights", str(tmp_path / "dino.safetensors"), "--recipe", str(p), "--out", str(tmp_path / "ext")]
-    _bad(capsys, ["--model", "timm:vit_small_patch16_224.nope", *common], "timm has no pretrained tag 'nope' for vit_small_patch16_224", tmp_path)
+    _bad(
+        capsys,
+        ["--model", "timm:vit_small_patch16_224.nope", *common],
+        "timm has no pretrained tag 'nope' for vit_small_patch16_224",
+        tmp_path,
+    )
     # weights of 32 px, 3 channels analysed at the recipe's 28 px, 1 channel
-    _bad(capsys, ["--model", "timm:vit_small_patch16_224.dino", *common], "do not fit this model (timm:vit_small_patch16_224.dino at "
-         "data.img_size=28, data.in_chans=1", tmp_path)
-    _bad(capsys, ["--model", "timm:vit_small_patch16_224.dino", *common, "--set", "data.img_size=32", "data.in_chans=3",
-                  "--part", "teacher"], "has no part 'teacher': a model from elsewhere is one network", tmp_path)
+    _bad(
+        capsys,
+        ["--model", "timm:vit_small_patch16_224.dino", *common],
+        "do not fit this model (timm:vit_small_patch16_224.dino at data.img_size=28, data.in_chans=1",
+        tmp_path,
+    )
+    _bad(
+        capsys,
+        [
+            "--model",
+            "timm:vit_small_patch16_224.dino",
+            *common,
+            "--set",
+            "data.img_size=32",
+            "data.in_chans=3",
+            "--part",
+            "teacher",
+        ],
+        "has no part 'teacher': a model from elsewhere is one network",
+        tmp_path,
+    )
     assert not (tmp_path / "ext").exists()
     assert list_checkpoints(tmp_path) == []

@@ -1,5 +1,6 @@
 """The studies' statistical decision rule (analysis/reports/stats.py): each test against scipy.stats or a hand-worked
 answer, the bootstrap's coverage, and the rule's error rates and power on synthetic seeds."""
+
 import json
 import time
 
@@ -21,8 +22,13 @@ T975_4, T95_4 = 2.7764451052, 2.1318467813  # t quantiles with 4 df (any table)
 
 
 def test_outcomes_are_shared_with_the_claims():
-    assert (C.HELD, C.NOT_HELD, C.INCONCLUSIVE, C.NOT_TESTABLE, C.OUTCOMES) == (S.HELD, S.NOT_HELD, S.INCONCLUSIVE,
-                                                                                  S.NOT_TESTABLE, S.OUTCOMES)
+    assert (C.HELD, C.NOT_HELD, C.INCONCLUSIVE, C.NOT_TESTABLE, C.OUTCOMES) == (
+        S.HELD,
+        S.NOT_HELD,
+        S.INCONCLUSIVE,
+        S.NOT_TESTABLE,
+        S.OUTCOMES,
+    )
     assert S.OUTCOMES == ("held", "did not hold", "inconclusive", "not testable")
 
 
@@ -37,7 +43,11 @@ def test_one_sample_ci_by_hand():
     q = S.one_sample_part("x", [1, 2, 3, 4, 5], ref=3)  # exactly at the reference
     assert q.p == pytest.approx(1.0) and q.outcome == S.NOT_SIGNIFICANT and q.effect == 0
     r = S.one_sample_part("x", [1, 2, 3, 4, 5], sign=-1)  # the paper says below 0: the effect is against it
-    assert r.effect == pytest.approx(-3) and r.ci == pytest.approx((-4.963243, -1.036757), abs=1e-6) and r.outcome == S.AGAINST
+    assert (
+        r.effect == pytest.approx(-3)
+        and r.ci == pytest.approx((-4.963243, -1.036757), abs=1e-6)
+        and r.outcome == S.AGAINST
+    )
     assert r.p == pytest.approx(p.p)
     ref = ss.ttest_1samp([1, 2, 3, 4, 5], 0.0)
     assert p.p == pytest.approx(ref.pvalue) and p.ci == pytest.approx(tuple(ref.confidence_interval()))
@@ -74,7 +84,9 @@ def test_pooled_sd_and_the_pooled_t_match_scipy_equal_var():
     p = S.two_sample_part("x", a, b, pooled=pool)
     se = pool.sd * np.sqrt(2 / 3)
     assert p.df == 7 and p.se == pytest.approx(se)
-    assert p.ci == pytest.approx((a.mean() - b.mean() - ss.t.ppf(0.975, 7) * se, a.mean() - b.mean() + ss.t.ppf(0.975, 7) * se))
+    assert p.ci == pytest.approx(
+        (a.mean() - b.mean() - ss.t.ppf(0.975, 7) * se, a.mean() - b.mean() + ss.t.ppf(0.975, 7) * se)
+    )
     one = S.one_sample_part("o", [7.0], ref=5.0, pooled=pool)  # one seed, judged on the family's SD
     assert one.se == pytest.approx(pool.sd) and one.df == 7
     with pytest.raises(ValueError, match="no degree of freedom"):
@@ -151,10 +163,18 @@ def test_decide():
     d = S.decide(parts)
     assert d.outcome == S.NOT_HELD and "b (Holm-adjusted p = 0.002)" in d.why
     # a failed precondition: not testable with its numbers, whatever the parts say
-    pre = S.Precondition("local head", False, "no head is local: the smallest mean attention distance is 11.2 px, "
-                         "local means below 6.1 px", {"smallest_px": 11.2, "local_px": 6.1})
+    pre = S.Precondition(
+        "local head",
+        False,
+        "no head is local: the smallest mean attention distance is 11.2 px, local means below 6.1 px",
+        {"smallest_px": 11.2, "local_px": 6.1},
+    )
     d = S.decide(parts, [S.Precondition("cls", True, "a CLS token"), pre])
-    assert d.outcome == S.NOT_TESTABLE and d.why.startswith("No head is local: the smallest") and "Measured, not judged" in d.why
+    assert (
+        d.outcome == S.NOT_TESTABLE
+        and d.why.startswith("No head is local: the smallest")
+        and "Measured, not judged" in d.why
+    )
     assert S.decide(parts, False).outcome == S.NOT_TESTABLE and S.decide(parts, True).outcome == S.NOT_HELD
     assert S.min_seeds({"vit": [1, 2, 3], "resnet": [1]}).sentence.startswith("fewer than 2 seeds of resnet (1)")
     assert S.decide(held.parts, S.min_seeds({"vit": [1, 2, 3], "resnet": [1]})).outcome == S.NOT_TESTABLE
@@ -167,16 +187,21 @@ def test_decide():
 
 def test_json():
     rng = np.random.default_rng(0)
-    parts = [S.two_sample_part("w", rng.normal(1, 1, 3), rng.normal(0, 1, 3)),
-             S.bootstrap_part("b", rng.normal(0.2, 1, 64), n_boot=500)]
+    parts = [
+        S.two_sample_part("w", rng.normal(1, 1, 3), rng.normal(0, 1, 3)),
+        S.bootstrap_part("b", rng.normal(0.2, 1, 64), n_boot=500),
+    ]
     d = S.decide(parts, [S.min_seeds({"a": [1, 2, 3]})])
     doc = json.loads(json.dumps(d.to_json()))
     assert doc["outcome"] == d.outcome and doc["parts"][0]["ci"] == list(parts[0].ci) and doc["parts"][1]["df"] is None
-    assert doc["parts"][1]["details"] == {"n_boot": 500, "seed": 0, "method": "bca"} and doc["preconditions"][0]["passed"]
+    assert (
+        doc["parts"][1]["details"] == {"n_boot": 500, "seed": 0, "method": "bca"} and doc["preconditions"][0]["passed"]
+    )
     assert d.ours.startswith("w +")
 
 
 # ------------------------------------------------------------------------------------------------ bootstrap
+
 
 def test_bootstrap_matches_scipy_bootstrap():
     """The CIs agree with scipy.stats.bootstrap's (an independent implementation) within the Monte-Carlo error."""
@@ -189,8 +214,9 @@ def test_bootstrap_matches_scipy_bootstrap():
         assert p.effect == pytest.approx(x.mean())
     y = x + rng.normal(0.1, 0.5, 200)  # the same images: a paired difference
     p = S.paired_bootstrap_part("d", y, x, n_boot=20000)
-    r = ss.bootstrap((y, x), lambda a, b, axis: a.mean(axis) - b.mean(axis), paired=True, n_resamples=20000,
-                     method="BCa", rng=7).confidence_interval
+    r = ss.bootstrap(
+        (y, x), lambda a, b, axis: a.mean(axis) - b.mean(axis), paired=True, n_resamples=20000, method="BCa", rng=7
+    ).confidence_interval
     assert p.ci == pytest.approx((r.low, r.high), abs=0.01) and p.test == "paired bootstrap BCa"
 
 
@@ -241,6 +267,7 @@ def test_bootstrap_coverage_and_null_rates():
 
 
 # ------------------------------------------------------------------------------------------------ the rule simulated
+
 
 @pytest.mark.parametrize("design", S.DESIGNS)
 def test_rule_under_the_null(design):

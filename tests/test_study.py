@@ -1,5 +1,6 @@
 """Studies (analysis/reports/study.py): the study file, the claim numbers (analysis/reports/claims.py) on cases with known answers,
 and a tiny study end to end: train, analyse, report."""
+
 import numpy as np
 import pytest
 import yaml
@@ -32,7 +33,11 @@ def test_claim_numbers_on_constructed_results():
     assert C.skip_dominance(ratio) == 1.0 and C.skip_dominance(ratio, [True, False, False, False]) == 1.5
     d = np.array([[2, 20], [3, 19], [14, 15], [15, 16]], dtype=float)  # local + global heads low, global high
     hm = C.head_mix(d)
-    assert hm["spread_lower"] == pytest.approx(17) and hm["spread_upper"] == pytest.approx(1) and hm["mean_upper"] > hm["mean_lower"]
+    assert (
+        hm["spread_lower"] == pytest.approx(17)
+        and hm["spread_upper"] == pytest.approx(1)
+        and hm["mean_upper"] > hm["mean_lower"]
+    )
     dr = C.drift([0.9, 0.8, 0.5, 0.3])
     assert dr == {"lower": pytest.approx(0.85), "upper": pytest.approx(0.4)}
     o = C.offset_heads(np.array([[False, True], [False, False]]))
@@ -43,7 +48,13 @@ def test_claim_numbers_on_constructed_results():
 def _study(tmp_path, runs: dict, **extra) -> str:
     base = _merge(TINY, {"data": {"probe_train_size": 200}, "callbacks": []})
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(base))
-    d = {"study": "mini", "root": str(tmp_path / "runs"), "report": str(tmp_path / "docs" / "repro.md"), "runs": runs, **extra}
+    d = {
+        "study": "mini",
+        "root": str(tmp_path / "runs"),
+        "report": str(tmp_path / "docs" / "repro.md"),
+        "runs": runs,
+        **extra,
+    }
     p = tmp_path / "mini.yaml"
     p.write_text(yaml.safe_dump(d))
     return str(p)
@@ -51,8 +62,18 @@ def _study(tmp_path, runs: dict, **extra) -> str:
 
 def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
     s = load_study(ROOT / "recipes" / "studies" / "raghu2021.yaml")
-    configs = {"vit_cls", "vit_gap", "resnet", "noskip_b1", "noskip_b3", "noskip_b5", "subset_03", "subset_10", "subset_30",
-               "vit_local"}
+    configs = {
+        "vit_cls",
+        "vit_gap",
+        "resnet",
+        "noskip_b1",
+        "noskip_b3",
+        "noskip_b5",
+        "subset_03",
+        "subset_10",
+        "subset_30",
+        "vit_local",
+    }
     assert set(s.configs()) == configs | {"vit_local_nomix", "control"}
     # the pilot and the positive control: one seed
     assert set(s.runs) == {f"{c}_s{i}" for c in configs for i in (0, 1)} | {"vit_local_nomix_s0", "control_s0"}
@@ -64,8 +85,14 @@ def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
         assert [c.name for c in r.callbacks] == ["attention_distance"] and r.data.augment.mixup_alpha == mixup
         assert (r.model.num_heads, r.train.steps, r.train.checkpoint_every) == (8, 9000, 1500)
     assert [r.seed for r in s.configs()["vit_cls"]] == [0, 1] and s.runs["vit_cls_s1"].overrides[-1] == "seed=1"
-    assert s.report == ROOT / "docs" / "reproduction.md" and s.root == ROOT / "runs" / "study-raghu2021"  # the repository's
-    assert "erf" in s.runs["vit_cls_s0"].measures and "localization" in s.runs["resnet_s0"].measures and "aligned_attention" in s.measures
+    assert (
+        s.report == ROOT / "docs" / "reproduction.md" and s.root == ROOT / "runs" / "study-raghu2021"
+    )  # the repository's
+    assert (
+        "erf" in s.runs["vit_cls_s0"].measures
+        and "localization" in s.runs["resnet_s0"].measures
+        and "aligned_attention" in s.measures
+    )
     assert "data.analysis_size=2560" in s.runs["resnet_s1"].overrides
     assert s.suite_options(["cka"]).of("cka").layers == "paper"
     bad = _study(tmp_path, {"a": {"recipe": "tiny.yaml", "set": ["model.depht=3"]}})
@@ -79,16 +106,19 @@ def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
         load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml"}}, studdy=1))
 
 
-@pytest.mark.parametrize("extra, run, message", [
-    ({"seeds": [0, 0]}, {}, "seeds must be a list of distinct non-negative integers"),
-    ({"seeds": "0,1"}, {}, "seeds must be a list"),
-    ({}, {"seeds": [-1]}, "study run 'a': seeds must be"),
-    ({"seeds": [0, 1]}, {"set": ["seed=3"]}, "gives seeds: give the seed in one place only"),
-    ({"options": {"cka": {"layers": "some"}}}, {}, "options:"),
-    ({"options": {"ckka": {"layers": "paper"}}}, {}, "unknown measure 'ckka'"),
-    ({"options": {"cka": {"layerz": "paper"}}}, {}, "options:"),
-    ({"options": ["cka"]}, {}, "options:"),
-])
+@pytest.mark.parametrize(
+    "extra, run, message",
+    [
+        ({"seeds": [0, 0]}, {}, "seeds must be a list of distinct non-negative integers"),
+        ({"seeds": "0,1"}, {}, "seeds must be a list"),
+        ({}, {"seeds": [-1]}, "study run 'a': seeds must be"),
+        ({"seeds": [0, 1]}, {"set": ["seed=3"]}, "gives seeds: give the seed in one place only"),
+        ({"options": {"cka": {"layers": "some"}}}, {}, "options:"),
+        ({"options": {"ckka": {"layers": "paper"}}}, {}, "unknown measure 'ckka'"),
+        ({"options": {"cka": {"layerz": "paper"}}}, {}, "options:"),
+        ({"options": ["cka"]}, {}, "options:"),
+    ],
+)
 def test_seeds_and_options_are_checked(tmp_path, capsys, extra, run, message):
     p = _study(tmp_path, {"a": {"recipe": "tiny.yaml", **run}}, **extra)
     with pytest.raises(RecipeError, match=message):
@@ -99,8 +129,14 @@ def test_seeds_and_options_are_checked(tmp_path, capsys, extra, run, message):
 
 
 def test_seeded_runs_and_a_run_of_its_own_seeds(tmp_path):
-    s = load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml"}, "b": {"recipe": "tiny.yaml", "seeds": [5]}},
-                          seeds=[0, 1], options={"cka": {"layers": "paper"}}))
+    s = load_study(
+        _study(
+            tmp_path,
+            {"a": {"recipe": "tiny.yaml"}, "b": {"recipe": "tiny.yaml", "seeds": [5]}},
+            seeds=[0, 1],
+            options={"cka": {"layers": "paper"}},
+        )
+    )
     assert list(s.runs) == ["a_s0", "a_s1", "b_s5"] and s.runs["b_s5"].run_dir.name == "b_s5"
     assert {k: [r.seed for r in v] for k, v in s.configs().items()} == {"a": [0, 1], "b": [5]}
     assert s.options == {"cka": {"layers": "paper"}}
@@ -155,9 +191,15 @@ def test_go_no_go_trains_a_pilot_to_its_check_and_on_only_after_a_go(tmp_path, c
     # free heads after 4 tiny steps: every head near uniform attention (no-go); the positive control's forced 3x3-window
     # head in block 0 (interventions.local_attention): go
     pilot = ["callbacks=[attention_distance]", "train.checkpoint_every=2", "train.eval_every=4", "train.steps=6"]
-    forced = pilot + ["interventions.local_attention=[{blocks: [0], heads: [0], offset: [0, 0], radius: 1}]"]
-    p = _study(tmp_path, {"vit_local": {"recipe": "tiny.yaml", "set": pilot, "go_no_go": True},
-                          "forced": {"recipe": "tiny.yaml", "set": forced, "go_no_go": True}}, seeds=[0, 1])
+    forced = [*pilot, "interventions.local_attention=[{blocks: [0], heads: [0], offset: [0, 0], radius: 1}]"]
+    p = _study(
+        tmp_path,
+        {
+            "vit_local": {"recipe": "tiny.yaml", "set": pilot, "go_no_go": True},
+            "forced": {"recipe": "tiny.yaml", "set": forced, "go_no_go": True},
+        },
+        seeds=[0, 1],
+    )
     assert main([p, "--stage", "train", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
     root = tmp_path / "runs"
@@ -174,36 +216,68 @@ def test_go_no_go_trains_a_pilot_to_its_check_and_on_only_after_a_go(tmp_path, c
     assert main([p, "--stage", "train"]) == 0  # rerun: the decision stands, nothing trains
     out = capsys.readouterr().out
     assert "(to step 4): at step 4 already, skipped" in out and "0 started" in out and "no-go" in out
-    with pytest.raises(RecipeError, match="go_no_go needs"):  # the check reads the attention distance measured in training
+    with pytest.raises(
+        RecipeError, match="go_no_go needs"
+    ):  # the check reads the attention distance measured in training
         load_study(_study(tmp_path, {"x": {"recipe": "tiny.yaml", "go_no_go": True}}))
     assert main([_study(tmp_path, {"x": {"recipe": "tiny.yaml", "go_no_go": True}}), "--dry-run"]) == 2
-    assert "go_no_go needs a ViT with train.checkpoint_every set and the attention_distance callback" in capsys.readouterr().err
+    assert (
+        "go_no_go needs a ViT with train.checkpoint_every set and the attention_distance callback"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
     # timm's 64-channel 7x7/2 stem in front of 8-channel stages: every shortcut projects (no identity skip)
-    resnet = ["model.arch=resnet", "model.resnet_layers=[1,1,1,1]", "model.resnet_channels=[8,8,16,16]", "model.small_stem=false"]
-    p = _study(tmp_path, {"vit_cls": {"recipe": "tiny.yaml", "measures": "all"}, "resnet": {"recipe": "tiny.yaml", "set": resnet}},
-               measures=["cka", "norm_ratio", "fewshot_probe"], seeds=[0, 1], options={"cka": {"layers": "paper"}})
+    resnet = [
+        "model.arch=resnet",
+        "model.resnet_layers=[1,1,1,1]",
+        "model.resnet_channels=[8,8,16,16]",
+        "model.small_stem=false",
+    ]
+    p = _study(
+        tmp_path,
+        {"vit_cls": {"recipe": "tiny.yaml", "measures": "all"}, "resnet": {"recipe": "tiny.yaml", "set": resnet}},
+        measures=["cka", "norm_ratio", "fewshot_probe"],
+        seeds=[0, 1],
+        options={"cka": {"layers": "paper"}},
+    )
     assert main([p, "--jobs", "2"]) == 0  # two runs at a time, 1 thread each, each one's output in runs/logs/
     assert sorted(f.name for f in (tmp_path / "runs" / "logs").iterdir()) == [
-        "resnet_s0.log", "resnet_s1.log", "vit_cls_s0.log", "vit_cls_s1.log"]
+        "resnet_s0.log",
+        "resnet_s1.log",
+        "vit_cls_s0.log",
+        "vit_cls_s1.log",
+    ]
     assert "step" in (tmp_path / "runs" / "logs" / "vit_cls_s1.log").read_text()
     report = tmp_path / "docs" / "repro.md"
     text = report.read_text()
-    for claim in ("## 1. ViT layer representations are more uniform", "## 2. Skip connections are much more influential",
-                  "## 3. In the first half of the network the CLS token", "## 4. Lower layers mix",
-                  "## 5. The first block's local heads are the most similar", "## 6. ViT's intermediate layers are stronger",
-                  "## 7. Every ViT learns offset local attention heads",
-                  "| vit_cls_s1 | vit_cls | 1 |", "Claims at a glance", "> \"We observe a striking phase transition",
-                  # the pilot section covers every vit_* configuration, the locality claims say what they read
-                  "## Pilot runs: choosing a regime where local heads can appear", "**vit_cls_s0** (finished (step 8)",
-                  "| block | step 4 | step 8 |", "## Which configuration the locality claims read",
-                  "The study has no vit_local configuration, so the locality claims read vit_cls",
-                  # the CKA floors beside the maps: every block output against the pixels and the random init
-                  "What the maps are read against", "| vit_cls_s0 | 0.mlp |", "| vit_cls_s0 | 1.mlp |", "| resnet_s0 | layer1.0 |",
-                  "figures/mini/cka_floors.png", "figures/mini/pilot_attention_distance.png",
-                  "Paper: not stated as a number (Fig. 1"):
+    for claim in (
+        "## 1. ViT layer representations are more uniform",
+        "## 2. Skip connections are much more influential",
+        "## 3. In the first half of the network the CLS token",
+        "## 4. Lower layers mix",
+        "## 5. The first block's local heads are the most similar",
+        "## 6. ViT's intermediate layers are stronger",
+        "## 7. Every ViT learns offset local attention heads",
+        "| vit_cls_s1 | vit_cls | 1 |",
+        "Claims at a glance",
+        '> "We observe a striking phase transition',
+        # the pilot section covers every vit_* configuration, the locality claims say what they read
+        "## Pilot runs: choosing a regime where local heads can appear",
+        "**vit_cls_s0** (finished (step 8)",
+        "| block | step 4 | step 8 |",
+        "## Which configuration the locality claims read",
+        "The study has no vit_local configuration, so the locality claims read vit_cls",
+        # the CKA floors beside the maps: every block output against the pixels and the random init
+        "What the maps are read against",
+        "| vit_cls_s0 | 0.mlp |",
+        "| vit_cls_s0 | 1.mlp |",
+        "| resnet_s0 | layer1.0 |",
+        "figures/mini/cka_floors.png",
+        "figures/mini/pilot_attention_distance.png",
+        "Paper: not stated as a number (Fig. 1",
+    ):
         assert claim in text, claim
     assert text.count("Paper: ") == 7 and text.count("Ours: ") == 7  # every claim section shows both
     assert "Go/no-go: **go**" in text or "Go/no-go: **no-go**" in text
@@ -214,10 +288,20 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
 
     assert check_report(report) == []
     back = C.read_json(report.with_suffix(".json"))
-    assert list(back["claims"]) == ["uniformity", "skip_dominance", "cls_phase", "head_mix", "head_subsets",
-                                    "intermediate_probes", "offset_heads"]
+    assert list(back["claims"]) == [
+        "uniformity",
+        "skip_dominance",
+        "cls_phase",
+        "head_mix",
+        "head_subsets",
+        "intermediate_probes",
+        "offset_heads",
+    ]
     assert back["locality_configuration"]["config"] == "vit_cls" and set(back["pilots"]) == {"vit_cls_s0", "vit_cls_s1"}
-    assert all(back["claims"][c]["measured"]["configuration"] == "vit_cls" for c in ("head_mix", "head_subsets", "offset_heads"))
+    assert all(
+        back["claims"][c]["measured"]["configuration"] == "vit_cls"
+        for c in ("head_mix", "head_subsets", "offset_heads")
+    )
     assert back["pilots"]["vit_cls_s0"]["go"] in (C.GO, C.NO_GO)
     assert all(c["verdict"] in C.OUTCOMES and c["passage"] and c["rule"] for c in back["claims"].values())
     for cid in ("uniformity", "skip_dominance"):  # see `resnet` above: every shortcut projects

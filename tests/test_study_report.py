@@ -2,6 +2,7 @@
 (analysis/reports/study_report.py, analysis/baselines.py), on synthetic run folders: a recipe.yaml, checkpoint
 meta.json files and saved attention distances, no training. The full report on trained tiny runs is in
 tests/test_study.py."""
+
 import json
 import types
 
@@ -29,9 +30,18 @@ UNIFORM = C.uniform_distance(7, 4)  # 14.44 px on the 7x7 grid of 4-pixel patche
 
 
 def _recipe(tmp_path) -> str:
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(_merge(TINY, {
-        "model": {"depth": DEPTH, "num_heads": HEADS}, "callbacks": [],
-        "train": {"steps": STEPS, "eval_every": 1500, "checkpoint_every": 1500}})))
+    (tmp_path / "tiny.yaml").write_text(
+        yaml.safe_dump(
+            _merge(
+                TINY,
+                {
+                    "model": {"depth": DEPTH, "num_heads": HEADS},
+                    "callbacks": [],
+                    "train": {"steps": STEPS, "eval_every": 1500, "checkpoint_every": 1500},
+                },
+            )
+        )
+    )
     return "tiny.yaml"
 
 
@@ -40,8 +50,17 @@ def _study(tmp_path, configs=("vit_cls", "vit_local", "vit_local_nomix")):
     if "vit_local_nomix" in runs:
         runs["vit_local_nomix"]["seeds"] = [0]
     p = tmp_path / "s.yaml"
-    p.write_text(yaml.safe_dump({"study": "mini", "root": str(tmp_path / "runs"), "report": str(tmp_path / "docs" / "r.md"),
-                                 "seeds": [0, 1], "runs": runs}))
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "study": "mini",
+                "root": str(tmp_path / "runs"),
+                "report": str(tmp_path / "docs" / "r.md"),
+                "seeds": [0, 1],
+                "runs": runs,
+            }
+        )
+    )
     return load_study(p)
 
 
@@ -62,8 +81,16 @@ def _fake_run(study, name: str, distances: dict, final: bool = False) -> None:
             a = d / "analysis" / step_dir_name(step)
             a.mkdir(parents=True)
             px = np.asarray(dist, dtype=float)
-            save_result({"pixels": px, "unit_square": px / 24, "pixel_level": px + 1, "blocks": [f"blocks.{i}" for i in range(DEPTH)],
-                         "patch_size": 4}, a / "attention_distance.npz")
+            save_result(
+                {
+                    "pixels": px,
+                    "unit_square": px / 24,
+                    "pixel_level": px + 1,
+                    "blocks": [f"blocks.{i}" for i in range(DEPTH)],
+                    "patch_size": 4,
+                },
+                a / "attention_distance.npz",
+            )
 
 
 FLAT = np.full((DEPTH, HEADS), 14.0)
@@ -81,20 +108,37 @@ def test_pilot_section_go_no_go_and_runs_missing_or_unfinished(tmp_path):
     runs, absent = R._open(s)
     assert set(runs) == {"vit_cls_s0", "vit_cls_s1", "vit_local_s0", "vit_local_nomix_s0"}
     assert absent == {"vit_local_s1": "no complete checkpoint yet"}
-    text, records, notes, extra = R._report(s, runs, absent)  # no ResNet: the runs and the pilots, no claims
+    text, records, _notes, extra = R._report(s, runs, absent)  # no ResNet: the runs and the pilots, no claims
     assert records == [] and "## Pilot runs: choosing a regime where local heads can appear" in text
     assert f"below {C.GO_FRACTION:g} x uniform" in text and "0.28 x" in text  # the threshold and its justification
     go = extra["pilots"]
-    assert {k: v["go"] for k, v in go.items()} == {"vit_cls_s0": C.NO_GO, "vit_cls_s1": C.UNDECIDED, "vit_local_s0": C.GO,
-                                                  "vit_local_s1": C.UNDECIDED, "vit_local_nomix_s0": C.NO_GO}
-    assert "**vit_local_s0** (unfinished (step 4500 of 4500); 7x7 grid of 4-pixel patches, 4 heads; uniform attention 14.44 px)" in text
-    assert "Go/no-go: **go**: at the second checkpoint (step 3000) the most local head of blocks 0-1 (block 0, head 2) " \
-           "attends at 5.00 px = 0.35 x uniform" in text
-    assert "**vit_local_s1**: no complete checkpoint yet: no attention distance to show. Go/no-go: **undecided**." in text
-    assert "the check reads the second scheduled checkpoint (step 3000), which the run has not reached yet" in text  # vit_cls_s1
+    assert {k: v["go"] for k, v in go.items()} == {
+        "vit_cls_s0": C.NO_GO,
+        "vit_cls_s1": C.UNDECIDED,
+        "vit_local_s0": C.GO,
+        "vit_local_s1": C.UNDECIDED,
+        "vit_local_nomix_s0": C.NO_GO,
+    }
+    assert (
+        "**vit_local_s0** (unfinished (step 4500 of 4500); 7x7 grid of 4-pixel patches, 4 heads; uniform attention 14.44 px)"
+        in text
+    )
+    assert (
+        "Go/no-go: **go**: at the second checkpoint (step 3000) the most local head of blocks 0-1 (block 0, head 2) "
+        "attends at 5.00 px = 0.35 x uniform" in text
+    )
+    assert (
+        "**vit_local_s1**: no complete checkpoint yet: no attention distance to show. Go/no-go: **undecided**." in text
+    )
+    assert (
+        "the check reads the second scheduled checkpoint (step 3000), which the run has not reached yet" in text
+    )  # vit_cls_s1
     # the table: smallest head / mean over heads by block at every checkpoint, "-" where not measured
     assert "| block | step 1500 | step 3000 | step 4500 |" in text
-    assert "| 0 | 14.0 / 14.0 | 5.0 / 11.8 | - |" in text and "| blocks 0-1: smallest / uniform | 0.97 | 0.35 | - |" in text
+    assert (
+        "| 0 | 14.0 / 14.0 | 5.0 / 11.8 | - |" in text
+        and "| blocks 0-1: smallest / uniform | 0.97 | 0.35 | - |" in text
+    )
     # the runs table says which runs are missing or unfinished
     assert "| vit_local_s1 | vit_local | 1 |" in text and "no complete checkpoint yet | - |" in text
     assert "(unfinished (step 1500 of 4500))" in text
@@ -134,7 +178,9 @@ def test_the_locality_claims_prefer_vit_local_when_all_its_seeds_have_finished(t
     assert "not enough data" in loc["why"]
     meta = s.runs["vit_local_s1"].run_dir / "checkpoints" / step_dir_name(4500)
     meta.mkdir()
-    (meta / "meta.json").write_text(json.dumps({"step": 4500, "final": True, "eval": {"top1": 0.8, "n": 250}, "files": {}}))
+    (meta / "meta.json").write_text(
+        json.dumps({"step": 4500, "final": True, "eval": {"top1": 0.8, "n": 250}, "files": {}})
+    )
     loc = choice()
     assert loc["config"] == "vit_local" and [r.name for r in loc["runs"]] == ["vit_local_s0", "vit_local_s1"]
     assert "seeds 0, 1" in loc["why"] and "not enough data" in loc["why"]
@@ -165,17 +211,36 @@ def test_the_check_reads_the_second_scheduled_checkpoint_and_a_no_go_stops_the_l
     assert "vit_local stopped at its go/no-go check (vit_local_s0: at the second checkpoint (step 3000)" in loc["why"]
     assert "0.97 x uniform" in loc["why"] and "not enough data" in loc["why"]
     # the configuration's other seed is absent by design, and said so
-    assert absent == {"vit_local_s1": "not trained: its configuration stopped at the go/no-go check of vit_local_s0",
-                      "vit_local_nomix_s0": "not started (no run folder)"}
+    assert absent == {
+        "vit_local_s1": "not trained: its configuration stopped at the go/no-go check of vit_local_s0",
+        "vit_local_nomix_s0": "not started (no run folder)",
+    }
 
 
 def test_the_positive_control_section_says_whether_the_detectors_find_the_forced_heads(tmp_path):
-    forced = [{"blocks": [0], "heads": [0], "offset": [0, 0], "radius": 1}, {"blocks": [0], "heads": [1], "offset": [0, 1], "radius": 0}]
-    (tmp_path / "control.yaml").write_text(yaml.safe_dump(_merge(yaml.safe_load((tmp_path / _recipe(tmp_path)).read_text()),
-                                                                {"interventions": {"local_attention": forced}})))
+    forced = [
+        {"blocks": [0], "heads": [0], "offset": [0, 0], "radius": 1},
+        {"blocks": [0], "heads": [1], "offset": [0, 1], "radius": 0},
+    ]
+    (tmp_path / "control.yaml").write_text(
+        yaml.safe_dump(
+            _merge(
+                yaml.safe_load((tmp_path / _recipe(tmp_path)).read_text()),
+                {"interventions": {"local_attention": forced}},
+            )
+        )
+    )
     p = tmp_path / "s.yaml"
-    p.write_text(yaml.safe_dump({"study": "mini", "root": str(tmp_path / "runs"), "report": str(tmp_path / "docs" / "r.md"),
-                                 "runs": {"control": {"recipe": "control.yaml", "seeds": [0]}}}))
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "study": "mini",
+                "root": str(tmp_path / "runs"),
+                "report": str(tmp_path / "docs" / "r.md"),
+                "runs": {"control": {"recipe": "control.yaml", "seeds": [0]}},
+            }
+        )
+    )
     s = load_study(p)
     dist = FLAT.copy()
     dist[0, 0], dist[0, 1], dist[2, 3] = 4.1, 3.5, 6.0  # the forced heads, and a free head that is local too
@@ -187,8 +252,10 @@ def test_the_positive_control_section_says_whether_the_detectors_find_the_forced
 
     def aligned(peak):
         peaks[0, 1] = peak
-        save_result({"local": local, "offset_local": local & (np.abs(peaks).max(-1) > 0), "peak_offset": peaks},
-                    s.runs["control_s0"].run_dir / "analysis" / step_dir_name(1500) / "aligned_attention.npz")
+        save_result(
+            {"local": local, "offset_local": local & (np.abs(peaks).max(-1) > 0), "peak_offset": peaks},
+            s.runs["control_s0"].run_dir / "analysis" / step_dir_name(1500) / "aligned_attention.npz",
+        )
         runs, _ = R._open(s)
         return R.control_check(runs["control_s0"], UNIFORM)
 
@@ -207,6 +274,7 @@ def test_the_positive_control_section_says_whether_the_detectors_find_the_forced
 
 
 # -------------------------------------------------------------- CKA floors (analysis/baselines.py)
+
 
 def _vit(seed: int):
     torch.manual_seed(seed)

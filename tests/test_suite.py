@@ -1,4 +1,5 @@
 """The analysis suite in one pass, its callbacks at training time, on every model variant."""
+
 import json
 from pathlib import Path
 
@@ -17,17 +18,26 @@ DATA = {"train_size": 256, "eval_size": 128, "probe_train_size": 200, "analysis_
 
 
 def _setup(model_cfg=None, interventions=None):
-    r = from_dict({"data": DATA, "model": {"depth": 3, "embed_dim": 32, "num_heads": 2, **(model_cfg or {})},
-                   "interventions": interventions or {}})
+    r = from_dict(
+        {
+            "data": DATA,
+            "model": {"depth": 3, "embed_dim": 32, "num_heads": 2, **(model_cfg or {})},
+            "interventions": interventions or {},
+        }
+    )
     torch.manual_seed(0)
     return build_model(r, 10), build_data(r)
 
 
 @pytest.mark.parametrize("variant", ["cls", "gap", "noskip", "resnet", "mixer"])
 def test_suite_on_every_variant(variant):
-    cfg = {"cls": ({}, None), "gap": ({"head": "gap"}, None), "noskip": ({}, {"no_skip": {"blocks": [1]}}),
-           "resnet": ({"arch": "resnet", "resnet_layers": [1, 1, 1, 1], "resnet_channels": [8, 8, 16, 16]}, None),
-           "mixer": ({"arch": "mixer"}, None)}[variant]
+    cfg = {
+        "cls": ({}, None),
+        "gap": ({"head": "gap"}, None),
+        "noskip": ({}, {"no_skip": {"blocks": [1]}}),
+        "resnet": ({"arch": "resnet", "resnet_layers": [1, 1, 1, 1], "resnet_channels": [8, 8, 16, 16]}, None),
+        "mixer": ({"arch": "mixer"}, None),
+    }[variant]
     model, data = _setup(*cfg)
     res = run_suite(model, data, suite_options(None, 32, {"fewshot_probe": {"seeds": [0, 1]}}))
     m = res["cka"]["matrix"]
@@ -35,13 +45,22 @@ def test_suite_on_every_variant(variant):
     assert m.shape == (L, L) and np.allclose(np.diag(m), 1.0) and np.allclose(m, m.T)
     assert np.isfinite(res["norm_ratio"]["ratio"]).all()
     fp = res["fewshot_probe"]
-    assert fp["mean"].shape[1] == (3 if variant != "resnet" else 4) and ((0 <= fp["mean"]) & (fp["mean"] <= 1)).all()
-    assert fp["baseline"].shape == fp["mean"].shape and fp["baseline"].mean() < 0.3  # Gaussian features: near chance (0.1)
+    assert fp["mean"].shape[1] == (3 if variant != "resnet" else 4) and ((fp["mean"] >= 0) & (fp["mean"] <= 1)).all()
+    assert (
+        fp["baseline"].shape == fp["mean"].shape and fp["baseline"].mean() < 0.3
+    )  # Gaussian features: near chance (0.1)
     if variant == "mixer":  # Raghu App. H: token mixing in place of attention, in the CKA analyses
         assert res["cka"]["labels"][:2] == ["0.token", "0.channel"] and "attention_distance" not in res
         assert res["norm_ratio"]["ratio"].shape == (2, 3, 49) and fp["pools"] == ["mean", "mean_spatial"]
-        more = run_suite(model, data, suite_options(None, 32, {"fewshot_probe": {"seeds": [0]}, "token_probes": {"seeds": [0]}}), measures=["localization", "token_probes", "residual_cka"])
-        assert more["localization"]["own_share"].shape == (3,) and more["localization"]["own_share"][0] > 0.5  # tokens start as their patch
+        more = run_suite(
+            model,
+            data,
+            suite_options(None, 32, {"fewshot_probe": {"seeds": [0]}, "token_probes": {"seeds": [0]}}),
+            measures=["localization", "token_probes", "residual_cka"],
+        )
+        assert (
+            more["localization"]["own_share"].shape == (3,) and more["localization"]["own_share"][0] > 0.5
+        )  # tokens start as their patch
         assert more["token_probes"]["acc"].shape == (3, 49) and "cls_acc" not in more["token_probes"]
         assert more["residual_cka"]["skip_branch"].shape == (2, 3)
     elif variant == "resnet":
@@ -54,21 +73,36 @@ def test_suite_on_every_variant(variant):
 
 
 def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, tmp_path):
-    p = write_recipe(callbacks=[{"name": "analysis_suite", "batch_size": 32, "fewshot_probe": {"seeds": [0]}}], train={"log_every": 4},
-                     data={"probe_train_size": 200})
+    p = write_recipe(
+        callbacks=[{"name": "analysis_suite", "batch_size": 32, "fewshot_probe": {"seeds": [0]}}],
+        train={"log_every": 4},
+        data={"probe_train_size": 200},
+    )
     out = train(load_recipe(p), progress=False)
     run = Path(out["run_dir"])
     for step in (4, 8):
         d = run / "analysis" / f"step_{step:07d}"
-        for f in ("cka.npz", "norm_ratio.npz", "attention_distance.npz", "fewshot_probe.npz", "summary.json", "cache.json"):
+        for f in (
+            "cka.npz",
+            "norm_ratio.npz",
+            "attention_distance.npz",
+            "fewshot_probe.npz",
+            "summary.json",
+            "cache.json",
+        ):
             assert (d / f).is_file(), (d, f)
         for f in ("cka_self.png", "probe_10shot.png"):
             assert (run / "figures" / d.name / f).is_file(), (d, f)
         s = json.loads((d / "summary.json").read_text())
         assert s["step"] == step and len(s["fewshot_probe"]["cls"]) == 2
     sc = read_scalars(run)
-    for tag in ("cka/mean_offdiag", "norm_ratio/attn/cls/block00", "norm_ratio/mlp/spatial/block01", "attn_dist/min/block01",
-                "probe/10shot/cls/block01"):
+    for tag in (
+        "cka/mean_offdiag",
+        "norm_ratio/attn/cls/block00",
+        "norm_ratio/mlp/spatial/block01",
+        "attn_dist/min/block01",
+        "probe/10shot/cls/block01",
+    ):
         assert "analysis/" + tag in sc and [s for s, _ in sc["analysis/" + tag]] == [4, 8], tag
     cb = dict(sc["time/callbacks_s"])
     assert cb[4] > 0 and {4, 8} <= set(cb)  # the suite ran there (its figures are drawn in the background)
@@ -79,7 +113,9 @@ def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, t
     assert {"cka/self", "norm_ratio/lines", "attn_dist/heads", "probe/10shot"} <= set(ea.Tags()["images"])
 
 
-def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_early(write_recipe, tmp_path, monkeypatch, capsys):
+def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_early(
+    write_recipe, tmp_path, monkeypatch, capsys
+):
     """The callback's figures are drawn in a background thread; a run stopped by --stop-after (no on_train_end)
     still gets every checkpoint's figures in PNG and TensorBoard before TensorBoard closes; a figure that fails to
     draw is a warning, not a failed run."""
@@ -96,8 +132,10 @@ def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_ea
         return real(res, figure_dir, writer, step, *a, **kw)
 
     monkeypatch.setattr(storage, "publish_figures", spy)
-    p = write_recipe(callbacks=[{"name": "analysis_suite", "batch_size": 32, "measures": ["cka"]}],
-                     train={"steps": 12, "checkpoint_every": 4, "log_every": 4})
+    p = write_recipe(
+        callbacks=[{"name": "analysis_suite", "batch_size": 32, "measures": ["cka"]}],
+        train={"steps": 12, "checkpoint_every": 4, "log_every": 4},
+    )
     from train.trainer import TrainingStopped
 
     with pytest.raises(TrainingStopped):
@@ -109,7 +147,10 @@ def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_ea
     assert (run / "figures/step_0000004/cka_self.png").is_file()
     assert not (run / "figures/step_0000008").exists()  # its drawing failed ...
     assert (run / "analysis/step_0000008/cka.npz").is_file()  # ... its results did not
-    assert "warning: callback 'analysis_suite' could not draw its figures (RuntimeError: no font)" in capsys.readouterr().err
+    assert (
+        "warning: callback 'analysis_suite' could not draw its figures (RuntimeError: no font)"
+        in capsys.readouterr().err
+    )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ea = EventAccumulator(str(run / "tb"), size_guidance={"images": 0})

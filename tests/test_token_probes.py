@@ -2,6 +2,7 @@
 with probe_layers on single-token features, the suite's shot / validation halves, stride, CLS / GAP / ResNet through
 the protocol, round-trip; ResNet tokens with Raghu App. A's patching step (a hand-made map, the patch-side rule,
 the measures' defaults)."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,18 @@ def _vit(class_token=True):
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
-    return VisionTransformer(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2,
-                             mlp_ratio=2.0, class_token=class_token, global_pool="token" if class_token else "avg").eval()
+    return VisionTransformer(
+        img_size=28,
+        patch_size=4,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=32,
+        depth=2,
+        num_heads=2,
+        mlp_ratio=2.0,
+        class_token=class_token,
+        global_pool="token" if class_token else "avg",
+    ).eval()
 
 
 def _resnet():
@@ -50,22 +61,33 @@ def _split(n, seed):
 
 def _ctx(model, n_test=30, n_train=200):
     vit = hasattr(model, "patch_embed")
-    data = types.SimpleNamespace(analysis=_split(n_test, 0), probe_train=_split(n_train, 1), normalize=lambda x: x.float() / 255,
-                                 num_classes=10)
-    return Context(model=model, data=data, device=torch.device("cpu"),
-                   arch="vit" if vit else "resnet", blocks=tuple(block_names(model)), prefix=model.num_prefix_tokens if vit else 0,
-                   grid=grid_of(model) if vit else None, patch_size=4 if vit else None)
+    data = types.SimpleNamespace(
+        analysis=_split(n_test, 0), probe_train=_split(n_train, 1), normalize=lambda x: x.float() / 255, num_classes=10
+    )
+    return Context(
+        model=model,
+        data=data,
+        device=torch.device("cpu"),
+        arch="vit" if vit else "resnet",
+        blocks=tuple(block_names(model)),
+        prefix=model.num_prefix_tokens if vit else 0,
+        grid=grid_of(model) if vit else None,
+        patch_size=4 if vit else None,
+    )
 
 
 @torch.no_grad()
 def _run(measure, ctx, batch_size=64):
     """Drive a Measure through the protocol, as the suite does: analysis pass, then probe-train pass, then finish."""
-    for split, taps, fn in ((ctx.data.analysis, measure.taps(), measure.update), (ctx.data.probe_train, measure.probe_taps(), measure.update_probe)):
+    for split, taps, fn in (
+        (ctx.data.analysis, measure.taps(), measure.update),
+        (ctx.data.probe_train, measure.probe_taps(), measure.update_probe),
+    ):
         for j in range((len(split.labels) + batch_size - 1) // batch_size):
-            x = ctx.data.normalize(split.images[j * batch_size:(j + 1) * batch_size])
+            x = ctx.data.normalize(split.images[j * batch_size : (j + 1) * batch_size])
             with Taps(ctx.model, sorted(taps)) as cap:
                 ctx.model(x)
-            fn(j, cap.captures, x, split.labels[j * batch_size:(j + 1) * batch_size])
+            fn(j, cap.captures, x, split.labels[j * batch_size : (j + 1) * batch_size])
     return measure.finish()
 
 
@@ -100,8 +122,12 @@ def test_with_validation_features_matches_probe_layers():
     tr_x, tr_y = _only_token3(100, 2)
     va_x, va_y = _only_token3(60, 3)
     te_x, te_y = _only_token3(200, 4)
-    acc, std = token_probe_accuracies(tr_x, tr_y, te_x, te_y, shots=5, seeds=(0, 1), val_x=va_x, val_y=va_y, num_classes=10)
-    ref = probe_layers({"x": tr_x[:, 3]}, tr_y, {"x": te_x[:, 3]}, te_y, shots=5, seeds=(0, 1), val_feats={"x": va_x[:, 3]}, val_y=va_y)["x"]
+    acc, std = token_probe_accuracies(
+        tr_x, tr_y, te_x, te_y, shots=5, seeds=(0, 1), val_x=va_x, val_y=va_y, num_classes=10
+    )
+    ref = probe_layers(
+        {"x": tr_x[:, 3]}, tr_y, {"x": te_x[:, 3]}, te_y, shots=5, seeds=(0, 1), val_feats={"x": va_x[:, 3]}, val_y=va_y
+    )["x"]
     assert (acc[3], std[3]) == pytest.approx(ref, abs=0)
 
 
@@ -131,7 +157,8 @@ def test_cls_vit_through_the_protocol_equals_explicit_probes():
     assert r["cls_acc"].shape == r["cls_std"].shape == (2,) and r["mean_over_tokens"].shape == (2,)
     np.testing.assert_allclose(r["mean_over_tokens"], r["acc"].mean(1))
     assert r["shots"] == 5 and r["seeds"].tolist() == [0, 1] and r["chance"] == 0.1 and r["n_images"] == 30
-    # explicit reference: features of every image, the suite's halves, probe_layers on token 24 (+1 for CLS) and the CLS token
+    # explicit reference: features of every image, the suite's halves, probe_layers on token 24 (+1 for CLS) and the CLS
+    # token
     feats = {}
     for name, split in (("test", ctx.data.analysis), ("train", ctx.data.probe_train)):
         with Taps(ctx.model, ["blocks.1.out"]) as cap:
@@ -141,8 +168,17 @@ def test_cls_vit_through_the_protocol_equals_explicit_probes():
     ytr = ctx.data.probe_train.labels
     for col, tok in ((4, 1 + 24), (None, 0)):
         f = feats["train"][:, tok]
-        ref = probe_layers({"t": f[shot]}, ytr[shot], {"t": feats["test"][:, tok]}, ctx.data.analysis.labels, shots=5, seeds=(0, 1),
-                           val_feats={"t": f[val]}, val_y=ytr[val], num_classes=10)["t"]
+        ref = probe_layers(
+            {"t": f[shot]},
+            ytr[shot],
+            {"t": feats["test"][:, tok]},
+            ctx.data.analysis.labels,
+            shots=5,
+            seeds=(0, 1),
+            val_feats={"t": f[val]},
+            val_y=ytr[val],
+            num_classes=10,
+        )["t"]
         got = (r["acc"][1, col], r["std"][1, col]) if col is not None else (r["cls_acc"][1], r["cls_std"][1])
         assert got == pytest.approx(ref, abs=1e-12)
     # the label is written into token 0's patch: that token beats the mean of the others
@@ -174,7 +210,11 @@ def test_resnet_pads_the_small_last_stage():
     r = _run(TokenProbes(ctx, TokenProbeOptions(shots=5, seeds=(0,), stride=2)), ctx)
     assert r["grid"].tolist() == [[7, 7], [7, 7], [7, 7], [4, 4]] and "cls_acc" not in r
     assert r["acc"].shape == (4, 16)  # 7x7 grids at stride 2: 16 tokens; 4x4 at stride 2: 4 tokens + NaN padding
-    assert np.isnan(r["acc"][3, 4:]).all() and np.isfinite(r["acc"][3, :4]).all() and r["token_index"][3].tolist() == [0, 2, 8, 10] + [-1] * 12
+    assert (
+        np.isnan(r["acc"][3, 4:]).all()
+        and np.isfinite(r["acc"][3, :4]).all()
+        and r["token_index"][3].tolist() == [0, 2, 8, 10] + [-1] * 12
+    )
     np.testing.assert_allclose(r["mean_over_tokens"][3], r["acc"][3, :4].mean())
     figs = TokenProbes.figures(r)
     import matplotlib.pyplot as plt
@@ -197,8 +237,12 @@ def test_patchify_a_hand_made_feature_map():
     tokens, grid = spatial_tokens(fmap, patch=2)
     assert grid == (2, 2) and tokens.shape == (1, 4, 8)
     # each 2x2 patch flattened as (channel, row in patch, col in patch), patches in row-major order
-    assert tokens[0].tolist() == [[0, 1, 4, 5, 16, 17, 20, 21], [2, 3, 6, 7, 18, 19, 22, 23],
-                                  [8, 9, 12, 13, 24, 25, 28, 29], [10, 11, 14, 15, 26, 27, 30, 31]]
+    assert tokens[0].tolist() == [
+        [0, 1, 4, 5, 16, 17, 20, 21],
+        [2, 3, 6, 7, 18, 19, 22, 23],
+        [8, 9, 12, 13, 24, 25, 28, 29],
+        [10, 11, 14, 15, 26, 27, 30, 31],
+    ]
     assert patchify(fmap, 2).shape == (1, 8, 2, 2) and patchify(fmap, 1) is fmap
     # then pooled like a plain map: max_side 1 averages the four patch tokens
     pooled, g1 = spatial_tokens(fmap, patch=2, max_side=1)
@@ -218,10 +262,15 @@ def test_patch_side_rule():
     # ResNet-50 at 224 px: C p^2 at most 2048, the pooled 7x7 grid kept
     sides = [resnet_patch_side((1, c, h, h), 2048) for c, h in ((256, 56), (512, 28), (1024, 14), (2048, 7))]
     assert sides == [2, 2, 1, 1]
-    assert resnet_patch_side((1, 8, 28, 28), 1024) == 4  # 7 would divide 28 and fit the channels, but shrink the grid below 7
+    assert (
+        resnet_patch_side((1, 8, 28, 28), 1024) == 4
+    )  # 7 would divide 28 and fit the channels, but shrink the grid below 7
     assert resnet_patch_side((1, 16, 7, 7), 1024) == 1
     assert resnet_patch_side((1, 32, 28, 28), 256) == 2  # 3 would give 288 > 256 channels
-    assert resnet_patch_side((1, 8, 28, 28), 1024, mode="pool") == 1 and resnet_patch_side((1, 8, 28, 28), 1024, patch=3) == 3
+    assert (
+        resnet_patch_side((1, 8, 28, 28), 1024, mode="pool") == 1
+        and resnet_patch_side((1, 8, 28, 28), 1024, patch=3) == 3
+    )
     assert final_channels(_resnet()) == 16 and final_channels(types.SimpleNamespace(module=_resnet())) == 16
 
 
@@ -255,8 +304,17 @@ def test_resnet_tokens_are_patched_by_default_and_equal_explicit_probes():
     shot, val = probe_halves(ctx.data.probe_train.labels)
     ytr = ctx.data.probe_train.labels
     f = feats["train"][:, 24]
-    ref = probe_layers({"t": f[shot]}, ytr[shot], {"t": feats["test"][:, 24]}, ctx.data.analysis.labels, shots=5, seeds=(0,),
-                       val_feats={"t": f[val]}, val_y=ytr[val], num_classes=10)["t"]
+    ref = probe_layers(
+        {"t": f[shot]},
+        ytr[shot],
+        {"t": feats["test"][:, 24]},
+        ctx.data.analysis.labels,
+        shots=5,
+        seeds=(0,),
+        val_feats={"t": f[val]},
+        val_y=ytr[val],
+        num_classes=10,
+    )["t"]
     col = r["token_index"][0].tolist().index(24)
     assert r["acc"][0, col] == pytest.approx(ref[0], abs=1e-12)
 
@@ -278,8 +336,16 @@ def test_probe_options_are_checked():
     from analysis.measures.fewshot_probe import FewShotProbeMeasure
 
     assert make_options(TokenProbes, {"method": "centred", "l2": "1e3", "resnet_tokens": "pool"}).l2 == 1000.0
-    assert make_options(FewShotProbeMeasure, {}).method == "big_vision" and make_options(FewShotProbeMeasure, {}).l2 is None
-    for cls, bad in ((TokenProbes, {"method": "sklearn"}), (TokenProbes, {"l2": 0}), (FewShotProbeMeasure, {"resnet_tokens": "crop"}),
-                     (FewShotProbeMeasure, {"baseline": "normal"}), (FewShotProbeMeasure, {"resnet_patch": -1})):
+    assert (
+        make_options(FewShotProbeMeasure, {}).method == "big_vision"
+        and make_options(FewShotProbeMeasure, {}).l2 is None
+    )
+    for cls, bad in (
+        (TokenProbes, {"method": "sklearn"}),
+        (TokenProbes, {"l2": 0}),
+        (FewShotProbeMeasure, {"resnet_tokens": "crop"}),
+        (FewShotProbeMeasure, {"baseline": "normal"}),
+        (FewShotProbeMeasure, {"resnet_patch": -1}),
+    ):
         with pytest.raises(MeasureError):
             make_options(cls, bad)

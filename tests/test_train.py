@@ -1,5 +1,6 @@
 """The training loop: end-to-end smoke run, exact resume, interrupted/corrupted checkpoints, NaN stop,
 callback cadence and timing."""
+
 import json
 import os
 import subprocess
@@ -57,7 +58,7 @@ class Record(Callback):
         self.sleep = sleep
         Record.calls = []
 
-    def _rec(name):  # noqa: N805
+    def _rec(name):
         def f(self, ctx):
             import time
 
@@ -74,10 +75,16 @@ class Record(Callback):
 
 
 def test_lr_schedule_warmup_then_decay():
-    r = load_recipe(ROOT / "recipes/default.yaml", ["train.steps=100", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.0"])
+    r = load_recipe(
+        ROOT / "recipes/default.yaml", ["train.steps=100", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.0"]
+    )
     t = r.train
     assert lr_at(0, t) == pytest.approx(0.1) and lr_at(9, t) == pytest.approx(1.0)
-    assert lr_at(10, t) == pytest.approx(1.0) and lr_at(55, t) == pytest.approx(0.5) and lr_at(100, t) == pytest.approx(0.0)
+    assert (
+        lr_at(10, t) == pytest.approx(1.0)
+        and lr_at(55, t) == pytest.approx(0.5)
+        and lr_at(100, t) == pytest.approx(0.0)
+    )
     t.schedule = "linear"
     assert lr_at(55, t) == pytest.approx(0.5) and lr_at(28, t) == pytest.approx(0.8)
 
@@ -86,7 +93,14 @@ def test_smoke_run_through_launch_sh(write_recipe, tmp_path):
     """The user's path: ./launch.sh RECIPE --set ... -> checkpoints, TensorBoard tags, resolved recipe."""
     p = write_recipe(callbacks=[{"name": "sample_images", "every": 4}])
     env = {**os.environ, "VITLAB_NPROC": "1"}
-    out = subprocess.run([str(ROOT / "launch.sh"), str(p), "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [str(ROOT / "launch.sh"), str(p), "--no-progress"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "runs" / "tiny"
     assert [c.name for c in list_checkpoints(run / "checkpoints")] == ["step_0000004", "step_0000008"]
@@ -179,7 +193,9 @@ def test_resume_is_exact_when_it_starts_an_epoch(write_recipe):
 
 def test_resume_with_grad_accum_across_epoch_boundary(write_recipe):
     """Accumulation windows that straddle an epoch end resume exactly too (512 imgs / 96 = 5 batches/epoch)."""
-    kw = dict(train={"batch_size": 96, "grad_accum": 2, "steps": 6, "checkpoint_every": 3, "eval_every": 0, "log_every": 1})
+    kw = dict(
+        train={"batch_size": 96, "grad_accum": 2, "steps": 6, "checkpoint_every": 3, "eval_every": 0, "log_every": 1}
+    )
     straight = train(load_recipe(write_recipe("s", **kw)), progress=False)
     p = write_recipe("r", callbacks=[{"name": "test_crash_at", "step": 3}], **kw)
     with pytest.raises(Crash):
@@ -252,8 +268,10 @@ def test_nan_exit_code_from_cli(write_recipe, capsys):
 
 
 def test_callback_cadence_and_time_excluded_from_throughput(write_recipe):
-    p = write_recipe(callbacks=[{"name": "test_record", "every": 3, "sleep": 0.0}, {"name": "test_record", "sleep": 4.0}],
-                     train={"log_every": 4})
+    p = write_recipe(
+        callbacks=[{"name": "test_record", "every": 3, "sleep": 0.0}, {"name": "test_record", "sleep": 4.0}],
+        train={"log_every": 4},
+    )
     out = train(load_recipe(p), progress=False)
     calls = Record.calls
     assert ("start", 0) in calls and ("end", 8) in calls
@@ -281,8 +299,11 @@ def test_run_folder_is_not_overwritten(write_recipe, capsys):
 def test_on_close_runs_once_however_the_run_ends(how, write_recipe):
     """on_close (where callbacks finish background work) runs exactly once: after a normal finish, after an
     exception from anywhere (here a callback's), and after divergence."""
-    cbs = [{"name": "test_record"}] + {"finished": [], "crash": [{"name": "test_crash_at", "step": 4}],
-                                       "diverged": [{"name": "test_poison", "every": 1, "step": 6}]}[how]
+    cbs = [{"name": "test_record"}] + {
+        "finished": [],
+        "crash": [{"name": "test_crash_at", "step": 4}],
+        "diverged": [{"name": "test_poison", "every": 1, "step": 6}],
+    }[how]
     r = load_recipe(write_recipe(callbacks=cbs, train={"steps": 8, "checkpoint_every": 4}))
     if how == "finished":
         train(r, progress=False)

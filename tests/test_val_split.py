@@ -1,6 +1,7 @@
 """data.val_size: a held-out validation split carved from train (never test), removed before train_size, data_subset,
 probe_train and the statistics see the train split; evaluated at every evaluation, logged as val/*, recorded in every
 checkpoint's meta.json (what checkpoint selection reads), and exact under resume."""
+
 import json
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def id_data(tmp_path_factory):
     [0, 2]: 1 train, 2 test), labels row mod 10: every role's images say exactly which rows they are."""
     import datasets
 
-    feats = datasets.Features({"image": datasets.Array2D((28, 28), "uint8"), "label": datasets.ClassLabel(num_classes=10)})
+    feats = datasets.Features(
+        {"image": datasets.Array2D((28, 28), "uint8"), "label": datasets.ClassLabel(num_classes=10)}
+    )
     out = {}
     for tag, (split, n) in enumerate((("train", N_TRAIN), ("test", N_TEST)), 1):
         x = np.zeros((n, 28, 28), np.uint8)
@@ -73,7 +76,9 @@ def test_val_is_exact_disjoint_balanced_and_the_same_for_every_recipe_seed(id_da
     assert np.array_equal(np.sort(val), balanced_indices(np.arange(N_TRAIN) % 10, 150, VAL_SEED))
     assert a.meta["val_size"] == 150 and "val_hash" in a.meta
     b = build_data(_recipe(id_data, seed=1, in_memory=in_memory, val_size=150))
-    assert np.array_equal(_ids(b.val), val) and b.meta["val_hash"] == a.meta["val_hash"]  # a fixed seed, not the recipe's
+    assert (
+        np.array_equal(_ids(b.val), val) and b.meta["val_hash"] == a.meta["val_hash"]
+    )  # a fixed seed, not the recipe's
     # the normalisation statistics come from the rest, not from val
     rest = a.train.in_memory().images if a.train.lazy else a.train.images
     assert torch.allclose(a.mean, (rest.double() / 255).mean(dim=(0, 2, 3)).float())
@@ -84,7 +89,9 @@ def test_train_size_and_data_subset_draw_from_what_val_leaves(id_data):
     val, tr = set(_ids(sub.val)), _ids(sub.train)
     assert len(tr) == round(0.1 * (N_TRAIN - 100)) and not val & set(tr)
     assert sub.meta["data_subset"]["of"] == N_TRAIN - 100
-    small = build_data(_recipe(id_data, val_size=100, train_size=300, interventions={"data_subset": {"count": 50, "seed": 0}}))
+    small = build_data(
+        _recipe(id_data, val_size=100, train_size=300, interventions={"data_subset": {"count": 50, "seed": 0}})
+    )
     assert set(_ids(small.val)) == val and len(_ids(small.train)) == 50 and not val & set(_ids(small.train))
     assert small.meta["data_subset"]["of"] == 300
     # nesting still holds inside the rest: the 3% subset lies inside the 10% one
@@ -97,25 +104,36 @@ def test_no_val_size_leaves_every_role_as_it_was(id_data):
     assert a.val is None and a.meta["val_size"] == 0 and "val_hash" not in a.meta
     assert np.array_equal(_ids(a.train), np.arange(N_TRAIN))
     assert np.array_equal(np.sort(_ids(a.probe_train)), balanced_indices(np.arange(N_TRAIN) % 10, 100, 1))
-    assert load_recipe(ROOT / "recipes/default.yaml", ["data.val_size=0"]).hash() == load_recipe(ROOT / "recipes/default.yaml").hash()
-    assert load_recipe(ROOT / "recipes/default.yaml", ["data.val_size=5000"]).hash() != load_recipe(ROOT / "recipes/default.yaml").hash()
+    assert (
+        load_recipe(ROOT / "recipes/default.yaml", ["data.val_size=0"]).hash()
+        == load_recipe(ROOT / "recipes/default.yaml").hash()
+    )
+    assert (
+        load_recipe(ROOT / "recipes/default.yaml", ["data.val_size=5000"]).hash()
+        != load_recipe(ROOT / "recipes/default.yaml").hash()
+    )
 
 
 def test_sizes_that_do_not_fit_beside_val_are_refused(id_data):
     with pytest.raises(DataError, match=rf"data.val_size is {N_TRAIN} but the train split holds {N_TRAIN} images"):
         build_data(_recipe(id_data, val_size=N_TRAIN))
-    with pytest.raises(DataError, match=r"data.train_size is 950 but the train split holds 900 images once data.val_size \(100\)"):
+    with pytest.raises(
+        DataError, match=r"data.train_size is 950 but the train split holds 900 images once data.val_size \(100\)"
+    ):
         build_data(_recipe(id_data, val_size=100, train_size=950))
     with pytest.raises(RecipeError, match="data.val_size.*also the eval split"):
         _recipe(id_data, val_size=10, eval_split="train")
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["data.val_size=-1"], ["data.val_size", ">= 0"]),
-    (["data.val_size=60000"], ["data.val_size is 60000", "train split holds 60000"]),
-    (["data.val_size=500", "data.eval_split=train"], ["data.val_size", "eval split"]),
-    (["data.val_size=1.5"], ["data.val_size", "int"]),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["data.val_size=-1"], ["data.val_size", ">= 0"]),
+        (["data.val_size=60000"], ["data.val_size is 60000", "train split holds 60000"]),
+        (["data.val_size=500", "data.eval_split=train"], ["data.val_size", "eval split"]),
+        (["data.val_size=1.5"], ["data.val_size", "int"]),
+    ],
+)
 def test_bad_val_size_is_one_sentence_exit_2_before_the_run_folder(tmp_path, capsys, overrides, words):
     root = tmp_path / "runs"
     assert main([str(ROOT / "recipes/tiny.yaml"), "--set", f"run.root={root}", *overrides]) == 2
@@ -127,7 +145,10 @@ def test_bad_val_size_is_one_sentence_exit_2_before_the_run_folder(tmp_path, cap
 
 
 def _metas(run: Path) -> dict:
-    return {int(c.name.split("_")[1]): json.loads((c / "meta.json").read_text()) for c in list_checkpoints(run / "checkpoints")}
+    return {
+        int(c.name.split("_")[1]): json.loads((c / "meta.json").read_text())
+        for c in list_checkpoints(run / "checkpoints")
+    }
 
 
 VAL_RUN = {"data": {"val_size": 200}, "train": {"eval_every": 4, "checkpoint_every": 2}}

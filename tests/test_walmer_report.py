@@ -1,6 +1,7 @@
 """The Walmer et al. 2023 study (recipes/studies/walmer2023.yaml) and its report (analysis/reports/walmer_report.py):
 the study file's shape, and a tiny study end to end -- trained, analysed, reported -- that renders every claim with an
 outcome, the objectives' table and the figures, and writes a JSON twin that reads back."""
+
 import shutil
 
 import numpy as np
@@ -23,14 +24,21 @@ def test_the_study_file_compares_the_three_objectives_on_one_model():
     d = yaml.safe_load(STUDY.read_text())
     assert d["report"] == "docs/teaching-matters.md" and d["seeds"] == [0, 1]
     assert {k: v["recipe"] for k, v in d["runs"].items()} == {
-        "supervised": "../default.yaml", "dino": "../dino.yaml", "mae": "../mae.yaml"}
-    assert all(set(v) == {"recipe"} for v in d["runs"].values())  # same model and data: nothing overridden per objective
+        "supervised": "../default.yaml",
+        "dino": "../dino.yaml",
+        "mae": "../mae.yaml",
+    }
+    assert all(
+        set(v) == {"recipe"} for v in d["runs"].values()
+    )  # same model and data: nothing overridden per objective
     assert set(MEASURES) <= set(resolve_all(d["measures"]))
     assert "2.5 h" in STUDY.read_text()  # the budget is stated
 
 
-@pytest.mark.skipif(not all((ROOT / "recipes" / f).is_file() for f in ("dino.yaml", "mae.yaml")),
-                    reason="recipes/dino.yaml and recipes/mae.yaml come with the dino and mae objectives")
+@pytest.mark.skipif(
+    not all((ROOT / "recipes" / f).is_file() for f in ("dino.yaml", "mae.yaml")),
+    reason="recipes/dino.yaml and recipes/mae.yaml come with the dino and mae objectives",
+)
 def test_the_study_loads_with_the_objectives():
     s = load_study(STUDY)
     assert set(s.configs()) == set(W.OBJECTIVES) and len(s.runs) == 6
@@ -53,8 +61,14 @@ def test_dispatch_needs_two_objectives():
 def _study(tmp_path, name: str, objectives) -> str:
     base = _merge(TINY, {"data": {"probe_train_size": 200}, "callbacks": []})
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(base))
-    d = {"study": "mini", "root": str(tmp_path / "runs"), "report": str(tmp_path / "docs" / f"{name}.md"),
-         "seeds": [0, 1], "measures": MEASURES, "runs": {o: {"recipe": "tiny.yaml"} for o in objectives}}
+    d = {
+        "study": "mini",
+        "root": str(tmp_path / "runs"),
+        "report": str(tmp_path / "docs" / f"{name}.md"),
+        "seeds": [0, 1],
+        "measures": MEASURES,
+        "runs": {o: {"recipe": "tiny.yaml"} for o in objectives},
+    }
     p = tmp_path / f"{name}.yaml"
     p.write_text(yaml.safe_dump(d))
     return str(p)
@@ -89,8 +103,16 @@ def test_a_tiny_objectives_study_reports_every_claim(tmp_path, capsys):
         assert row.split(" | ")[3] == "1.00"  # the copies' throughput relative to supervised, whose it is
     assert "Configuration dino trains with train.objective supervised, not dino" in text
     assert "missing" not in text
-    for name in ("attention_distance", "cls_entropy", "semantic", "cka_depth", "cka_last", "residual",
-                 "aligned_attention_mae", "cls_attention_dino"):
+    for name in (
+        "attention_distance",
+        "cls_entropy",
+        "semantic",
+        "cka_depth",
+        "cka_last",
+        "residual",
+        "aligned_attention_mae",
+        "cls_attention_dino",
+    ):
         assert (tmp_path / "docs" / "figures" / "mini" / f"{name}.png").is_file(), name
     from analysis.reports.run_report import check_report
 
@@ -103,17 +125,27 @@ def test_a_tiny_objectives_study_reports_every_claim(tmp_path, capsys):
     div = back["claims"]["objectives_diverge_late"]
     assert div["measured"]["supervised vs mae: first block - last block CKA"]["effect"] == pytest.approx(0, abs=1e-6)
     assert np.allclose(div["measured"]["dino vs mae: first, last block CKA"], 1.0)
-    cls = back["claims"]["cls_similar_by_supervision"]["measured"]["last-block CLS CKA, (supervised vs dino) - (supervised vs mae)"]
+    cls = back["claims"]["cls_similar_by_supervision"]["measured"][
+        "last-block CLS CKA, (supervised vs dino) - (supervised vs mae)"
+    ]
     assert np.allclose(cls["a"], 1.0) and np.allclose(cls["b"], 1.0)
     sem = back["claims"]["supervised_most_semantic"]
-    assert sem["verdict"] == C.INCONCLUSIVE and sem["measured"]["last-block k-NN top-1, supervised - dino"]["effect"] == 0
+    assert (
+        sem["verdict"] == C.INCONCLUSIVE and sem["measured"]["last-block k-NN top-1, supervised - dino"]["effect"] == 0
+    )
     # the same runs without dino: the report stage alone (all cached); the claims that need dino are not testable
     capsys.readouterr()
     assert main([_study(tmp_path, "no_dino", ["supervised", "mae"]), "--stage", "report"]) == 0
     back = C.read_json(tmp_path / "docs" / "no_dino.json")
-    for cid in ("reconstruction_cls_covers_more", "supervised_cls_sparse", "contrastive_beats_reconstruction",
-                "supervised_most_semantic", "contrastive_semantic_earlier", "cls_similar_by_supervision",
-                "residual_shift_supervised"):
+    for cid in (
+        "reconstruction_cls_covers_more",
+        "supervised_cls_sparse",
+        "contrastive_beats_reconstruction",
+        "supervised_most_semantic",
+        "contrastive_semantic_earlier",
+        "cls_similar_by_supervision",
+        "residual_shift_supervised",
+    ):
         assert back["claims"][cid]["verdict"] == C.NOT_TESTABLE and "dino" in back["claims"][cid]["why"], cid
     assert len(back["claims"]["reconstruction_stays_local"]["measured"]) == 1  # supervised - mae only
     assert "The study has no dino configuration" in (tmp_path / "docs" / "no_dino.md").read_text()
@@ -122,25 +154,46 @@ def test_a_tiny_objectives_study_reports_every_claim(tmp_path, capsys):
 def test_the_collapse_column_says_no_with_the_numbers_or_the_diagnosis_or_not_applicable():
     from analysis.reports.walmer_report import _collapse_cell
 
-    ok = {"collapsed": None, "teacher_entropy": 1.39, "log_out_dim": 6.93, "teacher_marginal_entropy": 3.86, "top_prototype_share": 0.1}
+    ok = {
+        "collapsed": None,
+        "teacher_entropy": 1.39,
+        "log_out_dim": 6.93,
+        "teacher_marginal_entropy": 3.86,
+        "top_prototype_share": 0.1,
+    }
     bad = dict(ok, collapsed="DINO collapsed to one prototype: ...")
-    assert _collapse_cell(["d0"], [ok]) == ("no (d0: teacher entropy 1.39 of log(out_dim) = 6.93 nats, over the batch 3.86; "
-                                            "largest prototype 10%)")
+    assert _collapse_cell(["d0"], [ok]) == (
+        "no (d0: teacher entropy 1.39 of log(out_dim) = 6.93 nats, over the batch 3.86; largest prototype 10%)"
+    )
     assert _collapse_cell(["d0", "d1"], [ok, bad]).endswith("d1: DINO collapsed to one prototype: ...")
     assert _collapse_cell(["s0", "s1"], [{}, {}]) == "n/a (no collapse diagnosis for this objective)"
-    assert _collapse_cell(["d0", "d1"], [ok, {}], diagnoses=True).endswith("d1: no diagnosis recorded (no result.json: the run has not finished)")
-    assert walmer_report._diagnoses("dino") and not walmer_report._diagnoses("supervised") and not walmer_report._diagnoses("mae")
+    assert _collapse_cell(["d0", "d1"], [ok, {}], diagnoses=True).endswith(
+        "d1: no diagnosis recorded (no result.json: the run has not finished)"
+    )
+    assert (
+        walmer_report._diagnoses("dino")
+        and not walmer_report._diagnoses("supervised")
+        and not walmer_report._diagnoses("mae")
+    )
 
 
 def test_the_regime_note_appears_when_the_knn_order_differs_from_walmers_table_1():
     from analysis.reports.walmer_report import _regime_note
 
-    ours = {"supervised": {"knn_vs_supervised": 1.0}, "dino": {"knn_vs_supervised": 0.64}, "mae": {"knn_vs_supervised": 0.86}}
+    ours = {
+        "supervised": {"knn_vs_supervised": 1.0},
+        "dino": {"knn_vs_supervised": 0.64},
+        "mae": {"knn_vs_supervised": 0.86},
+    }
     note = _regime_note(ours)
     assert "supervised > mae > dino" in note and "supervised > dino > mae" in note
     assert "dino reaches 0.64 of supervised's k-NN top-1 here against 0.91 there" in note
     assert note.endswith("where dino is not yet what the paper measured (self-supervised objectives need many epochs).")
-    paper_order = {"supervised": {"knn_vs_supervised": 1.0}, "dino": {"knn_vs_supervised": 0.9}, "mae": {"knn_vs_supervised": 0.5}}
+    paper_order = {
+        "supervised": {"knn_vs_supervised": 1.0},
+        "dino": {"knn_vs_supervised": 0.9},
+        "mae": {"knn_vs_supervised": 0.5},
+    }
     assert _regime_note(paper_order) is None
 
 

@@ -6,6 +6,7 @@ workers for a lazy train split, from a generator seeded by (seed, epoch, index):
 Mixup / CutMix of the normalised batch with soft targets: timm's ``Mixup`` (:func:`make_mixer`), which draws from
 numpy's global RNG (the trainer reseeds it every step alongside torch's).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -47,7 +48,9 @@ def crop_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), int(epoch), int(index)])
 
 
-def augment(x: torch.Tensor, shift: int, hflip: bool, rrc: bool = False, ra_ops: int = 0, ra_magnitude: int = 9) -> torch.Tensor:
+def augment(
+    x: torch.Tensor, shift: int, hflip: bool, rrc: bool = False, ra_ops: int = 0, ra_magnitude: int = 9
+) -> torch.Tensor:
     """Per-image random-resized crop (``rrc``, see :func:`batch_rrc`), random translation by up to +-shift pixels
     (zero padding), random horizontal flip and RandAugment (``ra_ops`` > 0), in that order.
 
@@ -89,7 +92,9 @@ def batch_rrc(x: torch.Tensor) -> torch.Tensor:
     b, c, h, w = x.shape
     dev, tries = x.device, 10
     area = torch.empty(b, tries, device=dev).uniform_(*RRC_SCALE) * (h * w)
-    ratio = torch.exp(torch.empty(b, tries, device=dev).uniform_(float(np.log(RRC_RATIO[0])), float(np.log(RRC_RATIO[1]))))
+    ratio = torch.exp(
+        torch.empty(b, tries, device=dev).uniform_(float(np.log(RRC_RATIO[0])), float(np.log(RRC_RATIO[1])))
+    )
     cw, ch = torch.sqrt(area * ratio).round(), torch.sqrt(area / ratio).round()
     ok = (cw >= 1) & (cw <= w) & (ch >= 1) & (ch <= h)
     first = torch.where(ok.any(1), ok.float().argmax(1), torch.full((b,), -1, device=dev))
@@ -113,8 +118,15 @@ def make_mixer(aug, num_classes: int, label_smoothing: float = 0.0) -> Mixup | N
     ``SoftTargetCrossEntropy``. Draws from numpy's global RNG."""
     if aug.mixup_alpha <= 0 and aug.cutmix_alpha <= 0:
         return None
-    return Mixup(mixup_alpha=aug.mixup_alpha, cutmix_alpha=aug.cutmix_alpha, prob=aug.mix_prob, switch_prob=aug.switch_prob,
-                 mode=aug.mix_mode, label_smoothing=label_smoothing, num_classes=num_classes)
+    return Mixup(
+        mixup_alpha=aug.mixup_alpha,
+        cutmix_alpha=aug.cutmix_alpha,
+        prob=aug.mix_prob,
+        switch_prob=aug.switch_prob,
+        mode=aug.mix_mode,
+        label_smoothing=label_smoothing,
+        num_classes=num_classes,
+    )
 
 
 def mix_uint8(x: torch.Tensor, mixer: Mixup) -> torch.Tensor:

@@ -23,13 +23,15 @@ Where a recipe's callback names come from, in this order:
 
 This module must stay free of torch imports at load time: recipe validation uses :func:`known_callbacks`.
 """
+
 from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any
 
 from train.errors import RecipeError
 
@@ -70,7 +72,9 @@ def _resolve(name: str):
     try:
         return getattr(importlib.import_module(mod), attr)
     except (ImportError, AttributeError) as e:
-        raise RecipeError(f"callback '{name}' cannot be imported ({e}): give an importable package.module:Class.") from None
+        raise RecipeError(
+            f"callback '{name}' cannot be imported ({e}): give an importable package.module:Class."
+        ) from None
 
 
 @dataclass
@@ -177,8 +181,11 @@ def build_callbacks(specs) -> CallbackList:
         try:
             out.append(cls(every=spec.every, **spec.options))
         except TypeError as e:
-            raise RecipeError(f"callback '{spec.name}': {e}" if str(e).endswith(".") else
-                              f"callback '{spec.name}' got options it does not take ({e}): see its docstring.") from None
+            raise RecipeError(
+                f"callback '{spec.name}': {e}"
+                if str(e).endswith(".")
+                else f"callback '{spec.name}' got options it does not take ({e}): see its docstring."
+            ) from None
     return CallbackList(out)
 
 
@@ -204,8 +211,14 @@ class SampleImages(Callback):
         g = torch.Generator().manual_seed(ctx.recipe.seed + ctx.step)
         idx = torch.randperm(len(ctx.data.train), generator=g)[: self.n]
         train = ctx.data.train  # in memory, or lazy (decoded here, cropped as in the current epoch)
-        x = augment(train.take(idx, getattr(ctx, "epoch", 0)), aug.shift, aug.hflip, aug.random_resized_crop and not train.lazy,
-                    aug.randaugment_ops, aug.randaugment_magnitude)
+        x = augment(
+            train.take(idx, getattr(ctx, "epoch", 0)),
+            aug.shift,
+            aug.hflip,
+            aug.random_resized_crop and not train.lazy,
+            aug.randaugment_ops,
+            aug.randaugment_magnitude,
+        )
         mixer = make_mixer(aug, ctx.data.num_classes)
         if mixer is not None:  # mixup / CutMix as training sees it
             x = mix_uint8(x, mixer)

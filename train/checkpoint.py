@@ -9,6 +9,7 @@ CheckpointError on every process; the earlier checkpoints are untouched. On resu
 ``meta.json`` (interrupted writes) are skipped with a warning; a folder whose files do not match their recorded
 checksums is an error (never silently loaded).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,7 +76,7 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, meta: dict, keep_la
     if err is None:
         try:
             accelerator.save_state(str(staging), safe_serialization=True)
-        except Exception as e:  # noqa: BLE001 - safetensors (SafetensorError) and torch.save (RuntimeError) wrap ENOSPC
+        except Exception as e:
             err = e
         err = _failed_anywhere(accelerator, err)
     if err is None and accelerator.is_main_process:
@@ -100,7 +101,9 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, meta: dict, keep_la
             shutil.rmtree(staging, ignore_errors=True)
         accelerator.wait_for_everyone()
         keep = f"{done[-1].name} is intact and --resume continues from it" if done else "no earlier checkpoint exists"
-        raise CheckpointError(f"cannot write checkpoint {final} ({why}); {keep}: free space in {ckpt_root} or make it writable.")
+        raise CheckpointError(
+            f"cannot write checkpoint {final} ({why}); {keep}: free space in {ckpt_root} or make it writable."
+        )
     if accelerator.is_main_process:
         prune(ckpt_root, keep_last)
     accelerator.wait_for_everyone()
@@ -134,7 +137,10 @@ def list_checkpoints(ckpt_root: Path, warn: bool = True) -> list[Path]:
         if p.is_dir() and m and (p / META).is_file():
             out.append(p)
         elif warn and p.is_dir() and (m or p.name.startswith(".staging-")):
-            warnings.warn(f"skipping checkpoint folder {p}: its write was interrupted (no {META}); it can be deleted.", stacklevel=2)
+            warnings.warn(
+                f"skipping checkpoint folder {p}: its write was interrupted (no {META}); it can be deleted.",
+                stacklevel=2,
+            )
     return sorted(out, key=lambda p: int(STEP_RE.match(p.name).group(1)))
 
 
@@ -142,7 +148,9 @@ def read_meta(path: Path) -> dict:
     try:
         return json.loads((Path(path) / META).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} has an unreadable {META} ({type(e).__name__}): delete the folder to resume from an earlier checkpoint.") from None
+        raise CheckpointError(
+            f"checkpoint {path} has an unreadable {META} ({type(e).__name__}): delete the folder to resume from an earlier checkpoint."
+        ) from None
 
 
 def verify_checkpoint(path: Path) -> dict:
@@ -151,13 +159,19 @@ def verify_checkpoint(path: Path) -> dict:
     meta = read_meta(path)
     files = meta.get("files")
     if not isinstance(files, dict) or not files:
-        raise CheckpointError(f"checkpoint {path} lists no files in its {META}: it was not written by vitlab; delete it or pass another.")
+        raise CheckpointError(
+            f"checkpoint {path} lists no files in its {META}: it was not written by vitlab; delete it or pass another."
+        )
     for name, digest in files.items():
         f = path / name
         if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is corrupted ({name} is missing): delete the folder to resume from an earlier checkpoint.")
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted ({name} is missing): delete the folder to resume from an earlier checkpoint."
+            )
         if sha256_file(f) != digest:
-            raise CheckpointError(f"checkpoint {path} is corrupted ({name} does not match its recorded checksum): delete the folder to resume from an earlier checkpoint.")
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted ({name} does not match its recorded checksum): delete the folder to resume from an earlier checkpoint."
+            )
     return meta
 
 
@@ -169,13 +183,17 @@ def resolve_resume(ckpt_root: Path, explicit: str | None, run_dir: Path | None =
         if not p.is_dir():
             p2 = Path(ckpt_root) / explicit
             if not p2.is_dir():
-                raise CheckpointError(f"--resume {explicit}: no such checkpoint folder; pass a path like {Path(ckpt_root) / 'step_0000500'}.")
+                raise CheckpointError(
+                    f"--resume {explicit}: no such checkpoint folder; pass a path like {Path(ckpt_root) / 'step_0000500'}."
+                )
             p = p2
         if not (p / META).is_file() and (p / "checkpoints").is_dir():  # a run folder, not a checkpoint
             if run_dir is not None and p.resolve() == Path(run_dir).resolve():
                 return resolve_resume(ckpt_root, None)
-            raise CheckpointError(f"--resume {explicit} is a run folder, not a checkpoint: pass --resume alone with that run's "
-                                  f"recipe and overrides (or --name {p.name}), or one of its checkpoints, e.g. {p / 'checkpoints' / 'step_0000500'}.")
+            raise CheckpointError(
+                f"--resume {explicit} is a run folder, not a checkpoint: pass --resume alone with that run's "
+                f"recipe and overrides (or --name {p.name}), or one of its checkpoints, e.g. {p / 'checkpoints' / 'step_0000500'}."
+            )
         return p
     complete = list_checkpoints(ckpt_root)
     return complete[-1] if complete else None
@@ -193,10 +211,12 @@ def read_weights(path: Path, prefix: str = "") -> tuple[dict, Path]:
         raise CheckpointError(f"no weights at {f}: pass a checkpoint folder (step_XXXXXXX) or a .safetensors file.")
     try:
         state = load_file(str(f))
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise CheckpointError(f"weights file {f} cannot be read ({type(e).__name__}): it is corrupted or not a safetensors file.") from None
+    except Exception as e:
+        raise CheckpointError(
+            f"weights file {f} cannot be read ({type(e).__name__}): it is corrupted or not a safetensors file."
+        ) from None
     if prefix:
-        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         if not state:
             raise _no_part(f, prefix)
     return state, f
@@ -207,21 +227,34 @@ def fit_report(own: dict, state: dict) -> str:
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
-    parts = [f"{len(v)} {what} (e.g. {v[0]}{detail(v[0])})" for v, what, detail in (
-        (missing, "tensors missing", lambda k: ""), (unexpected, "unexpected tensors", lambda k: ""),
-        (shapes, "of other shapes", lambda k: f": {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model"))
-        if v]
+    parts = [
+        f"{len(v)} {what} (e.g. {v[0]}{detail(v[0])})"
+        for v, what, detail in (
+            (missing, "tensors missing", lambda k: ""),
+            (unexpected, "unexpected tensors", lambda k: ""),
+            (
+                shapes,
+                "of other shapes",
+                lambda k: f": {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the model",
+            ),
+        )
+        if v
+    ]
     return "; ".join(parts)
 
 
 def _no_part(f: Path, prefix: str) -> CheckpointError:
-    return CheckpointError(f"weights in {f} hold no tensors under '{prefix}': the checkpoint's meta.json names parts that "
-                           "its model.safetensors does not have, so it was not written by this objective.")
+    return CheckpointError(
+        f"weights in {f} hold no tensors under '{prefix}': the checkpoint's meta.json names parts that "
+        "its model.safetensors does not have, so it was not written by this objective."
+    )
 
 
 def _misfit(f: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"weights in {f} do not fit this model ({why or 'load_state_dict refused them'}): check that the "
-                           "recipe's model section matches the run that wrote them.")
+    return CheckpointError(
+        f"weights in {f} do not fit this model ({why or 'load_state_dict refused them'}): check that the "
+        "recipe's model section matches the run that wrote them."
+    )
 
 
 def load_weights(model, path: Path, strict: bool = True, prefix: str = "") -> None:
@@ -245,8 +278,12 @@ def check_weights_fit(own: dict, path: Path, prefix: str = "") -> None:
     f = Path(path) / "model.safetensors"
     try:
         with safe_open(str(f), "pt") as sf:
-            state = {k[len(prefix):]: torch.empty(sf.get_slice(k).get_shape(), device="meta") for k in sf.keys() if k.startswith(prefix)}
-    except Exception:  # noqa: BLE001 - truncated or foreign: read_weights says so when it is loaded
+            state = {
+                k[len(prefix) :]: torch.empty(sf.get_slice(k).get_shape(), device="meta")
+                for k in sf
+                if k.startswith(prefix)
+            }
+    except Exception:
         return
     if prefix and not state:
         raise _no_part(f, prefix)

@@ -13,6 +13,7 @@ SIGTERM when its launcher dies (``prctl(PR_SET_PDEATHSIG)``), so a launcher kill
 trainer behind: they checkpoint and stop. Not when started directly (``nohup python -m train`` must outlive its
 shell).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,23 +39,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train", description="Train a ViT / ResNet from a recipe.")
     p.add_argument("recipe_pos", nargs="?", metavar="RECIPE", help="recipe YAML (same as --recipe)")
     p.add_argument("--recipe", help="recipe YAML file, e.g. recipes/default.yaml")
-    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override recipe keys, e.g. --set train.steps=200 model.depth=4")
-    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
-                   help="continue the run from its latest complete checkpoint (or the given folder)")
-    p.add_argument("--allow-process-change", action="store_true",
-                   help="resume with another number of processes than the run was trained with (the global batch and "
-                        "the data order change from there on)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override recipe keys, e.g. --set train.steps=200 model.depth=4",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="CHECKPOINT",
+        help="continue the run from its latest complete checkpoint (or the given folder)",
+    )
+    p.add_argument(
+        "--allow-process-change",
+        action="store_true",
+        help="resume with another number of processes than the run was trained with (the global batch and "
+        "the data order change from there on)",
+    )
     p.add_argument("--name", help="run folder name under run.root (default: recipe name plus overrides)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--stop-after", type=int, metavar="STEP",
-                   help="checkpoint at step STEP and stop there (exit 0), resumable with --resume: the schedule stays the "
-                        "recipe's (e.g. train a pilot to an early check, then decide whether to finish it)")
-    p.add_argument("--check", action="store_true",
-                   help="check the recipe and overrides, the run folder (--resume: a checkpoint to resume, made by this "
-                        "recipe) and that the data source opens, without training or writing, then exit (0, or 2 with one "
-                        "sentence): what ./launch.sh runs before starting several processes, so bad input is one sentence, "
-                        "not one traceback per process")
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="STEP",
+        help="checkpoint at step STEP and stop there (exit 0), resumable with --resume: the schedule stays the "
+        "recipe's (e.g. train a pilot to an early check, then decide whether to finish it)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the recipe and overrides, the run folder (--resume: a checkpoint to resume, made by this "
+        "recipe) and that the data source opens, without training or writing, then exit (0, or 2 with one "
+        "sentence): what ./launch.sh runs before starting several processes, so bad input is one sentence, "
+        "not one traceback per process",
+    )
     return p.parse_args(argv)
 
 
@@ -150,11 +174,19 @@ def main(argv=None) -> int:
         return 0
 
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
-    if argv is None:  # the process entry point: once the run is over, SIGTERM / SIGINT no longer kill the exiting process
+    if (
+        argv is None
+    ):  # the process entry point: once the run is over, SIGTERM / SIGINT no longer kill the exiting process
         StopSignals.ignore_after = True
     try:
-        summary = train(recipe, overrides=list(args.overrides), resume=args.resume, progress=not args.no_progress,
-                        allow_process_change=args.allow_process_change, stop_after=args.stop_after)
+        summary = train(
+            recipe,
+            overrides=list(args.overrides),
+            resume=args.resume,
+            progress=not args.no_progress,
+            allow_process_change=args.allow_process_change,
+            stop_after=args.stop_after,
+        )
     except (RecipeError, DataError, CheckpointError, RunFolderError) as e:
         return fail(str(e))
     except TrainingDiverged as e:
@@ -165,7 +197,11 @@ def main(argv=None) -> int:
         return 0
     if _is_main():
         if summary.get("already_finished"):
-            print(f"{summary['run_dir']}: already finished at step {summary['step']} (top-1 {summary['top1']}); nothing to do.")
+            print(
+                f"{summary['run_dir']}: already finished at step {summary['step']} (top-1 {summary['top1']}); nothing to do."
+            )
         else:
-            print(f"done: {summary['run_dir']} step {summary['step']} eval top-1 {summary['top1']:.4f} in {summary['wall_s']:.0f} s")
+            print(
+                f"done: {summary['run_dir']} step {summary['step']} eval top-1 {summary['top1']:.4f} in {summary['wall_s']:.0f} s"
+            )
     return 0

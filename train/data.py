@@ -19,6 +19,7 @@ normalisation run on whole batches on the training device (:func:`augment`, :met
 A train split too big for memory (``data.in_memory``: auto / false) stays a memory-mapped ``datasets.Dataset``
 (:class:`LazySplit`) decoded, and random-resized-cropped from (seed, epoch, index), in the DataLoader workers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,9 +45,30 @@ from train.splits import (
 )
 
 # what callers import from train.data (trainer, callbacks, analysis, bench, tests): the data layer's surface
-__all__ = ["DataBundle", "DataError", "EpochBatch", "EpochBatchSampler", "FASHION_MNIST_DIR", "LazyBatches", "LazySplit",
-           "MAX_IN_MEMORY_BYTES", "Split", "TensorBatches", "augment", "balanced_indices", "batch_collate", "batch_rrc",
-           "build_data", "crop_rng", "decode_rows", "indices_hash", "load_fashion_mnist", "load_source", "rrc_box", "to_tensors"]
+__all__ = [
+    "FASHION_MNIST_DIR",
+    "MAX_IN_MEMORY_BYTES",
+    "DataBundle",
+    "DataError",
+    "EpochBatch",
+    "EpochBatchSampler",
+    "LazyBatches",
+    "LazySplit",
+    "Split",
+    "TensorBatches",
+    "augment",
+    "balanced_indices",
+    "batch_collate",
+    "batch_rrc",
+    "build_data",
+    "crop_rng",
+    "decode_rows",
+    "indices_hash",
+    "load_fashion_mnist",
+    "load_source",
+    "rrc_box",
+    "to_tensors",
+]
 
 MAX_IN_MEMORY_BYTES = 16 * 2**30  # data.in_memory auto: a train split above this stays lazy; eval above it is an error
 STATS_IMAGES = 10000  # mean / std come from the first this many train images less val (no crop, no augmentation)
@@ -59,7 +81,7 @@ VAL_SEED = 7919
 
 @dataclass
 class DataBundle:
-    train: "Split | LazySplit"  # LazySplit when data.in_memory resolves to false (see build_data)
+    train: Split | LazySplit  # LazySplit when data.in_memory resolves to false (see build_data)
     eval: Split
     probe_train: Split
     analysis: Split
@@ -68,7 +90,7 @@ class DataBundle:
     mean: torch.Tensor  # [C], of the train split in [0, 1] units
     std: torch.Tensor
     meta: dict = field(default_factory=dict)
-    val: "Split | None" = None  # data.val_size > 0: held out of train, in memory, evaluated like eval
+    val: Split | None = None  # data.val_size > 0: held out of train, in memory, evaluated like eval
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 [B, C, H, W] -> float (x/255 - mean) / std on x's device."""
@@ -81,25 +103,33 @@ def train_is_lazy(cfg, ds) -> bool:
     """data.in_memory: 'true' / 'false' as said; 'auto': lazy when the decoded split would exceed MAX_IN_MEMORY_BYTES."""
     if cfg.in_memory != "auto":
         return cfg.in_memory == "false"
-    return len(ds) * cfg.in_chans * cfg.img_size ** 2 > MAX_IN_MEMORY_BYTES
+    return len(ds) * cfg.in_chans * cfg.img_size**2 > MAX_IN_MEMORY_BYTES
 
 
 def _check_size(key: str, size, available: int, split: str, held_out: int = 0) -> None:
     """A size the recipe asks of a split must fit in it (less ``held_out`` data.val_size images): refused, not clamped."""
     if size is not None and size > available:
         less = f" once data.val_size ({held_out}) are held out" if held_out else ""
-        raise DataError(f"data.{key} is {size} but the {split} split holds {available} images{less}: lower it"
-                        f"{' (or leave it out for the whole split)' if key in ('train_size', 'eval_size') else ''}.")
+        raise DataError(
+            f"data.{key} is {size} but the {split} split holds {available} images{less}: lower it"
+            f"{' (or leave it out for the whole split)' if key in ('train_size', 'eval_size') else ''}."
+        )
 
 
-_SHRINK = {"train": "data.train_size (or set data.in_memory: false)", "eval": "data.eval_size, data.analysis_size", "val": "data.val_size"}
+_SHRINK = {
+    "train": "data.train_size (or set data.in_memory: false)",
+    "eval": "data.eval_size, data.analysis_size",
+    "val": "data.val_size",
+}
 
 
 def _in_memory(ds, rows, cfg, lab_col: str, what: str) -> Split:
     """These rows of ``ds`` decoded into memory; refused above MAX_IN_MEMORY_BYTES."""
     n, c, s = len(rows), cfg.in_chans, cfg.img_size
     if n * c * s * s > MAX_IN_MEMORY_BYTES:
-        raise DataError(f"split '{what}' would take {n * c * s * s / 2**30:.0f} GiB in memory: lower {_SHRINK[what]} or data.img_size.")
+        raise DataError(
+            f"split '{what}' would take {n * c * s * s / 2**30:.0f} GiB in memory: lower {_SHRINK[what]} or data.img_size."
+        )
     return Split(decode_rows(ds, rows, cfg), labels(ds, lab_col, rows))
 
 
@@ -116,8 +146,10 @@ def build_data(recipe, quiet: bool = False) -> DataBundle:
     _, lab_col = columns(train_ds, cfg)
     _, eval_lab_col = columns(eval_ds, cfg)
     if cfg.val_size >= len(train_ds):
-        raise DataError(f"data.val_size is {cfg.val_size} but the train split holds {len(train_ds)} images: lower it so "
-                        "that some are left to train on.")
+        raise DataError(
+            f"data.val_size is {cfg.val_size} but the train split holds {len(train_ds)} images: lower it so "
+            "that some are left to train on."
+        )
     _check_size("train_size", cfg.train_size, len(train_ds) - cfg.val_size, "train", cfg.val_size)
     _check_size("probe_train_size", cfg.probe_train_size, len(train_ds) - cfg.val_size, "train", cfg.val_size)
     _check_size("eval_size", cfg.eval_size, len(eval_ds), "eval")
@@ -151,7 +183,7 @@ def build_data(recipe, quiet: bool = False) -> DataBundle:
     except ValueError as e:
         raise DataError(str(e)) from None
     if idx is not None:
-        meta[chosen_by] = {"size": int(len(idx)), "hash": indices_hash(idx), "of": len(train)}
+        meta[chosen_by] = {"size": len(idx), "hash": indices_hash(idx), "of": len(train)}
         train = subset(train, idx)
 
     eval_idx = None
@@ -184,5 +216,11 @@ def build_data(recipe, quiet: bool = False) -> DataBundle:
 def _decode_in_workers(split: LazySplit, num_workers: int, batch: int = 256) -> torch.Tensor:
     """Every image of a (small) lazy split, decoded by ``num_workers`` DataLoader workers, in order."""
     batches = [EpochBatch(list(range(i, min(i + batch, len(split)))), 0) for i in range(0, len(split), batch)]
-    loader = torch.utils.data.DataLoader(split.dataset(), batch_sampler=batches, num_workers=num_workers, collate_fn=batch_collate)
-    return torch.cat([x for x, _ in loader]) if batches else torch.empty(0, split.cfg.in_chans, split.cfg.img_size, split.cfg.img_size, dtype=torch.uint8)
+    loader = torch.utils.data.DataLoader(
+        split.dataset(), batch_sampler=batches, num_workers=num_workers, collate_fn=batch_collate
+    )
+    return (
+        torch.cat([x for x, _ in loader])
+        if batches
+        else torch.empty(0, split.cfg.in_chans, split.cfg.img_size, split.cfg.img_size, dtype=torch.uint8)
+    )

@@ -6,6 +6,7 @@ Fashion-MNIST) are read straight from their Arrow buffers and resized on the bat
 image features are decoded by PIL one at a time, converted to ``in_chans`` channels and resized with PIL's
 bicubic filter, optionally from a crop box (random-resized crop of a lazy split).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -77,10 +78,12 @@ def decode_rows(ds, rows, cfg, boxes_from=None) -> torch.Tensor:
         return x
     out = torch.empty((len(rows), c, s, s), dtype=torch.uint8)
     for start in range(0, len(rows), PIL_CHUNK):
-        for i, im in enumerate(ds[rows[start: start + PIL_CHUNK].tolist()][img_col], start):
+        for i, im in enumerate(ds[rows[start : start + PIL_CHUNK].tolist()][img_col], start):
             box = None
             if boxes_from is not None:
-                size = im.size if hasattr(im, "size") and not isinstance(im, np.ndarray) else np.asarray(im).shape[1::-1]
+                size = (
+                    im.size if hasattr(im, "size") and not isinstance(im, np.ndarray) else np.asarray(im).shape[1::-1]
+                )
                 box = boxes_from(i, *size)
             out[i] = _pil_chw(im, c, s, box)
     return out
@@ -100,7 +103,9 @@ def _fit(x: torch.Tensor, c: int, s: int) -> torch.Tensor:
         elif c == 1:
             x = (x[:, :3].float().mean(1, keepdim=True)).round().to(torch.uint8)
         else:
-            raise DataError(f"images have {x.shape[1]} channels and data.in_chans is {c}: set data.in_chans to {x.shape[1]}.")
+            raise DataError(
+                f"images have {x.shape[1]} channels and data.in_chans is {c}: set data.in_chans to {x.shape[1]}."
+            )
     if x.shape[-1] != s or x.shape[-2] != s:
         x = F.interpolate(x.float(), size=(s, s), mode="bilinear", antialias=True, align_corners=False)
         x = x.round().clamp(0, 255).to(torch.uint8)

@@ -1,5 +1,6 @@
 """Errors shared across train/ that must not pull in the modules raising them (recipe validation imports the
 callback registry, and the registry raises RecipeError)."""
+
 from __future__ import annotations
 
 

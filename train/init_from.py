@@ -22,6 +22,7 @@ The start is recorded in the run's meta.json (``init_from``: path, checkpoint, s
 A resumed run loads its own checkpoint, never ``init_from`` again (the pretrained run may have moved on or be gone);
 ``init_from`` is part of the recipe hash, so resuming with another one is refused.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,18 +47,24 @@ def checkpoint_of(spec: str, run_root: str | Path = "runs") -> Path:
     if not p.exists() and not p.is_absolute() and (Path(run_root) / spec).exists():
         p = Path(run_root) / spec  # a run's name under run.root
     if not p.exists():
-        raise CheckpointError(f"train.init_from '{spec}' does not exist: pass a run folder (runs/<name>) or one of its "
-                              "checkpoints (runs/<name>/checkpoints/step_XXXXXXX).")
+        raise CheckpointError(
+            f"train.init_from '{spec}' does not exist: pass a run folder (runs/<name>) or one of its "
+            "checkpoints (runs/<name>/checkpoints/step_XXXXXXX)."
+        )
     if (p / META).is_file():
         return p
     if (p / "checkpoints").is_dir() or (p / "recipe.yaml").is_file():
         done = list_checkpoints(p / "checkpoints", warn=False)
         if not done:
-            raise CheckpointError(f"train.init_from '{spec}' has no complete checkpoint: train that run until its first "
-                                  "checkpoint, or pass another run.")
+            raise CheckpointError(
+                f"train.init_from '{spec}' has no complete checkpoint: train that run until its first "
+                "checkpoint, or pass another run."
+            )
         return done[-1]
-    raise CheckpointError(f"train.init_from '{spec}' is neither a run folder nor a checkpoint folder (no recipe.yaml, "
-                          "checkpoints/ or meta.json): pass runs/<name> or runs/<name>/checkpoints/step_XXXXXXX.")
+    raise CheckpointError(
+        f"train.init_from '{spec}' is neither a run folder nor a checkpoint folder (no recipe.yaml, "
+        "checkpoints/ or meta.json): pass runs/<name> or runs/<name>/checkpoints/step_XXXXXXX."
+    )
 
 
 def classifier_name(net: nn.Module) -> str | None:
@@ -81,20 +88,36 @@ def _differing_keys(recipe, ckpt: Path) -> list[str]:
         return []
     if not isinstance(saved, dict):
         return []
-    old = flatten({"model": saved.get("model") or {}, "data": {k: (saved.get("data") or {}).get(k) for k in ("img_size", "in_chans")}})
-    new = flatten({"model": recipe.to_dict()["model"], "data": {"img_size": recipe.data.img_size, "in_chans": recipe.data.in_chans}})
-    return [f"{k}={old[k]} (this recipe: {new.get(k)})" for k in sorted(old) if k not in _SHAPELESS and old[k] != new.get(k)]
+    old = flatten(
+        {
+            "model": saved.get("model") or {},
+            "data": {k: (saved.get("data") or {}).get(k) for k in ("img_size", "in_chans")},
+        }
+    )
+    new = flatten(
+        {
+            "model": recipe.to_dict()["model"],
+            "data": {"img_size": recipe.data.img_size, "in_chans": recipe.data.in_chans},
+        }
+    )
+    return [
+        f"{k}={old[k]} (this recipe: {new.get(k)})" for k in sorted(old) if k not in _SHAPELESS and old[k] != new.get(k)
+    ]
 
 
 def check(recipe, objective) -> None:
     """The recipe's init_from keys against its objective; RecipeError (one sentence) when they do not go together."""
     t = recipe.train
     if t.freeze_backbone and not objective.uses_labels:
-        raise RecipeError(f"train.freeze_backbone trains only a classifier head, which train.objective '{objective.name}' does not "
-                          "have: set train.objective=supervised for linear evaluation, or train.freeze_backbone=false.")
+        raise RecipeError(
+            f"train.freeze_backbone trains only a classifier head, which train.objective '{objective.name}' does not "
+            "have: set train.objective=supervised for linear evaluation, or train.freeze_backbone=false."
+        )
     if t.init_part != DEFAULT_PART and not t.init_from:
-        raise RecipeError(f"train.init_part is '{t.init_part}' but train.init_from is not set: give the pretrained run "
-                          "(--set train.init_from=runs/<name>) or leave train.init_part out.")
+        raise RecipeError(
+            f"train.init_part is '{t.init_part}' but train.init_from is not set: give the pretrained run "
+            "(--set train.init_from=runs/<name>) or leave train.init_part out."
+        )
 
 
 def load_pretrained(recipe, net: nn.Module) -> dict:
@@ -105,8 +128,10 @@ def load_pretrained(recipe, net: nn.Module) -> dict:
     meta = verify_checkpoint(ckpt)
     parts = (meta.get("objective") or {}).get("parts") or {DEFAULT_PART: ""}
     if t.init_part not in parts:
-        raise CheckpointError(f"train.init_part is '{t.init_part}' but {ckpt} holds {', '.join(parts)} (objective "
-                              f"{(meta.get('objective') or {}).get('name', 'supervised')}): set train.init_part={next(iter(parts))}.")
+        raise CheckpointError(
+            f"train.init_part is '{t.init_part}' but {ckpt} holds {', '.join(parts)} (objective "
+            f"{(meta.get('objective') or {}).get('name', 'supervised')}): set train.init_part={next(iter(parts))}."
+        )
     state, _ = read_weights(ckpt, parts[t.init_part])
     head = classifier_name(net)
     own = {k: v for k, v in net.state_dict().items() if not _is_head(k, head)}
@@ -114,12 +139,23 @@ def load_pretrained(recipe, net: nn.Module) -> dict:
     why = fit_report(own, state)
     if why:
         keys = _differing_keys(recipe, ckpt)
-        fix = (f"its run was trained with {', '.join(keys)}: set the same (--set {' '.join(k.split(' ')[0] for k in keys)})"
-               if keys else "the recipe's model section and data.img_size / in_chans must match the pretrained run's")
+        fix = (
+            f"its run was trained with {', '.join(keys)}: set the same (--set {' '.join(k.split(' ')[0] for k in keys)})"
+            if keys
+            else "the recipe's model section and data.img_size / in_chans must match the pretrained run's"
+        )
         raise CheckpointError(f"train.init_from {ckpt} does not fit this model ({why}); {fix}.")
-    net.load_state_dict(state, strict=False)  # strict but for the head, checked above: the head keeps its new initialisation
-    return {"path": str(t.init_from), "checkpoint": str(ckpt), "step": int(meta.get("step", 0)), "part": t.init_part,
-            "sha256": meta["files"]["model.safetensors"], "objective": (meta.get("objective") or {}).get("name", "supervised")}
+    net.load_state_dict(
+        state, strict=False
+    )  # strict but for the head, checked above: the head keeps its new initialisation
+    return {
+        "path": str(t.init_from),
+        "checkpoint": str(ckpt),
+        "step": int(meta.get("step", 0)),
+        "part": t.init_part,
+        "sha256": meta["files"]["model.safetensors"],
+        "objective": (meta.get("objective") or {}).get("name", "supervised"),
+    }
 
 
 def freeze(net: nn.Module) -> int:
@@ -157,9 +193,14 @@ def apply(recipe, objective, resumed_meta: dict | None) -> dict | None:
         record = resumed_meta.get("init_from") if resumed_meta is not None else load_pretrained(recipe, net)
     if t.freeze_backbone:
         if not freeze(net):
-            raise RecipeError("train.freeze_backbone leaves nothing to train (the model has no classifier head): set it to false.")
+            raise RecipeError(
+                "train.freeze_backbone leaves nothing to train (the model has no classifier head): set it to false."
+            )
         if not t.init_from and resumed_meta is None and os.environ.get("RANK", "0") == "0":
-            print("note: train.freeze_backbone without train.init_from trains a linear head on a randomly initialised backbone "
-                  "(the random-features baseline).", file=sys.stderr)
+            print(
+                "note: train.freeze_backbone without train.init_from trains a linear head on a randomly initialised backbone "
+                "(the random-features baseline).",
+                file=sys.stderr,
+            )
         record = {**(record or {}), "freeze_backbone": True}
     return record

@@ -13,6 +13,7 @@ With a memory bank of training features ``B`` [n, d] with labels ``y_B`` and a q
 
 When the bank has fewer than k entries, k is reduced to the bank size (all entries vote). float64 throughout.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,12 +24,20 @@ TEMPERATURE = 0.07
 _CHUNK = 1024  # queries per similarity chunk
 
 
-def knn_predict(bank: Tensor, bank_labels: Tensor, queries: Tensor, k: int = K, temperature: float = TEMPERATURE,
-                num_classes: int | None = None) -> Tensor:
+def knn_predict(
+    bank: Tensor,
+    bank_labels: Tensor,
+    queries: Tensor,
+    k: int = K,
+    temperature: float = TEMPERATURE,
+    num_classes: int | None = None,
+) -> Tensor:
     """Weighted k-NN predictions [Q] of ``queries`` [Q, d] from ``bank`` [n, d] (definition in the module docstring),
     on ``queries``' device, in chunks of queries."""
     if bank.ndim != 2 or queries.ndim != 2 or bank.shape[1] != queries.shape[1]:
-        raise ValueError(f"bank [n, d] and queries [Q, d] must share d, got {tuple(bank.shape)} and {tuple(queries.shape)}")
+        raise ValueError(
+            f"bank [n, d] and queries [Q, d] must share d, got {tuple(bank.shape)} and {tuple(queries.shape)}"
+        )
     if bank.shape[0] == 0:
         raise ValueError("the memory bank is empty")
     if bank_labels.shape != (bank.shape[0],):
@@ -52,8 +61,15 @@ def knn_predict(bank: Tensor, bank_labels: Tensor, queries: Tensor, k: int = K, 
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=dev)
 
 
-def knn_accuracy(bank: Tensor, bank_labels: Tensor, queries: Tensor, query_labels: Tensor, k: int = K,
-                 temperature: float = TEMPERATURE, num_classes: int | None = None) -> float:
+def knn_accuracy(
+    bank: Tensor,
+    bank_labels: Tensor,
+    queries: Tensor,
+    query_labels: Tensor,
+    k: int = K,
+    temperature: float = TEMPERATURE,
+    num_classes: int | None = None,
+) -> float:
     """Top-1 accuracy (fraction in [0, 1]) of :func:`knn_predict` on ``queries`` with labels ``query_labels``."""
     if queries.shape[0] == 0:
         raise ValueError("no queries")

@@ -1,5 +1,6 @@
 """Models from a recipe: timm VisionTransformer (CLS or GAP head), a timm ResNet baseline for small images, and a
 timm MLP-Mixer (Raghu et al. 2021 App. H: a third, attention-free token architecture)."""
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -15,10 +16,18 @@ def build_model(recipe, num_classes: int) -> nn.Module:
     m, d = recipe.model, recipe.data
     if m.arch == "vit":
         # DINO's local crops are smaller than data.img_size: timm's dynamic_img_size resamples the position embedding
-        model = build_vit(m, d.img_size, d.in_chans, num_classes, recipe.interventions,
-                          dynamic_img_size=recipe.train.objective == "dino")
+        model = build_vit(
+            m,
+            d.img_size,
+            d.in_chans,
+            num_classes,
+            recipe.interventions,
+            dynamic_img_size=recipe.train.objective == "dino",
+        )
     elif model_interventions(recipe.interventions):  # each intervention's check says so first, in recipe terms
-        raise ValueError(f"interventions {', '.join(model_interventions(recipe.interventions))} apply to ViTs only, not to model.arch {m.arch!r}.")
+        raise ValueError(
+            f"interventions {', '.join(model_interventions(recipe.interventions))} apply to ViTs only, not to model.arch {m.arch!r}."
+        )
     elif m.arch == "mixer":
         model = build_mixer(m, d.img_size, d.in_chans, num_classes)
     elif m.arch == "resnet":
@@ -29,7 +38,9 @@ def build_model(recipe, num_classes: int) -> nn.Module:
     return model
 
 
-def build_vit(m, img_size: int, in_chans: int, num_classes: int, interventions=None, dynamic_img_size: bool = False) -> nn.Module:
+def build_vit(
+    m, img_size: int, in_chans: int, num_classes: int, interventions=None, dynamic_img_size: bool = False
+) -> nn.Module:
     """timm VisionTransformer. ``head: cls`` classifies the class token (global_pool='token');
     ``head: gap`` has no class token and classifies the mean of the final tokens (global_pool='avg').
     ``dynamic_img_size``: inputs of another size (a multiple of the patch) are accepted, the position embedding
@@ -90,18 +101,27 @@ def build_resnet(m, in_chans: int, num_classes: int) -> nn.Module:
     ResNet-50.)"""
     block = Bottleneck if m.resnet_block == "bottleneck" else BasicBlock
     layers, channels = tuple(m.resnet_layers), tuple(m.resnet_channels)
-    model = ResNet(block=block, layers=layers, channels=channels, in_chans=in_chans, num_classes=num_classes,
-                   drop_path_rate=m.drop_path)
+    model = ResNet(
+        block=block,
+        layers=layers,
+        channels=channels,
+        in_chans=in_chans,
+        num_classes=num_classes,
+        drop_path_rate=m.drop_path,
+    )
     if m.small_stem:
         width = channels[0]
         model.conv1 = nn.Conv2d(in_chans, width, kernel_size=3, stride=1, padding=1, bias=False)
         model.bn1 = nn.BatchNorm2d(width)
         model.maxpool = nn.Identity()
-        stages, stage_info = make_blocks((block,) * len(channels), channels, layers, inplanes=width, drop_path_rate=m.drop_path)
+        stages, stage_info = make_blocks(
+            (block,) * len(channels), channels, layers, inplanes=width, drop_path_rate=m.drop_path
+        )
         for name, stage in stages:
             setattr(model, name, stage)
         # strides relative to the input: timm's counts assume its /4 stem (conv /2 and max-pool /2)
         model.feature_info = [dict(num_chs=width, reduction=1, module="act1")] + [
-            dict(info, reduction=info["reduction"] // 4) for info in stage_info]
+            dict(info, reduction=info["reduction"] // 4) for info in stage_info
+        ]
         model.init_weights()  # timm's init (kaiming convs, zero last BN of each branch) for the new modules too
     return model

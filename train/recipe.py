@@ -6,6 +6,7 @@ A recipe is one experiment. It is read from YAML, may inherit from another file 
 unknown keys, wrong types and out-of-range values raise :class:`RecipeError` with one sentence that names
 the key and says what is allowed. The resolved recipe is written into the run folder as ``recipe.yaml``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -58,18 +59,18 @@ class AugmentConfig:
 @dataclass
 class DataConfig:
     source: Literal["fashion_mnist", "hub", "imagefolder", "parquet", "disk"] = "fashion_mnist"
-    name: Optional[str] = None  # hub data set name (e.g. cifar10) when source=hub
-    path: Optional[str] = None  # folder for imagefolder/parquet (or the Fashion-MNIST folder)
+    name: str | None = None  # hub data set name (e.g. cifar10) when source=hub
+    path: str | None = None  # folder for imagefolder/parquet (or the Fashion-MNIST folder)
     train_split: str = "train"
     eval_split: str = "test"
-    image_column: Optional[str] = None  # default: the first Image feature, else 'image' or 'img'
-    label_column: Optional[str] = None  # default: the first ClassLabel feature, else 'label'
+    image_column: str | None = None  # default: the first Image feature, else 'image' or 'img'
+    label_column: str | None = None  # default: the first ClassLabel feature, else 'label'
     img_size: int = field(default=28, metadata=_range(8, 1024))
     in_chans: int = field(default=1, metadata=_range(1, 4))
     probe_train_size: int = field(default=2000, metadata=_range(0))  # seeded, class-balanced part of train
     analysis_size: int = field(default=1024, metadata=_range(0))  # fixed, seeded, class-balanced part of eval
-    eval_size: Optional[int] = field(default=None, metadata=_range(1))  # None: the whole eval split
-    train_size: Optional[int] = field(default=None, metadata=_range(1))  # None: the whole train split
+    eval_size: int | None = field(default=None, metadata=_range(1))  # None: the whole eval split
+    train_size: int | None = field(default=None, metadata=_range(1))  # None: the whole train split
     # images held out of the train split as a validation split (0: none), chosen first, from a fixed seed
     # (train.data.VAL_SEED): train_size, a data_subset, probe_train and the normalisation statistics use the rest
     val_size: int = field(default=0, metadata=_range(0))
@@ -97,14 +98,18 @@ class ModelConfig:
     embed_dim: int = field(default=96, metadata=_range(8, 8192))  # vit, mixer: token width
     num_heads: int = field(default=4, metadata=_range(1, 128))  # vit
     mlp_ratio: float = field(default=2.0, metadata=_range(0.0, 64.0, lo_open=True))  # vit MLP; mixer channel-mixing MLP
-    mixer_token_ratio: float = field(default=0.5, metadata=_range(0.0, 64.0, lo_open=True))  # mixer token-mixing MLP, x embed_dim
+    mixer_token_ratio: float = field(
+        default=0.5, metadata=_range(0.0, 64.0, lo_open=True)
+    )  # mixer token-mixing MLP, x embed_dim
     head: Literal["cls", "gap"] = "cls"  # vit only (a mixer always averages its tokens; a resnet pools its map)
     drop_path: float = field(default=0.0, metadata=_range(0.0, 1.0))
     # ResNet baseline (timm ResNet, BasicBlock): blocks per stage and the widths of the stages
     resnet_layers: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
     resnet_channels: list[int] = field(default_factory=lambda: [32, 64, 128, 256])
     small_stem: bool = True  # 3x3 stride-1 stem without max-pool, for 28-32 px images
-    resnet_block: Literal["basic", "bottleneck"] = "basic"  # bottleneck + layers [3,4,6,3] + channels [64,128,256,512]: ResNet-50
+    resnet_block: Literal["basic", "bottleneck"] = (
+        "basic"  # bottleneck + layers [3,4,6,3] + channels [64,128,256,512]: ResNet-50
+    )
     # vit / mixer: dropout after every dense layer but the qkv projection and after adding the position embedding
     # (ViT paper App. B.1: 0.1 on ImageNet); timm's drop_rate and proj_drop_rate
     dropout: float = field(default=0.0, metadata=_range(0.0, 1.0))
@@ -134,7 +139,7 @@ class TrainConfig:
     objective: str = "supervised"
     # start from a pretrained run (train/init_from.py): a run folder (its last checkpoint), a checkpoint folder, or a
     # run's name under run.root; every weight but the classifier head is loaded from its network init_part
-    init_from: Optional[str] = None
+    init_from: str | None = None
     init_part: str = "student"  # the network of init_from's checkpoint: student (the backbone) or e.g. teacher (DINO)
     freeze_backbone: bool = False  # linear evaluation: only the classifier head trains, the backbone stays in eval mode
 
@@ -142,7 +147,7 @@ class TrainConfig:
 @dataclass
 class CallbackConfig:
     name: str
-    every: Optional[int] = field(default=None, metadata=_range(1))  # None: at every checkpoint
+    every: int | None = field(default=None, metadata=_range(1))  # None: at every checkpoint
     options: dict = field(default_factory=dict)
 
     @classmethod
@@ -162,7 +167,7 @@ class CallbackConfig:
 @dataclass
 class RunConfig:
     root: str = "runs"
-    name: Optional[str] = None  # default: recipe file name plus the overrides; a folder name, not a path
+    name: str | None = None  # default: recipe file name plus the overrides; a folder name, not a path
 
 
 # Fields added after runs had been trained, with the value that reproduces the earlier behaviour. Recipe.hash()
@@ -196,16 +201,28 @@ _HASHED_WHEN_ABSENT = ("no_skip", "data_subset", "head_mask")
 # (the advice after a divergence) change the schedule of the steps still to come: lr_at(step) is a function of the
 # recipe in force, so a resumed run with new values is exactly "old values up to the checkpoint, new ones after".
 RESUMABLE: tuple[str, ...] = (
-    "train.steps", "train.lr", "train.warmup_steps", "train.grad_clip",
-    "train.eval_every", "train.eval_batch_size", "train.checkpoint_every", "train.keep_last", "train.log_every",
-    "data.num_workers", "callbacks", "run", "sweep",
+    "train.steps",
+    "train.lr",
+    "train.warmup_steps",
+    "train.grad_clip",
+    "train.eval_every",
+    "train.eval_batch_size",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.log_every",
+    "data.num_workers",
+    "callbacks",
+    "run",
+    "sweep",
 )
 
 
 @dataclass
 class Recipe:
     name: str = "recipe"
-    seed: int = field(default=0, metadata=_range(0, 2**32 - 1))  # numpy's legacy global seed (accelerate's set_seed) is 32-bit
+    seed: int = field(
+        default=0, metadata=_range(0, 2**32 - 1)
+    )  # numpy's legacy global seed (accelerate's set_seed) is 32-bit
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -280,7 +297,11 @@ def resume_conflicts(recipe: Recipe, meta: dict, saved: dict | None) -> list[str
         return []
     old, new = flatten(saved), flatten(recipe.to_dict())
     free = tuple(RESUMABLE)
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and not (k in free or k.startswith(tuple(f + "." for f in free))))
+    return sorted(
+        k
+        for k in set(old) | set(new)
+        if old.get(k) != new.get(k) and not (k in free or k.startswith(tuple(f + "." for f in free)))
+    )
 
 
 # ---------------------------------------------------------------- reading YAML
@@ -320,7 +341,7 @@ _Loader.add_implicit_resolver(
 def _yaml(text: str, where: str):
     """Parse YAML ``text`` with :class:`_Loader`; a syntax error or a duplicate key is one sentence about ``where``."""
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+        return yaml.load(text, Loader=_Loader)
     except _DuplicateKey as e:
         raise RecipeError(f"{where} gives the key '{e.key}' twice (line {e.line}): keep one of them.") from None
     except yaml.YAMLError as e:
@@ -328,25 +349,37 @@ def _yaml(text: str, where: str):
         at = f" at line {mark.line + 1}" if mark else ""
         raise RecipeError(f"{where} is not valid YAML{at}: fix the syntax there.") from None
     except RecursionError:
-        raise RecipeError(f"{where} nests lists or mappings too deeply to read: no recipe key needs more than a few levels.") from None
+        raise RecipeError(
+            f"{where} nests lists or mappings too deeply to read: no recipe key needs more than a few levels."
+        ) from None
     except ValueError as e:  # Python refuses to convert an integer of more than sys.get_int_max_str_digits() digits
-        raise RecipeError(f"{where} holds a number too long to read ({str(e).split(';')[0]}): no recipe key needs one.") from None
+        raise RecipeError(
+            f"{where} holds a number too long to read ({str(e).split(';')[0]}): no recipe key needs one."
+        ) from None
 
 
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise RecipeError(f"recipe file '{path}' does not exist: pass the path of a YAML file such as recipes/default.yaml.")
+        raise RecipeError(
+            f"recipe file '{path}' does not exist: pass the path of a YAML file such as recipes/default.yaml."
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         text = "\0"
     if "\0" in text:
-        raise RecipeError(f"recipe file '{path}' is not a text file (binary or not UTF-8): pass a YAML recipe such as recipes/default.yaml.")
+        raise RecipeError(
+            f"recipe file '{path}' is not a text file (binary or not UTF-8): pass a YAML recipe such as recipes/default.yaml."
+        )
     data = _yaml(text, f"recipe file '{path}'")
     if data is None:
-        raise RecipeError(f"recipe file '{path}' is empty (no keys, only comments or blank lines): write the keys to change, or 'base: default.yaml'.")
+        raise RecipeError(
+            f"recipe file '{path}' is empty (no keys, only comments or blank lines): write the keys to change, or 'base: default.yaml'."
+        )
     if not isinstance(data, dict):
-        raise RecipeError(f"recipe file '{path}' must hold a mapping of keys (data:, model:, train:, ...), not a {type(data).__name__}.")
+        raise RecipeError(
+            f"recipe file '{path}' must hold a mapping of keys (data:, model:, train:, ...), not a {type(data).__name__}."
+        )
     return data
 
 
@@ -367,7 +400,7 @@ def _load_chain(path: Path, seen: tuple = ()) -> dict:
         return data
     if not isinstance(base, str):
         raise RecipeError(f"key 'base' in '{path}' must be a file name (str), got {type(base).__name__}.")
-    parent = _load_chain(path.parent / base, seen + (path,))
+    parent = _load_chain(path.parent / base, (*seen, path))
     parent.pop("name", None)  # a recipe is named after its own file (or its own 'name:'), not its base's
     return _merge(parent, data)
 
@@ -395,7 +428,13 @@ def _set_override(d: dict, assignment: str) -> None:
 # ---------------------------------------------------------------- validation against the dataclasses' field types
 
 
-_SCALARS = {bool: (bool,), int: (int,), float: (int, float), str: (str,), dict: (dict,)}  # type -> accepted Python types
+_SCALARS = {
+    bool: (bool,),
+    int: (int,),
+    float: (int, float),
+    str: (str,),
+    dict: (dict,),
+}  # type -> accepted Python types
 _YAML_BOOL_WORDS = {False: {"no", "off", "false"}, True: {"yes", "on", "true"}}  # YAML 1.1 reads these as booleans
 
 
@@ -485,32 +524,46 @@ def _cross_checks(r: Recipe) -> None:
         if d.img_size % m.patch_size:
             raise RecipeError(f"key 'model.patch_size' ({m.patch_size}) must divide 'data.img_size' ({d.img_size}).")
     if m.arch == "mixer" and int(m.mixer_token_ratio * m.embed_dim) < 1:
-        raise RecipeError(f"key 'model.mixer_token_ratio' ({m.mixer_token_ratio}) times 'model.embed_dim' ({m.embed_dim}) "
-                          "must give at least 1 hidden unit for the token-mixing MLP.")
+        raise RecipeError(
+            f"key 'model.mixer_token_ratio' ({m.mixer_token_ratio}) times 'model.embed_dim' ({m.embed_dim}) "
+            "must give at least 1 hidden unit for the token-mixing MLP."
+        )
     if m.arch == "mixer" and int(m.mlp_ratio * m.embed_dim) < 1:
-        raise RecipeError(f"key 'model.mlp_ratio' ({m.mlp_ratio}) times 'model.embed_dim' ({m.embed_dim}) "
-                          "must give at least 1 hidden unit for the channel-mixing MLP.")
+        raise RecipeError(
+            f"key 'model.mlp_ratio' ({m.mlp_ratio}) times 'model.embed_dim' ({m.embed_dim}) "
+            "must give at least 1 hidden unit for the channel-mixing MLP."
+        )
     if m.arch == "vit":
         if m.embed_dim % m.num_heads:
             raise RecipeError(f"key 'model.num_heads' ({m.num_heads}) must divide 'model.embed_dim' ({m.embed_dim}).")
     if m.arch == "resnet" and m.dropout > 0:
-        raise RecipeError(f"key 'model.dropout' ({m.dropout}) applies to model.arch vit and mixer only: set it to 0 for a resnet (use model.drop_path).")
+        raise RecipeError(
+            f"key 'model.dropout' ({m.dropout}) applies to model.arch vit and mixer only: set it to 0 for a resnet (use model.drop_path)."
+        )
     if m.arch == "resnet":
         if len(m.resnet_layers) != 4 or len(m.resnet_channels) != 4:
-            raise RecipeError("keys 'model.resnet_layers' and 'model.resnet_channels' must each list 4 numbers (timm ResNets have 4 stages).")
+            raise RecipeError(
+                "keys 'model.resnet_layers' and 'model.resnet_channels' must each list 4 numbers (timm ResNets have 4 stages)."
+            )
         if any(v < 1 for v in m.resnet_layers + m.resnet_channels):
             raise RecipeError("keys 'model.resnet_layers' and 'model.resnet_channels' must hold positive integers.")
     if d.source == "hub" and not d.name:
-        raise RecipeError("key 'data.name' must name a Hugging Face hub data set (e.g. cifar10) when data.source is 'hub'.")
+        raise RecipeError(
+            "key 'data.name' must name a Hugging Face hub data set (e.g. cifar10) when data.source is 'hub'."
+        )
     if d.source in ("imagefolder", "parquet", "disk") and not d.path:
         raise RecipeError(f"key 'data.path' must give a folder when data.source is '{d.source}'.")
     if d.val_size and d.train_split == d.eval_split:
-        raise RecipeError(f"key 'data.val_size' ({d.val_size}) holds out part of the train split, which is also the eval split "
-                          f"('{d.eval_split}') here: give data.eval_split another split, or set data.val_size to 0.")
+        raise RecipeError(
+            f"key 'data.val_size' ({d.val_size}) holds out part of the train split, which is also the eval split "
+            f"('{d.eval_split}') here: give data.eval_split another split, or set data.val_size to 0."
+        )
     a = d.augment
     if (a.mixup_alpha > 0 or a.cutmix_alpha > 0) and t.batch_size % 2:
-        raise RecipeError(f"key 'train.batch_size' ({t.batch_size}) must be even when data.augment.mixup_alpha or cutmix_alpha "
-                          "is > 0 (timm's Mixup pairs each image with the batch's mirror image): make it even.")
+        raise RecipeError(
+            f"key 'train.batch_size' ({t.batch_size}) must be even when data.augment.mixup_alpha or cutmix_alpha "
+            "is > 0 (timm's Mixup pairs each image with the batch's mirror image): make it even."
+        )
     if t.min_lr > t.lr:
         raise RecipeError(f"key 'train.min_lr' ({t.min_lr}) must not exceed 'train.lr' ({t.lr}).")
     if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
@@ -518,13 +571,17 @@ def _cross_checks(r: Recipe) -> None:
     known = known_callbacks()
     for i, cb in enumerate(r.callbacks):
         if not is_callback_name(cb.name):
-            raise RecipeError(f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback: choose one of {', '.join(sorted(known))}, or give package.module:Class.")
+            raise RecipeError(
+                f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback: choose one of {', '.join(sorted(known))}, or give package.module:Class."
+            )
     for k, v in r.sweep.items():
         if not isinstance(v, list) or not v:
             raise RecipeError(f"key 'sweep.{k}' must be a non-empty list of values to try.")
     name = r.run.name
     if name is not None and (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name):
-        raise RecipeError(f"key 'run.name' ({name!r}, also --name) must be a folder name, not a path: no '/', '\\' or '..' (the folder goes under run.root).")
+        raise RecipeError(
+            f"key 'run.name' ({name!r}, also --name) must be a folder name, not a path: no '/', '\\' or '..' (the folder goes under run.root)."
+        )
     msg = check_interventions(r) or check_objective(r)
     if msg:
         raise RecipeError(msg)

@@ -1,5 +1,6 @@
 """Per-step seeds: what a training step draws is a function of (recipe seed, step, process), so a resumed run
 draws the same augmentation, mixing, masks and crops as an uninterrupted one."""
+
 from __future__ import annotations
 
 import random

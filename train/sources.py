@@ -11,6 +11,7 @@ cached copy). Unless HF_HUB_OFFLINE is set, one short request (:func:`hub_reacha
 answers at all; when it does not, the data set is loaded in offline mode, from the cache at once or with one
 sentence saying what to do. A machine with network pays one HEAD request and nothing else changes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,18 @@ from pathlib import Path
 import numpy as np
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
-FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+FASHION_MNIST_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 
 
 class DataError(RuntimeError):
@@ -34,9 +46,11 @@ def _read_idx(path: Path) -> np.ndarray:
     with gzip.open(path, "rb") as f:
         raw = f.read()
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
-        raise DataError(f"'{path}' is not a uint8 IDX file: reinstall the data with 'apt-get install --reinstall dataset-fashion-mnist'.")
+        raise DataError(
+            f"'{path}' is not a uint8 IDX file: reinstall the data with 'apt-get install --reinstall dataset-fashion-mnist'."
+        )
     ndim = raw[3]
-    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
@@ -73,7 +87,9 @@ def _load_fashion_mnist(folder: str):
     for split, (img, lab) in files.items():
         x, y = _read_idx(folder / img), _read_idx(folder / lab)
         if x.shape[1:] != (28, 28) or len(x) != len(y):
-            raise DataError(f"Fashion-MNIST files in {folder} have unexpected shapes {x.shape} / {y.shape}: reinstall them.")
+            raise DataError(
+                f"Fashion-MNIST files in {folder} have unexpected shapes {x.shape} / {y.shape}: reinstall them."
+            )
         out[split] = datasets.Dataset.from_dict({"image": x, "label": y.astype(np.int64)}, features=feats)
     return datasets.DatasetDict(out)
 
@@ -82,8 +98,10 @@ def _saved_path(cfg) -> Path:
     """data.path of ``source: disk``: a folder DatasetDict.save_to_disk wrote."""
     path = Path(cfg.path)
     if not (path / "dataset_dict.json").is_file():
-        raise DataError(f"data.path '{path}' is not a data set saved with DatasetDict.save_to_disk (no dataset_dict.json): "
-                        "save one with datasets.load_dataset(NAME).save_to_disk(PATH) where there is a network.")
+        raise DataError(
+            f"data.path '{path}' is not a data set saved with DatasetDict.save_to_disk (no dataset_dict.json): "
+            "save one with datasets.load_dataset(NAME).save_to_disk(PATH) where there is a network."
+        )
     return path
 
 
@@ -92,8 +110,10 @@ def _load_saved(path: Path):
 
     try:
         return datasets.load_from_disk(str(path))
-    except Exception as e:  # noqa: BLE001 - any reader error becomes one sentence
-        raise DataError(f"could not read the saved data set at '{path}' ({type(e).__name__}: {str(e)[:200]}).") from None
+    except Exception as e:
+        raise DataError(
+            f"could not read the saved data set at '{path}' ({type(e).__name__}: {str(e)[:200]})."
+        ) from None
 
 
 def _local_path(cfg) -> Path:
@@ -106,13 +126,18 @@ def _local_path(cfg) -> Path:
 
 def _parquet_files(path: Path) -> dict:
     """{split: file} of a parquet source: ``<split>[-...].parquet`` in a folder, or one file (the train split)."""
-    files = {p.stem.split("-")[0]: str(p) for p in sorted(path.glob("*.parquet"))} if path.is_dir() else {"train": str(path)}
+    files = (
+        {p.stem.split("-")[0]: str(p) for p in sorted(path.glob("*.parquet"))}
+        if path.is_dir()
+        else {"train": str(path)}
+    )
     if not files:
         raise DataError(f"no .parquet files in '{path}': name them <split>.parquet (e.g. train.parquet, test.parquet).")
     return files
 
 
-# How long the Hub probe waits for an answer (HF_HUB_ETAG_TIMEOUT when set: the user's own limit for a metadata request).
+# How long the Hub probe waits for an answer (HF_HUB_ETAG_TIMEOUT when set: the user's own limit for a metadata
+# request).
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
@@ -126,7 +151,11 @@ def _offline_set() -> bool:
 
 def _offline_flags(hub_constants, datasets_config) -> list:
     """(module, attribute) of the offline switches huggingface_hub and datasets read at each request."""
-    return [(hub_constants, "HF_HUB_OFFLINE"), (datasets_config, "HF_HUB_OFFLINE"), (datasets_config, "HF_DATASETS_OFFLINE")]
+    return [
+        (hub_constants, "HF_HUB_OFFLINE"),
+        (datasets_config, "HF_HUB_OFFLINE"),
+        (datasets_config, "HF_DATASETS_OFFLINE"),
+    ]
 
 
 def _transport_errors() -> tuple:
@@ -184,13 +213,19 @@ def _from_hub(name: str, load):
     try:
         with _hub_offline_mode() if unreachable else contextlib.nullcontext():
             return load(name)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         text = f"{type(e).__name__}: {e}"
         if isinstance(e, ConnectionError) or "Connection" in text or "offline" in text.lower():
-            why = "HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) is set" if offline else \
-                "could not reach the Hugging Face Hub (this machine seems offline)"
-            cache = "load it once there and copy its cache to HF_HOME here" if offline else \
-                "fill the cache there (load it once), copy it to HF_HOME here and set HF_HUB_OFFLINE=1"
+            why = (
+                "HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) is set"
+                if offline
+                else "could not reach the Hugging Face Hub (this machine seems offline)"
+            )
+            cache = (
+                "load it once there and copy its cache to HF_HOME here"
+                if offline
+                else "fill the cache there (load it once), copy it to HF_HOME here and set HF_HUB_OFFLINE=1"
+            )
             raise DataError(
                 f"{why} and data set '{name}' is not in the local Hugging Face cache (HF_HOME {constants.HF_HOME}): where there "
                 f"is a network, save it with datasets.load_dataset('{name}').save_to_disk(PATH), copy PATH here and use "
@@ -214,8 +249,10 @@ def load_source(cfg):
             if cfg.source == "imagefolder":
                 return datasets.load_dataset("imagefolder", data_dir=str(path))
             return datasets.load_dataset("parquet", data_files=files)
-        except Exception as e:  # noqa: BLE001 - any reader error becomes one sentence
-            raise DataError(f"could not read {cfg.source} data at '{path}' ({type(e).__name__}: {str(e)[:200]}).") from None
+        except Exception as e:
+            raise DataError(
+                f"could not read {cfg.source} data at '{path}' ({type(e).__name__}: {str(e)[:200]})."
+            ) from None
     return _from_hub(cfg.name, datasets.load_dataset)
 
 

@@ -6,6 +6,7 @@ A :class:`Split` holds uint8 images [N, C, H, W] in memory; a :class:`LazySplit`
 decoding), with per-image random-resized crops seeded by (seed, epoch, index). Both are drawn by
 :class:`EpochBatchSampler` (order from (seed, epoch) alone: exact resume) a whole batch at a time.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -67,7 +68,7 @@ class Split:
 
     lazy = False
 
-    def dataset(self) -> "TensorBatches":
+    def dataset(self) -> TensorBatches:
         return TensorBatches(self.images, self.labels)
 
     def take(self, idx, epoch: int = 0) -> torch.Tensor:
@@ -129,7 +130,9 @@ class EpochBatchSampler(torch.utils.data.Sampler):
         self.generator = torch.Generator()
         self.set_epoch(0)
         if self.batches_per_epoch() == 0:
-            raise DataError(f"the train split ({n} images) is smaller than one batch ({batch_size} x {world} processes): lower train.batch_size.")
+            raise DataError(
+                f"the train split ({n} images) is smaller than one batch ({batch_size} x {world} processes): lower train.batch_size."
+            )
 
     def batches_per_epoch(self) -> int:
         return (self.n // self.world) // self.batch_size
@@ -143,10 +146,10 @@ class EpochBatchSampler(torch.utils.data.Sampler):
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        mine = torch.randperm(self.n, generator=g)[self.rank:: self.world]
+        mine = torch.randperm(self.n, generator=g)[self.rank :: self.world]
         b = self.batch_size
         for i in range(self.start_batch, self.batches_per_epoch()):
-            yield EpochBatch(mine[i * b: (i + 1) * b].tolist(), self.epoch)
+            yield EpochBatch(mine[i * b : (i + 1) * b].tolist(), self.epoch)
 
 
 class LazySplit:
@@ -157,15 +160,21 @@ class LazySplit:
     lazy = True
 
     def __init__(self, ds, rows, labels: torch.Tensor, cfg, crop_seed: int | None = None):
-        self.ds, self.rows, self.labels, self.cfg, self.crop_seed = ds, np.asarray(rows, dtype=np.int64), labels, cfg, crop_seed
+        self.ds, self.rows, self.labels, self.cfg, self.crop_seed = (
+            ds,
+            np.asarray(rows, dtype=np.int64),
+            labels,
+            cfg,
+            crop_seed,
+        )
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def dataset(self) -> "LazyBatches":
+    def dataset(self) -> LazyBatches:
         return LazyBatches(self)
 
-    def subset(self, idx) -> "LazySplit":
+    def subset(self, idx) -> LazySplit:
         idx = np.asarray(idx, dtype=np.int64)
         return LazySplit(self.ds, self.rows[idx], self.labels[torch.as_tensor(idx)], self.cfg, self.crop_seed)
 
@@ -174,11 +183,13 @@ class LazySplit:
         idx = np.asarray(idx, dtype=np.int64)
         boxes = None
         if self.crop_seed is not None:
+
             def boxes(i, w, h):
                 return rrc_box(w, h, crop_rng(self.crop_seed, epoch, idx[i]))
+
         return decode_rows(self.ds, self.rows[idx], self.cfg, boxes)
 
-    def in_memory(self) -> "Split":
+    def in_memory(self) -> Split:
         """Every image decoded (no crop): a :class:`Split`."""
         return Split(decode_rows(self.ds, self.rows, self.cfg), self.labels)
 

@@ -6,6 +6,7 @@ complete checkpoint, so a sweep can be stopped and started again safely. Every c
 before the first run starts. Values are YAML: ``--grid interventions.no_skip.blocks=[0],[3],[5]``. Without --grid, the recipe's
 ``sweep:`` section ({key: [values]}) is the grid (recipes/studies/ use this).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,7 +102,14 @@ def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tupl
         if dry_run:
             print(f"{label}: {'resuming' if resumable else 'starting'}", flush=True)
             continue
-        cmd = launcher + [str(recipe), "--set", *overrides, f"run.root={run_dir.resolve().parent}", f"run.name={run_dir.name}"]
+        cmd = [
+            *launcher,
+            str(recipe),
+            "--set",
+            *overrides,
+            f"run.root={run_dir.resolve().parent}",
+            f"run.name={run_dir.name}",
+        ]
         if stop:
             cmd += ["--stop-after", str(stop)]
         todo.append((label, cmd, run_dir, stop))
@@ -122,7 +130,10 @@ def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tupl
                 if proc.returncode != 0 or not (is_finished(run_dir) or (stop and reached(run_dir, stop))):
                     failed.append((run_dir.name, proc.returncode))
                     where = f"; its output is in {_log_path(run_dir)}" if log is not None else ""
-                    print(f"{label}: failed with exit code {proc.returncode}{where}; the rest go on (run this again to resume it)", flush=True)
+                    print(
+                        f"{label}: failed with exit code {proc.returncode}{where}; the rest go on (run this again to resume it)",
+                        flush=True,
+                    )
                 elif log is not None:
                     print(f"{label}: finished", flush=True)
             if block and running:
@@ -141,8 +152,12 @@ def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tupl
             if jobs > 1:
                 _log_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
                 log = open(_log_path(run_dir), "a")  # beside the run folder: the trainer owns what is inside it
-            proc = subprocess.Popen(cmd + (["--resume"] if resume else []), env=env,
-                                    stdout=log, stderr=subprocess.STDOUT if log is not None else None)
+            proc = subprocess.Popen(
+                cmd + (["--resume"] if resume else []),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT if log is not None else None,
+            )
             started += 1
             running.append((label, run_dir, proc, log, stop))
         reap(block=True)
@@ -157,10 +172,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="./launch.sh sweep", description=__doc__.split("\n")[0])
     p.add_argument("recipe")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="one axis of the grid (repeatable)")
-    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="overrides shared by every run")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides shared by every run",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the runs and their state, start nothing")
-    p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each with an equal share of the cores (default 1)")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="runs trained at once, each with an equal share of the cores (default 1)"
+    )
     args = p.parse_args(argv)
     if args.jobs < 1:
         print(f"error: --jobs must be at least 1, not {args.jobs}.", file=sys.stderr)
@@ -173,7 +197,9 @@ def main(argv=None) -> int:
             base = load_recipe(args.recipe, args.overrides)
             grids = [f"{k}={','.join(json.dumps(v) for v in vals)}" for k, vals in base.sweep.items()]
             if not grids:
-                raise RecipeError(f"recipe '{args.recipe}' has no sweep: section and no --grid was given: add --grid key=v1,v2.")
+                raise RecipeError(
+                    f"recipe '{args.recipe}' has no sweep: section and no --grid was given: add --grid key=v1,v2."
+                )
         for combo in combinations(grids):
             overrides = list(args.overrides) + combo
             recipe = load_recipe(args.recipe, overrides)
@@ -187,7 +213,9 @@ def main(argv=None) -> int:
         print("error: two grid points map to the same run folder: make the grid values distinct.", file=sys.stderr)
         return 2
 
-    failed, started, skipped = launch_runs([(args.recipe, list(args.overrides) + combo, d) for combo, d in plan], args.dry_run, args.jobs)
+    failed, started, skipped = launch_runs(
+        [(args.recipe, list(args.overrides) + combo, d) for combo, d in plan], args.dry_run, args.jobs
+    )
     print(f"sweep: {len(plan)} runs, {skipped} already finished, {started} started, {len(failed)} failed")
     return 1 if failed else 0
 

@@ -11,6 +11,7 @@ One trainer per run folder: the main process holds an ``fcntl.flock`` on ``<run>
 (the kernel releases it when the process dies, however it dies). SIGTERM / SIGINT stop the run cleanly at
 the end of the current step, on every process at the same step, with a checkpoint of that step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -96,8 +97,10 @@ class RunLock:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise RunFolderError(f"run folder {self.run_dir} is not writable ({e.strerror or e}): choose another run.root "
-                                 "(--set run.root=DIR) or make the folder writable.") from None
+            raise RunFolderError(
+                f"run folder {self.run_dir} is not writable ({e.strerror or e}): choose another run.root "
+                "(--set run.root=DIR) or make the folder writable."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -107,10 +110,14 @@ class RunLock:
             os.close(fd)
             if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
                 who = f" (pid {holder})" if holder else ""
-                raise RunLocked(f"run folder {self.run_dir} is in use by another trainer{who}: wait for it to finish or stop it "
-                                "(SIGTERM checkpoints and stops it), or pass --name NEW for another run.") from None
-            raise RunFolderError(f"run folder {self.run_dir} cannot be locked ({e.strerror or e}): put run.root on a file "
-                                 "system that supports flock.") from None
+                raise RunLocked(
+                    f"run folder {self.run_dir} is in use by another trainer{who}: wait for it to finish or stop it "
+                    "(SIGTERM checkpoints and stops it), or pass --name NEW for another run."
+                ) from None
+            raise RunFolderError(
+                f"run folder {self.run_dir} cannot be locked ({e.strerror or e}): put run.root on a file "
+                "system that supports flock."
+            ) from None
         with contextlib.suppress(OSError):
             self._before = os.pread(fd, 200, 0)
             os.ftruncate(fd, 0)
@@ -207,7 +214,10 @@ def make_accelerator(recipe: Recipe, run_dir: Path | None = None, log: bool = Tr
 
     kwargs = {}
     if run_dir is not None and log:
-        kwargs = {"log_with": "tensorboard", "project_config": ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir))}
+        kwargs = {
+            "log_with": "tensorboard",
+            "project_config": ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir)),
+        }
     acc = Accelerator(mixed_precision=recipe.train.mixed_precision, step_scheduler_with_optimizer=False, **kwargs)
     _cpu_threads(acc)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -221,7 +231,9 @@ def make_accelerator(recipe: Recipe, run_dir: Path | None = None, log: bool = Tr
 
 def eval_loader(split, batch_size: int, num_workers: int = 0):
 
-    return torch.utils.data.DataLoader(split.dataset(), batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=batch_collate)
+    return torch.utils.data.DataLoader(
+        split.dataset(), batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=batch_collate
+    )
 
 
 @torch.no_grad()
@@ -272,12 +284,16 @@ def run_dir_for(recipe: Recipe, overrides=()) -> Path:
     legacy = {root / run_name(recipe, list(p)) for p in orders} - {canonical}
     found = sorted(d for d in legacy if d.is_dir())
     if len(found) > 1:
-        raise RunFolderError(f"{', '.join(map(str, found))} were all trained with these overrides in different orders: "
-                             f"pass --name with the one to use.")
+        raise RunFolderError(
+            f"{', '.join(map(str, found))} were all trained with these overrides in different orders: "
+            f"pass --name with the one to use."
+        )
     return found[0] if found else canonical
 
 
-def prepare_run(recipe: Recipe, overrides=(), resume: bool | str = False, run_dir: Path | None = None) -> tuple[Path, Path | None, dict]:
+def prepare_run(
+    recipe: Recipe, overrides=(), resume: bool | str = False, run_dir: Path | None = None
+) -> tuple[Path, Path | None, dict]:
     """Decide the run folder and the checkpoint to resume from, before anything is written.
 
     Raises RunExists (checkpoints there, no --resume), RunFolderError (--resume with nothing to resume),
@@ -288,21 +304,27 @@ def prepare_run(recipe: Recipe, overrides=(), resume: bool | str = False, run_di
     if not resume:
         if list_checkpoints(ckpt_root, warn=False):
             last = list_checkpoints(ckpt_root, warn=False)[-1].name
-            raise RunExists(f"run folder {run_dir} already holds checkpoints (latest {last}): pass --resume to continue it, or --name NEW to start another run.")
+            raise RunExists(
+                f"run folder {run_dir} already holds checkpoints (latest {last}): pass --resume to continue it, or --name NEW to start another run."
+            )
     else:
         start = resolve_resume(ckpt_root, resume if isinstance(resume, str) else None, run_dir)
         if start is None:
             what = "has no complete checkpoint" if run_dir.is_dir() else "does not exist"
-            raise RunFolderError(f"--resume: nothing to resume, {run_dir} {what}: run without --resume to start it, or pass "
-                                 "the recipe, overrides and --name of the run to continue.")
+            raise RunFolderError(
+                f"--resume: nothing to resume, {run_dir} {what}: run without --resume to start it, or pass "
+                "the recipe, overrides and --name of the run to continue."
+            )
         if start is not None:
             meta = verify_checkpoint(start)
             saved = run_dir / "recipe.yaml"
             keys = resume_conflicts(recipe, meta, yaml.safe_load(saved.read_text()) if saved.is_file() else None)
             if keys is not None:
                 diff = f" (keys that differ: {', '.join(keys[:6])})" if keys else ""
-                raise RecipeError(f"cannot resume {start}: it was trained with a different recipe{diff}; resume with the same recipe and overrides "
-                                  "(cadences, train.steps, train.lr, train.warmup_steps and train.grad_clip may change), or start a new run with --name.")
+                raise RecipeError(
+                    f"cannot resume {start}: it was trained with a different recipe{diff}; resume with the same recipe and overrides "
+                    "(cadences, train.steps, train.lr, train.warmup_steps and train.grad_clip may change), or start a new run with --name."
+                )
     return run_dir, start, meta
 
 
@@ -320,8 +342,14 @@ def wait_past_event_files(tb_dir: Path, limit_s: float = 2.0) -> None:
         time.sleep(0.02)
 
 
-def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bool = True,
-          allow_process_change: bool = False, stop_after: int | None = None) -> dict:
+def train(
+    recipe: Recipe,
+    overrides=(),
+    resume: bool | str = False,
+    progress: bool = True,
+    allow_process_change: bool = False,
+    stop_after: int | None = None,
+) -> dict:
     """Train ``recipe``; return a summary dict (final step, eval top-1, wall time, run folder).
 
     Raises TrainingStopped after a clean stop on SIGTERM / SIGINT (the current step checkpointed), and after step
@@ -333,21 +361,37 @@ def train(recipe: Recipe, overrides=(), resume: bool | str = False, progress: bo
     closing: list = []  # _train's callbacks' on_close, for an exit it did not plan (an exception from anywhere)
     with StopSignals() as stop, _quiet_full_disk_threads():
         try:
-            return _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start,
-                          stop_after, closing)
+            return _train(
+                recipe,
+                overrides,
+                resume,
+                progress,
+                allow_process_change,
+                run_dir,
+                lock,
+                stop,
+                t_start,
+                stop_after,
+                closing,
+            )
         except OSError as e:  # a full disk (TensorBoard's events, a callback's files): the checkpoints written stay
             if e.errno not in FULL_DISK:
                 raise
             done = list_checkpoints(run_dir / "checkpoints", warn=False)
             keep = f"--resume continues from {done[-1].name}" if done else "no checkpoint had been written yet"
-            raise RunFolderError(f"cannot write {e.filename or run_dir} ({e.strerror}): free space in {run_dir.parent}, then "
-                                 f"{keep}.") from None
+            raise RunFolderError(
+                f"cannot write {e.filename or run_dir} ({e.strerror}): free space in {run_dir.parent}, then {keep}."
+            ) from None
         finally:
             for close in closing:  # a no-op when the run already closed its callbacks
                 try:
                     close()
                 except Exception as e:  # never hide the exception that ended the run
-                    print(f"warning: a callback failed while closing ({type(e).__name__}: {e}).", file=sys.stderr, flush=True)
+                    print(
+                        f"warning: a callback failed while closing ({type(e).__name__}: {e}).",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             lock.release()
 
 
@@ -395,13 +439,25 @@ def _write_result(run_dir: Path, summary: dict) -> None:
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(run_dir / "result.json")
     except OSError as e:
-        raise RunFolderError(f"cannot write {run_dir / 'result.json'} ({e.strerror or e}): free space or make the folder "
-                             "writable, then --resume writes it.") from None
+        raise RunFolderError(
+            f"cannot write {run_dir / 'result.json'} ({e.strerror or e}): free space or make the folder "
+            "writable, then --resume writes it."
+        ) from None
 
 
-def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, lock, stop, t_start,
-           stop_after=None, closing: list | None = None) -> dict:
-
+def _train(
+    recipe,
+    overrides,
+    resume,
+    progress,
+    allow_process_change,
+    run_dir,
+    lock,
+    stop,
+    t_start,
+    stop_after=None,
+    closing: list | None = None,
+) -> dict:
 
     callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
     acc = make_accelerator(recipe, run_dir)
@@ -412,8 +468,14 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     wall_before = float(start_meta.get("wall_s", 0.0))
     if start_meta.get("final") and int(start_meta["step"]) >= recipe.train.steps:  # train.steps raised: the run goes on
         ev = start_meta.get("eval", {})
-        summary = {"run_dir": str(run_dir), "step": start_meta["step"], "top1": ev.get("top1"), "eval_loss": ev.get("loss"),
-                   "wall_s": wall_before, "num_processes": start_meta.get("num_processes")}
+        summary = {
+            "run_dir": str(run_dir),
+            "step": start_meta["step"],
+            "top1": ev.get("top1"),
+            "eval_loss": ev.get("loss"),
+            "wall_s": wall_before,
+            "num_processes": start_meta.get("num_processes"),
+        }
         if main and not (run_dir / "result.json").is_file():  # the run died after its final checkpoint
             _write_result(run_dir, summary)
         return {**summary, "already_finished": True}
@@ -422,7 +484,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         raise RunFolderError(
             f"cannot resume {start_ckpt} with {acc.num_processes} process(es): it was trained with {saved_procs}, and the "
             f"global batch and data order depend on it; launch {saved_procs} (e.g. VITLAB_NPROC={saved_procs}), or pass "
-            "--allow-process-change to continue with the new global batch.")
+            "--allow-process-change to continue with the new global batch."
+        )
     t = recipe.train
 
     set_seed(recipe.seed)
@@ -432,7 +495,8 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     # an objective without labels trains a backbone without classifier head: its output is the pooled features
     backbone = build_model(recipe, data.num_classes if labelled else 0)
     objective = build_objective(recipe, backbone, data.num_classes)
-    # fine-tuning / linear evaluation: a fresh start loads train.init_from (not a resume), the frozen backbone stays frozen
+    # fine-tuning / linear evaluation: a fresh start loads train.init_from (not a resume), the frozen backbone stays
+    # frozen
     init_record = init_from.apply(recipe, objective, start_meta if start_ckpt is not None else None)
     model = objective.trained_module()  # the backbone (supervised) or the objective holding it and its own parts
 
@@ -441,23 +505,34 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     # a lazy train split decodes (and random-resized-crops, seeded by (seed, epoch, index)) in the workers; the
     # sampler's EpochBatch carries the epoch there, so order and crops are functions of (seed, epoch) alone
     train_loader = torch.utils.data.DataLoader(
-        data.train.dataset(), batch_sampler=sampler, num_workers=recipe.data.num_workers, collate_fn=batch_collate,
-        generator=sampler.generator, pin_memory=acc.device.type == "cuda", persistent_workers=False,
+        data.train.dataset(),
+        batch_sampler=sampler,
+        num_workers=recipe.data.num_workers,
+        collate_fn=batch_collate,
+        generator=sampler.generator,
+        pin_memory=acc.device.type == "cuda",
+        persistent_workers=False,
         prefetch_factor=4 if data.train.lazy and recipe.data.num_workers > 0 else None,
     )
     ev_loader = eval_loader(data.eval, t.eval_batch_size, recipe.data.num_workers)
     # the k-NN monitor's memory bank (objectives without labels): the probe-train split, unaugmented
-    bank_loader = None if labelled else acc.prepare(eval_loader(data.probe_train, t.eval_batch_size, recipe.data.num_workers))
+    bank_loader = (
+        None if labelled else acc.prepare(eval_loader(data.probe_train, t.eval_batch_size, recipe.data.num_workers))
+    )
     model, opt, ev_loader = acc.prepare(model, opt, ev_loader)
     # data.val_size > 0: the held-out validation split, evaluated at every evaluation exactly as the eval split
-    val_loader = acc.prepare(eval_loader(data.val, t.eval_batch_size, recipe.data.num_workers)) if data.val is not None else None
+    val_loader = (
+        acc.prepare(eval_loader(data.val, t.eval_batch_size, recipe.data.num_workers)) if data.val is not None else None
+    )
 
     step = 0
     if start_ckpt is not None:
         try:
             acc.load_state(str(start_ckpt))
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {start_ckpt} cannot be loaded into this model ({type(e).__name__}: {str(e)[:160]}).") from None
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint {start_ckpt} cannot be loaded into this model ({type(e).__name__}: {str(e)[:160]})."
+            ) from None
         step = int(start_meta["step"])
 
     if not held:  # a new folder: created and locked only now, after every check that can refuse the run
@@ -472,7 +547,9 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                 shutil.rmtree(run_dir / "tb")
             (run_dir / "recipe.yaml").write_text(dump(recipe))
         except OSError as e:
-            raise RunFolderError(f"run folder {run_dir} is not writable ({e.strerror or e}): free space or make it writable.") from None
+            raise RunFolderError(
+                f"run folder {run_dir} is not writable ({e.strerror or e}): free space or make it writable."
+            ) from None
     acc.wait_for_everyone()
     # flush every 10 s and at every checkpoint (so a kill loses nothing before it); on resume, drop events logged
     # after the checkpoint
@@ -483,9 +560,15 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     writer = acc.get_tracker("tensorboard", unwrap=True) if main else None
     global_batch = t.batch_size * t.grad_accum * acc.num_processes
     run_info = {
-        "recipe_hash": recipe.hash(), "resume_hash": recipe.resume_hash(), "interventions": describe(recipe), "data": data.meta,
-        "num_processes": acc.num_processes, "global_batch": global_batch, "num_classes": data.num_classes,
-        "torch_threads": torch.get_num_threads(), "objective": objective.describe(),
+        "recipe_hash": recipe.hash(),
+        "resume_hash": recipe.resume_hash(),
+        "interventions": describe(recipe),
+        "data": data.meta,
+        "num_processes": acc.num_processes,
+        "global_batch": global_batch,
+        "num_classes": data.num_classes,
+        "torch_threads": torch.get_num_threads(),
+        "objective": objective.describe(),
         **({"init_from": init_record} if init_record else {}),
     }
     if main and step == 0:
@@ -511,14 +594,19 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
     window = start_meta.get("log_window")
     if window and len(window["loss"]) == acc.num_processes:  # the unfinished log window of the checkpoint
         mine = acc.process_index
-        interval = {"loss": torch.tensor(window["loss"][mine], dtype=torch.float32, device=acc.device),
-                    "n": window["n"], "time": window["time"], "images": window["images"],
-                    "terms": {k: torch.tensor(v[mine], dtype=torch.float32, device=acc.device)
-                              for k, v in window.get("terms", {}).items()}}
+        interval = {
+            "loss": torch.tensor(window["loss"][mine], dtype=torch.float32, device=acc.device),
+            "n": window["n"],
+            "time": window["time"],
+            "images": window["images"],
+            "terms": {
+                k: torch.tensor(v[mine], dtype=torch.float32, device=acc.device)
+                for k, v in window.get("terms", {}).items()
+            },
+        }
     last_saved = step if start_ckpt is not None else -1
     bar = None
     if progress and main:
-
         bar = tqdm(total=t.steps, initial=step, desc=run_dir.name, dynamic_ncols=True)
 
     def checkpoint(final: bool) -> float:
@@ -529,14 +617,26 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         if interval["n"]:  # each process's loss sum of the unfinished log window, so a resume logs the same mean
             mine = torch.as_tensor(interval["loss"], dtype=torch.float32, device=acc.device).reshape(1)
             sums = acc.gather(mine) if acc.num_processes > 1 else mine
-            window = {"loss": [float(v) for v in sums.cpu()], "n": interval["n"], "time": interval["time"], "images": interval["images"],
-                      "terms": {}}
+            window = {
+                "loss": [float(v) for v in sums.cpu()],
+                "n": interval["n"],
+                "time": interval["time"],
+                "images": interval["images"],
+                "terms": {},
+            }
             for k, v in sorted(interval["terms"].items()):  # the objective's terms, likewise per process
                 v = torch.as_tensor(v, dtype=torch.float32, device=acc.device).reshape(1)
                 window["terms"][k] = [float(u) for u in (acc.gather(v) if acc.num_processes > 1 else v).cpu()]
-        meta = {**run_info, "epoch": (step * G) // bpe, "final": final, "eval": last_eval, "time": time.time(),
-                "wall_s": wall_before + time.perf_counter() - t_start, "log_window": window,
-                **({"val": last_val} if val_loader is not None else {})}  # what checkpoint selection reads (not eval: test)
+        meta = {
+            **run_info,
+            "epoch": (step * G) // bpe,
+            "final": final,
+            "eval": last_eval,
+            "time": time.time(),
+            "wall_s": wall_before + time.perf_counter() - t_start,
+            "log_window": window,
+            **({"val": last_val} if val_loader is not None else {}),
+        }  # what checkpoint selection reads (not eval: test)
         path = save_checkpoint(acc, run_dir / "checkpoints", step, meta, t.keep_last)
         last_saved = step
         log({"time/checkpoint_s": time.perf_counter() - t0}, step)
@@ -572,8 +672,10 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         done = list_checkpoints(run_dir / "checkpoints", warn=False)
         keep = f"the last good checkpoint is {done[-1]}" if done else "no checkpoint had been written yet"
         close()
-        raise TrainingDiverged(f"training diverged at step {at}: {what} ({keep}); start a new run (--name NEW) with a lower "
-                               "train.lr, more train.warmup_steps or a train.grad_clip.")
+        raise TrainingDiverged(
+            f"training diverged at step {at}: {what} ({keep}); start a new run (--name NEW) with a lower "
+            "train.lr, more train.warmup_steps or a train.grad_clip."
+        )
 
     def stop_if_asked() -> None:
         """Collective: on SIGTERM / SIGINT to any process, every process checkpoints this step and stops. With several
@@ -589,7 +691,9 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                 log({"time/callbacks_s": cb_dt}, step)
         close()
         if step == 0:
-            raise TrainingStopped("stopped before the first step; nothing was trained (run the same command to start).", step)
+            raise TrainingStopped(
+                "stopped before the first step; nothing was trained (run the same command to start).", step
+            )
         raise TrainingStopped(f"stopped at step {step}; --resume continues", step)
 
     def stop_if_reached() -> None:
@@ -601,7 +705,9 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
             if cb_dt:
                 log({"time/callbacks_s": cb_dt}, step)
         close()
-        raise TrainingStopped(f"stopped after step {step} as asked (stop after step {stop_after}); --resume continues", step)
+        raise TrainingStopped(
+            f"stopped after step {step} as asked (stop after step {stop_after}); --resume continues", step
+        )
 
     model.train()
     stop_if_asked()
@@ -630,7 +736,9 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                     exhausted = True
                 x = x.to(acc.device, non_blocking=True)
                 y = y.to(acc.device, non_blocking=True)
-                x = data.normalize(augment(x, aug.shift, aug.hflip, batch_rrc, aug.randaugment_ops, aug.randaugment_magnitude))
+                x = data.normalize(
+                    augment(x, aug.shift, aug.hflip, batch_rrc, aug.randaugment_ops, aug.randaugment_magnitude)
+                )
                 sync = contextlib.nullcontext() if k == G - 1 else acc.no_sync(model)
                 with sync:
                     loss, terms = objective.loss(model, x, y, step)
@@ -659,9 +767,21 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
                 if not torch.isfinite(mean_loss):
                     diverged(step, f"the mean loss became {float(mean_loss)}")
                 ips = interval["images"] / max(interval["time"], 1e-9)
-                terms = {f"train/{name}": acc.reduce(v / interval["n"], reduction="mean") for name, v in sorted(interval["terms"].items())}
-                log({"train/loss": mean_loss, "train/lr": lr, "train/throughput_img_s": ips, "train/grad_norm": grad_norm,
-                     "train/epoch": step * G / bpe, **terms}, step)
+                terms = {
+                    f"train/{name}": acc.reduce(v / interval["n"], reduction="mean")
+                    for name, v in sorted(interval["terms"].items())
+                }
+                log(
+                    {
+                        "train/loss": mean_loss,
+                        "train/lr": lr,
+                        "train/throughput_img_s": ips,
+                        "train/grad_norm": grad_norm,
+                        "train/epoch": step * G / bpe,
+                        **terms,
+                    },
+                    step,
+                )
                 if bar is not None:
                     shown = {"loss": f"{float(mean_loss):.3f}", "lr": f"{lr:.2e}", "img_s": f"{ips:.0f}"}
                     if "top1" in last_eval:  # nothing before the first evaluation (not nan)
@@ -692,8 +812,14 @@ def _train(recipe, overrides, resume, progress, allow_process_change, run_dir, l
         log({"time/callbacks_s": dt}, step)
     if bar is not None:
         bar.close()
-    summary = {"run_dir": str(run_dir), "step": step, "top1": last_eval.get("top1"), "eval_loss": last_eval.get("loss"),
-               "wall_s": wall_before + time.perf_counter() - t_start, "num_processes": acc.num_processes}
+    summary = {
+        "run_dir": str(run_dir),
+        "step": step,
+        "top1": last_eval.get("top1"),
+        "eval_loss": last_eval.get("loss"),
+        "wall_s": wall_before + time.perf_counter() - t_start,
+        "num_processes": acc.num_processes,
+    }
     own = objective.summary()
     if own:
         summary["objective"] = {"name": objective.name, **own}

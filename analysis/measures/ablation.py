@@ -77,6 +77,7 @@ Result (N targets, L blocks): ``targets`` [N] names, ``kinds`` [N], ``target_blo
 ``cka`` [N, L], ``clean_top1``, ``clean_loss``, ``clean_knn_top1``, ``blocks`` [L], ``num_heads`` (0 for a ResNet),
 ``replace``, ``skip``, ``n_images``, ``n_bank``.
 """
+
 from __future__ import annotations
 
 import re
@@ -99,15 +100,36 @@ from analysis.similarity import hsic_gram
 from analysis.taps import Taps, resnet_branch_end
 from train.knn import TEMPERATURE, K, knn_predict
 
-FAMILIES = {"vit": {"heads": ("head",), "branches": ("attn", "mlp"), "skip": ("skip_attn", "skip_mlp", "skip"),
-                    "tokens": ("cls", "spatial")},
-            "resnet": {"heads": (), "branches": ("branch",), "skip": ("shortcut",), "tokens": ()}}
-KINDS = {"vit": ("head", "attn", "mlp", "skip_attn", "skip_mlp", "skip", "cls", "spatial"), "resnet": ("branch", "shortcut")}
+FAMILIES = {
+    "vit": {
+        "heads": ("head",),
+        "branches": ("attn", "mlp"),
+        "skip": ("skip_attn", "skip_mlp", "skip"),
+        "tokens": ("cls", "spatial"),
+    },
+    "resnet": {"heads": (), "branches": ("branch",), "skip": ("shortcut",), "tokens": ()},
+}
+KINDS = {
+    "vit": ("head", "attn", "mlp", "skip_attn", "skip_mlp", "skip", "cls", "spatial"),
+    "resnet": ("branch", "shortcut"),
+}
 SKIP_KINDS = ("skip_attn", "skip_mlp", "skip", "shortcut")
 # the activations (tap kinds, analysis/taps.py) whose unablated values a kind's replacement is made of
-SITES = {"head": ("proj_in",), "attn": ("attn_branch",), "mlp": ("mlp_branch",), "skip_attn": ("in",), "skip_mlp": ("attn_out",),
-         "skip": ("in", "attn_out"), "cls": ("in",), "spatial": ("in",), "branch": ("branch",), "shortcut": ("shortcut",)}
-_NAME = re.compile(r"^(?P<block>.+)\.(?P<kind>head(?P<heads>\d+(\+\d+)*)|attn|mlp|skip_attn|skip_mlp|skip|cls|spatial|branch|shortcut)$")
+SITES = {
+    "head": ("proj_in",),
+    "attn": ("attn_branch",),
+    "mlp": ("mlp_branch",),
+    "skip_attn": ("in",),
+    "skip_mlp": ("attn_out",),
+    "skip": ("in", "attn_out"),
+    "cls": ("in",),
+    "spatial": ("in",),
+    "branch": ("branch",),
+    "shortcut": ("shortcut",),
+}
+_NAME = re.compile(
+    r"^(?P<block>.+)\.(?P<kind>head(?P<heads>\d+(\+\d+)*)|attn|mlp|skip_attn|skip_mlp|skip|cls|spatial|branch|shortcut)$"
+)
 _SEED_STRIDE = 1_000_003  # resample seed of minibatch j: seed * stride + j
 
 
@@ -128,8 +150,10 @@ class AblationOptions:
             return "targets is empty: name families (heads, branches, skip, tokens) or targets such as blocks.3.head0."
         for t in self.targets:
             if t not in FAMILIES["vit"] and not _NAME.match(str(t)):
-                return (f"target '{t}' is neither a family (heads, branches, skip, tokens) nor a target name such as "
-                        "blocks.3.head0, blocks.3.head0+1, blocks.3.attn, blocks.3.skip or layer2.0.shortcut.")
+                return (
+                    f"target '{t}' is neither a family (heads, branches, skip, tokens) nor a target name such as "
+                    "blocks.3.head0, blocks.3.head0+1, blocks.3.attn, blocks.3.skip or layer2.0.shortcut."
+                )
         return None
 
 
@@ -191,11 +215,15 @@ def parse_targets(spec, arch: str, blocks: list[str], modules: list[nn.Module], 
         m = _NAME.match(s)
         block, kind = m["block"], ("head" if m["heads"] else m["kind"])
         if block not in blocks:
-            raise MeasureError(f"ablation target '{s}': the model has no block '{block}' (its blocks are {blocks[0]} ... {blocks[-1]}).")
+            raise MeasureError(
+                f"ablation target '{s}': the model has no block '{block}' (its blocks are {blocks[0]} ... {blocks[-1]})."
+            )
         b = blocks.index(block)
         if kind not in KINDS[arch] or not exists(b, kind):
-            raise MeasureError(f"ablation target '{s}': block {block} of this {arch} has no {kind} to ablate "
-                               f"(kinds: {', '.join(k for k in KINDS[arch] if exists(b, k))}).")
+            raise MeasureError(
+                f"ablation target '{s}': block {block} of this {arch} has no {kind} to ablate "
+                f"(kinds: {', '.join(k for k in KINDS[arch] if exists(b, k))})."
+            )
         heads = tuple(sorted({int(h) for h in m["heads"].split("+")})) if m["heads"] else ()
         if heads and max(heads) >= modules[b].attn.num_heads:
             raise MeasureError(f"ablation target '{s}': block {block} has heads 0..{modules[b].attn.num_heads - 1}.")
@@ -215,7 +243,7 @@ class _Hooks:
     def post(self, module: nn.Module, fn) -> None:
         self.handles.append(module.register_forward_hook(fn))
 
-    def __enter__(self) -> "_Hooks":
+    def __enter__(self) -> _Hooks:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -226,7 +254,7 @@ class _Hooks:
 
 def _replace_args(value):
     """A forward pre-hook giving the module ``value`` as its first argument (the model runs on a dummy image up to it)."""
-    return lambda mod, args: (value,) + tuple(args[1:])
+    return lambda mod, args: (value, *tuple(args[1:]))
 
 
 @register
@@ -252,8 +280,10 @@ class Ablation(Measure):
         self.mods = [self.model.get_submodule(b) for b in self.blocks]
         self.targets = parse_targets(self.opts.targets, ctx.arch, self.blocks, self.mods, ctx.prefix)
         if not self.targets:
-            raise MeasureError(f"ablation targets {', '.join(map(str, self.opts.targets))} name nothing this {ctx.arch} has "
-                               f"(a {ctx.arch} has {', '.join(f for f, k in FAMILIES[ctx.arch].items() if k)}).")
+            raise MeasureError(
+                f"ablation targets {', '.join(map(str, self.opts.targets))} name nothing this {ctx.arch} has "
+                f"(a {ctx.arch} has {', '.join(f for f, k in FAMILIES[ctx.arch].items() if k)})."
+            )
         self.classifier = self.model.get_classifier()
         self.sites = self._sites()
         self.sums: dict[str, torch.Tensor] = {}
@@ -311,12 +341,19 @@ class Ablation(Measure):
     def _means(self) -> dict[tuple[int, str], torch.Tensor]:
         if self.opts.replace != "mean" or not self.sites:
             return {}
-        state = {"sums": self.sums, "count": torch.tensor([float(self.count)], dtype=torch.float64)} if self.count else None
+        state = (
+            {"sums": self.sums, "count": torch.tensor([float(self.count)], dtype=torch.float64)} if self.count else None
+        )
         state = all_reduce_tree(state, self.ctx.accelerator)
         if state is None or float(state["count"][0]) == 0:
-            raise RuntimeError("ablation: mean replacement without a pass over the analysis images (run it through the suite).")
+            raise RuntimeError(
+                "ablation: mean replacement without a pass over the analysis images (run it through the suite)."
+            )
         n = float(state["count"][0])
-        return {(int(k.split("|")[0]), k.split("|")[1]): (v / n).float().to(self.ctx.device) for k, v in state["sums"].items()}
+        return {
+            (int(k.split("|")[0]), k.split("|")[1]): (v / n).float().to(self.ctx.device)
+            for k, v in state["sums"].items()
+        }
 
     # ------------------------------------------------------------------ the ablation passes
 
@@ -335,21 +372,31 @@ class Ablation(Measure):
         bs, n_all = ctx.batch_size, len(split)
         labels = split.labels
         nc = int(getattr(ctx.data, "num_classes", 0) or (int(labels.max()) + 1 if len(labels) else 1))
-        self.logit_readout = (getattr(self.model, "num_classes", 0) or 0) > 0 and bool((labels >= 0).all()) and \
-            int(labels.max()) < int(self.model.num_classes)
+        self.logit_readout = (
+            (getattr(self.model, "num_classes", 0) or 0) > 0
+            and bool((labels >= 0).all())
+            and int(labels.max()) < int(self.model.num_classes)
+        )
         self.bank, self.nc = bank, max(nc, int(bank[1].max()) + 1 if bank is not None else 0)
         n_t, n_l = len(self.targets), len(self.blocks)
         z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
-        st = {"correct": z(n_t), "loss": z(n_t), "knn": z(n_t), "xy": z(n_t, n_l), "xx": z(n_t, n_l), "yy": z(n_t, n_l),
-              "clean": z(4)}  # clean: correct, loss, knn correct, images
+        st = {
+            "correct": z(n_t),
+            "loss": z(n_t),
+            "knn": z(n_t),
+            "xy": z(n_t, n_l),
+            "xx": z(n_t, n_l),
+            "yy": z(n_t, n_l),
+            "clean": z(4),
+        }  # clean: correct, loss, knn correct, images
         mine = list(shard((n_all + bs - 1) // bs, acc))
         main = acc is None or bool(getattr(acc, "is_main_process", getattr(acc, "process_index", 0) == 0))
         plans = [self._plan(min(bs, n_all - j * bs)) for j in mine]
         bar = tqdm(total=sum(len(p) for p in plans), desc="ablation", unit="forward", disable=not main, leave=False)
         try:
             for j, plan in zip(mine, plans):
-                x = ctx.data.normalize(split.images[j * bs:(j + 1) * bs].to(ctx.device))
-                y = labels[j * bs:(j + 1) * bs].to(ctx.device)
+                x = ctx.data.normalize(split.images[j * bs : (j + 1) * bs].to(ctx.device))
+                y = labels[j * bs : (j + 1) * bs].to(ctx.device)
                 self._minibatch(j, x, y, plan, st, bar)
         finally:
             bar.close()
@@ -367,7 +414,7 @@ class Ablation(Measure):
             fast = self._heads_mode(i)
             groups = [(True, heads), (False, [n for n in idx if n not in heads])] if fast else [(False, idx)]
             for mode, members in groups:
-                out += [(i, mode, members[s:s + k]) for s in range(0, len(members), k)]
+                out += [(i, mode, members[s : s + k]) for s in range(0, len(members), k)]
         return out
 
     def _heads_mode(self, i: int) -> bool:
@@ -390,12 +437,20 @@ class Ablation(Measure):
             h.pre(self.classifier, lambda mod, args: got.__setitem__("f", args[0]))
             logits = model(x)
         clean = cap.captures
-        self.perm = resample_permutation(x.shape[0], self.opts.seed, j).to(x.device) if self.opts.replace == "resample" else None
-        self.ref = {i: hsic_gram(clean[f"{self.blocks[i]}.out"].float()) for i in range(first, L)} if self.opts.cka else {}
+        self.perm = (
+            resample_permutation(x.shape[0], self.opts.seed, j).to(x.device)
+            if self.opts.replace == "resample"
+            else None
+        )
+        self.ref = (
+            {i: hsic_gram(clean[f"{self.blocks[i]}.out"].float()) for i in range(first, L)} if self.opts.cka else {}
+        )
         for i in list(self.ref):
             clean.pop(f"{self.blocks[i]}.out", None)
         c = self._readouts(logits, got["f"], y, 1)
-        st["clean"] += torch.tensor([float(c[0][0]), float(c[1][0]), float(c[2][0]), float(x.shape[0])], dtype=torch.float64)
+        st["clean"] += torch.tensor(
+            [float(c[0][0]), float(c[1][0]), float(c[2][0]), float(x.shape[0])], dtype=torch.float64
+        )
         for i, heads_mode, members in plan:
             logits, feats, outs = self._forward(x, i, heads_mode, [self.targets[n] for n in members], clean)
             correct, loss, knn = self._readouts(logits, feats, y, len(members))
@@ -436,7 +491,7 @@ class Ablation(Measure):
         with _Hooks() as h:
             if heads_mode:  # block i's attention runs on one image: proj gets the captured heads' output
                 h.pre(blk, _replace_args(X))
-                h.pre(blk.attn, lambda mod, args: (args[0][:1],) + tuple(args[1:]))
+                h.pre(blk.attn, lambda mod, args: (args[0][:1], *tuple(args[1:])))
                 h.pre(blk.attn.proj, self._head_hook(i, copies, clean, B, expand=True))
                 h.post(blk, lambda mod, args, out: out.reshape(k * B, *out.shape[2:]))
             else:
@@ -472,16 +527,17 @@ class Ablation(Measure):
             v = out.view(k, B, out.shape[2], H, -1)
             for c, t in enumerate(copies):
                 if t.kind == "head":
-                    r = self._value(i, "proj_in", p if expand else p[c * B:(c + 1) * B], clean)
+                    r = self._value(i, "proj_in", p if expand else p[c * B : (c + 1) * B], clean)
                     hs = list(t.heads)
                     v[c][:, :, hs] = r.reshape(B, r.shape[1], H, -1)[:, :, hs]
-            return (out if expand else out.view(k * B, *p.shape[1:]),) + tuple(args[1:])
+            return (out if expand else out.view(k * B, *p.shape[1:]), *tuple(args[1:]))
 
         return hook
 
     def _vit_hooks(self, h: _Hooks, i: int, copies, kinds, clean, start, view) -> None:
         blk = self.mods[i]
         if kinds & {"attn", "skip_attn", "skip"}:
+
             def dp1(mod, args, out):
                 out = out.clone()
                 v, s = view(out), view(start)
@@ -525,6 +581,7 @@ class Ablation(Measure):
 
         h.post(resnet_branch_end(blk), branch)
         if "shortcut" in kinds and not identity:
+
             def shortcut(mod, args, out):
                 out = out.clone()
                 v = view(out)
@@ -543,7 +600,13 @@ class Ablation(Measure):
         if self.logit_readout:
             lg = logits.float().reshape(k, B, -1)
             correct = (lg.argmax(-1) == y).sum(-1).double().cpu()
-            loss = F.cross_entropy(lg.reshape(k * B, -1), y.repeat(k), reduction="none").reshape(k, B).sum(-1).double().cpu()
+            loss = (
+                F.cross_entropy(lg.reshape(k * B, -1), y.repeat(k), reduction="none")
+                .reshape(k, B)
+                .sum(-1)
+                .double()
+                .cpu()
+            )
         if self.bank is not None:
             pred = knn_predict(self.bank[0], self.bank[1], feats.reshape(k * B, -1), K, TEMPERATURE, self.nc)
             knn = (pred.reshape(k, B) == y).sum(-1).double().cpu()
@@ -562,26 +625,46 @@ class Ablation(Measure):
         cka = np.full((len(self.targets), len(self.blocks)), nan)
         if self.opts.cka:
             xy, xx, yy = st["xy"].numpy(), st["xx"].numpy(), st["yy"].numpy()
-            with np.errstate(invalid="ignore", divide="ignore"):  # a constant representation (everything replaced) has none
+            with np.errstate(
+                invalid="ignore", divide="ignore"
+            ):  # a constant representation (everything replaced) has none
                 for n_, t in enumerate(self.targets):
                     j = slice(t.block, None)
                     cka[n_, j] = xy[n_, j] / np.sqrt(xx[n_, j] * yy[n_, j])
-        return {"targets": [t.name(self.blocks) for t in self.targets], "kinds": [t.kind for t in self.targets],
-                "target_block": np.array([t.block for t in self.targets], dtype=np.int64),
-                "heads": ["+".join(map(str, t.heads)) for t in self.targets],
-                "top1": top1, "loss": loss, "knn_top1": knn, "top1_drop": c_top1 - top1, "loss_increase": loss - c_loss,
-                "knn_drop": c_knn - knn, "cka": cka, "clean_top1": c_top1, "clean_loss": c_loss, "clean_knn_top1": c_knn,
-                "blocks": list(self.blocks), "num_heads": int(self.mods[0].attn.num_heads) if self.ctx.arch == "vit" else 0,
-                "replace": self.opts.replace, "skip": self.opts.skip, "n_images": int(n),
-                "n_bank": int(len(self.bank[1])) if knn_ok else 0}
+        return {
+            "targets": [t.name(self.blocks) for t in self.targets],
+            "kinds": [t.kind for t in self.targets],
+            "target_block": np.array([t.block for t in self.targets], dtype=np.int64),
+            "heads": ["+".join(map(str, t.heads)) for t in self.targets],
+            "top1": top1,
+            "loss": loss,
+            "knn_top1": knn,
+            "top1_drop": c_top1 - top1,
+            "loss_increase": loss - c_loss,
+            "knn_drop": c_knn - knn,
+            "cka": cka,
+            "clean_top1": c_top1,
+            "clean_loss": c_loss,
+            "clean_knn_top1": c_knn,
+            "blocks": list(self.blocks),
+            "num_heads": int(self.mods[0].attn.num_heads) if self.ctx.arch == "vit" else 0,
+            "replace": self.opts.replace,
+            "skip": self.opts.skip,
+            "n_images": int(n),
+            "n_bank": len(self.bank[1]) if knn_ok else 0,
+        }
 
     # ------------------------------------------------------------------ key numbers, scalars, figures
 
     @staticmethod
     def summary(r: dict) -> dict:
         metric, label = readout(r)
-        out = {"replace": str(np.asarray(r["replace"])), "skip": str(np.asarray(r["skip"])), "readout": label,
-               "clean": {"top1": _f(r["clean_top1"]), "loss": _f(r["clean_loss"]), "knn_top1": _f(r["clean_knn_top1"])}}
+        out = {
+            "replace": str(np.asarray(r["replace"])),
+            "skip": str(np.asarray(r["skip"])),
+            "readout": label,
+            "clean": {"top1": _f(r["clean_top1"]), "loss": _f(r["clean_loss"]), "knn_top1": _f(r["clean_knn_top1"])},
+        }
         hm = head_map(r, metric)
         if hm is not None and np.isfinite(hm).any():
             b, h = np.unravel_index(np.nanargmax(hm), hm.shape)
@@ -594,12 +677,22 @@ class Ablation(Measure):
     @staticmethod
     def scalars(r: dict) -> dict[str, float]:
         metric, label = readout(r)
-        out = {f"ablation/clean/{k}": _f(r[f"clean_{k}"]) for k in ("top1", "loss", "knn_top1") if np.isfinite(_f(r[f"clean_{k}"]))}
+        out = {
+            f"ablation/clean/{k}": _f(r[f"clean_{k}"])
+            for k in ("top1", "loss", "knn_top1")
+            if np.isfinite(_f(r[f"clean_{k}"]))
+        }
         for kind, v in per_block(r, metric).items():
             out.update({f"ablation/{label}/{kind}/{block_tag(b)}": _f(a) for b, a in enumerate(v) if np.isfinite(a)})
         hm = head_map(r, metric)
         if hm is not None:
-            out.update({f"ablation/{label}/head_max/{block_tag(b)}": _f(np.nanmax(row)) for b, row in enumerate(hm) if np.isfinite(row).any()})
+            out.update(
+                {
+                    f"ablation/{label}/head_max/{block_tag(b)}": _f(np.nanmax(row))
+                    for b, row in enumerate(hm)
+                    if np.isfinite(row).any()
+                }
+            )
         return out
 
     @staticmethod
@@ -609,11 +702,17 @@ class Ablation(Measure):
         figs = {}
         hm = head_map(r, metric)
         if hm is not None and np.isfinite(hm).any():
-            figs["ablation/heads"] = head_importance_map(hm, r, label, f"Head importance: {_NAMES[label]} when one head "
-                                                         f"is {_how(r)}-ablated{sfx}")
+            figs["ablation/heads"] = head_importance_map(
+                hm, r, label, f"Head importance: {_NAMES[label]} when one head is {_how(r)}-ablated{sfx}"
+            )
         if per_block(r, metric):
-            figs["ablation/sublayers"] = sublayer_plot(r, metric, label, "Sublayer, skip-path and token-path importance per block, "
-                                                       f"removed at test time (cf. Raghu Fig. 7, 8){sfx}")
+            figs["ablation/sublayers"] = sublayer_plot(
+                r,
+                metric,
+                label,
+                "Sublayer, skip-path and token-path importance per block, "
+                f"removed at test time (cf. Raghu Fig. 7, 8){sfx}",
+            )
         cka_fig = skip_cka_map(r, sfx)
         if cka_fig is not None:
             figs["ablation/skip_cka"] = cka_fig
@@ -669,10 +768,22 @@ def per_block(r: dict, metric: np.ndarray) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------------------------------------------- figures
 
-_LABELS = {"attn": "attention branch", "mlp": "MLP branch", "skip": "skip paths removed (x = f(norm(x)))", "skip_attn": "attention skip path",
-           "skip_mlp": "MLP skip path", "cls": "CLS (prefix) tokens at block input", "spatial": "spatial tokens at block input",
-           "branch": "residual branch", "shortcut": "shortcut (skip path)"}
-_UNITS = {"top1_drop": "top-1 drop (points)", "knn_drop": "k-NN top-1 drop (points)", "loss_increase": "loss increase (nats)"}
+_LABELS = {
+    "attn": "attention branch",
+    "mlp": "MLP branch",
+    "skip": "skip paths removed (x = f(norm(x)))",
+    "skip_attn": "attention skip path",
+    "skip_mlp": "MLP skip path",
+    "cls": "CLS (prefix) tokens at block input",
+    "spatial": "spatial tokens at block input",
+    "branch": "residual branch",
+    "shortcut": "shortcut (skip path)",
+}
+_UNITS = {
+    "top1_drop": "top-1 drop (points)",
+    "knn_drop": "k-NN top-1 drop (points)",
+    "loss_increase": "loss increase (nats)",
+}
 _NAMES = {"top1_drop": "top-1 drop", "knn_drop": "k-NN top-1 drop", "loss_increase": "loss increase"}
 
 
@@ -693,14 +804,30 @@ def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
     for b in range(nb):
         for hh in range(nh):
             if np.isfinite(m[b, hh]):
-                ax.text(hh, b, f"{m[b, hh]:.1f}" if label != "loss_increase" else f"{m[b, hh]:.2f}", ha="center", va="center", fontsize=6)
+                ax.text(
+                    hh,
+                    b,
+                    f"{m[b, hh]:.1f}" if label != "loss_increase" else f"{m[b, hh]:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                )
     ax.set_xticks(range(nh))
     ax.set_yticks(range(nb), [f"block {b}" for b in range(nb)], fontsize=7)
     ax.set_xlabel("head")
     ax.set_ylabel("block")
-    clean = _f(r["clean_top1"]) if label == "top1_drop" else _f(r["clean_knn_top1"]) if label == "knn_drop" else _f(r["clean_loss"])
-    ax.set_title(f"{title}\n(unablated {'loss' if label == 'loss_increase' else 'top-1'} {clean * (1 if label == 'loss_increase' else 100):.1f}"
-                 f"{'' if label == 'loss_increase' else '%'}, {int(np.asarray(r['n_images']))} images)", fontsize=8)
+    clean = (
+        _f(r["clean_top1"])
+        if label == "top1_drop"
+        else _f(r["clean_knn_top1"])
+        if label == "knn_drop"
+        else _f(r["clean_loss"])
+    )
+    ax.set_title(
+        f"{title}\n(unablated {'loss' if label == 'loss_increase' else 'top-1'} {clean * (1 if label == 'loss_increase' else 100):.1f}"
+        f"{'' if label == 'loss_increase' else '%'}, {int(np.asarray(r['n_images']))} images)",
+        fontsize=8,
+    )
     fig.tight_layout()
     return fig
 
@@ -715,13 +842,34 @@ def sublayer_plot(r: dict, metric: np.ndarray, label: str, title: str):
     cka_last = per_block(r, np.asarray(r["cka"], dtype=float)[:, -1])
     for kind, v in curves.items():
         ls = "--" if kind.startswith("skip") or kind == "shortcut" else ":" if kind in ("cls", "spatial") else "-"
-        line, = axes[0].plot(range(len(v)), v * _scale(label), marker="o", ms=3, ls=ls, label=_LABELS.get(kind, kind))
-        axes[1].plot(range(len(v)), cka_last[kind], marker="o", ms=3, ls=ls, color=line.get_color(), label=_LABELS.get(kind, kind))
+        (line,) = axes[0].plot(range(len(v)), v * _scale(label), marker="o", ms=3, ls=ls, label=_LABELS.get(kind, kind))
+        axes[1].plot(
+            range(len(v)),
+            cka_last[kind],
+            marker="o",
+            ms=3,
+            ls=ls,
+            color=line.get_color(),
+            label=_LABELS.get(kind, kind),
+        )
     axes[0].axhline(0, color="grey", lw=0.6)
-    finish_block_axes(fig, axes[0], blocks, _UNITS[label], f"{_how(r)}-ablation (skip paths: {str(np.asarray(r['skip']))}): "
-                      f"{_NAMES[label]}", legend_size=6)
-    finish_block_axes(fig, axes[1], blocks, "CKA(last block, unablated last block)", "representation kept at the last block",
-                      ylim=(-0.05, 1.05), legend_size=6)
+    finish_block_axes(
+        fig,
+        axes[0],
+        blocks,
+        _UNITS[label],
+        f"{_how(r)}-ablation (skip paths: {np.asarray(r['skip'])!s}): {_NAMES[label]}",
+        legend_size=6,
+    )
+    finish_block_axes(
+        fig,
+        axes[1],
+        blocks,
+        "CKA(last block, unablated last block)",
+        "representation kept at the last block",
+        ylim=(-0.05, 1.05),
+        legend_size=6,
+    )
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
@@ -747,6 +895,9 @@ def skip_cka_map(r: dict, sfx: str = ""):
     ax.set_yticks(range(len(rows)), [blocks[int(np.asarray(r["target_block"])[n])] for n in rows], fontsize=6)
     ax.set_xlabel("output of block")
     ax.set_ylabel("skip path removed at block" if kind == "skip" else "shortcut ablated at block")
-    ax.set_title(f"CKA to the unablated model after removing one block's skip path{sfx}\n(test-time counterpart of Raghu Fig. 8)", fontsize=8)
+    ax.set_title(
+        f"CKA to the unablated model after removing one block's skip path{sfx}\n(test-time counterpart of Raghu Fig. 8)",
+        fontsize=8,
+    )
     fig.tight_layout()
     return fig

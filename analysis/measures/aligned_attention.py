@@ -59,6 +59,7 @@
 
     The thresholds are arguments of :func:`offset_local_heads`, which also re-classifies a saved result.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -101,7 +102,9 @@ def coverage(grid: tuple[int, int]) -> np.ndarray:
     return (dr[:, None] * dc[None, :]).astype(np.int64)
 
 
-def aligned_sums(attn: Tensor, grid: tuple[int, int], num_prefix_tokens: int, index: Tensor | None = None) -> dict[str, Tensor]:
+def aligned_sums(
+    attn: Tensor, grid: tuple[int, int], num_prefix_tokens: int, index: Tensor | None = None
+) -> dict[str, Tensor]:
     """Per-head canvas sums over the images and spatial queries of ``attn`` [B, H, T, T] (float64, flat canvases of
     C = (2gh-1)(2gw-1) cells): ``sum`` [H, C] of the renormalised rows placed on the query-centred canvas, ``seen``
     [H, C] the number of valid (query, image) pairs that can see each offset, ``pairs`` [H] the number of valid pairs,
@@ -185,8 +188,9 @@ def window_mass(mass_maps: np.ndarray, window: int = WINDOW) -> np.ndarray:
     return c[..., k:, k:] - c[..., :-k, k:] - c[..., k:, :-k] + c[..., :-k, :-k]
 
 
-def offset_local_heads(mass_maps: np.ndarray, max_offset: int = MAX_OFFSET, min_mass: float = MIN_MASS,
-                       window: int = WINDOW) -> dict[str, np.ndarray]:
+def offset_local_heads(
+    mass_maps: np.ndarray, max_offset: int = MAX_OFFSET, min_mass: float = MIN_MASS, window: int = WINDOW
+) -> dict[str, np.ndarray]:
     """Classify heads from their aligned aggregated attention maps ``mass_maps`` [..., 2gh-1, 2gw-1] (Walmer's
     normalisation, module docstring), as the rule reads: "at least half of the attention, on average over queries,
     lands within one token of a point at most two tokens away". Over every point p with Chebyshev |p| <=
@@ -214,7 +218,9 @@ def offset_local_heads(mass_maps: np.ndarray, max_offset: int = MAX_OFFSET, min_
         c0, c1 = max(0, (cols - 1) // 2 + c - window), (cols - 1) // 2 + c + window + 1
         w = m[r0:r1, c0:c1]
         pm[i] = w.sum()
-        if pm[i] > 0:  # the window's centre of mass (where the region sits) and its maximum cell (the point attended to)
+        if (
+            pm[i] > 0
+        ):  # the window's centre of mass (where the region sits) and its maximum cell (the point attended to)
             centre[i] = [(w.sum(1) * dr[r0:r1]).sum() / pm[i], (w.sum(0) * dc[c0:c1]).sum() / pm[i]]
             inside = np.full_like(m, -np.inf)
             inside[r0:r1, c0:c1] = w
@@ -223,8 +229,15 @@ def offset_local_heads(mass_maps: np.ndarray, max_offset: int = MAX_OFFSET, min_
     pm, peaks, centre = pm.reshape(lead), peaks.reshape(*lead, 2), centre.reshape(*lead, 2)
     local = (pm >= min_mass) & (np.abs(peaks).max(-1) <= max_offset)
     offset = np.abs(np.rint(centre)).max(-1) > 0
-    return {"peak_offset": peaks, "peak_mass": pm, "window_centre": centre, "map_peak": find_peaks(mass_maps),
-            "mass_centre": mass_centre(mass_maps), "local": local, "offset_local": local & offset}
+    return {
+        "peak_offset": peaks,
+        "peak_mass": pm,
+        "window_centre": centre,
+        "map_peak": find_peaks(mass_maps),
+        "mass_centre": mass_centre(mass_maps),
+        "local": local,
+        "offset_local": local & offset,
+    }
 
 
 @register
@@ -263,8 +276,14 @@ class AlignedAttention(BlockSums):
         maps, mass = _aligned_finish(out, self.grid)
         r = {"maps": maps.numpy(), "mass_maps": mass.numpy(), "coverage": coverage(self.grid)}
         r.update(offset_local_heads(r["mass_maps"], self.opts.max_offset, self.opts.min_mass, self.opts.window))
-        r.update(max_offset=int(self.opts.max_offset), min_mass=float(self.opts.min_mass), window=int(self.opts.window), blocks=list(self.blocks),
-                 grid=np.array(self.grid), n_images=int(out["images"][0, 0].item()))
+        r.update(
+            max_offset=int(self.opts.max_offset),
+            min_mass=float(self.opts.min_mass),
+            window=int(self.opts.window),
+            blocks=list(self.blocks),
+            grid=np.array(self.grid),
+            n_images=int(out["images"][0, 0].item()),
+        )
         return r
 
     @staticmethod
@@ -272,20 +291,39 @@ class AlignedAttention(BlockSums):
         blocks = as_list(r["blocks"])
         ol, loc, peaks = np.asarray(r["offset_local"], bool), np.asarray(r["local"], bool), np.asarray(r["peak_offset"])
         pm = np.asarray(r["peak_mass"])
-        heads = [f"{block_label(blocks[i], i)}.head{h:02d} ({int(peaks[i, h, 0]):+d},{int(peaks[i, h, 1]):+d})"
-                 for i, h in zip(*np.nonzero(ol))]
-        return {"offset_local_count": int(ol.sum()), "local_count": int(loc.sum()), "offset_local_heads": heads,
-                "offset_local_per_block": {block_label(b, i): int(ol[i].sum()) for i, b in enumerate(blocks)},
-                "peak_per_head": {f"{block_label(b, i)}.head{h:02d}": [int(peaks[i, h, 0]), int(peaks[i, h, 1]), round(float(pm[i, h]), 4)]
-                                  for i, b in enumerate(blocks) for h in range(peaks.shape[1])},
-                "thresholds": {"max_offset": int(r["max_offset"]), "min_mass": float(r["min_mass"]), "window": int(r["window"])}}
+        heads = [
+            f"{block_label(blocks[i], i)}.head{h:02d} ({int(peaks[i, h, 0]):+d},{int(peaks[i, h, 1]):+d})"
+            for i, h in zip(*np.nonzero(ol))
+        ]
+        return {
+            "offset_local_count": int(ol.sum()),
+            "local_count": int(loc.sum()),
+            "offset_local_heads": heads,
+            "offset_local_per_block": {block_label(b, i): int(ol[i].sum()) for i, b in enumerate(blocks)},
+            "peak_per_head": {
+                f"{block_label(b, i)}.head{h:02d}": [
+                    int(peaks[i, h, 0]),
+                    int(peaks[i, h, 1]),
+                    round(float(pm[i, h]), 4),
+                ]
+                for i, b in enumerate(blocks)
+                for h in range(peaks.shape[1])
+            },
+            "thresholds": {
+                "max_offset": int(r["max_offset"]),
+                "min_mass": float(r["min_mass"]),
+                "window": int(r["window"]),
+            },
+        }
 
     @staticmethod
     def scalars(r: dict) -> dict[str, float]:
         blocks = as_list(r["blocks"])
         ol = np.asarray(r["offset_local"], bool)
-        out = {"aligned_attention/offset_local_count": float(ol.sum()),
-               "aligned_attention/local_count": float(np.asarray(r["local"], bool).sum())}
+        out = {
+            "aligned_attention/offset_local_count": float(ol.sum()),
+            "aligned_attention/local_count": float(np.asarray(r["local"], bool).sum()),
+        }
         for i, b in enumerate(blocks):
             out[f"aligned_attention/offset_local_count/{block_label(b, i)}"] = float(ol[i].sum())
         return out
@@ -296,11 +334,22 @@ class AlignedAttention(BlockSums):
         mark = np.asarray(r["offset_local"], bool)
         peaks = np.asarray(r["peak_offset"])
         red = "red frame: offset local head; title: its peak (dr, dc) on the aligned aggregated map"
-        return {"aligned_attention/mass_maps": map_grid(
-                    np.asarray(r["mass_maps"]), blocks,
-                    f"Aligned Aggregated Attention Maps (Walmer §4.2): share of the attention at each offset, mean over "
-                    f"queries{suffix}\n{red}", marked=mark, peaks=peaks, midlines=True),
-                "aligned_attention/maps": map_grid(
-                    np.asarray(r["maps"]), blocks,
-                    f"per-offset mean over the queries that have each offset (not Walmer's map){suffix}\n{red}",
-                    marked=mark, peaks=peaks, midlines=True)}
+        return {
+            "aligned_attention/mass_maps": map_grid(
+                np.asarray(r["mass_maps"]),
+                blocks,
+                f"Aligned Aggregated Attention Maps (Walmer §4.2): share of the attention at each offset, mean over "
+                f"queries{suffix}\n{red}",
+                marked=mark,
+                peaks=peaks,
+                midlines=True,
+            ),
+            "aligned_attention/maps": map_grid(
+                np.asarray(r["maps"]),
+                blocks,
+                f"per-offset mean over the queries that have each offset (not Walmer's map){suffix}\n{red}",
+                marked=mark,
+                peaks=peaks,
+                midlines=True,
+            ),
+        }

@@ -63,8 +63,11 @@ from analysis.measure import Measure, register
 from analysis.reduce import all_reduce_sum
 
 UNITS = ("pixels", "unit_square", "pixel_level")  # the three distance matrices (module docstring), also the result keys
-UNIT_LABELS = {"pixels": "pixels, patch centres (Raghu)", "unit_square": "unit square, patch centres (Walmer)",
-               "pixel_level": "pixels, pixel to pixel (ViT App. D.6)"}
+UNIT_LABELS = {
+    "pixels": "pixels, patch centres (Raghu)",
+    "unit_square": "unit square, patch centres (Walmer)",
+    "pixel_level": "pixels, pixel to pixel (ViT App. D.6)",
+}
 _CHUNK_ELEMENTS = 1 << 22  # float64 elements of attention converted at a time (32 MiB)
 
 
@@ -132,7 +135,9 @@ def _check(attn: Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> None:
         raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
     expected = num_prefix_tokens + grid[0] * grid[1]
     if attn.shape[-1] != expected:
-        raise ValueError(f"attn has T={attn.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {grid[0]}x{grid[1]} = {expected}")
+        raise ValueError(
+            f"attn has T={attn.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {grid[0]}x{grid[1]} = {expected}"
+        )
 
 
 def head_distance_sums(attn: Tensor, distances: Sequence[Tensor], num_prefix_tokens: int) -> tuple[Tensor, Tensor]:
@@ -143,7 +148,7 @@ def head_distance_sums(attn: Tensor, distances: Sequence[Tensor], num_prefix_tok
     spatial mass is 0 are not counted.
     """
     p = num_prefix_tokens
-    batch, heads, t, _ = attn.shape
+    _batch, heads, t, _ = attn.shape
     n = t - p
     dist = torch.stack([d.to(attn.device, torch.float64) for d in distances])  # [U, N, N]
     sums = torch.zeros(len(distances), heads, dtype=torch.float64, device=attn.device)
@@ -154,13 +159,17 @@ def head_distance_sums(attn: Tensor, distances: Sequence[Tensor], num_prefix_tok
         mass = a.sum(-1)  # [b, H, N]
         weighted = torch.einsum("bhqk,uqk->ubhq", a, dist)
         valid = mass > 0
-        per_query = torch.where(valid, weighted / torch.where(valid, mass, torch.ones_like(mass)), torch.zeros_like(weighted))
+        per_query = torch.where(
+            valid, weighted / torch.where(valid, mass, torch.ones_like(mass)), torch.zeros_like(weighted)
+        )
         sums += per_query.sum((1, 3))
         counts += valid.sum((0, 2)).double()
     return sums, counts
 
 
-def attention_distance(attn: Tensor, grid: tuple[int, int], patch_size: int, num_prefix_tokens: int, unit: str = "pixels") -> Tensor:
+def attention_distance(
+    attn: Tensor, grid: tuple[int, int], patch_size: int, num_prefix_tokens: int, unit: str = "pixels"
+) -> Tensor:
     """Mean attention distance per head [H] (float64) of one block's attention probabilities ``attn`` [B, H, T, T].
 
     ``mean_{b, q spatial} sum_{k spatial} A'[b, h, q, k] * D[q, k]`` with ``A'`` the row over spatial keys
@@ -244,7 +253,7 @@ class AttentionDistance:
         offset, parts = 0, len(UNITS) + 1
         for b in blocks:
             h = self.count[b].numel()
-            *sums, self.count[b] = out[offset:offset + parts * h].clone().split(h)
+            *sums, self.count[b] = out[offset : offset + parts * h].clone().split(h)
             for u, s in zip(UNITS, sums):
                 self.sums[u][b] = s
             offset += parts * h
@@ -310,7 +319,11 @@ class AttentionDistanceMeasure(Measure):
     def summary(r):
 
         px = np.asarray(r["pixels"])
-        out = {"mean_px": [float(v) for v in px.mean(1)], "min_px": [float(v) for v in px.min(1)], "max_px": [float(v) for v in px.max(1)]}
+        out = {
+            "mean_px": [float(v) for v in px.mean(1)],
+            "min_px": [float(v) for v in px.min(1)],
+            "max_px": [float(v) for v in px.max(1)],
+        }
         if "pixel_level" in r:  # results saved before the pixel-level distance existed lack it
             out["mean_px_pixel_level"] = [float(v) for v in np.asarray(r["pixel_level"]).mean(1)]
         out["mean_unit_square"] = [float(v) for v in np.asarray(r["unit_square"]).mean(1)]
@@ -319,17 +332,28 @@ class AttentionDistanceMeasure(Measure):
     @staticmethod
     def scalars(r):
 
-        px = np.asarray(r["pixels"])  # per head in the figure and the npz; per block here (a chart per head buries the curves)
-        return {f"attn_dist/{stat}/block{i:02d}": float(f(px[i])) for i in range(px.shape[0])
-                for stat, f in (("mean", np.mean), ("min", np.min), ("max", np.max))}
+        px = np.asarray(
+            r["pixels"]
+        )  # per head in the figure and the npz; per block here (a chart per head buries the curves)
+        return {
+            f"attn_dist/{stat}/block{i:02d}": float(f(px[i]))
+            for i in range(px.shape[0])
+            for stat, f in (("mean", np.mean), ("min", np.min), ("max", np.max))
+        }
 
     @staticmethod
     def figures(r, step=None):
 
         at = f" (step {step})" if step is not None else ""
-        figs = {"attn_dist/heads": attention_distance_plot(r["pixels"], title=f"attention distance, patch centres{at}",
-                                                           unit=UNIT_LABELS["pixels"])}
+        figs = {
+            "attn_dist/heads": attention_distance_plot(
+                r["pixels"], title=f"attention distance, patch centres{at}", unit=UNIT_LABELS["pixels"]
+            )
+        }
         if "pixel_level" in r:
             figs["attn_dist/heads_pixel_level"] = attention_distance_plot(
-                r["pixel_level"], title=f"attention distance, pixel to pixel (ViT App. D.6){at}", unit=UNIT_LABELS["pixel_level"])
+                r["pixel_level"],
+                title=f"attention distance, pixel to pixel (ViT App. D.6){at}",
+                unit=UNIT_LABELS["pixel_level"],
+            )
         return figs

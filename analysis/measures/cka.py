@@ -5,6 +5,7 @@ analysis/similarity.py, which other measures and the cross-model comparison shar
 option ``layers`` (:data:`LAYER_SETS`, :func:`cka_layers`); the cross-model comparison (analysis/offline.py
 ``cross_cka``) uses the same option for both models.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,27 +28,40 @@ LAYER_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     # Raghu §4: block outputs and intermediate layers, "such as normalization layers and the hidden activations
     # inside a ViT MLP": every layer's output inside a ViT block (norms, attention, residual sums, MLP hidden,
     # MLP); for ResNets every conv and norm layer inside each block and the block output
-    "paper": {"vit": ("norm1", "attn_branch", "attn_out", "norm2", "mlp_hidden", "mlp_branch", "out"),
-              "mixer": ("norm1", "attn_branch", "attn_out", "norm2", "mlp_hidden", "mlp_branch", "out"),
-              "resnet": ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "out")},
+    "paper": {
+        "vit": ("norm1", "attn_branch", "attn_out", "norm2", "mlp_hidden", "mlp_branch", "out"),
+        "mixer": ("norm1", "attn_branch", "attn_out", "norm2", "mlp_hidden", "mlp_branch", "out"),
+        "resnet": ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "out"),
+    },
     # every distinct tapped token/feature-map tensor; see :func:`cka_layers` for the duplicates left out
-    "all": {"vit": ("in", "norm1", "heads", "attn_branch", "attn_out", "norm2", "mlp_hidden", "mlp_branch", "out"),
-            "mixer": ("in", "norm1", "attn_branch", "attn_out", "norm2", "mlp_hidden", "mlp_branch", "out"),
-            "resnet": ("in", "conv1", "bn1", "act1", "conv2", "bn2", "act2", "conv3", "bn3", "branch", "shortcut", "out")},
+    "all": {
+        "vit": ("in", "norm1", "heads", "attn_branch", "attn_out", "norm2", "mlp_hidden", "mlp_branch", "out"),
+        "mixer": ("in", "norm1", "attn_branch", "attn_out", "norm2", "mlp_hidden", "mlp_branch", "out"),
+        "resnet": ("in", "conv1", "bn1", "act1", "conv2", "bn2", "act2", "conv3", "bn3", "branch", "shortcut", "out"),
+    },
 }
 
 # Figure labels: "{block index}.{name}" for ViT / Mixer blocks (the claims read the block index before the dot),
 # "layer{s}.{j}" for a ResNet block output and "layer{s}.{j}.{kind}" inside it.
-_SHORT = {"vit": {"attn_out": "attn", "out": "mlp"},
-          "mixer": {"attn_out": "token", "out": "channel", "attn_branch": "token_branch", "mlp_branch": "channel_branch",
-                    "mlp_hidden": "channel_hidden"}}
+_SHORT = {
+    "vit": {"attn_out": "attn", "out": "mlp"},
+    "mixer": {
+        "attn_out": "token",
+        "out": "channel",
+        "attn_branch": "token_branch",
+        "mlp_branch": "channel_branch",
+        "mlp_hidden": "channel_hidden",
+    },
+}
 
 
 @dataclass(frozen=True)
 class CKAOptions:
     repr: Literal["flatten", "cls", "mean_spatial"] = "flatten"  # a layer's representation of one image
     unbiased: bool = True  # HSIC_1 (Song et al. 2012); false: the biased HSIC_0
-    layers: Literal["blocks", "sublayers", "paper", "all"] = "sublayers"  # which layers (LAYER_SETS); paper: Raghu Fig. 1-2
+    layers: Literal["blocks", "sublayers", "paper", "all"] = (
+        "sublayers"  # which layers (LAYER_SETS); paper: Raghu Fig. 1-2
+    )
 
 
 def layer_label(arch: str, block: str, kind: str) -> str:
@@ -74,7 +88,11 @@ def cka_layers(ctx, layers: str = "sublayers") -> list[tuple[str, str]]:
             if layers == "all":
                 if k == "in" and i > 0:
                     continue
-                if ctx.arch == "resnet" and k == "shortcut" and getattr(ctx.model.get_submodule(b), "downsample", None) is None:
+                if (
+                    ctx.arch == "resnet"
+                    and k == "shortcut"
+                    and getattr(ctx.model.get_submodule(b), "downsample", None) is None
+                ):
                     continue
                 if ctx.arch == "resnet" and k == "branch" and getattr(ctx.model.get_submodule(b), "se", None) is None:
                     continue
@@ -133,8 +151,10 @@ class CKAMeasure(Measure):
     @classmethod
     def model_problem(cls, ctx, opts):
         if opts.repr == "cls" and ctx.prefix == 0:
-            return (f"option repr=cls reads the class token, and this {ctx.arch} has none (a GAP ViT, a ResNet or a Mixer): "
-                    "use repr mean_spatial or flatten.")
+            return (
+                f"option repr=cls reads the class token, and this {ctx.arch} has none (a GAP ViT, a ResNet or a Mixer): "
+                "use repr mean_spatial or flatten."
+            )
         return None
 
     def __init__(self, ctx, opts=None):
@@ -150,15 +170,23 @@ class CKAMeasure(Measure):
 
     def finish(self):
         self.acc.sync(self.ctx.accelerator)
-        return {"matrix": self.acc.compute().numpy(), "labels": [lab for _, lab in self.layers],
-                "taps": [t for t, _ in self.layers], "repr": self.opts.repr, "layers": self.opts.layers}
+        return {
+            "matrix": self.acc.compute().numpy(),
+            "labels": [lab for _, lab in self.layers],
+            "taps": [t for t, _ in self.layers],
+            "repr": self.opts.repr,
+            "layers": self.opts.layers,
+        }
 
     @staticmethod
     def summary(r):
         m = np.asarray(r["matrix"])
         off = m[~np.eye(len(m), dtype=bool)]
-        return {"mean_offdiag": float(off.mean()) if off.size else 1.0, "first_last": float(m[0, -1]),
-                "adjacent_mean": float(np.mean([m[i, i + 1] for i in range(len(m) - 1)])) if len(m) > 1 else 1.0}
+        return {
+            "mean_offdiag": float(off.mean()) if off.size else 1.0,
+            "first_last": float(m[0, -1]),
+            "adjacent_mean": float(np.mean([m[i, i + 1] for i in range(len(m) - 1)])) if len(m) > 1 else 1.0,
+        }
 
     @staticmethod
     def scalars(r):

@@ -1,18 +1,19 @@
 """``cls_attention`` -- average CLS attention maps (Walmer Fig. 2 / 17), ViTs with a class token only.
-    For image b, head h, the CLS query's row over the SPATIAL keys, prefix columns dropped and the row renormalised:
+For image b, head h, the CLS query's row over the SPATIAL keys, prefix columns dropped and the row renormalised:
 
-        c[b, h, k] = A[b, h, 0, p + k] / sum_{k'} A[b, h, 0, p + k'],   k = 0 .. N-1
+    c[b, h, k] = A[b, h, 0, p + k] / sum_{k'} A[b, h, 0, p + k'],   k = 0 .. N-1
 
-    reshaped to the token grid. ``maps`` [L, H, gh, gw] is the mean of c over images. Walmer's code
-    (vit_analysis, ``AvgAttentionOnToken(mode='cls')`` + ``token_plot``) averages the raw row A[b, h, 0, :] and drops
-    the CLS entry only when drawing, WITHOUT renormalising; that version is kept as ``maps_raw`` (mean of
-    A[b, h, 0, p + k]) together with ``prefix_mass`` (mean of the CLS row's mass on prefix tokens, 1 - sum(maps_raw)).
-    The two differ by the per-image factor 1 / (1 - prefix mass). Entropies (nats, 0 log 0 = 0):
-    ``entropy`` [L, H] = mean over images of H(c[b, h]) (how peaked one image's CLS attention is);
-    ``map_entropy`` [L, H] = H(maps[l, h]) (how spread the AVERAGE map is; low for a head that looks at the same
-    place in every image, e.g. the "sparse repeating patterns" of Walmer §4.1). Both are at most log N
-    (``max_entropy``). An image whose CLS row has no spatial mass (only with hand-built attention) is left out.
+reshaped to the token grid. ``maps`` [L, H, gh, gw] is the mean of c over images. Walmer's code
+(vit_analysis, ``AvgAttentionOnToken(mode='cls')`` + ``token_plot``) averages the raw row A[b, h, 0, :] and drops
+the CLS entry only when drawing, WITHOUT renormalising; that version is kept as ``maps_raw`` (mean of
+A[b, h, 0, p + k]) together with ``prefix_mass`` (mean of the CLS row's mass on prefix tokens, 1 - sum(maps_raw)).
+The two differ by the per-image factor 1 / (1 - prefix mass). Entropies (nats, 0 log 0 = 0):
+``entropy`` [L, H] = mean over images of H(c[b, h]) (how peaked one image's CLS attention is);
+``map_entropy`` [L, H] = H(maps[l, h]) (how spread the AVERAGE map is; low for a head that looks at the same
+place in every image, e.g. the "sparse repeating patterns" of Walmer §4.1). Both are at most log N
+(``max_entropy``). An image whose CLS row has no spatial mass (only with hand-built attention) is left out.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,9 +36,14 @@ def cls_attention_sums(attn: Tensor, num_prefix_tokens: int) -> dict[str, Tensor
         raise ValueError("CLS attention needs a class token (num_prefix_tokens >= 1)")
     raw = attn[:, :, 0, :].double()  # [B, H, T]
     rows, valid = renormalise(raw[..., p:])
-    return {"rows": rows.sum(0), "raw": raw[..., p:].sum(0), "prefix": raw[..., :p].sum((0, 2)),
-            "entropy": torch.where(valid, entropy(rows), torch.zeros_like(valid, dtype=torch.float64)).sum(0),
-            "count": valid.sum(0).double(), "images": torch.full((attn.shape[1],), float(attn.shape[0]), dtype=torch.float64, device=attn.device)}
+    return {
+        "rows": rows.sum(0),
+        "raw": raw[..., p:].sum(0),
+        "prefix": raw[..., :p].sum((0, 2)),
+        "entropy": torch.where(valid, entropy(rows), torch.zeros_like(valid, dtype=torch.float64)).sum(0),
+        "count": valid.sum(0).double(),
+        "images": torch.full((attn.shape[1],), float(attn.shape[0]), dtype=torch.float64, device=attn.device),
+    }
 
 
 def cls_attention_maps(attn: Tensor, grid: tuple[int, int], num_prefix_tokens: int = 1) -> dict[str, Tensor]:
@@ -53,8 +59,13 @@ def _cls_finish(s: dict[str, Tensor], grid: tuple[int, int]) -> dict[str, Tensor
     count, images = s["count"], s["images"]
     maps = s["rows"] / count[..., None]
     lead = maps.shape[:-1]
-    return {"maps": maps.reshape(*lead, *grid), "maps_raw": (s["raw"] / images[..., None]).reshape(*lead, *grid),
-            "prefix_mass": s["prefix"] / images, "entropy": s["entropy"] / count, "map_entropy": entropy(maps)}
+    return {
+        "maps": maps.reshape(*lead, *grid),
+        "maps_raw": (s["raw"] / images[..., None]).reshape(*lead, *grid),
+        "prefix_mass": s["prefix"] / images,
+        "entropy": s["entropy"] / count,
+        "map_entropy": entropy(maps),
+    }
 
 
 @register
@@ -72,7 +83,12 @@ class ClsAttention(BlockSums):
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
-        return ctx.arch == "vit" and ctx.prefix >= 1 and ctx.grid is not None and bool(getattr(ctx.model, "has_class_token", True))
+        return (
+            ctx.arch == "vit"
+            and ctx.prefix >= 1
+            and ctx.grid is not None
+            and bool(getattr(ctx.model, "has_class_token", True))
+        )
 
     def _sums(self, attn: Tensor) -> dict[str, Tensor]:
         return cls_attention_sums(attn, self.prefix)
@@ -81,18 +97,27 @@ class ClsAttention(BlockSums):
         out = self._reduced()
         res = _cls_finish(out, self.grid)
         r = {k: v.numpy() for k, v in res.items()}
-        r.update(max_entropy=float(math.log(self.grid[0] * self.grid[1])), blocks=list(self.blocks),
-                 grid=np.array(self.grid), n_images=int(out["images"][0, 0].item()))
+        r.update(
+            max_entropy=float(math.log(self.grid[0] * self.grid[1])),
+            blocks=list(self.blocks),
+            grid=np.array(self.grid),
+            n_images=int(out["images"][0, 0].item()),
+        )
         return r
 
     @staticmethod
     def summary(r: dict) -> dict:
         blocks = as_list(r["blocks"])
         ent, ment = np.asarray(r["entropy"]), np.asarray(r["map_entropy"])
-        return {"max_entropy": float(r["max_entropy"]), "n_images": int(r["n_images"]),
-                "entropy_per_block": {block_label(b, i): float(ent[i].mean()) for i, b in enumerate(blocks)},
-                "map_entropy_per_block": {block_label(b, i): float(ment[i].mean()) for i, b in enumerate(blocks)},
-                "prefix_mass_per_block": {block_label(b, i): float(np.asarray(r["prefix_mass"])[i].mean()) for i, b in enumerate(blocks)}}
+        return {
+            "max_entropy": float(r["max_entropy"]),
+            "n_images": int(r["n_images"]),
+            "entropy_per_block": {block_label(b, i): float(ent[i].mean()) for i, b in enumerate(blocks)},
+            "map_entropy_per_block": {block_label(b, i): float(ment[i].mean()) for i, b in enumerate(blocks)},
+            "prefix_mass_per_block": {
+                block_label(b, i): float(np.asarray(r["prefix_mass"])[i].mean()) for i, b in enumerate(blocks)
+            },
+        }
 
     @staticmethod
     def scalars(r: dict) -> dict[str, float]:
@@ -107,5 +132,7 @@ class ClsAttention(BlockSums):
 
     @staticmethod
     def figures(r: dict, step: int | None = None) -> dict:
-        title = "average CLS attention (renormalised over spatial keys)" + (f", step {step}" if step is not None else "")
+        title = "average CLS attention (renormalised over spatial keys)" + (
+            f", step {step}" if step is not None else ""
+        )
         return {"cls_attention/maps": map_grid(np.asarray(r["maps"]), as_list(r["blocks"]), title)}

@@ -26,6 +26,7 @@ seed ``BASELINE_SEED + p * L + l`` for pool p and layer l: standard Gaussian by 
 (:func:`analysis.baselines.uniform_like`, Walmer's code). ResNet features are the plain spatial mean (Walmer study
 ViTs only; Raghu's patching step is for linear probes, see analysis/features.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,6 +56,7 @@ METRICS = ("purity", "nmi", "ari")
 # k-means
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _sq_dists(x: Tensor, x_sq: Tensor, c: Tensor) -> Tensor:
     """Squared Euclidean distances [N, K] (expanded form, clamped at 0)."""
     return (x_sq[:, None] - 2 * x @ c.T + c.pow(2).sum(1)[None, :]).clamp_min_(0)
@@ -77,7 +79,7 @@ def kmeans_plusplus(x: Tensor, k: int, gen: torch.Generator) -> Tensor:
     x_sq = x.pow(2).sum(1)
     first = int(torch.randint(n, (1,), generator=gen))
     centres = [x[first]]
-    closest = _sq_dists(x, x_sq, x[first:first + 1])[:, 0]
+    closest = _sq_dists(x, x_sq, x[first : first + 1])[:, 0]
     for _ in range(1, k):
         cand = _sample(closest, trials, gen).to(x.device)
         d = torch.minimum(closest[None, :], _sq_dists(x, x_sq, x[cand]).T)  # [trials, N]
@@ -111,8 +113,15 @@ def _lloyd(x: Tensor, x_sq: Tensor, centres: Tensor, max_iter: int, tol: float) 
     return assign, centres, inertia
 
 
-def kmeans(x: Tensor, k: int, seed: int = SEED, n_init: int = N_INIT, max_iter: int = MAX_ITER, tol: float = TOL,
-           init: Tensor | None = None) -> tuple[Tensor, Tensor, float]:
+def kmeans(
+    x: Tensor,
+    k: int,
+    seed: int = SEED,
+    n_init: int = N_INIT,
+    max_iter: int = MAX_ITER,
+    tol: float = TOL,
+    init: Tensor | None = None,
+) -> tuple[Tensor, Tensor, float]:
     """k-means of ``x`` [N, d] into ``k`` clusters (definition in the module docstring); float64 on ``x``'s device.
 
     Returns ``(assignments [N] long, centres [k, d] float64, inertia)`` of the best of ``n_init`` k-means++ restarts
@@ -143,6 +152,7 @@ def kmeans(x: Tensor, k: int, seed: int = SEED, n_init: int = N_INIT, max_iter: 
 # scores
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def purity(pred: Tensor, target: Tensor) -> float:
     """(1 / N) * sum over clusters of the count of the cluster's majority class."""
     pred, target = pred.cpu().long().flatten(), target.cpu().long().flatten()
@@ -170,6 +180,7 @@ def cluster_scores(pred: Tensor, target: Tensor) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------------
 # the measure
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ClusteringOptions:
@@ -234,8 +245,15 @@ class ClusteringMeasure(Measure):
                 for prefix, a in (("", assign), ("baseline_", base)):
                     for m, v in cluster_scores(a, y).items():
                         out[f"{prefix}{m}"][p, l_] = v
-        return {**out, "pools": list(self.pools), "layers": list(self.blocks), "num_classes": k, "n_images": len(y),
-                "n_init": self.n_init, "seed": self.seed}
+        return {
+            **out,
+            "pools": list(self.pools),
+            "layers": list(self.blocks),
+            "num_classes": k,
+            "n_images": len(y),
+            "n_init": self.n_init,
+            "seed": self.seed,
+        }
 
     @staticmethod
     def summary(r: dict) -> dict:
@@ -245,8 +263,13 @@ class ClusteringMeasure(Measure):
             vals, base = np.asarray(r[m]), np.asarray(r[f"baseline_{m}"])
             for p, pool in enumerate(as_list(r["pools"])):
                 i = int(np.argmax(vals[p]))
-                out.setdefault(m, {})[pool] = {"last": float(vals[p, -1]), "best": float(vals[p, i]), "best_layer": layers[i],
-                                               "baseline_mean": float(base[p].mean()), "per_layer": [float(v) for v in vals[p]]}
+                out.setdefault(m, {})[pool] = {
+                    "last": float(vals[p, -1]),
+                    "best": float(vals[p, i]),
+                    "best_layer": layers[i],
+                    "baseline_mean": float(base[p].mean()),
+                    "per_layer": [float(v) for v in vals[p]],
+                }
         return out
 
     @staticmethod
@@ -255,13 +278,20 @@ class ClusteringMeasure(Measure):
         out = {}
         for m in METRICS:
             vals = np.asarray(r[m])
-            out.update({f"clustering/{m}/{pool}/{block_tag(i)}": float(vals[p, i]) for p, pool in enumerate(pools)
-                        for i in range(vals.shape[1])})
+            out.update(
+                {
+                    f"clustering/{m}/{pool}/{block_tag(i)}": float(vals[p, i])
+                    for p, pool in enumerate(pools)
+                    for i in range(vals.shape[1])
+                }
+            )
         return out
 
     @staticmethod
     def figures(r: dict, step: int | None = None) -> dict:
         at = f" (step {step})" if step is not None else ""
-        panels = {m.upper() if m != "purity" else m: (np.asarray(r[m]), np.asarray(r[f"baseline_{m}"])) for m in METRICS}
+        panels = {
+            m.upper() if m != "purity" else m: (np.asarray(r[m]), np.asarray(r[f"baseline_{m}"])) for m in METRICS
+        }
         fig = depth_plot(panels, as_list(r["pools"]), f"k-means clustering, K={int(r['num_classes'])}{at}")
         return {"clustering/metrics": fig}

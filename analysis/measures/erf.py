@@ -45,6 +45,7 @@ Result (L blocks, H x W input): ``erf`` [L, 2, H, W], ``concentration``/``radius
 ViT only ``attn_erf`` [L, 2, H, W] and ``attn_concentration``/``attn_radius_share``/``attn_mean_distance`` [L, 2];
 ``window`` [L, 4], ``radius``, ``images``, ``blocks``, ``variants``, ``arch``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -99,8 +100,14 @@ def centre_features(t: torch.Tensor, prefix: int = 0, grid: tuple[int, int] | No
     return t[:, centre_index(grid, prefix)]
 
 
-def erf_sums(forward: Callable[[torch.Tensor], dict[str, torch.Tensor]], x: torch.Tensor, dims: dict[str, int], prefix: int = 0,
-             grid: tuple[int, int] | None = None, max_images: int = _FORWARD_IMAGES) -> dict[str, torch.Tensor]:
+def erf_sums(
+    forward: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    x: torch.Tensor,
+    dims: dict[str, int],
+    prefix: int = 0,
+    grid: tuple[int, int] | None = None,
+    max_images: int = _FORWARD_IMAGES,
+) -> dict[str, torch.Tensor]:
     """The definition: {name: [H, W] float64 = sum_b (1/D) sum_d sum_c |d F_name[b, centre, d] / d x[b, c]|}.
 
     ``forward(x)`` returns the named feature tensors of ``x`` [B, C, H, W] with their graph; ``dims`` gives each
@@ -122,7 +129,7 @@ def erf_sums(forward: Callable[[torch.Tensor], dict[str, torch.Tensor]], x: torc
             kk = min(k, dims[n] - start)
             idx = torch.arange(kk, device=f.device)
             seed = f[idx, :, start + idx].sum()  # copy i: channel start + i, summed over images
-            g, = torch.autograd.grad(seed, xr, retain_graph=j < len(active) - 1)
+            (g,) = torch.autograd.grad(seed, xr, retain_graph=j < len(active) - 1)
             out[n] += g.reshape(k, b, *x.shape[1:])[:kk].abs().sum(2).double().sum((0, 1))
         del feats, xr
     return {n: out[n] / dims[n] for n in dims}
@@ -152,8 +159,14 @@ def feature_shapes(model: nn.Module, x: torch.Tensor, names: list[str]) -> dict[
     return {n: tuple(cap[n].shape[1:]) for n in names}
 
 
-def effective_receptive_fields(model: nn.Module, x: torch.Tensor, names: list[str], prefix: int = 0, grid: tuple[int, int] | None = None,
-                               max_images: int = _FORWARD_IMAGES) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+def effective_receptive_fields(
+    model: nn.Module,
+    x: torch.Tensor,
+    names: list[str],
+    prefix: int = 0,
+    grid: tuple[int, int] | None = None,
+    max_images: int = _FORWARD_IMAGES,
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """ERF sums over the images of ``x`` [B, C, H, W] for each tap in ``names`` (see :func:`erf_sums`):
     ({name: [H, W] float64}, {name: per-image feature shape}). The model runs in eval mode with frozen parameters;
     its train flag and requires_grad flags are restored afterwards. Works inside torch.no_grad()."""
@@ -161,6 +174,7 @@ def effective_receptive_fields(model: nn.Module, x: torch.Tensor, names: list[st
         shapes = feature_shapes(model, x, names)
         dims = {n: shapes[n][0] if len(shapes[n]) == 3 else shapes[n][-1] for n in names}
         with Taps(model, names, graph=True) as cap:
+
             def forward(xr):
                 cap.captures.clear()
                 model(xr)
@@ -170,7 +184,9 @@ def effective_receptive_fields(model: nn.Module, x: torch.Tensor, names: list[st
     return sums, shapes
 
 
-def centre_window(shape: tuple, image_hw: tuple[int, int], prefix: int = 0, grid: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
+def centre_window(
+    shape: tuple, image_hw: tuple[int, int], prefix: int = 0, grid: tuple[int, int] | None = None
+) -> tuple[int, int, int, int]:
     """(row0, row1, col0, col1), end exclusive: the input pixels of the centre location of a feature map of
     ``shape`` ([T, D] tokens on ``grid`` or [D, h, w])."""
     hh, ww = image_hw
@@ -254,7 +270,11 @@ class EffectiveReceptiveField(Measure):
         images = ctx.data.analysis.images
         n = min(self.opts.images, len(images))
         bs, per_forward = self.opts.batch, self.opts.forward_images
-        grid = tuple(ctx.grid) if ctx.grid is not None else (tuple(model.patch_embed.grid_size) if ctx.arch == "vit" else None)
+        grid = (
+            tuple(ctx.grid)
+            if ctx.grid is not None
+            else (tuple(model.patch_embed.grid_size) if ctx.arch == "vit" else None)
+        )
         targets = self._targets()
         names = [t[2] for t in targets]
         hw = tuple(images.shape[-2:])
@@ -262,7 +282,7 @@ class EffectiveReceptiveField(Measure):
         count = torch.zeros(1, dtype=torch.float64, device=ctx.device)
         shapes = None
         for k in shard((n + bs - 1) // bs, ctx.accelerator):
-            x = ctx.data.normalize(images[k * bs:min(n, (k + 1) * bs)].to(ctx.device))
+            x = ctx.data.normalize(images[k * bs : min(n, (k + 1) * bs)].to(ctx.device))
             s, shapes = effective_receptive_fields(model, x, names, ctx.prefix, grid, per_forward)
             sums += torch.stack([s[nm] for nm in names])
             count += x.shape[0]
@@ -294,12 +314,23 @@ class EffectiveReceptiveField(Measure):
     @staticmethod
     def figures(r: dict, step: int | None = None) -> dict:
         sfx = "" if step is None else f" (step {step})"
-        return {"erf/maps": erf_grid(r, title="effective receptive fields" + sfx),
-                "erf/concentration": concentration_plot(r, title="ERF concentration" + sfx)}
+        return {
+            "erf/maps": erf_grid(r, title="effective receptive fields" + sfx),
+            "erf/concentration": concentration_plot(r, title="ERF concentration" + sfx),
+        }
 
 
-def assemble(sums: torch.Tensor, names: list[str], targets: list, shapes: dict, hw: tuple, count: float, ctx: Context,
-             grid, radius=None) -> dict:
+def assemble(
+    sums: torch.Tensor,
+    names: list[str],
+    targets: list,
+    shapes: dict,
+    hw: tuple,
+    count: float,
+    ctx: Context,
+    grid,
+    radius=None,
+) -> dict:
     """The result dict from summed ERF maps (one row per name, in ``targets`` order)."""
     blocks = list(dict.fromkeys(t[0] for t in targets))
     vit = ctx.arch == "vit"
@@ -318,9 +349,17 @@ def assemble(sums: torch.Tensor, names: list[str], targets: list, shapes: dict, 
     r: dict = {}
     r["erf"], r["concentration"], r["radius_share"], r["mean_distance"] = pack(VARIANTS)
     if vit:
-        r["attn_erf"], r["attn_concentration"], r["attn_radius_share"], r["attn_mean_distance"] = pack(("attn_residual", "attn_branch"))
-    r.update(window=np.array([windows[b] for b in blocks], dtype=np.int64), radius=float(radius), images=int(count),
-             blocks=blocks, variants=list(VARIANTS), arch=str(ctx.arch))
+        r["attn_erf"], r["attn_concentration"], r["attn_radius_share"], r["attn_mean_distance"] = pack(
+            ("attn_residual", "attn_branch")
+        )
+    r.update(
+        window=np.array([windows[b] for b in blocks], dtype=np.int64),
+        radius=float(radius),
+        images=int(count),
+        blocks=blocks,
+        variants=list(VARIANTS),
+        arch=str(ctx.arch),
+    )
     return r
 
 
@@ -331,10 +370,17 @@ def erf_grid(r: dict, title: str = "effective receptive fields"):
     """Raghu Fig. 6 / C.1-C.4: one ERF map per block (columns) and variant (rows), each on its own colour scale,
     with the centre location's input window outlined."""
     blocks = as_list(r["blocks"])
-    rows = [("post-residual" + (" (block out)" if "attn_erf" in r else ""), np.asarray(r["erf"])[:, 0]),
-            ("branch" + (" (MLP)" if "attn_erf" in r else ""), np.asarray(r["erf"])[:, 1])]
+    rows = [
+        ("post-residual" + (" (block out)" if "attn_erf" in r else ""), np.asarray(r["erf"])[:, 0]),
+        ("branch" + (" (MLP)" if "attn_erf" in r else ""), np.asarray(r["erf"])[:, 1]),
+    ]
     if "attn_erf" in r:
-        rows = [("attn post-residual", np.asarray(r["attn_erf"])[:, 0]), rows[0], ("attn branch", np.asarray(r["attn_erf"])[:, 1]), rows[1]]
+        rows = [
+            ("attn post-residual", np.asarray(r["attn_erf"])[:, 0]),
+            rows[0],
+            ("attn branch", np.asarray(r["attn_erf"])[:, 1]),
+            rows[1],
+        ]
     win = np.asarray(r["window"])
     nb = len(blocks)
     fig, axes = subplots(len(rows), nb, figsize=(1.3 * nb + 1.2, 1.35 * len(rows) + 0.6), squeeze=False)
@@ -363,10 +409,27 @@ def concentration_plot(r: dict, title: str = "ERF concentration"):
     for key, label in sets:
         conc, rad = np.asarray(r[key + "concentration"]), np.asarray(r[key + "radius_share"])
         for i, v in enumerate(as_list(r["variants"])):
-            line, = ax.plot(range(conc.shape[0]), conc[:, i], marker="o", ms=3, label=f"{label}{v}: centre window")
-            ax.plot(range(rad.shape[0]), rad[:, i], ls="--", color=line.get_color(), lw=1, label=f"{label}{v}: r <= {float(np.asarray(r['radius'])):g} px")
+            (line,) = ax.plot(range(conc.shape[0]), conc[:, i], marker="o", ms=3, label=f"{label}{v}: centre window")
+            ax.plot(
+                range(rad.shape[0]),
+                rad[:, i],
+                ls="--",
+                color=line.get_color(),
+                lw=1,
+                label=f"{label}{v}: r <= {float(np.asarray(r['radius'])):g} px",
+            )
     return finish_block_axes(fig, ax, as_list(r["blocks"]), "share of ERF mass", title, ylim=(0, 1.02), legend_size=6)
 
 
-__all__ = ["EffectiveReceptiveField", "centre_features", "centre_index", "centre_window", "effective_receptive_fields", "erf_sums", "feature_shapes",
-           "mean_distance", "radius_share", "window_share"]
+__all__ = [
+    "EffectiveReceptiveField",
+    "centre_features",
+    "centre_index",
+    "centre_window",
+    "effective_receptive_fields",
+    "erf_sums",
+    "feature_shapes",
+    "mean_distance",
+    "radius_share",
+    "window_share",
+]

@@ -23,6 +23,7 @@ analysis/features.py, or ``resnet_patch``; ``pool``: the plain spatial mean of C
 Where ours departs: big_vision runs in float32 and draws its shots with numpy's ``default_rng(seed)`` over the
 whole train split; ours runs in float64 and draws with :func:`analysis.probing.sample_shots` from the shot half.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -121,7 +122,11 @@ class FewShotProbeMeasure(Measure):
         return resnet_patch_side(t.shape, self.final, o.resnet_tokens, o.resnet_patch) if t.ndim == 4 else 1
 
     def _feats(self, cap):
-        return {(t, p): pool_features(cap[t], p, self.ctx.prefix, self._patch(cap[t])).float().cpu() for t in self.layers for p in self.pools}
+        return {
+            (t, p): pool_features(cap[t], p, self.ctx.prefix, self._patch(cap[t])).float().cpu()
+            for t in self.layers
+            for p in self.pools
+        }
 
     def update(self, j, cap, x, y):
         self.test.append((j, self._feats(cap), y))
@@ -139,17 +144,31 @@ class FewShotProbeMeasure(Measure):
             tr = {t: pool_x[(t, p)][shot_idx] for t in self.layers}
             va = {t: pool_x[(t, p)][val_idx] for t in self.layers}
             te = {t: test_x[(t, p)] for t in self.layers}
-            kw = dict(shots=o.shots, seeds=tuple(o.seeds), val_y=pool_y[val_idx], num_classes=self.ctx.data.num_classes,
-                      method=o.method, l2_grid=o.l2)
+            kw = dict(
+                shots=o.shots,
+                seeds=tuple(o.seeds),
+                val_y=pool_y[val_idx],
+                num_classes=self.ctx.data.num_classes,
+                method=o.method,
+                l2_grid=o.l2,
+            )
             r = probe_layers(tr, pool_y[shot_idx], te, test_y, val_feats=va, **kw)
             b = _baseline(tr, va, te, pool_y[shot_idx], test_y, self.layers, kw, o.baseline)
             mean.append([r[t][0] for t in self.layers])
             std.append([r[t][1] for t in self.layers])
             base.append([b[t][0] for t in self.layers])
-        return {"mean": np.array(mean), "std": np.array(std), "baseline": np.array(base), "pools": list(self.pools),
-                "layers": list(self.layers), "shots": int(o.shots), "seeds": np.array(list(o.seeds)),
-                "chance": 1.0 / self.ctx.data.num_classes, "method": o.method,
-                "feature_dim": np.array([int(test_x[(t, self.pools[0])].shape[-1]) for t in self.layers])}
+        return {
+            "mean": np.array(mean),
+            "std": np.array(std),
+            "baseline": np.array(base),
+            "pools": list(self.pools),
+            "layers": list(self.layers),
+            "shots": int(o.shots),
+            "seeds": np.array(list(o.seeds)),
+            "chance": 1.0 / self.ctx.data.num_classes,
+            "method": o.method,
+            "feature_dim": np.array([int(test_x[(t, self.pools[0])].shape[-1]) for t in self.layers]),
+        }
 
     @staticmethod
     def summary(r):
@@ -160,7 +179,11 @@ class FewShotProbeMeasure(Measure):
     @staticmethod
     def scalars(r):
         m, shots = np.asarray(r["mean"]), int(r["shots"])
-        return {f"probe/{shots}shot/{p}/block{i:02d}": float(m[pi, i]) for pi, p in enumerate(as_list(r["pools"])) for i in range(m.shape[1])}
+        return {
+            f"probe/{shots}shot/{p}/block{i:02d}": float(m[pi, i])
+            for pi, p in enumerate(as_list(r["pools"]))
+            for i in range(m.shape[1])
+        }
 
     @staticmethod
     def figures(r, step=None):
@@ -168,4 +191,8 @@ class FewShotProbeMeasure(Measure):
         m, s, b = np.asarray(r["mean"]), np.asarray(r["std"]), np.asarray(r["baseline"])
         curves = {p: (m[i], s[i]) for i, p in enumerate(as_list(r["pools"]))}
         curves["random features"] = (b.mean(0), np.zeros(b.shape[1]))
-        return {f"probe/{int(r['shots'])}shot": probe_plot(curves, title=f"{int(r['shots'])}-shot linear probe{at}", chance=float(r["chance"]))}
+        return {
+            f"probe/{int(r['shots'])}shot": probe_plot(
+                curves, title=f"{int(r['shots'])}-shot linear probe{at}", chance=float(r["chance"])
+            )
+        }

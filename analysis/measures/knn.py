@@ -19,6 +19,7 @@ study ViTs only; Raghu's patching step is for linear probes, see analysis/featur
 
 Everything is computed in float64.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class KNNOptions:
 # ----------------------------------------------------------------------------------------------------------------
 # the measure
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @register
 class KNNMeasure(Measure):
@@ -113,11 +115,23 @@ class KNNMeasure(Measure):
                 key = f"{pool}|{blk}"
                 bank, queries = b_feats[key].to(dev), q_feats[key].to(dev)
                 res[0, p, l_] = knn_accuracy(bank, b_y, queries, q_y, self.k, self.temperature, c)
-                noise = noise_like(torch.cat([bank, queries]).double(), BASELINE_SEED + p * n_layers + l_, self.opts.baseline)
-                res[1, p, l_] = knn_accuracy(noise[:len(bank)], b_y, noise[len(bank):], q_y, self.k, self.temperature, c)
-        return {"acc": res[0], "baseline": res[1], "pools": list(self.pools), "layers": list(self.blocks),
-                "k": min(self.k, len(b_y)), "temperature": self.temperature, "num_classes": c,
-                "n_bank": len(b_y), "n_query": len(q_y)}
+                noise = noise_like(
+                    torch.cat([bank, queries]).double(), BASELINE_SEED + p * n_layers + l_, self.opts.baseline
+                )
+                res[1, p, l_] = knn_accuracy(
+                    noise[: len(bank)], b_y, noise[len(bank) :], q_y, self.k, self.temperature, c
+                )
+        return {
+            "acc": res[0],
+            "baseline": res[1],
+            "pools": list(self.pools),
+            "layers": list(self.blocks),
+            "k": min(self.k, len(b_y)),
+            "temperature": self.temperature,
+            "num_classes": c,
+            "n_bank": len(b_y),
+            "n_query": len(q_y),
+        }
 
     @staticmethod
     def summary(r: dict) -> dict:
@@ -125,19 +139,31 @@ class KNNMeasure(Measure):
         out: dict = {"k": int(r["k"])}
         for p, pool in enumerate(as_list(r["pools"])):
             i = int(np.argmax(acc[p]))
-            out[pool] = {"last": float(acc[p, -1]), "best": float(acc[p, i]), "best_layer": layers[i],
-                         "baseline_mean": float(base[p].mean()), "per_layer": [float(v) for v in acc[p]]}
+            out[pool] = {
+                "last": float(acc[p, -1]),
+                "best": float(acc[p, i]),
+                "best_layer": layers[i],
+                "baseline_mean": float(base[p].mean()),
+                "per_layer": [float(v) for v in acc[p]],
+            }
         return out
 
     @staticmethod
     def scalars(r: dict) -> dict[str, float]:
         acc = np.asarray(r["acc"])
-        return {f"knn/{pool}/{block_tag(i)}": float(acc[p, i]) for p, pool in enumerate(as_list(r["pools"]))
-                for i in range(acc.shape[1])}
+        return {
+            f"knn/{pool}/{block_tag(i)}": float(acc[p, i])
+            for p, pool in enumerate(as_list(r["pools"]))
+            for i in range(acc.shape[1])
+        }
 
     @staticmethod
     def figures(r: dict, step: int | None = None) -> dict:
         at = f" (step {step})" if step is not None else ""
-        fig = depth_plot({"top-1": (np.asarray(r["acc"]), np.asarray(r["baseline"]))}, as_list(r["pools"]),
-                         f"k-NN (k={int(r['k'])}, T={float(r['temperature']):g}){at}", ylim=(0, 1))
+        fig = depth_plot(
+            {"top-1": (np.asarray(r["acc"]), np.asarray(r["baseline"]))},
+            as_list(r["pools"]),
+            f"k-NN (k={int(r['k'])}, T={float(r['temperature']):g}){at}",
+            ylim=(0, 1),
+        )
         return {"knn/accuracy": fig}

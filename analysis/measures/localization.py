@@ -38,6 +38,7 @@ Result (flat dict): ``layers`` [L] tap names, ``block_index`` [L], ``grid`` [L, 
 the last ResNet stage, are padded with NaN), ``own_share`` [L], ``contrast`` [L], ``chance`` [L] (1 / P),
 ``n_images``.
 """
+
 from __future__ import annotations
 
 import math
@@ -82,8 +83,9 @@ def update_localization(acc: MinibatchCKA, tokens: torch.Tensor, x: torch.Tensor
     acc.update(_shifted(list(tokens.unbind(1))), _shifted(input_patches(x, grid)))
 
 
-def localization_cka(tokens: torch.Tensor, x: torch.Tensor, grid: tuple[int, int], batch_size: int | None = None,
-                     unbiased: bool = True) -> torch.Tensor:
+def localization_cka(
+    tokens: torch.Tensor, x: torch.Tensor, grid: tuple[int, int], batch_size: int | None = None, unbiased: bool = True
+) -> torch.Tensor:
     """cka [T, P] (float64) between each spatial token (``tokens`` [N, T, D]) and each input patch of ``x`` [N, C, H, W]
     on ``grid``, in minibatches of ``batch_size`` (default: one) -- see the module docstring."""
     n = tokens.shape[0]
@@ -91,7 +93,7 @@ def localization_cka(tokens: torch.Tensor, x: torch.Tensor, grid: tuple[int, int
     acc = MinibatchCKA(unbiased=unbiased)
     for s in range(0, n, b):
         if min(b, n - s) >= 4:
-            update_localization(acc, tokens[s:s + b], x[s:s + b], grid)
+            update_localization(acc, tokens[s : s + b], x[s : s + b], grid)
     return acc.compute()
 
 
@@ -178,7 +180,11 @@ class Localization(Measure):
         self.images += x.shape[0]
         for lay in self.layers:
             t = cap[lay]
-            p = resnet_patch_side(t.shape, self.final, self.opts.resnet_tokens, self.opts.resnet_patch, self.max_side) if t.ndim == 4 else 1
+            p = (
+                resnet_patch_side(t.shape, self.final, self.opts.resnet_tokens, self.opts.resnet_patch, self.max_side)
+                if t.ndim == 4
+                else 1
+            )
             tokens, grid = spatial_tokens(t, self.ctx.prefix, self.ctx.grid, self.max_side, p)
             if self.grids.setdefault(lay, grid) != grid:
                 raise ValueError(f"{lay}: token grid changed from {self.grids[lay]} to {grid} between minibatches")
@@ -191,7 +197,9 @@ class Localization(Measure):
             grids.update(g)
         missing = [lay for lay in self.layers if lay not in grids]
         if missing:
-            raise ValueError(f"localization saw no minibatch of at least 4 images for {missing[0]}: raise the analysis size.")
+            raise ValueError(
+                f"localization saw no minibatch of at least 4 images for {missing[0]}: raise the analysis size."
+            )
         n_images = int(all_reduce_sum(torch.tensor([float(self.images)], dtype=torch.float64), acc).item())
         mats = []
         for lay in self.layers:
@@ -206,29 +214,41 @@ class Localization(Measure):
         size = max(len(mm) for mm in mats)
         cka = np.full((len(mats), size, size), np.nan)
         for i, mm in enumerate(mats):
-            cka[i, :len(mm), :len(mm)] = mm
+            cka[i, : len(mm), : len(mm)] = mm
         scores = [localization_scores(mm) for mm in mats]
         blocks = list(self.ctx.blocks)
-        return {"layers": list(self.layers), "block_index": np.array([blocks.index(lay.rsplit(".", 1)[0]) for lay in self.layers]),
-                "grid": np.array([grids[lay] for lay in self.layers], dtype=np.int64), "cka": cka,
-                "own_share": np.array([s[0] for s in scores]), "contrast": np.array([s[1] for s in scores]),
-                "chance": np.array([1.0 / len(mm) for mm in mats]), "n_images": n_images}
+        return {
+            "layers": list(self.layers),
+            "block_index": np.array([blocks.index(lay.rsplit(".", 1)[0]) for lay in self.layers]),
+            "grid": np.array([grids[lay] for lay in self.layers], dtype=np.int64),
+            "cka": cka,
+            "own_share": np.array([s[0] for s in scores]),
+            "contrast": np.array([s[1] for s in scores]),
+            "chance": np.array([1.0 / len(mm) for mm in mats]),
+            "n_images": n_images,
+        }
 
     @staticmethod
     def layer_matrix(r: dict, i: int) -> np.ndarray:
         """Layer i's [T, P] matrix without padding."""
         gh, gw = (int(v) for v in np.asarray(r["grid"])[i])
-        return np.asarray(r["cka"])[i, :gh * gw, :gh * gw]
+        return np.asarray(r["cka"])[i, : gh * gw, : gh * gw]
 
     @staticmethod
     def summary(r: dict) -> dict:
-        return {"layers": as_list(r["layers"]), "own_share": [float(v) for v in np.asarray(r["own_share"])],
-                "contrast": [float(v) for v in np.asarray(r["contrast"])], "chance": [float(v) for v in np.asarray(r["chance"])]}
+        return {
+            "layers": as_list(r["layers"]),
+            "own_share": [float(v) for v in np.asarray(r["own_share"])],
+            "contrast": [float(v) for v in np.asarray(r["contrast"])],
+            "chance": [float(v) for v in np.asarray(r["chance"])],
+        }
 
     @staticmethod
     def scalars(r: dict) -> dict[str, float]:
         out = {}
-        for lay, bi, share, con in zip(as_list(r["layers"]), np.asarray(r["block_index"]), np.asarray(r["own_share"]), np.asarray(r["contrast"])):
+        for lay, bi, share, con in zip(
+            as_list(r["layers"]), np.asarray(r["block_index"]), np.asarray(r["own_share"]), np.asarray(r["contrast"])
+        ):
             tag = layer_tag(lay, bi)
             out[f"localization/own_share/{tag}"] = float(share)
             out[f"localization/contrast/{tag}"] = float(con)
@@ -240,10 +260,18 @@ class Localization(Measure):
         layers = as_list(r["layers"])
         figs = {}
         for i, (lay, bi) in enumerate(zip(layers, np.asarray(r["block_index"]))):
-            figs[f"localization/{layer_tag(lay, bi)}"] = token_patch_maps(Localization.layer_matrix(r, i), tuple(np.asarray(r["grid"])[i]),
-                                                                          title=f"CKA token vs input patch, {lay}{at}")
-        figs["localization/score"] = score_plot(layers, np.asarray(r["own_share"]), np.asarray(r["contrast"]), np.asarray(r["chance"]),
-                                                title=f"localization vs depth{at}")
+            figs[f"localization/{layer_tag(lay, bi)}"] = token_patch_maps(
+                Localization.layer_matrix(r, i),
+                tuple(np.asarray(r["grid"])[i]),
+                title=f"CKA token vs input patch, {lay}{at}",
+            )
+        figs["localization/score"] = score_plot(
+            layers,
+            np.asarray(r["own_share"]),
+            np.asarray(r["contrast"]),
+            np.asarray(r["chance"]),
+            title=f"localization vs depth{at}",
+        )
         return figs
 
 
@@ -280,8 +308,13 @@ def token_patch_maps(cka: np.ndarray, grid: tuple[int, int], tokens: list[int] |
     return fig
 
 
-def score_plot(layers: list[str], own_share: np.ndarray, contrast: np.ndarray, chance: np.ndarray | None = None,
-               title: str = "localization vs depth"):
+def score_plot(
+    layers: list[str],
+    own_share: np.ndarray,
+    contrast: np.ndarray,
+    chance: np.ndarray | None = None,
+    title: str = "localization vs depth",
+):
     """Localization scores per layer: share of tokens most similar to their own patch, and the CKA contrast."""
 
     fig, ax = subplots(figsize=(5, 3.5))

@@ -10,6 +10,7 @@ and f(z) its branch output (after layer scale / drop path), per token t:
 Token 0 is CLS in CLS ViTs. For a ResNet block, z is the shortcut (identity or downsample output), f(z) the
 residual branch, and the "tokens" are the spatial positions of the feature map (channels are the vector).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -65,7 +66,11 @@ class NormRatio:
         r, c = ratio.sum(0).cpu(), cos.sum(0).cpu()
         key = (block, sublayer)
         if key not in self.ratio:
-            self.ratio[key], self.cos[key], self.count[key] = r, c, torch.tensor(float(ratio.shape[0]), dtype=torch.float64)
+            self.ratio[key], self.cos[key], self.count[key] = (
+                r,
+                c,
+                torch.tensor(float(ratio.shape[0]), dtype=torch.float64),
+            )
         else:
             self.ratio[key] += r
             self.cos[key] += c
@@ -88,7 +93,6 @@ class NormRatio:
 # ---------------------------------------------------------------- the suite's measure
 
 
-
 @register
 class NormRatioMeasure(Measure):
     """Raghu et al. 2021 Fig. 7 (left: per token and block; right: CLS vs spatial tokens) and E.2 (cosine).
@@ -103,8 +107,11 @@ class NormRatioMeasure(Measure):
         super().__init__(ctx, opts)
         self.acc = NormRatio()
         self.tokens = ctx.arch in ("vit", "mixer")
-        self.pairs = ({"attn": ("in", "attn_branch"), "mlp": ("attn_out", "mlp_branch")} if self.tokens
-                      else {"block": ("shortcut", "branch")})
+        self.pairs = (
+            {"attn": ("in", "attn_branch"), "mlp": ("attn_out", "mlp_branch")}
+            if self.tokens
+            else {"block": ("shortcut", "branch")}
+        )
 
     def taps(self):
         return {f"{b}.{k}" for b in self.ctx.blocks for pair in self.pairs.values() for k in pair}
@@ -119,9 +126,13 @@ class NormRatioMeasure(Measure):
         res = self.acc.compute()
         per = (lambda v: v.numpy()) if self.tokens else (lambda v: v.mean(0, keepdim=True).numpy())
         subs, blocks = list(self.pairs), list(self.ctx.blocks)
-        return {"ratio": np.stack([np.stack([per(res[(b, s)][0]) for b in blocks]) for s in subs]),
-                "cosine": np.stack([np.stack([per(res[(b, s)][1]) for b in blocks]) for s in subs]),
-                "sublayers": subs, "blocks": blocks, "num_prefix_tokens": int(self.ctx.prefix)}
+        return {
+            "ratio": np.stack([np.stack([per(res[(b, s)][0]) for b in blocks]) for s in subs]),
+            "cosine": np.stack([np.stack([per(res[(b, s)][1]) for b in blocks]) for s in subs]),
+            "sublayers": subs,
+            "blocks": blocks,
+            "num_prefix_tokens": int(self.ctx.prefix),
+        }
 
     @staticmethod
     def curves(r) -> dict:
@@ -140,14 +151,22 @@ class NormRatioMeasure(Measure):
 
     @staticmethod
     def scalars(r):
-        return {f"norm_ratio/{k}/block{i:02d}": float(v) for k, c in NormRatioMeasure.curves(r).items() for i, v in enumerate(c)}
+        return {
+            f"norm_ratio/{k}/block{i:02d}": float(v)
+            for k, c in NormRatioMeasure.curves(r).items()
+            for i, v in enumerate(c)
+        }
 
     @staticmethod
     def figures(r, step=None):
         at = f" (step {step})" if step is not None else ""
         p, blocks = int(r["num_prefix_tokens"]), [b.split(".", 1)[-1] for b in as_list(r["blocks"])]
-        figs = {f"norm_ratio/{sub}": norm_ratio_heatmap(np.asarray(r["ratio"])[si], blocks, title=f"norm ratio, {sub}{at}", has_cls=p > 0)
-                for si, sub in enumerate(as_list(r["sublayers"]))}
+        figs = {
+            f"norm_ratio/{sub}": norm_ratio_heatmap(
+                np.asarray(r["ratio"])[si], blocks, title=f"norm ratio, {sub}{at}", has_cls=p > 0
+            )
+            for si, sub in enumerate(as_list(r["sublayers"]))
+        }
         curves = {k.replace("/", " ").replace("cls", "CLS"): v for k, v in NormRatioMeasure.curves(r).items()}
         figs["norm_ratio/lines"] = norm_ratio_lines(curves, title=f"norm ratio ||z||/||f(z)||{at}")
         return figs

@@ -22,6 +22,7 @@ Fig. 23 plots the skip features of every block against the branch output of ever
 Result: ``skip_branch`` [S, L], ``skip_out`` [S, L], ``skip_branch_matrix`` [S, L, L], ``sublayers`` (ViT
 ["attn", "mlp"], ResNet ["block"]), ``blocks`` (L names), ``repr`` ("flatten"), ``unbiased`` (0/1).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -95,9 +96,15 @@ class ResidualCKA(Measure):
             skip_branch.append(torch.diagonal(c[:, :n]))
             skip_out.append(torch.diagonal(c[:, n:]))
             matrix.append(c[:, :n])
-        return {"skip_branch": torch.stack(skip_branch).numpy(), "skip_out": torch.stack(skip_out).numpy(),
-                "skip_branch_matrix": torch.stack(matrix).numpy(), "sublayers": list(self.subs), "blocks": list(self.blocks),
-                "repr": "flatten", "unbiased": int(self.unbiased)}
+        return {
+            "skip_branch": torch.stack(skip_branch).numpy(),
+            "skip_out": torch.stack(skip_out).numpy(),
+            "skip_branch_matrix": torch.stack(matrix).numpy(),
+            "sublayers": list(self.subs),
+            "blocks": list(self.blocks),
+            "repr": "flatten",
+            "unbiased": int(self.unbiased),
+        }
 
     @staticmethod
     def summary(r: dict) -> dict:
@@ -112,7 +119,9 @@ class ResidualCKA(Measure):
         out = {}
         for i, s in enumerate(as_list(r["sublayers"])):
             for key in ("skip_branch", "skip_out"):
-                out.update({f"residual_cka/{s}/{key}/block{b:02d}": float(v) for b, v in enumerate(np.asarray(r[key])[i])})
+                out.update(
+                    {f"residual_cka/{s}/{key}/block{b:02d}": float(v) for b, v in enumerate(np.asarray(r[key])[i])}
+                )
         return out
 
     @staticmethod
@@ -121,9 +130,14 @@ class ResidualCKA(Measure):
         blocks = as_list(r["blocks"])
         out = {"residual_cka/lines": residual_cka_lines(r, title="CKA(skip, branch) and CKA(skip, output)" + sfx)}
         for i, s in enumerate(as_list(r["sublayers"])):
-            out[f"residual_cka/{s}/matrix"] = figs.cka_heatmap(np.asarray(r["skip_branch_matrix"])[i], blocks, blocks,
-                                                               title=f"{s}: CKA(skip z_i, branch f(z_j)){sfx}",
-                                                               xname="branch of block j", yname="skip of block i")
+            out[f"residual_cka/{s}/matrix"] = figs.cka_heatmap(
+                np.asarray(r["skip_branch_matrix"])[i],
+                blocks,
+                blocks,
+                title=f"{s}: CKA(skip z_i, branch f(z_j)){sfx}",
+                xname="branch of block j",
+                yname="skip of block i",
+            )
         return out
 
 
@@ -132,7 +146,16 @@ def residual_cka_lines(r: dict, title: str = "residual CKA"):
     blocks = as_list(r["blocks"])
     fig, ax = subplots(figsize=(5, 3.5))
     for i, s in enumerate(as_list(r["sublayers"])):
-        line, = ax.plot(range(len(blocks)), np.asarray(r["skip_branch"])[i], marker="o", ms=3, label=f"{s}: skip vs branch")
-        ax.plot(range(len(blocks)), np.asarray(r["skip_out"])[i], marker="s", ms=3, ls="--", color=line.get_color(),
-                label=f"{s}: skip vs output")
+        (line,) = ax.plot(
+            range(len(blocks)), np.asarray(r["skip_branch"])[i], marker="o", ms=3, label=f"{s}: skip vs branch"
+        )
+        ax.plot(
+            range(len(blocks)),
+            np.asarray(r["skip_out"])[i],
+            marker="s",
+            ms=3,
+            ls="--",
+            color=line.get_color(),
+            label=f"{s}: skip vs output",
+        )
     return finish_block_axes(fig, ax, blocks, "linear CKA", title, ylim=(-0.05, 1.05))

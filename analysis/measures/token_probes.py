@@ -33,6 +33,7 @@ layer with fewer probed tokens, e.g. the last ResNet stage), ``mean_over_tokens`
 (features per token: D, or C p^2 for patched ResNet maps). Features are kept as float32 on
 the CPU; the probes themselves run in float64.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -81,10 +82,19 @@ def strided_positions(grid: tuple[int, int], stride: int = 1) -> torch.Tensor:
     return torch.tensor([r * gw + c for r in range(0, gh, stride) for c in range(0, gw, stride)], dtype=torch.long)
 
 
-def token_probe_accuracies(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
-                           shots: int = 10, seeds: Sequence[int] = (0, 1, 2), val_x: torch.Tensor | None = None,
-                           val_y: torch.Tensor | None = None, num_classes: int | None = None, method: str = DEFAULT_METHOD,
-                           l2: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def token_probe_accuracies(
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    test_x: torch.Tensor,
+    test_y: torch.Tensor,
+    shots: int = 10,
+    seeds: Sequence[int] = (0, 1, 2),
+    val_x: torch.Tensor | None = None,
+    val_y: torch.Tensor | None = None,
+    num_classes: int | None = None,
+    method: str = DEFAULT_METHOD,
+    l2: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """(acc [T], std [T]): a few-shot probe per token of ``train_x`` [n, T, D] on that token's features only, scored
     on ``test_x`` [m, T, D] (``l2`` fixed, or picked on ``val_x`` [v, T, D] when given), via
     :func:`analysis.probing.probe_layers` with ``method`` (shots drawn per seed from ``train_y``, the same images for
@@ -93,8 +103,19 @@ def token_probe_accuracies(train_x: torch.Tensor, train_y: torch.Tensor, test_x:
     tr = {str(t): train_x[:, t] for t in tokens}
     te = {str(t): test_x[:, t] for t in tokens}
     va = None if val_x is None else {str(t): val_x[:, t] for t in tokens}
-    r = probe_layers(tr, train_y, te, test_y, shots=shots, seeds=tuple(seeds), val_feats=va, val_y=val_y, num_classes=num_classes,
-                     l2_grid=l2, method=method)
+    r = probe_layers(
+        tr,
+        train_y,
+        te,
+        test_y,
+        shots=shots,
+        seeds=tuple(seeds),
+        val_feats=va,
+        val_y=val_y,
+        num_classes=num_classes,
+        l2_grid=l2,
+        method=method,
+    )
     return np.array([r[str(t)][0] for t in tokens]), np.array([r[str(t)][1] for t in tokens])
 
 
@@ -141,7 +162,11 @@ class TokenProbes(Measure):
         feats = {}
         for lay in self.layers:
             t = cap[lay]
-            p = resnet_patch_side(t.shape, self.final, self.opts.resnet_tokens, self.opts.resnet_patch, self.max_side) if t.ndim == 4 else 1
+            p = (
+                resnet_patch_side(t.shape, self.final, self.opts.resnet_tokens, self.opts.resnet_patch, self.max_side)
+                if t.ndim == 4
+                else 1
+            )
             tokens, grid = spatial_tokens(t, self.ctx.prefix, self.ctx.grid, self.max_side, p)
             feats[f"{lay}|grid"] = torch.tensor([grid], dtype=torch.long).expand(tokens.shape[0], 2)
             feats[lay] = tokens[:, strided_positions(grid, self.stride).to(tokens.device)].float().cpu()
@@ -167,8 +192,19 @@ class TokenProbes(Measure):
         accs, stds, cls_acc, cls_std, grids, index = [], [], [], [], [], []
         for lay in self.layers:
             x = pool_x[lay]
-            a, s = token_probe_accuracies(x[shot_idx], tr_y, test_x[lay], test_y, self.shots, self.seeds, x[val_idx], va_y, num_classes=k,
-                                          method=self.opts.method, l2=self.opts.l2)
+            a, s = token_probe_accuracies(
+                x[shot_idx],
+                tr_y,
+                test_x[lay],
+                test_y,
+                self.shots,
+                self.seeds,
+                x[val_idx],
+                va_y,
+                num_classes=k,
+                method=self.opts.method,
+                l2=self.opts.l2,
+            )
             accs.append(a)
             stds.append(s)
             grid = tuple(int(v) for v in test_x[f"{lay}|grid"][0].tolist())
@@ -176,28 +212,54 @@ class TokenProbes(Measure):
             index.append(strided_positions(grid, self.stride).numpy())
             if self.cls:
                 c = pool_x[f"{lay}|cls"]
-                r = probe_layers({"cls": c[shot_idx]}, tr_y, {"cls": test_x[f"{lay}|cls"]}, test_y, shots=self.shots, seeds=self.seeds,
-                                 val_feats={"cls": c[val_idx]}, val_y=va_y, num_classes=k, l2_grid=self.opts.l2,
-                                 method=self.opts.method)["cls"]
+                r = probe_layers(
+                    {"cls": c[shot_idx]},
+                    tr_y,
+                    {"cls": test_x[f"{lay}|cls"]},
+                    test_y,
+                    shots=self.shots,
+                    seeds=self.seeds,
+                    val_feats={"cls": c[val_idx]},
+                    val_y=va_y,
+                    num_classes=k,
+                    l2_grid=self.opts.l2,
+                    method=self.opts.method,
+                )["cls"]
                 cls_acc.append(r[0])
                 cls_std.append(r[1])
         size = max(len(a) for a in accs)
-        pad = lambda vs, fill: np.stack([np.concatenate([v, np.full(size - len(v), fill, dtype=np.asarray(v).dtype)]) for v in vs])  # noqa: E731
+        pad = lambda vs, fill: np.stack(
+            [np.concatenate([v, np.full(size - len(v), fill, dtype=np.asarray(v).dtype)]) for v in vs]
+        )
         blocks = list(self.ctx.blocks)
-        out = {"layers": list(self.layers), "block_index": np.array([blocks.index(lay.rsplit(".", 1)[0]) for lay in self.layers]),
-               "grid": np.array(grids, dtype=np.int64), "token_index": pad([i.astype(np.int64) for i in index], -1),
-               "acc": pad(accs, np.nan), "std": pad(stds, np.nan), "mean_over_tokens": np.array([float(np.mean(a)) for a in accs]),
-               "shots": self.shots, "seeds": np.array(self.seeds, dtype=np.int64), "stride": self.stride, "chance": 1.0 / k,
-               "method": self.opts.method, "token_dim": np.array([int(test_x[lay].shape[-1]) for lay in self.layers]),
-               "n_images": len(test_y)}
+        out = {
+            "layers": list(self.layers),
+            "block_index": np.array([blocks.index(lay.rsplit(".", 1)[0]) for lay in self.layers]),
+            "grid": np.array(grids, dtype=np.int64),
+            "token_index": pad([i.astype(np.int64) for i in index], -1),
+            "acc": pad(accs, np.nan),
+            "std": pad(stds, np.nan),
+            "mean_over_tokens": np.array([float(np.mean(a)) for a in accs]),
+            "shots": self.shots,
+            "seeds": np.array(self.seeds, dtype=np.int64),
+            "stride": self.stride,
+            "chance": 1.0 / k,
+            "method": self.opts.method,
+            "token_dim": np.array([int(test_x[lay].shape[-1]) for lay in self.layers]),
+            "n_images": len(test_y),
+        }
         if self.cls:
             out["cls_acc"], out["cls_std"] = np.array(cls_acc), np.array(cls_std)
         return out
 
     @staticmethod
     def summary(r: dict) -> dict:
-        s = {"layers": as_list(r["layers"]), "mean_over_tokens": [float(v) for v in np.asarray(r["mean_over_tokens"])],
-             "max_token": [float(np.nanmax(v)) for v in np.asarray(r["acc"])], "chance": float(r["chance"])}
+        s = {
+            "layers": as_list(r["layers"]),
+            "mean_over_tokens": [float(v) for v in np.asarray(r["mean_over_tokens"])],
+            "max_token": [float(np.nanmax(v)) for v in np.asarray(r["acc"])],
+            "chance": float(r["chance"]),
+        }
         if "cls_acc" in r:
             s["cls_acc"] = [float(v) for v in np.asarray(r["cls_acc"])]
         return s
@@ -218,11 +280,24 @@ class TokenProbes(Measure):
         shots = int(r["shots"])
         layers = as_list(r["layers"])
         cls = np.asarray(r["cls_acc"]) if "cls_acc" in r else None
-        return {"token_probes/heatmap": layer_token_heatmap(np.asarray(r["acc"]), layers, title=f"{shots}-shot probe per token{at}"),
-                "token_probes/maps": token_maps(np.asarray(r["acc"]), np.asarray(r["grid"]), np.asarray(r["token_index"]), layers,
-                                                title=f"{shots}-shot probe per token position{at}"),
-                "token_probes/mean": mean_plot(np.asarray(r["mean_over_tokens"]), cls, float(r["chance"]),
-                                               title=f"{shots}-shot probe on single tokens{at}")}
+        return {
+            "token_probes/heatmap": layer_token_heatmap(
+                np.asarray(r["acc"]), layers, title=f"{shots}-shot probe per token{at}"
+            ),
+            "token_probes/maps": token_maps(
+                np.asarray(r["acc"]),
+                np.asarray(r["grid"]),
+                np.asarray(r["token_index"]),
+                layers,
+                title=f"{shots}-shot probe per token position{at}",
+            ),
+            "token_probes/mean": mean_plot(
+                np.asarray(r["mean_over_tokens"]),
+                cls,
+                float(r["chance"]),
+                title=f"{shots}-shot probe on single tokens{at}",
+            ),
+        }
 
 
 # ---------------------------------------------------------------- figures
@@ -232,8 +307,14 @@ def layer_token_heatmap(acc: np.ndarray, layers: list[str], title: str = ""):
     """Fig. D.4 as one matrix: probe top-1 per token (columns, probed tokens in row-major grid order) and layer (rows)."""
 
     fig, ax = subplots(figsize=(6, 0.35 * len(layers) + 1.5))
-    im = ax.imshow(np.ma.masked_invalid(acc), aspect="auto", origin="lower", cmap="viridis", vmin=0,
-                   vmax=max(float(np.nanmax(acc)), 1e-6) if np.isfinite(acc).any() else 1)
+    im = ax.imshow(
+        np.ma.masked_invalid(acc),
+        aspect="auto",
+        origin="lower",
+        cmap="viridis",
+        vmin=0,
+        vmax=max(float(np.nanmax(acc)), 1e-6) if np.isfinite(acc).any() else 1,
+    )
     fig.colorbar(im, ax=ax, fraction=0.046).set_label("top-1")
     ax.set_yticks(range(len(layers)), [lay.rsplit(".", 1)[0] for lay in layers], fontsize=6)
     ax.set_xlabel("token (spatial, row-major)")

@@ -25,6 +25,7 @@ pilot check :func:`go_no_go` says early in training whether a run is heading the
 
 Everything here is plain numpy on arrays from the measures (analysis/measures/*.py); nothing is typed by hand.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.reports.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, OUTCOMES  # the outcomes live in one place
+from analysis.reports.stats import (
+    HELD,
+    INCONCLUSIVE,
+    NOT_HELD,
+    NOT_TESTABLE,
+    OUTCOMES,
+)  # the outcomes live in one place
 
 NOISE_FACTOR = 2.0  # an effect counts when it exceeds 2x the largest seed-to-seed difference of the same configuration
 SE_FACTOR = 2.0  # ... and, for top-1 differences, 2 binomial standard errors of the difference
@@ -76,137 +83,195 @@ class Verdict:
             raise ValueError(f"unknown outcome {self.outcome!r}")
 
 
-R_SEC6 = ("We observe a striking phase transition: in the first half of the network, the CLS token (token 0) "
-          "representation is primarily propagated by the skip connection branch (high norm ratio), while the spatial "
-          "token representations have a large contribution coming from the long branch (lower norm ratio). Strikingly, "
-          "in the second half of the network, this is reversed.")
+R_SEC6 = (
+    "We observe a striking phase transition: in the first half of the network, the CLS token (token 0) "
+    "representation is primarily propagated by the skip connection branch (high norm ratio), while the spatial "
+    "token representations have a large contribution coming from the long branch (lower norm ratio). Strikingly, "
+    "in the second half of the network, this is reversed."
+)
 
-CLAIMS: dict[str, Claim] = {c.id: c for c in [
-    Claim("uniformity", "Raghu Fig. 1, 2", "ViT layer representations are more uniform than a ResNet's: lower and higher "
-          "layers are more similar", "Raghu et al. 2021 §4",
-          "We observe clear differences between the internal representation structure between the two model "
-          "architectures: (1) ViTs show a much more uniform similarity structure, with a clear grid like structure (2) "
-          "lower and higher layers in ViT show much greater similarity than in the ResNet, where similarity is divided "
-          "into different (lower/higher) stages.",
-          "Precondition: the ResNet has identity shortcuts (the paper's ResNets do). Two parts, ViT minus ResNet per seed: "
-          "mean off-diagonal self-CKA, and CKA of the first and the last layer; each must exceed the noise floor. "
-          "The same numbers of a randomly initialised model of each architecture are shown beside the maps (the floor "
-          "that the architecture alone gives).",
-          "not stated as a number (Fig. 1: ViT maps near-uniform, ResNet maps in stages)"),
-    Claim("noskip_partition", "Raghu Fig. 8", "Removing the skip connections of block i partitions the representations "
-          "before and after block i, and costs accuracy (4% for middle blocks)", "Raghu et al. 2021 §6, Fig. 8 caption",
-          "The results, in Figure 8, illustrate that removing the skip connections in a block partitions the layer "
-          "representations on either side. (We note a performance drop of 4% when […] removing skip connections from "
-          "middle blocks.)",
-          "Per no-skip block i: the mean CKA between layers before block i and layers from block i on, normal ViT minus "
-          "no-skip ViT, must exceed the noise floor; for blocks in the middle third of the network the top-1 drop must "
-          "also exceed the noise floor and 2 binomial standard errors.",
-          "4% top-1 drop for middle blocks (Fig. 8 caption: \"For middle blocks without skip connections, we observe a "
-          "performance drop of 4%.\")"),
-    Claim("skip_dominance", "Raghu Fig. 7 right", "Skip connections are much more influential in ViT than in a ResNet: "
-          "much higher norm ratios ‖z‖ / ‖f(z)‖", "Raghu et al. 2021 §6",
-          "The right pane, which has line plots of these norm ratios across ResNet50, the ViT CLS token and the ViT "
-          "spatial tokens additionally demonstrates that skip connection is much more influential in ViT compared to "
-          "ResNet: we observe much higher norm ratios for ViT throughout, along with the phase transition from CLS to "
-          "spatial token propagation (shown for the MLP and self-attention layers.)",
-          "Precondition: the ResNet has identity shortcuts. The median norm ratio of the ViT (all sublayers, blocks, "
-          "tokens) minus the ResNet's (identity-shortcut blocks only: a projection shortcut is not a skip connection) "
-          "must exceed the noise floor.",
-          "not stated as a number (Fig. 7 right: ViT ratios above ResNet-50's in every block)"),
-    Claim("cls_phase", "Raghu Fig. 7", "In the first half of the network the CLS token's norm ratio is higher than the "
-          "spatial tokens' (it is carried by the skip path); in the second half this is reversed", "Raghu et al. 2021 §6",
-          R_SEC6,
-          "Precondition: a CLS token. For the attention and the MLP sublayer, gap = CLS ratio minus the mean spatial-token "
-          "ratio, averaged over the blocks of each half: the first half's gap must be above +floor x factor and the "
-          "second half's below -floor x factor (four parts).",
-          "not stated as a number (Fig. 7 left: the reversal at about the middle block)"),
-    Claim("head_mix", "Raghu Fig. 3; ViT App. D.6", "Lower layers mix local and global heads; higher layers attend "
-          "globally", "Raghu et al. 2021 §5",
-          "In agreement with Dosovitskiy et al. [14], we observe that even in the lowest layers of ViT, self-attention "
-          "layers have a mix of local heads (small distances) and global heads (large distances). This is in contrast to "
-          "CNNs, which are hardcoded to attend only locally in the lower layers. At higher layers, all self-attention "
-          "heads are global.",
-          "Read on the locality configuration (vit_local when the study has it trained, else vit_cls; see the pilot "
-          "runs). Precondition: a local head exists (mean attention distance below half of uniform attention's on the "
-          "same grid). Two parts per seed: the spread of head distances (max - min over heads, mean over blocks) in the "
-          "lower half of the blocks minus the upper half's, and the mean distance of the upper half minus the lower "
-          "half's; each must exceed the noise floor. "
-          "A \"not testable\" or \"did not hold\" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml); "
-          "and the same detectors find local heads in the lower blocks of a real pretrained ViT-S/14 and none in its last "
-          "blocks (docs/real-vit.md, tests/test_pretrained.py).",
-          "not stated as a number (Fig. 3: lowest blocks span near-zero to near-image-size distances, highest blocks "
-          "all large)"),
-    Claim("head_subsets", "Raghu Fig. 5", "The first block's local heads are the most similar to the ResNet's lower "
-          "layers; similarity falls as the heads get more global", "Raghu et al. 2021 §5",
-          "The results, shown in Figure 5, which plot the mean distance for each subset against CKA similarity, clearly "
-          "show a monotonic decrease in similarity as mean attention distance grows, demonstrating that access to more "
-          "global information also leads to quantitatively different features than computed by the local receptive "
-          "fields in the lower layers of the ResNet.",
-          "Read on the locality configuration, each seed against the ResNet of the same seed. Precondition: a head of "
-          "the first block is local (below half of uniform attention's distance). Per seed, the CKA of the most local "
-          "window of heads (analysis/head_subsets.py: windows of half the heads, sorted by distance) minus that of the "
-          "most global window, averaged over the ResNet's first two stages, must exceed the noise floor; the rank "
-          "correlation of window distance and CKA (the paper's \"monotonic\") is shown beside it.",
-          "not stated as a number (Fig. 5: CKA falls monotonically from the most local to the most global subset)"),
-    Claim("cls_localization", "Raghu Fig. 9, 10", "CLS-token ViTs keep spatial location in higher layers better than GAP "
-          "ViTs", "Raghu et al. 2021 §7",
-          "The results, shown in Figure 10, demonstrate that global average pooling does indeed reduce localization in "
-          "the higher layers.",
-          "Last block's localization own_share (share of tokens most similar to their own input patch), CLS minus GAP, "
-          "must exceed the noise floor.",
-          "not stated as a number (Fig. 9, 10: heatmaps)"),
-    Claim("gap_token_probes", "Raghu Fig. 11 left", "Single spatial tokens of GAP ViTs probe better in higher layers than "
-          "those of CLS ViTs", "Raghu et al. 2021 §7",
-          "The left pane shows average accuracy of classifiers trained on individual tokens, where we see that ResNet50 "
-          "and ViT with GAP model tokens perform well at higher layers, while in the standard ViT trained with a CLS "
-          "token the spatial tokens do poorly – likely because their representations remain spatially localized at "
-          "higher layers, which makes global classification challenging.",
-          "Last block's mean 10-shot accuracy of single spatial tokens, GAP minus CLS, must exceed the noise floor.",
-          "not stated as a number (Fig. 11 left, App. Fig. D.4: per-token accuracies in plots only)"),
-    Claim("erf", "Raghu Fig. 6, C.1, C.2", "ViT's lower-layer effective receptive fields are larger than a ResNet's, "
-          "and ViT's become much more global midway through the network while the ResNet's grow gradually",
-          "Raghu et al. 2021 §5",
-          "We observe that lower layer effective receptive fields for ViT are indeed larger than in ResNets, and while "
-          "ResNet effective receptive fields grow gradually, ViT receptive fields become much more global midway through "
-          "the network.",
-          "The ERF's mean distance (pixels) from the centre location's input window, after the residual connection "
-          "(analysis/measures/erf.py: |gradient| of the centre location, averaged over channels and 32 images). Two "
-          "parts: at the lowest block, ViT minus ResNet; at the middle of the network (the block at half the depth of "
-          "each), ViT minus ResNet; each must exceed the noise floor.",
-          "not stated as a number (Fig. 6: ERF maps)"),
-    Claim("intermediate_probes", "Raghu Fig. 13 right", "ViT's intermediate layers are stronger 10-shot linear-probe "
-          "features than the ResNet's", "Raghu et al. 2021 §8",
-          "This conclusion is further supported by the results of the right pane of Figure 13, which shows linear probes "
-          "on different ResNet and ViT models, all pretrained on JFT-300M. We again see the larger ViT models learn much "
-          "stronger intermediate representations than the ResNets.",
-          "10-shot closed-form probe accuracy of the spatial mean of each block's output (both models aggregated the "
-          "same way), averaged over the middle half of each network's blocks (normalised depth (l + 1) / L in (0.25, "
-          "0.75]); ViT minus ResNet must exceed the noise floor. The paper's ViTs are large and JFT-pretrained; this "
-          "study's are 6-block ViTs trained 4 epochs on Fashion-MNIST.",
-          "not stated as a number (Fig. 13 right: curves only)"),
-    Claim("data_drift", "Raghu Fig. 12", "With less pretraining data lower layers stay similar to the full-data model "
-          "while higher layers drift away", "Raghu et al. 2021 §8",
-          "Even with 3% of the entire dataset, lower layer representations are very similar to the model trained on the "
-          "whole dataset, but higher layers require larger amounts of pretraining data to learn the same representations "
-          "as at large data scale, especially with the large model size.",
-          "Same-index CKA to the full-data model of the same seed. Two parts: for the smallest subset, the lower half's "
-          "mean minus the upper half's; and the upper half's mean of the largest subset minus the smallest subset's; "
-          "each must exceed the noise floor. Each subset run is read at its chosen checkpoint (best held-out validation "
-          "top-1 where the checkpoints record one, else the last).",
-          "not stated as a number (Fig. 12: lower layers near 1 even at 3%)"),
-    Claim("offset_heads", "Walmer Fig. 3, 14", "Every ViT learns offset local attention heads",
-          "Walmer et al. 2023 §4.2",
-          "We find instances of Offset Local Attention Heads in all the models examined, suggesting they are "
-          "fundamentally necessary for ViTs.",
-          "Read on every seed of the locality configuration (vit_local when the study has it trained, else the standard "
-          "ViTs vit_cls and vit_gap). Precondition: one of those runs has a local head (aligned_attention local). Held "
-          "if every run has an offset local head, did not hold if none has, inconclusive if only some seeds have. A \"not testable\" or \"did not hold\" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml).",
-          "location only (App. C.1: \"Offset Local Attention Heads typically only occur in the first 3 to 6 layers\" for "
-          "supervised models)"),
-]}
+CLAIMS: dict[str, Claim] = {
+    c.id: c
+    for c in [
+        Claim(
+            "uniformity",
+            "Raghu Fig. 1, 2",
+            "ViT layer representations are more uniform than a ResNet's: lower and higher layers are more similar",
+            "Raghu et al. 2021 §4",
+            "We observe clear differences between the internal representation structure between the two model "
+            "architectures: (1) ViTs show a much more uniform similarity structure, with a clear grid like structure (2) "
+            "lower and higher layers in ViT show much greater similarity than in the ResNet, where similarity is divided "
+            "into different (lower/higher) stages.",
+            "Precondition: the ResNet has identity shortcuts (the paper's ResNets do). Two parts, ViT minus ResNet per seed: "
+            "mean off-diagonal self-CKA, and CKA of the first and the last layer; each must exceed the noise floor. "
+            "The same numbers of a randomly initialised model of each architecture are shown beside the maps (the floor "
+            "that the architecture alone gives).",
+            "not stated as a number (Fig. 1: ViT maps near-uniform, ResNet maps in stages)",
+        ),
+        Claim(
+            "noskip_partition",
+            "Raghu Fig. 8",
+            "Removing the skip connections of block i partitions the representations "
+            "before and after block i, and costs accuracy (4% for middle blocks)",
+            "Raghu et al. 2021 §6, Fig. 8 caption",
+            "The results, in Figure 8, illustrate that removing the skip connections in a block partitions the layer "
+            "representations on either side. (We note a performance drop of 4% when […] removing skip connections from "
+            "middle blocks.)",
+            "Per no-skip block i: the mean CKA between layers before block i and layers from block i on, normal ViT minus "
+            "no-skip ViT, must exceed the noise floor; for blocks in the middle third of the network the top-1 drop must "
+            "also exceed the noise floor and 2 binomial standard errors.",
+            '4% top-1 drop for middle blocks (Fig. 8 caption: "For middle blocks without skip connections, we observe a '
+            'performance drop of 4%.")',
+        ),
+        Claim(
+            "skip_dominance",
+            "Raghu Fig. 7 right",
+            "Skip connections are much more influential in ViT than in a ResNet: much higher norm ratios ‖z‖ / ‖f(z)‖",
+            "Raghu et al. 2021 §6",
+            "The right pane, which has line plots of these norm ratios across ResNet50, the ViT CLS token and the ViT "
+            "spatial tokens additionally demonstrates that skip connection is much more influential in ViT compared to "
+            "ResNet: we observe much higher norm ratios for ViT throughout, along with the phase transition from CLS to "
+            "spatial token propagation (shown for the MLP and self-attention layers.)",
+            "Precondition: the ResNet has identity shortcuts. The median norm ratio of the ViT (all sublayers, blocks, "
+            "tokens) minus the ResNet's (identity-shortcut blocks only: a projection shortcut is not a skip connection) "
+            "must exceed the noise floor.",
+            "not stated as a number (Fig. 7 right: ViT ratios above ResNet-50's in every block)",
+        ),
+        Claim(
+            "cls_phase",
+            "Raghu Fig. 7",
+            "In the first half of the network the CLS token's norm ratio is higher than the "
+            "spatial tokens' (it is carried by the skip path); in the second half this is reversed",
+            "Raghu et al. 2021 §6",
+            R_SEC6,
+            "Precondition: a CLS token. For the attention and the MLP sublayer, gap = CLS ratio minus the mean spatial-token "
+            "ratio, averaged over the blocks of each half: the first half's gap must be above +floor x factor and the "
+            "second half's below -floor x factor (four parts).",
+            "not stated as a number (Fig. 7 left: the reversal at about the middle block)",
+        ),
+        Claim(
+            "head_mix",
+            "Raghu Fig. 3; ViT App. D.6",
+            "Lower layers mix local and global heads; higher layers attend globally",
+            "Raghu et al. 2021 §5",
+            "In agreement with Dosovitskiy et al. [14], we observe that even in the lowest layers of ViT, self-attention "
+            "layers have a mix of local heads (small distances) and global heads (large distances). This is in contrast to "
+            "CNNs, which are hardcoded to attend only locally in the lower layers. At higher layers, all self-attention "
+            "heads are global.",
+            "Read on the locality configuration (vit_local when the study has it trained, else vit_cls; see the pilot "
+            "runs). Precondition: a local head exists (mean attention distance below half of uniform attention's on the "
+            "same grid). Two parts per seed: the spread of head distances (max - min over heads, mean over blocks) in the "
+            "lower half of the blocks minus the upper half's, and the mean distance of the upper half minus the lower "
+            "half's; each must exceed the noise floor. "
+            'A "not testable" or "did not hold" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml); '
+            "and the same detectors find local heads in the lower blocks of a real pretrained ViT-S/14 and none in its last "
+            "blocks (docs/real-vit.md, tests/test_pretrained.py).",
+            "not stated as a number (Fig. 3: lowest blocks span near-zero to near-image-size distances, highest blocks "
+            "all large)",
+        ),
+        Claim(
+            "head_subsets",
+            "Raghu Fig. 5",
+            "The first block's local heads are the most similar to the ResNet's lower "
+            "layers; similarity falls as the heads get more global",
+            "Raghu et al. 2021 §5",
+            "The results, shown in Figure 5, which plot the mean distance for each subset against CKA similarity, clearly "
+            "show a monotonic decrease in similarity as mean attention distance grows, demonstrating that access to more "
+            "global information also leads to quantitatively different features than computed by the local receptive "
+            "fields in the lower layers of the ResNet.",
+            "Read on the locality configuration, each seed against the ResNet of the same seed. Precondition: a head of "
+            "the first block is local (below half of uniform attention's distance). Per seed, the CKA of the most local "
+            "window of heads (analysis/head_subsets.py: windows of half the heads, sorted by distance) minus that of the "
+            "most global window, averaged over the ResNet's first two stages, must exceed the noise floor; the rank "
+            'correlation of window distance and CKA (the paper\'s "monotonic") is shown beside it.',
+            "not stated as a number (Fig. 5: CKA falls monotonically from the most local to the most global subset)",
+        ),
+        Claim(
+            "cls_localization",
+            "Raghu Fig. 9, 10",
+            "CLS-token ViTs keep spatial location in higher layers better than GAP ViTs",
+            "Raghu et al. 2021 §7",
+            "The results, shown in Figure 10, demonstrate that global average pooling does indeed reduce localization in "
+            "the higher layers.",
+            "Last block's localization own_share (share of tokens most similar to their own input patch), CLS minus GAP, "
+            "must exceed the noise floor.",
+            "not stated as a number (Fig. 9, 10: heatmaps)",
+        ),
+        Claim(
+            "gap_token_probes",
+            "Raghu Fig. 11 left",
+            "Single spatial tokens of GAP ViTs probe better in higher layers than those of CLS ViTs",
+            "Raghu et al. 2021 §7",
+            "The left pane shows average accuracy of classifiers trained on individual tokens, where we see that ResNet50 "
+            "and ViT with GAP model tokens perform well at higher layers, while in the standard ViT trained with a CLS "
+            "token the spatial tokens do poorly – likely because their representations remain spatially localized at "
+            "higher layers, which makes global classification challenging.",
+            "Last block's mean 10-shot accuracy of single spatial tokens, GAP minus CLS, must exceed the noise floor.",
+            "not stated as a number (Fig. 11 left, App. Fig. D.4: per-token accuracies in plots only)",
+        ),
+        Claim(
+            "erf",
+            "Raghu Fig. 6, C.1, C.2",
+            "ViT's lower-layer effective receptive fields are larger than a ResNet's, "
+            "and ViT's become much more global midway through the network while the ResNet's grow gradually",
+            "Raghu et al. 2021 §5",
+            "We observe that lower layer effective receptive fields for ViT are indeed larger than in ResNets, and while "
+            "ResNet effective receptive fields grow gradually, ViT receptive fields become much more global midway through "
+            "the network.",
+            "The ERF's mean distance (pixels) from the centre location's input window, after the residual connection "
+            "(analysis/measures/erf.py: |gradient| of the centre location, averaged over channels and 32 images). Two "
+            "parts: at the lowest block, ViT minus ResNet; at the middle of the network (the block at half the depth of "
+            "each), ViT minus ResNet; each must exceed the noise floor.",
+            "not stated as a number (Fig. 6: ERF maps)",
+        ),
+        Claim(
+            "intermediate_probes",
+            "Raghu Fig. 13 right",
+            "ViT's intermediate layers are stronger 10-shot linear-probe features than the ResNet's",
+            "Raghu et al. 2021 §8",
+            "This conclusion is further supported by the results of the right pane of Figure 13, which shows linear probes "
+            "on different ResNet and ViT models, all pretrained on JFT-300M. We again see the larger ViT models learn much "
+            "stronger intermediate representations than the ResNets.",
+            "10-shot closed-form probe accuracy of the spatial mean of each block's output (both models aggregated the "
+            "same way), averaged over the middle half of each network's blocks (normalised depth (l + 1) / L in (0.25, "
+            "0.75]); ViT minus ResNet must exceed the noise floor. The paper's ViTs are large and JFT-pretrained; this "
+            "study's are 6-block ViTs trained 4 epochs on Fashion-MNIST.",
+            "not stated as a number (Fig. 13 right: curves only)",
+        ),
+        Claim(
+            "data_drift",
+            "Raghu Fig. 12",
+            "With less pretraining data lower layers stay similar to the full-data model "
+            "while higher layers drift away",
+            "Raghu et al. 2021 §8",
+            "Even with 3% of the entire dataset, lower layer representations are very similar to the model trained on the "
+            "whole dataset, but higher layers require larger amounts of pretraining data to learn the same representations "
+            "as at large data scale, especially with the large model size.",
+            "Same-index CKA to the full-data model of the same seed. Two parts: for the smallest subset, the lower half's "
+            "mean minus the upper half's; and the upper half's mean of the largest subset minus the smallest subset's; "
+            "each must exceed the noise floor. Each subset run is read at its chosen checkpoint (best held-out validation "
+            "top-1 where the checkpoints record one, else the last).",
+            "not stated as a number (Fig. 12: lower layers near 1 even at 3%)",
+        ),
+        Claim(
+            "offset_heads",
+            "Walmer Fig. 3, 14",
+            "Every ViT learns offset local attention heads",
+            "Walmer et al. 2023 §4.2",
+            "We find instances of Offset Local Attention Heads in all the models examined, suggesting they are "
+            "fundamentally necessary for ViTs.",
+            "Read on every seed of the locality configuration (vit_local when the study has it trained, else the standard "
+            "ViTs vit_cls and vit_gap). Precondition: one of those runs has a local head (aligned_attention local). Held "
+            'if every run has an offset local head, did not hold if none has, inconclusive if only some seeds have. A "not testable" or "did not hold" here rests on detectors with a positive control: heads forced local / offset by interventions.local_attention are found by attention distance, aligned attention and head subsets (tests/test_positive_control.py, recipes/positive_control.yaml).',
+            'location only (App. C.1: "Offset Local Attention Heads typically only occur in the first 3 to 6 layers" for '
+            "supervised models)",
+        ),
+    ]
+}
 
 
 # ------------------------------------------------------------------------------------------------ numbers per model
+
 
 def _block_of(label: str) -> int:
     """'3.attn' -> 3 (CKA layer labels of token models); ResNet labels 'layerS.J' have no block index."""
@@ -248,9 +313,14 @@ def cls_phase(ratio, sublayer: int = 0, num_prefix_tokens: int = 1) -> dict:
     r = np.asarray(ratio, dtype=float)[sublayer]
     p, h = num_prefix_tokens, len(r) // 2
     gap = r[:, 0] - r[:, p:].mean(1)
-    return {"gap_first": float(gap[:h].mean()), "gap_second": float(gap[h:].mean()),
-            "cls_first": float(r[0, 0]), "cls_last": float(r[-1, 0]),
-            "spatial_first": float(r[0, p:].mean()), "spatial_last": float(r[-1, p:].mean())}
+    return {
+        "gap_first": float(gap[:h].mean()),
+        "gap_second": float(gap[h:].mean()),
+        "cls_first": float(r[0, 0]),
+        "cls_last": float(r[-1, 0]),
+        "spatial_first": float(r[0, p:].mean()),
+        "spatial_last": float(r[-1, p:].mean()),
+    }
 
 
 def uniform_distance(grid: int, patch: int) -> float:
@@ -266,8 +336,13 @@ def head_mix(distance) -> dict:
     d = np.asarray(distance, dtype=float)
     h = len(d) // 2
     lo, hi = d[:h], d[h:]
-    return {"spread_lower": float((lo.max(1) - lo.min(1)).mean()), "spread_upper": float((hi.max(1) - hi.min(1)).mean()),
-            "mean_lower": float(lo.mean()), "mean_upper": float(hi.mean()), "min": float(d.min())}
+    return {
+        "spread_lower": float((lo.max(1) - lo.min(1)).mean()),
+        "spread_upper": float((hi.max(1) - hi.min(1)).mean()),
+        "mean_lower": float(lo.mean()),
+        "mean_upper": float(hi.mean()),
+        "min": float(d.min()),
+    }
 
 
 def head_subsets(result) -> dict:
@@ -280,8 +355,11 @@ def head_subsets(result) -> dict:
     rank = np.nan
     if len(sub) > 1 and np.ptp(dist) > 0 and np.ptp(sub) > 0:
         rank = float(np.corrcoef(np.argsort(np.argsort(dist)), np.argsort(np.argsort(sub)))[0, 1])
-    return {"local_minus_global": float(sub[0] - sub[-1]), "rank_corr": rank,
-            "min_head": float(np.min(np.asarray(result["head_distance"], dtype=float)))}
+    return {
+        "local_minus_global": float(sub[0] - sub[-1]),
+        "rank_corr": rank,
+        "min_head": float(np.min(np.asarray(result["head_distance"], dtype=float))),
+    }
 
 
 def go_no_go(by_step: dict, uniform: float, at_step: int | None = None) -> tuple[str, str]:
@@ -295,21 +373,30 @@ def go_no_go(by_step: dict, uniform: float, at_step: int | None = None) -> tuple
     thr = GO_FRACTION * uniform
     if at_step is None:
         if len(steps) < 2:
-            return UNDECIDED, (f"only {len(steps)} checkpoint(s) so far ({', '.join(map(str, steps)) or 'none'}); the "
-                               "check reads the second")
+            return UNDECIDED, (
+                f"only {len(steps)} checkpoint(s) so far ({', '.join(map(str, steps)) or 'none'}); the "
+                "check reads the second"
+            )
         at_step = steps[1]
     elif at_step not in by_step:
-        return UNDECIDED, (f"the check reads the second scheduled checkpoint (step {at_step}), which the run has not "
-                           f"reached yet (checkpoints: {', '.join(map(str, steps)) or 'none'})")
+        return UNDECIDED, (
+            f"the check reads the second scheduled checkpoint (step {at_step}), which the run has not "
+            f"reached yet (checkpoints: {', '.join(map(str, steps)) or 'none'})"
+        )
     s = at_step
     d = by_step[s]
     if d is None or not np.isfinite(np.asarray(d, dtype=float)[:GO_BLOCKS]).any():
-        return UNDECIDED, f"no attention distance measured at the second checkpoint (step {s}) yet: run the analyze stage"
+        return (
+            UNDECIDED,
+            f"no attention distance measured at the second checkpoint (step {s}) yet: run the analyze stage",
+        )
     early = np.asarray(d, dtype=float)[:GO_BLOCKS]
     b, h = np.unravel_index(np.nanargmin(early), early.shape)
     m = float(early[b, h])
-    where = (f"at the second checkpoint (step {s}) the most local head of blocks 0-{len(early) - 1} (block {b}, head {h}) "
-             f"attends at {m:.2f} px = {m / uniform:.2f} x uniform attention's {uniform:.2f} px")
+    where = (
+        f"at the second checkpoint (step {s}) the most local head of blocks 0-{len(early) - 1} (block {b}, head {h}) "
+        f"attends at {m:.2f} px = {m / uniform:.2f} x uniform attention's {uniform:.2f} px"
+    )
     if m < thr:
         return GO, f"{where}, below the {GO_FRACTION:g} x threshold ({thr:.2f} px)"
     return NO_GO, f"{where}, not below the {GO_FRACTION:g} x threshold ({thr:.2f} px)"
@@ -350,11 +437,14 @@ def select_checkpoint(metas: dict) -> tuple[int, str]:
         best = steps[int(np.argmax(vals))]
         return best, f"step {best}, best held-out validation top-1 {max(vals):.4f}"
     ev = ", ".join(f"{s}: {metas[s].get('eval', {}).get('top1', float('nan')):.4f}" for s in steps)
-    return steps[-1], (f"last step {steps[-1]}: the checkpoints record no held-out validation top-1, and their eval top-1 "
-                       f"is on the test split ({ev}), so no checkpoint is chosen")
+    return steps[-1], (
+        f"last step {steps[-1]}: the checkpoints record no held-out validation top-1, and their eval top-1 "
+        f"is on the test split ({ev}), so no checkpoint is chosen"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ decisions
+
 
 def spread(values) -> float:
     """Seed-to-seed difference of one configuration: max - min over its seeds."""
@@ -381,8 +471,11 @@ def _seeds_problem(configs: dict) -> str | None:
     """A sentence when a compared configuration has fewer than two seeds, else None."""
     few = {k: len(v) for k, v in configs.items() if len(v) < MIN_SEEDS}
     if few:
-        return ("fewer than two seeds of " + ", ".join(f"{k} ({n})" for k, n in few.items()) +
-                ": without a second seed there is no noise floor to judge the effect against")
+        return (
+            "fewer than two seeds of "
+            + ", ".join(f"{k} ({n})" for k, n in few.items())
+            + ": without a second seed there is no noise floor to judge the effect against"
+        )
     return None
 
 
@@ -420,10 +513,15 @@ def _finish(v: Verdict, parts: list[str], problem: str | None = None) -> Verdict
     """The combined outcome; with a failed precondition ``problem`` not testable, the measured effects still shown."""
     v.outcome = NOT_TESTABLE if problem else combine(parts)
     if v.ours is None:
-        v.ours = "; ".join(f"{k} {m['effect']:+.3g}" for k, m in v.measured.items() if isinstance(m, dict) and "effect" in m) or None
+        v.ours = (
+            "; ".join(f"{k} {m['effect']:+.3g}" for k, m in v.measured.items() if isinstance(m, dict) and "effect" in m)
+            or None
+        )
     v.why = v.why.rstrip("; ") + "."
     if problem:
-        effects = re.sub(r" vs threshold [0-9.]+ \([a-z ]+\)|(, )?with [0-9.]+ SE: threshold [0-9.]+ \([a-z ]+\)", "", v.why)
+        effects = re.sub(
+            r" vs threshold [0-9.]+ \([a-z ]+\)|(, )?with [0-9.]+ SE: threshold [0-9.]+ \([a-z ]+\)", "", v.why
+        )
         v.why = problem[0].upper() + problem[1:] + ". Measured, with no floor to judge it: " + effects
     return v
 
@@ -434,11 +532,15 @@ def _untestable(why: str, ours: str | None = None, **measured) -> Verdict:
 
 # ------------------------------------------------------------------------------------------------ rules
 
+
 def rule_uniformity(vit: list, resnet: list, identity_blocks: int, resnet_blocks: int) -> Verdict:
     """``vit`` / ``resnet``: each seed's self-CKA matrix."""
     if identity_blocks == 0:
-        return _untestable(f"the ResNet has no identity shortcut (0 of its {resnet_blocks} blocks): every shortcut is a "
-                           "projection, unlike the paper's ResNets", identity_blocks=identity_blocks)
+        return _untestable(
+            f"the ResNet has no identity shortcut (0 of its {resnet_blocks} blocks): every shortcut is a "
+            "projection, unlike the paper's ResNets",
+            identity_blocks=identity_blocks,
+        )
     p = _seeds_problem({"vit": vit, "resnet": resnet})
     uv, ur = [uniformity(m) for m in vit], [uniformity(m) for m in resnet]
     v = Verdict(INCONCLUSIVE)
@@ -459,8 +561,15 @@ def rule_noskip(base: list[dict], noskip: dict[int, list[dict]], depth: int) -> 
             ta, tb = [r["top1"] for r in base], [r["top1"] for r in runs]
             name = f"block {b} top-1 drop"
             _part(name, ta, tb, v)
-            se = float(np.sqrt(sum(binomial_se(x["top1"], x["n"]) ** 2 + binomial_se(y["top1"], y["n"]) ** 2
-                                   for x, y in zip(base[:k], runs[:k]))) / k)
+            se = float(
+                np.sqrt(
+                    sum(
+                        binomial_se(x["top1"], x["n"]) ** 2 + binomial_se(y["top1"], y["n"]) ** 2
+                        for x, y in zip(base[:k], runs[:k])
+                    )
+                )
+                / k
+            )
             thr = max(v.noise_floor[name]["threshold"], SE_FACTOR * se)
             v.noise_floor[name].update(binomial_se=se, threshold=thr)
             eff = v.measured[name]["effect"]
@@ -476,12 +585,19 @@ def rule_skip_dominance(vit_ratios: list, resnet_ratios: list, identity_mask) ->
     blocks with an identity shortcut."""
     mask = np.asarray(identity_mask, dtype=bool)
     if not mask.any():
-        return _untestable(f"the ResNet has no identity shortcut (0 of its {len(mask)} blocks): its skip path is a 1x1 "
-                           "projection everywhere, so there is no skip connection to compare", identity_blocks=0)
+        return _untestable(
+            f"the ResNet has no identity shortcut (0 of its {len(mask)} blocks): its skip path is a 1x1 "
+            "projection everywhere, so there is no skip connection to compare",
+            identity_blocks=0,
+        )
     p = _seeds_problem({"vit": vit_ratios, "resnet": resnet_ratios})
     v = Verdict(INCONCLUSIVE, measured={"identity_blocks": int(mask.sum()), "resnet_blocks": len(mask)})
-    part = _part("median norm ratio (ViT - ResNet identity blocks)", [skip_dominance(r) for r in vit_ratios],
-                 [skip_dominance(r, mask) for r in resnet_ratios], v)
+    part = _part(
+        "median norm ratio (ViT - ResNet identity blocks)",
+        [skip_dominance(r) for r in vit_ratios],
+        [skip_dominance(r, mask) for r in resnet_ratios],
+        v,
+    )
     return _finish(v, [part], p)
 
 
@@ -495,8 +611,9 @@ def rule_cls_phase(ratios: list, sublayers, num_prefix_tokens: int) -> Verdict:
         ph = [cls_phase(r, s, num_prefix_tokens) for r in ratios]
         parts.append(_one(f"{name}: first-half CLS - spatial", [x["gap_first"] for x in ph], v, +1))
         parts.append(_one(f"{name}: second-half spatial - CLS", [x["gap_second"] for x in ph], v, -1))
-        v.measured[f"{name}: first/last block CLS, spatial"] = [[x["cls_first"], x["cls_last"], x["spatial_first"],
-                                                                 x["spatial_last"]] for x in ph]
+        v.measured[f"{name}: first/last block CLS, spatial"] = [
+            [x["cls_first"], x["cls_last"], x["spatial_first"], x["spatial_last"]] for x in ph
+        ]
     return _finish(v, parts, p)
 
 
@@ -507,12 +624,18 @@ def rule_head_mix(distances: list, uniform: float, config: str = "vit_cls") -> V
     local = LOCAL_FRACTION * uniform
     if not distances or min(h["min"] for h in hm) >= local:
         m = min((h["min"] for h in hm), default=float("nan"))
-        return _untestable(f"no head is local: the smallest mean attention distance is {m:.2f} px, uniform attention's "
-                           f"{uniform:.2f} px, local means below {local:.2f} px", smallest=m, uniform=uniform)
+        return _untestable(
+            f"no head is local: the smallest mean attention distance is {m:.2f} px, uniform attention's "
+            f"{uniform:.2f} px, local means below {local:.2f} px",
+            smallest=m,
+            uniform=uniform,
+        )
     p = _seeds_problem({config: distances})
     v = Verdict(INCONCLUSIVE, measured={"uniform_px": uniform, "smallest_px": min(h["min"] for h in hm)})
-    parts = [_one("head spread, lower - upper half (px)", [h["spread_lower"] - h["spread_upper"] for h in hm], v),
-             _one("mean distance, upper - lower half (px)", [h["mean_upper"] - h["mean_lower"] for h in hm], v)]
+    parts = [
+        _one("head spread, lower - upper half (px)", [h["spread_lower"] - h["spread_upper"] for h in hm], v),
+        _one("mean distance, upper - lower half (px)", [h["mean_upper"] - h["mean_lower"] for h in hm], v),
+    ]
     return _finish(v, parts, p)
 
 
@@ -524,9 +647,12 @@ def rule_head_subsets(results: list, uniform: float, config: str = "vit_cls") ->
     smallest = min((h["min_head"] for h in hs), default=float("nan"))
     measured = {"uniform_px": uniform, "smallest_block0_px": smallest, "rank_corr": [h["rank_corr"] for h in hs]}
     if not results or not smallest < local:
-        return _untestable(f"no head of the first block is local: its smallest mean attention distance is {smallest:.2f} px, "
-                           f"uniform attention's {uniform:.2f} px, local means below {local:.2f} px; windows of near-uniform "
-                           "heads have no local-to-global order to test", **measured)
+        return _untestable(
+            f"no head of the first block is local: its smallest mean attention distance is {smallest:.2f} px, "
+            f"uniform attention's {uniform:.2f} px, local means below {local:.2f} px; windows of near-uniform "
+            "heads have no local-to-global order to test",
+            **measured,
+        )
     v = Verdict(INCONCLUSIVE, measured=measured)
     part = _one("CKA to ResNet lower layers, most local - most global window", [h["local_minus_global"] for h in hs], v)
     return _finish(v, [part], _seeds_problem({config: results}))
@@ -553,8 +679,15 @@ def rule_erf(vit: list, resnet: list) -> Verdict:
     def mid(c):
         return float(np.asarray(c, dtype=float)[(len(c) - 1) // 2])
 
-    parts = [_part("lowest block ERF mean distance, ViT - ResNet (px)", [float(c[0]) for c in vit], [float(c[0]) for c in resnet], v),
-             _part("middle block ERF mean distance, ViT - ResNet (px)", [mid(c) for c in vit], [mid(c) for c in resnet], v)]
+    parts = [
+        _part(
+            "lowest block ERF mean distance, ViT - ResNet (px)",
+            [float(c[0]) for c in vit],
+            [float(c[0]) for c in resnet],
+            v,
+        ),
+        _part("middle block ERF mean distance, ViT - ResNet (px)", [mid(c) for c in vit], [mid(c) for c in resnet], v),
+    ]
     return _finish(v, parts, p)
 
 
@@ -566,8 +699,12 @@ def rule_data_drift(curves: dict[float, list]) -> Verdict:
     small, large = min(curves), max(curves)
     ds, dl = [drift(c) for c in curves[small]], [drift(c) for c in curves[large]]
     v = Verdict(INCONCLUSIVE)
-    parts = [_one(f"subset {small:g}: lower - upper half", [d["lower"] - d["upper"] for d in ds], v),
-             _part(f"upper half: subset {large:g} - subset {small:g}", [d["upper"] for d in dl], [d["upper"] for d in ds], v)]
+    parts = [
+        _one(f"subset {small:g}: lower - upper half", [d["lower"] - d["upper"] for d in ds], v),
+        _part(
+            f"upper half: subset {large:g} - subset {small:g}", [d["upper"] for d in dl], [d["upper"] for d in ds], v
+        ),
+    ]
     return _finish(v, parts, p)
 
 
@@ -576,27 +713,49 @@ def rule_offset_heads(runs: dict[str, dict]) -> Verdict:
     n_local = {k: int(np.asarray(r["local"], dtype=bool).sum()) for k, r in runs.items()}
     heads = sum(int(np.asarray(r["local"]).size) for r in runs.values())
     counts = {k: offset_heads(r["offset_local"]) for k, r in runs.items()}
-    measured = {"local_heads": n_local, "offset_local_heads": {k: c["count"] for k, c in counts.items()},
-                "where": {k: c["where"][:4] for k, c in counts.items()}}
+    measured = {
+        "local_heads": n_local,
+        "offset_local_heads": {k: c["count"] for k, c in counts.items()},
+        "where": {k: c["where"][:4] for k, c in counts.items()},
+    }
     if not runs or sum(n_local.values()) == 0:
-        return _untestable(f"no ViT of the study has a local head (0 of {heads} heads in {len(runs)} runs), so offset "
-                           "local heads cannot appear", ours=f"0 of {heads} heads local" if heads else None, **measured)
+        return _untestable(
+            f"no ViT of the study has a local head (0 of {heads} heads in {len(runs)} runs), so offset "
+            "local heads cannot appear",
+            ours=f"0 of {heads} heads local" if heads else None,
+            **measured,
+        )
     if len(runs) < MIN_SEEDS:
         return _untestable(f"one ViT run ({next(iter(runs))}): the rule needs two seeds", **measured)
     have = [c["count"] > 0 for c in counts.values()]
     out = HELD if all(have) else NOT_HELD if not any(have) else INCONCLUSIVE
-    return Verdict(out, measured=measured, noise_floor={"runs with one": f"{sum(have)} of {len(have)}"},
-                   why=f"{sum(have)} of {len(have)} ViT runs have an offset local head.")
+    return Verdict(
+        out,
+        measured=measured,
+        noise_floor={"runs with one": f"{sum(have)} of {len(have)}"},
+        why=f"{sum(have)} of {len(have)} ViT runs have an offset local head.",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ the JSON record
 
+
 def record(claim: Claim, verdict: Verdict) -> dict:
     """One claim's entry of docs/reproduction.json."""
-    return {"id": claim.id, "figure": claim.figure, "claim": claim.claim, "source": claim.source,
-            "passage": claim.passage, "rule": claim.rule, "paper_value": claim.paper_value, "ours": verdict.ours,
-            "measured": _plain(verdict.measured), "noise_floor": _plain(verdict.noise_floor),
-            "verdict": verdict.outcome, "why": verdict.why}
+    return {
+        "id": claim.id,
+        "figure": claim.figure,
+        "claim": claim.claim,
+        "source": claim.source,
+        "passage": claim.passage,
+        "rule": claim.rule,
+        "paper_value": claim.paper_value,
+        "ours": verdict.ours,
+        "measured": _plain(verdict.measured),
+        "noise_floor": _plain(verdict.noise_floor),
+        "verdict": verdict.outcome,
+        "why": verdict.why,
+    }
 
 
 def _plain(x):
@@ -614,9 +773,17 @@ def _plain(x):
 def write_json(path: Path, study: str, records: list[dict], notes: list[str], extra: dict | None = None) -> None:
     """docs/reproduction.json: the claims' records, the notes, and ``extra`` (e.g. ``pilots``: each pilot run's
     go/no-go; ``locality_configuration``: which configuration the locality claims read and why)."""
-    doc = {"study": study, "noise_factor": NOISE_FACTOR, "se_factor": SE_FACTOR, "go_fraction": GO_FRACTION,
-           "local_fraction": LOCAL_FRACTION, "outcomes": list(OUTCOMES), "claims": records, "notes": notes,
-           **_plain(extra or {})}
+    doc = {
+        "study": study,
+        "noise_factor": NOISE_FACTOR,
+        "se_factor": SE_FACTOR,
+        "go_fraction": GO_FRACTION,
+        "local_fraction": LOCAL_FRACTION,
+        "outcomes": list(OUTCOMES),
+        "claims": records,
+        "notes": notes,
+        **_plain(extra or {}),
+    }
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
@@ -627,4 +794,3 @@ def read_json(path: Path) -> dict:
     """docs/reproduction.json read back: {"claims": {id: record}, ...} so two studies diff claim by claim."""
     d = json.loads(Path(path).read_text())
     return {**d, "claims": {c["id"]: c for c in d["claims"]}}
-

@@ -21,6 +21,7 @@ top-1 is read), and call :func:`rule_skip_test_time` and :func:`important_heads`
    noise floor: NOISE_FACTOR x the seed-to-seed spread of the unablated model's top-1 on the same images (what
    retraining with another seed changes anyway), counted per seed.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,7 +30,8 @@ from analysis.measure import as_list
 from analysis.reports import claims as C
 
 SKIP_TEST_TIME = C.Claim(
-    "skip_test_time", "beside Raghu Fig. 8",
+    "skip_test_time",
+    "beside Raghu Fig. 8",
     "A ViT trained with skip connections depends on block i's skip paths more than training needs them: removing them at "
     "test time costs more top-1 than training the ViT without them",
     "Raghu et al. 2021 §6, Fig. 8 caption (the training-time cost; the test-time removal is this study's counterpart)",
@@ -40,7 +42,8 @@ SKIP_TEST_TIME = C.Claim(
     "block i's skip paths removed at test time, x = f(norm(x)), ablation target blocks.i.skip) minus training-time cost "
     "(vit_cls's top-1 minus noskip_b{i}'s) must exceed the noise floor (2x the largest seed-to-seed spread of either "
     "cost) and 2 binomial standard errors.",
-    "4% top-1 drop for middle blocks trained without their skip (Fig. 8 caption); no test-time number")
+    "4% top-1 drop for middle blocks trained without their skip (Fig. 8 caption); no test-time number",
+)
 
 
 def _index(result: dict) -> dict[str, int]:
@@ -56,8 +59,10 @@ def skip_costs(base: list[dict], noskip: dict[int, list[dict]]) -> dict:
     out = {}
     for r in base:
         if str(np.asarray(r["skip"])) != "remove":
-            raise ValueError("the normal ViT's ablation result replaced its skip paths (skip: replace); the rule compares "
-                             "removing them (skip: remove, the default).")
+            raise ValueError(
+                "the normal ViT's ablation result replaced its skip paths (skip: replace); the rule compares "
+                "removing them (skip: remove, the default)."
+            )
     for i, runs in sorted(noskip.items()):
         k = min(len(base), len(runs))
         name = f"blocks.{i}.skip"
@@ -65,11 +70,19 @@ def skip_costs(base: list[dict], noskip: dict[int, list[dict]]) -> dict:
         for b, r in zip(base[:k], runs[:k]):
             idx = _index(b)
             if name not in idx:
-                raise ValueError(f"the normal ViT's ablation result has no target {name}: run the measure with the skip family.")
+                raise ValueError(
+                    f"the normal ViT's ablation result has no target {name}: run the measure with the skip family."
+                )
             if int(np.asarray(b["n_images"])) != int(np.asarray(r["n_images"])):
-                raise ValueError(f"the normal ViT and noskip_b{i} were ablated on different numbers of images "
-                                 f"({int(np.asarray(b['n_images']))} vs {int(np.asarray(r['n_images']))}): analyse both on the same images.")
-            clean, ablated, cut = float(np.asarray(b["clean_top1"])), float(np.asarray(b["top1"])[idx[name]]), float(np.asarray(r["clean_top1"]))
+                raise ValueError(
+                    f"the normal ViT and noskip_b{i} were ablated on different numbers of images "
+                    f"({int(np.asarray(b['n_images']))} vs {int(np.asarray(r['n_images']))}): analyse both on the same images."
+                )
+            clean, ablated, cut = (
+                float(np.asarray(b["clean_top1"])),
+                float(np.asarray(b["top1"])[idx[name]]),
+                float(np.asarray(r["clean_top1"])),
+            )
             test.append(clean - ablated)
             train.append(clean - cut)
             ns.append(cut)
@@ -93,14 +106,23 @@ def rule_skip_test_time(base: list[dict], noskip: dict[int, list[dict]]) -> C.Ve
         name = f"block {b}: test-time minus training-time top-1 cost"
         C._part(name, c["test"], c["train"], v)
         k, n = len(c["test"]), c["n"]
-        se = float(np.sqrt(sum(C.binomial_se(t, n) ** 2 + C.binomial_se(a, n) ** 2 for t, a in zip(c["noskip_top1"], c["ablated_top1"])))) / max(k, 1)
+        se = float(
+            np.sqrt(
+                sum(
+                    C.binomial_se(t, n) ** 2 + C.binomial_se(a, n) ** 2
+                    for t, a in zip(c["noskip_top1"], c["ablated_top1"])
+                )
+            )
+        ) / max(k, 1)
         thr = max(v.noise_floor[name]["threshold"], C.SE_FACTOR * se)
         v.noise_floor[name].update(binomial_se=se, threshold=thr)
         v.measured[name].update(test_cost=c["test"], training_cost=c["train"])
         eff = v.measured[name]["effect"]
         parts.append(C.decide(eff, thr))
         v.why += f"{name} with {C.SE_FACTOR:g} SE: threshold {thr:.4f} ({parts[-1]}); "
-        ours.append(f"block {b}: test time {100 * np.mean(c['test']):.1f}, training {100 * np.mean(c['train']):.1f} points")
+        ours.append(
+            f"block {b}: test time {100 * np.mean(c['test']):.1f}, training {100 * np.mean(c['train']):.1f} points"
+        )
     v.ours = "; ".join(ours)
     return C._finish(v, parts, p)
 
@@ -115,7 +137,9 @@ def important_heads(results: list[dict]) -> dict:
         raise ValueError(f"{len(results)} seed(s): the noise floor needs at least two seeds of the same configuration.")
     for r in results:
         if str(np.asarray(r["replace"])) != "mean":
-            raise ValueError(f"an ablation result replaced by '{str(np.asarray(r['replace']))}': the count is of mean ablations (replace: mean).")
+            raise ValueError(
+                f"an ablation result replaced by '{np.asarray(r['replace'])!s}': the count is of mean ablations (replace: mean)."
+            )
     clean = [float(np.asarray(r["clean_top1"])) for r in results]
     floor = C.spread(clean)
     thr = C.NOISE_FACTOR * floor
@@ -126,13 +150,18 @@ def important_heads(results: list[dict]) -> dict:
         nb, nh = len(as_list(r["blocks"])), int(np.asarray(r["num_heads"]))
         rows = [n for n, k in enumerate(kinds) if k == "head" and "+" not in heads[n]]
         if len(rows) != nb * nh:
-            raise ValueError(f"the ablation result holds {len(rows)} single-head targets, not all {nb} x {nh}: run it with the heads family.")
+            raise ValueError(
+                f"the ablation result holds {len(rows)} single-head targets, not all {nb} x {nh}: run it with the heads family."
+            )
         c = np.zeros(nb, dtype=int)
         for n in rows:
             c[int(blocks[n])] += bool(drop[n] > thr)
         counts.append(c.tolist())
     mean = np.mean(counts, axis=0)
-    why = (f"a head counts when mean-ablating it costs more than {100 * thr:.2f} top-1 points ({C.NOISE_FACTOR:g} x the "
-           f"seed-to-seed spread {100 * floor:.2f} of the unablated top-1); per block, mean over {len(results)} seeds: "
-           + ", ".join(f"block {b} {m:g} of {nh}" for b, m in enumerate(mean)) + ".")
+    why = (
+        f"a head counts when mean-ablating it costs more than {100 * thr:.2f} top-1 points ({C.NOISE_FACTOR:g} x the "
+        f"seed-to-seed spread {100 * floor:.2f} of the unablated top-1); per block, mean over {len(results)} seeds: "
+        + ", ".join(f"block {b} {m:g} of {nh}" for b, m in enumerate(mean))
+        + "."
+    )
     return {"counts": counts, "mean": mean.tolist(), "heads": nh, "threshold": thr, "seed_spread": floor, "why": why}

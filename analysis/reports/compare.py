@@ -10,6 +10,7 @@ computed with the offline suite), then the comparison draws into ``--out`` (defa
 - ``similarity_to_reference.png``  with --reference: CKA of same-index layers to the reference run (Fig. 12)
 - ``report.md``           a table of each run's top-1 and key numbers, and the figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,7 +88,9 @@ def probe_lines(results: dict, path: Path) -> Path | None:
 
 def attention_panels(results: dict, path: Path) -> Path | None:
 
-    items = [(k, np.asarray(r["attention_distance"]["pixels"])) for k, r in results.items() if "attention_distance" in r]
+    items = [
+        (k, np.asarray(r["attention_distance"]["pixels"])) for k, r in results.items() if "attention_distance" in r
+    ]
     if not items:
         return None
     fig, axes = _panels(len(items), sharey=True)
@@ -123,8 +126,14 @@ def reference_lines(same: dict, ref_name: str, path: Path) -> Path | None:
     return depth_lines(same, f"CKA to {ref_name}, same layer", path, ylim=1.02)
 
 
-def compare(runs: list, step: str | None = None, reference=None, out: Path | None = None, opts: S.SuiteOptions | None = None,
-            progress: bool = True) -> dict:
+def compare(
+    runs: list,
+    step: str | None = None,
+    reference=None,
+    out: Path | None = None,
+    opts: S.SuiteOptions | None = None,
+    progress: bool = True,
+) -> dict:
     """Analyse (cached) and draw ``runs`` side by side; ``reference`` is (Run, step) or None. Returns
     {"results": {name: suite result}, "same_index": {name: [L]}, "top1": {name: float}, "figures": [paths], "out": Path}."""
     opts = opts or S.SuiteOptions()
@@ -151,8 +160,12 @@ def compare(runs: list, step: str | None = None, reference=None, out: Path | Non
             if "same_index" in r:
                 same[run.name] = np.asarray(r["same_index"])
     out.mkdir(parents=True, exist_ok=True)
-    figs = [cka_grid(results, out / "cka_grid.png"), probe_lines(results, out / "probes.png"),
-            attention_panels(results, out / "attention_distance.png"), norm_ratio_panels(results, out / "norm_ratio.png")]
+    figs = [
+        cka_grid(results, out / "cka_grid.png"),
+        probe_lines(results, out / "probes.png"),
+        attention_panels(results, out / "attention_distance.png"),
+        norm_ratio_panels(results, out / "norm_ratio.png"),
+    ]
     if reference is not None:
         figs.append(reference_lines(same, reference[0].name, out / "similarity_to_reference.png"))
     figs = [f for f in figs if f is not None]
@@ -163,14 +176,21 @@ def compare(runs: list, step: str | None = None, reference=None, out: Path | Non
 
 def write_compare_report(res: dict, reference=None) -> Path:
     out = res["out"]
-    lines = ["# Comparison", "", "| run | top-1 | CKA mean off-diag | probe, last block | mean attention distance (px) |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "# Comparison",
+        "",
+        "| run | top-1 | CKA mean off-diag | probe, last block | mean attention distance (px) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, r in res["results"].items():
         summ = storage.summary_of(r)
         probe = summ.get("fewshot_probe", {})
         pool = next((p for p in ("cls", "mean_spatial", "mean") if p in probe), None)
         ad = summ.get("attention_distance", {}).get("mean_px")
-        lines.append(f"| {name} | {fmt(res['top1'].get(name, float('nan')))} | {fmt(summ.get('cka', {}).get('mean_offdiag', float('nan')))} | "
-                     f"{fmt(probe[pool][-1]) if pool else 'n/a'} | {fmt(np.mean(ad)) if ad else 'n/a'} |")
+        lines.append(
+            f"| {name} | {fmt(res['top1'].get(name, float('nan')))} | {fmt(summ.get('cka', {}).get('mean_offdiag', float('nan')))} | "
+            f"{fmt(probe[pool][-1]) if pool else 'n/a'} | {fmt(np.mean(ad)) if ad else 'n/a'} |"
+        )
     if res["same_index"]:
         lines += ["", f"CKA of same-index layers to {reference[0].name} (step {reference[1]}):", ""]
         lines += [f"- {k}: {fmt(v)}" for k, v in res["same_index"].items()]

@@ -1,6 +1,7 @@
 """``report.md``: a run (or a comparison) at a glance — what was trained, each checkpoint's key numbers and its
 figures, how the numbers moved across checkpoints, and the cross-run results. Written from what is on disk
 (summary.json, npz, PNG), so it can be regenerated at any time without recomputing anything."""
+
 from __future__ import annotations
 
 import json
@@ -57,7 +58,7 @@ def evolution(run_path: Path, steps: list[int], evals: dict) -> Path | None:
         if isinstance(summ.get("cka"), dict) and "mean_offdiag" in summ["cka"]:
             series.setdefault("CKA mean off-diagonal", []).append((s, summ["cka"]["mean_offdiag"]))
         probe = summ.get("fewshot_probe")
-        for pool, v in (probe.items() if isinstance(probe, dict) else []):
+        for pool, v in probe.items() if isinstance(probe, dict) else []:
             if isinstance(v, list) and v:
                 series.setdefault(f"probe {pool}, last block", []).append((s, v[-1]))
     if not series or max(len(v) for v in series.values()) < 2:
@@ -79,7 +80,9 @@ def evolution(run_path: Path, steps: list[int], evals: dict) -> Path | None:
 def write_run_report(run) -> Path:
     """runs/<name>/report.md from the run's saved analyses (every step with a summary.json)."""
     base = run.path
-    steps = sorted(int(p.name.split("_")[1]) for p in (base / "analysis").glob("step_*") if storage.read_summary(p) is not None)
+    steps = sorted(
+        int(p.name.split("_")[1]) for p in (base / "analysis").glob("step_*") if storage.read_summary(p) is not None
+    )
     evals = {}
     for s, c in run.checkpoints.items():
         if run.external is None:
@@ -92,22 +95,38 @@ def write_run_report(run) -> Path:
     r = run.recipe
     lines = [f"# {run.name}", ""]
     if run.external:
-        src = (run._data.meta.get("source") if run.external.get("images") and run._data is not None else None) or f"`{r.data.source}` data"
+        src = (
+            run._data.meta.get("source") if run.external.get("images") and run._data is not None else None
+        ) or f"`{r.data.source}` data"
         lines += [f"Model `{run.external['arch']}` with weights `{run.external['weights']}`, analysed on {src}.", ""]
     else:
         m = r.model
-        desc = f"{m.arch}" + (f", {m.depth} blocks x {m.embed_dim}, {m.num_heads} heads, patch {m.patch_size}, head {m.head}"
-                              if m.arch != "resnet" else f", layers {m.resnet_layers}, channels {m.resnet_channels}")
+        desc = f"{m.arch}" + (
+            f", {m.depth} blocks x {m.embed_dim}, {m.num_heads} heads, patch {m.patch_size}, head {m.head}"
+            if m.arch != "resnet"
+            else f", layers {m.resnet_layers}, channels {m.resnet_channels}"
+        )
         iv = {k: v for k, v in r.to_dict().get("interventions", {}).items() if v}
-        lines += [f"- model: {desc}", f"- data: {r.data.source}, {r.train.steps} steps x batch {r.train.batch_size}, lr {r.train.lr}",
-                  f"- interventions: {json.dumps(iv) if iv else 'none'}",
-                  f"- eval top-1 by checkpoint: {', '.join(f'{s}: {v:.4f}' for s, v in sorted(evals.items())) or 'n/a'}", ""]
+        lines += [
+            f"- model: {desc}",
+            f"- data: {r.data.source}, {r.train.steps} steps x batch {r.train.batch_size}, lr {r.train.lr}",
+            f"- interventions: {json.dumps(iv) if iv else 'none'}",
+            f"- eval top-1 by checkpoint: {', '.join(f'{s}: {v:.4f}' for s, v in sorted(evals.items())) or 'n/a'}",
+            "",
+        ]
     ev = evolution(base, steps, evals)
     if ev is not None:
         lines += ["## Across checkpoints", "", f"![evolution]({_rel(ev, base)})", ""]
     for s in reversed(steps):
         summ = storage.read_summary(storage.step_dir(base, s)) or {}
-        lines += [f"## Step {s}", ""] + _summary_rows(summ) + [""] + _images(storage.step_dir(base, s, "figures"), base) + [""]
+        lines += [
+            f"## Step {s}",
+            "",
+            *_summary_rows(summ),
+            "",
+            *_images(storage.step_dir(base, s, "figures"), base),
+            "",
+        ]
     against_root = base / "analysis" / "against"
     if against_root.is_dir():
         lines += ["## Against other runs", ""]
@@ -118,8 +137,10 @@ def write_run_report(run) -> Path:
                 m = np.asarray(res["matrix"])
                 lines.append(f"- mean CKA over all layer pairs: {m.mean():.3f}")
                 if "same_index" in res:
-                    lines.append(f"- CKA of same-index layers ({', '.join(as_list(res['labels_a']))}): {fmt(res['same_index'])}")
-                lines += [""] + _images(base / "figures" / "against" / other.name / sd.name, base) + [""]
+                    lines.append(
+                        f"- CKA of same-index layers ({', '.join(as_list(res['labels_a']))}): {fmt(res['same_index'])}"
+                    )
+                lines += ["", *_images(base / "figures" / "against" / other.name / sd.name, base), ""]
     out = base / "report.md"
     storage.atomic_text(out, "\n".join(lines) + "\n")
     return out

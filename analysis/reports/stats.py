@@ -81,6 +81,7 @@ family's seed SD is the cheapest power.
 Everything is numpy + scipy (``scipy.special.stdtr`` / ``stdtrit`` for the t distribution, ``ndtr`` / ``ndtri`` for
 the normal); nothing is read from files. ``python -m analysis.reports.stats`` prints the tables above.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -99,6 +100,7 @@ _METHOD = {"bca": "BCa", "percentile": "percentile"}
 
 
 # ------------------------------------------------------------------------------------------------ the distributions
+
 
 class _T:
     """The sampling distribution of an estimate: est + SE x T_df (SE = 0: the point est)."""
@@ -157,6 +159,7 @@ class _Boot:
 
 # ------------------------------------------------------------------------------------------------ one part
 
+
 @dataclass(frozen=True)
 class Part:
     """One part of a claim: ``effect`` in the paper's direction (``sign`` x the raw estimate), its 1 - ALPHA ``ci``, the
@@ -189,14 +192,31 @@ class Part:
         """One line: name, effect, CI, p and the test."""
         df = f", df {self.df:.3g}" if self.df is not None else ""
         m = f", margin +-{self.margin:.3g}" if self.margin is not None else ""
-        return (f"{self.name}: {self.effect:+.3g}, {100 * (1 - self.alpha):g}% CI [{self.ci[0]:+.3g}, {self.ci[1]:+.3g}], "
-                f"p = {self.p:.2g} ({self.test}{df}{m}; {self.outcome})")
+        return (
+            f"{self.name}: {self.effect:+.3g}, {100 * (1 - self.alpha):g}% CI [{self.ci[0]:+.3g}, {self.ci[1]:+.3g}], "
+            f"p = {self.p:.2g} ({self.test}{df}{m}; {self.outcome})"
+        )
 
     def to_json(self) -> dict:
         """The part as plain JSON types (non-finite numbers as None)."""
-        return _plain({"name": self.name, "effect": self.effect, "ci": list(self.ci), "p": self.p, "outcome": self.outcome,
-                       "test": self.test, "n": list(self.n), "df": self.df, "se": self.se, "sign": self.sign,
-                       "alpha": self.alpha, "p_reversal": self.p_reversal, "margin": self.margin, "details": self.details})
+        return _plain(
+            {
+                "name": self.name,
+                "effect": self.effect,
+                "ci": list(self.ci),
+                "p": self.p,
+                "outcome": self.outcome,
+                "test": self.test,
+                "n": list(self.n),
+                "df": self.df,
+                "se": self.se,
+                "sign": self.sign,
+                "alpha": self.alpha,
+                "p_reversal": self.p_reversal,
+                "margin": self.margin,
+                "details": self.details,
+            }
+        )
 
 
 def _from_dist(name: str, dist, test: str, n: tuple, sign: int, alpha: float, df=None, se=None, details=None) -> Part:
@@ -205,19 +225,36 @@ def _from_dist(name: str, dist, test: str, n: tuple, sign: int, alpha: float, df
     lv = dist.level(0.0)
     p = max(dist.floor, min(1.0, 2 * min(lv, 1 - lv)))
     outcome = NOT_SIGNIFICANT if p >= alpha or lv == 0.5 else FOR if lv < 0.5 else AGAINST
-    return Part(name, dist.est, dist.interval(alpha), p, outcome, test, tuple(int(k) for k in n),
-                df=df, se=se, sign=sign, alpha=alpha, details=details or {}, _dist=dist)
+    return Part(
+        name,
+        dist.est,
+        dist.interval(alpha),
+        p,
+        outcome,
+        test,
+        tuple(int(k) for k in n),
+        df=df,
+        se=se,
+        sign=sign,
+        alpha=alpha,
+        details=details or {},
+        _dist=dist,
+    )
 
 
 def _values(x, what: str, name: str, least: int = 1) -> np.ndarray:
     v = np.asarray(x, dtype=float).reshape(-1)
     if v.size < least:
-        raise ValueError(f"part {name!r}: {what} has {v.size} value(s), the test needs at least {least}; "
-                         "run more seeds or mark the claim not testable with a Precondition")
+        raise ValueError(
+            f"part {name!r}: {what} has {v.size} value(s), the test needs at least {least}; "
+            "run more seeds or mark the claim not testable with a Precondition"
+        )
     bad = int((~np.isfinite(v)).sum())
     if bad:
-        raise ValueError(f"part {name!r}: {bad} of {v.size} values of {what} are not finite; drop the failed seeds or "
-                         "mark the claim not testable with a Precondition")
+        raise ValueError(
+            f"part {name!r}: {bad} of {v.size} values of {what} are not finite; drop the failed seeds or "
+            "mark the claim not testable with a Precondition"
+        )
     return v
 
 
@@ -249,8 +286,10 @@ def pooled_sd(groups: Mapping[str, Sequence[float]] | Iterable[Sequence[float]])
     arrs = [_values(g, f"configuration {i}", "pooled SD") for i, g in enumerate(vals)]
     df = sum(len(g) - 1 for g in arrs)
     if df < 1:
-        raise ValueError(f"pooled SD: {len(arrs)} configuration(s) with {[len(g) for g in arrs]} seeds give no degree of "
-                         "freedom; a configuration needs two seeds")
+        raise ValueError(
+            f"pooled SD: {len(arrs)} configuration(s) with {[len(g) for g in arrs]} seeds give no degree of "
+            "freedom; a configuration needs two seeds"
+        )
     ss = sum(float(((g - g.mean()) ** 2).sum()) for g in arrs)
     return Pooled(float(np.sqrt(ss / df)), int(df), len(arrs))
 
@@ -259,12 +298,23 @@ def paired_part(name: str, a, b, *, sign: int = 1, alpha: float = ALPHA) -> Part
     """Seed i of ``a`` paired with seed i of ``b``: the one-sample t on d = a - b (df = n - 1; scipy's ``ttest_rel``)."""
     a, b = _values(a, "a", name, 2), _values(b, "b", name, 2)
     if len(a) != len(b):
-        raise ValueError(f"part {name!r}: a paired test needs as many seeds of a as of b ({len(a)} vs {len(b)}); pass the "
-                         "seeds both configurations have")
+        raise ValueError(
+            f"part {name!r}: a paired test needs as many seeds of a as of b ({len(a)} vs {len(b)}); pass the "
+            "seeds both configurations have"
+        )
     d = a - b
     se = float(d.std(ddof=1) / np.sqrt(len(d)))
-    return _t_part(name, float(d.mean()), se, len(d) - 1, "paired t", (len(d), len(d)), sign, alpha,
-                   {"a": a.tolist(), "b": b.tolist()})
+    return _t_part(
+        name,
+        float(d.mean()),
+        se,
+        len(d) - 1,
+        "paired t",
+        (len(d), len(d)),
+        sign,
+        alpha,
+        {"a": a.tolist(), "b": b.tolist()},
+    )
 
 
 def two_sample_part(name: str, a, b, *, sign: int = 1, pooled: Pooled | None = None, alpha: float = ALPHA) -> Part:
@@ -276,46 +326,80 @@ def two_sample_part(name: str, a, b, *, sign: int = 1, pooled: Pooled | None = N
     details = {"a": a.tolist(), "b": b.tolist()}
     if pooled is not None:
         se = pooled.sd * np.sqrt(1 / len(a) + 1 / len(b))
-        return _t_part(name, est, se, pooled.df, f"pooled t ({pooled.groups} configurations)", (len(a), len(b)), sign,
-                       alpha, {**details, "pooled_sd": pooled.sd})
+        return _t_part(
+            name,
+            est,
+            se,
+            pooled.df,
+            f"pooled t ({pooled.groups} configurations)",
+            (len(a), len(b)),
+            sign,
+            alpha,
+            {**details, "pooled_sd": pooled.sd},
+        )
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
     se = float(np.sqrt(va + vb))
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
     return _t_part(name, est, se, df, "Welch t", (len(a), len(b)), sign, alpha, details)
 
 
-def one_sample_part(name: str, values, ref: float = 0.0, *, sign: int = 1, pooled: Pooled | None = None,
-                    alpha: float = ALPHA) -> Part:
+def one_sample_part(
+    name: str, values, ref: float = 0.0, *, sign: int = 1, pooled: Pooled | None = None, alpha: float = ALPHA
+) -> Part:
     """One configuration's seed values against ``ref``: the one-sample t (scipy's ``ttest_1samp``; df = n - 1), or with
     ``pooled`` SE = s_p / sqrt(n) on the pooled df."""
     v = _values(values, "values", name, 1 if pooled is not None else 2)
     details = {"values": v.tolist(), "ref": float(ref)}
     if pooled is not None:
-        return _t_part(name, float(v.mean() - ref), pooled.sd / np.sqrt(len(v)), pooled.df,
-                       f"pooled one-sample t ({pooled.groups} configurations)", (len(v),), sign, alpha,
-                       {**details, "pooled_sd": pooled.sd})
-    return _t_part(name, float(v.mean() - ref), float(v.std(ddof=1) / np.sqrt(len(v))), len(v) - 1, "one-sample t",
-                   (len(v),), sign, alpha, details)
+        return _t_part(
+            name,
+            float(v.mean() - ref),
+            pooled.sd / np.sqrt(len(v)),
+            pooled.df,
+            f"pooled one-sample t ({pooled.groups} configurations)",
+            (len(v),),
+            sign,
+            alpha,
+            {**details, "pooled_sd": pooled.sd},
+        )
+    return _t_part(
+        name,
+        float(v.mean() - ref),
+        float(v.std(ddof=1) / np.sqrt(len(v))),
+        len(v) - 1,
+        "one-sample t",
+        (len(v),),
+        sign,
+        alpha,
+        details,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ bootstrap
 
+
 def _images(x, name: str) -> np.ndarray:
     v = np.asarray(x, dtype=float)
     if v.ndim == 0 or v.shape[0] < 2:
-        raise ValueError(f"part {name!r}: the bootstrap needs per-image values with the images on axis 0 (at least 2), "
-                         f"got shape {v.shape}")
+        raise ValueError(
+            f"part {name!r}: the bootstrap needs per-image values with the images on axis 0 (at least 2), "
+            f"got shape {v.shape}"
+        )
     if not np.isfinite(v).all():
-        raise ValueError(f"part {name!r}: {int((~np.isfinite(v)).sum())} per-image values are not finite; drop those "
-                         "images before bootstrapping")
+        raise ValueError(
+            f"part {name!r}: {int((~np.isfinite(v)).sum())} per-image values are not finite; drop those "
+            "images before bootstrapping"
+        )
     return v
 
 
 def _apply(statistic, sample: np.ndarray, name: str) -> np.ndarray:
     out = np.asarray(statistic(sample, axis=1), dtype=float)
     if out.shape != (sample.shape[0],):
-        raise ValueError(f"part {name!r}: the statistic must reduce axis 1 to one number per resample, like "
-                         f"np.mean(x, axis=1); it gave shape {out.shape} for input {sample.shape}")
+        raise ValueError(
+            f"part {name!r}: the statistic must reduce axis 1 to one number per resample, like "
+            f"np.mean(x, axis=1); it gave shape {out.shape} for input {sample.shape}"
+        )
     return out
 
 
@@ -333,7 +417,7 @@ def _bootstrap(arrays: tuple[np.ndarray, ...], stat: Callable, n_boot: int, seed
     boot = np.empty(n_boot)
     for s in range(0, n_boot, step):
         idx = rng.integers(0, n, size=(min(step, n_boot - s), n))
-        boot[s:s + len(idx)] = stat(*(x[idx] for x in arrays))
+        boot[s : s + len(idx)] = stat(*(x[idx] for x in arrays))
     if method == "percentile":
         return _Boot(est, boot, method)
     below = (np.sum(boot < est) + 0.5 * np.sum(boot == est)) / n_boot
@@ -345,13 +429,22 @@ def _bootstrap(arrays: tuple[np.ndarray, ...], stat: Callable, n_boot: int, seed
         idx = keep[None, :] + (keep[None, :] >= rows[:, None])  # row i: every image but i
         jack[rows] = stat(*(x[idx] for x in arrays))
     d = jack.mean() - jack
-    den = 6 * float((d ** 2).sum()) ** 1.5
-    a = float((d ** 3).sum()) / den if den > 0 else 0.0
+    den = 6 * float((d**2).sum()) ** 1.5
+    a = float((d**3).sum()) / den if den > 0 else 0.0
     return _Boot(est, boot, method, z0, a)
 
 
-def bootstrap_part(name: str, values, statistic: Callable = np.mean, *, sign: int = 1, n_boot: int = N_BOOT,
-                   seed: int = 0, method: str = "bca", alpha: float = ALPHA) -> Part:
+def bootstrap_part(
+    name: str,
+    values,
+    statistic: Callable = np.mean,
+    *,
+    sign: int = 1,
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+    method: str = "bca",
+    alpha: float = ALPHA,
+) -> Part:
     """A statistic of one run's per-image ``values`` (images on axis 0, e.g. [N] or [N, K]) with a bootstrap CI over
     the images. ``statistic(x, axis=1)`` gets a stack of resamples [B, N, ...] and returns [B] (``np.mean``,
     ``np.median``, or e.g. ``lambda x, axis: x[..., 0].mean(axis) / x[..., 1].mean(axis)``). The effect is
@@ -359,28 +452,58 @@ def bootstrap_part(name: str, values, statistic: Callable = np.mean, *, sign: in
     sign = _sign(sign)
     x = _images(values, name)
     dist = _bootstrap((x,), lambda s: sign * _apply(statistic, s, name), n_boot, seed, method)
-    return _from_dist(name, dist, f"bootstrap {_METHOD[method]}", (x.shape[0],), sign,
-                      alpha, se=float(dist.boot.std(ddof=1)), details={"n_boot": n_boot, "seed": seed, "method": method})
+    return _from_dist(
+        name,
+        dist,
+        f"bootstrap {_METHOD[method]}",
+        (x.shape[0],),
+        sign,
+        alpha,
+        se=float(dist.boot.std(ddof=1)),
+        details={"n_boot": n_boot, "seed": seed, "method": method},
+    )
 
 
-def paired_bootstrap_part(name: str, x, y, statistic: Callable = np.mean, statistic_y: Callable | None = None, *,
-                          sign: int = 1, n_boot: int = N_BOOT, seed: int = 0, method: str = "bca",
-                          alpha: float = ALPHA) -> Part:
+def paired_bootstrap_part(
+    name: str,
+    x,
+    y,
+    statistic: Callable = np.mean,
+    statistic_y: Callable | None = None,
+    *,
+    sign: int = 1,
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+    method: str = "bca",
+    alpha: float = ALPHA,
+) -> Part:
     """The difference statistic(x) - statistic_y(y) (``statistic_y`` defaults to ``statistic``) of two statistics
     computed on the SAME images (row i of ``x`` and of ``y`` is image i, e.g. two heads' per-image attention distance,
     or two models' on the same analysis images), with a bootstrap that resamples the same images for both."""
     sign = _sign(sign)
     x, y = _images(x, name), _images(y, name)
     if x.shape[0] != y.shape[0]:
-        raise ValueError(f"part {name!r}: a paired bootstrap needs the same images in x and y ({x.shape[0]} vs "
-                         f"{y.shape[0]} rows)")
+        raise ValueError(
+            f"part {name!r}: a paired bootstrap needs the same images in x and y ({x.shape[0]} vs {y.shape[0]} rows)"
+        )
     sy = statistic_y or statistic
-    dist = _bootstrap((x, y), lambda s, t: sign * (_apply(statistic, s, name) - _apply(sy, t, name)), n_boot, seed, method)
-    return _from_dist(name, dist, f"paired bootstrap {_METHOD[method]}", (x.shape[0],), sign,
-                      alpha, se=float(dist.boot.std(ddof=1)), details={"n_boot": n_boot, "seed": seed, "method": method})
+    dist = _bootstrap(
+        (x, y), lambda s, t: sign * (_apply(statistic, s, name) - _apply(sy, t, name)), n_boot, seed, method
+    )
+    return _from_dist(
+        name,
+        dist,
+        f"paired bootstrap {_METHOD[method]}",
+        (x.shape[0],),
+        sign,
+        alpha,
+        se=float(dist.boot.std(ddof=1)),
+        details={"n_boot": n_boot, "seed": seed, "method": method},
+    )
 
 
 # ------------------------------------------------------------------------------------------------ equivalence, Holm
+
 
 def equivalence_part(part: Part, margin: float, name: str | None = None) -> Part:
     """A claim of no difference: TOST of ``part`` (any part above; its data and test) against +-``margin``, a margin
@@ -388,8 +511,10 @@ def equivalence_part(part: Part, margin: float, name: str | None = None) -> Part
     significant against when the difference lies beyond the margin (the 1 - alpha CI outside it); see the module
     docstring."""
     if part._dist is None:
-        raise ValueError(f"part {part.name!r} carries no sampling distribution (was it read back from JSON?); build it "
-                         "again with one of the part functions")
+        raise ValueError(
+            f"part {part.name!r} carries no sampling distribution (was it read back from JSON?); build it "
+            "again with one of the part functions"
+        )
     if part.margin is not None:
         raise ValueError(f"part {part.name!r} is already an equivalence part")
     if not (np.isfinite(margin) and margin > 0):
@@ -398,9 +523,23 @@ def equivalence_part(part: Part, margin: float, name: str | None = None) -> Part
     p = max(d.floor, d.level(-m), 1 - d.level(m))  # H0 effect <= -m, H0 effect >= m
     p_rev = max(d.floor, min(1.0, 2 * min(d.level(m), 1 - d.level(-m))))  # H1 effect > m, H1 effect < -m
     outcome = FOR if p < al else AGAINST if p_rev < al else NOT_SIGNIFICANT
-    return Part(name or part.name, part.effect, part.ci, p, outcome, f"TOST, {part.test}", part.n, df=part.df, se=part.se,
-                sign=part.sign, alpha=al, p_reversal=p_rev, margin=m,
-                details={**part.details, "ci_tost": list(d.interval(2 * al)), "p_difference": part.p}, _dist=d)
+    return Part(
+        name or part.name,
+        part.effect,
+        part.ci,
+        p,
+        outcome,
+        f"TOST, {part.test}",
+        part.n,
+        df=part.df,
+        se=part.se,
+        sign=part.sign,
+        alpha=al,
+        p_reversal=p_rev,
+        margin=m,
+        details={**part.details, "ci_tost": list(d.interval(2 * al)), "p_difference": part.p},
+        _dist=d,
+    )
 
 
 def holm(pvalues: Sequence[float]) -> np.ndarray:
@@ -419,6 +558,7 @@ def holm(pvalues: Sequence[float]) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------ the verdict
 
+
 @dataclass(frozen=True)
 class Precondition:
     """A condition a claim needs to be testable at all (e.g. "a local head exists", "two seeds per configuration"):
@@ -431,7 +571,9 @@ class Precondition:
     numbers: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return _plain({"name": self.name, "passed": bool(self.passed), "sentence": self.sentence, "numbers": self.numbers})
+        return _plain(
+            {"name": self.name, "passed": bool(self.passed), "sentence": self.sentence, "numbers": self.numbers}
+        )
 
 
 def min_seeds(configs: Mapping[str, Sequence], least: int = 2) -> Precondition:
@@ -439,8 +581,14 @@ def min_seeds(configs: Mapping[str, Sequence], least: int = 2) -> Precondition:
     few = {k: len(v) for k, v in configs.items() if len(v) < least}
     counts = {k: len(v) for k, v in configs.items()}
     if few:
-        return Precondition("seeds", False, f"fewer than {least} seeds of " + ", ".join(f"{k} ({n})" for k, n in few.items())
-                            + ": without them there is no seed-to-seed variation to judge the effect against", counts)
+        return Precondition(
+            "seeds",
+            False,
+            f"fewer than {least} seeds of "
+            + ", ".join(f"{k} ({n})" for k, n in few.items())
+            + ": without them there is no seed-to-seed variation to judge the effect against",
+            counts,
+        )
     return Precondition("seeds", True, f"at least {least} seeds of every compared configuration", counts)
 
 
@@ -462,9 +610,16 @@ class Decision:
         return "; ".join(f"{p.name} {p.effect:+.3g} [{p.ci[0]:+.3g}, {p.ci[1]:+.3g}]" for p in self.parts)
 
     def to_json(self) -> dict:
-        return _plain({"outcome": self.outcome, "why": self.why, "alpha": self.alpha,
-                       "parts": [p.to_json() for p in self.parts], "p_holm": list(self.p_holm),
-                       "preconditions": [c.to_json() for c in self.preconditions]})
+        return _plain(
+            {
+                "outcome": self.outcome,
+                "why": self.why,
+                "alpha": self.alpha,
+                "parts": [p.to_json() for p in self.parts],
+                "p_holm": list(self.p_holm),
+                "preconditions": [c.to_json() for c in self.preconditions],
+            }
+        )
 
 
 def decide(parts: Sequence[Part], preconditions: bool | Precondition | Iterable[Precondition] = True) -> Decision:
@@ -490,19 +645,39 @@ def decide(parts: Sequence[Part], preconditions: bool | Precondition | Iterable[
     failed = [c for c in conds if not c.passed]
     if failed:
         text = "; ".join(c.sentence for c in failed)
-        return Decision(NOT_TESTABLE, f"{text[0].upper()}{text[1:]}. Measured, not judged: {measured}.", parts,
-                        tuple(adj), conds, alpha)
+        return Decision(
+            NOT_TESTABLE,
+            f"{text[0].upper()}{text[1:]}. Measured, not judged: {measured}.",
+            parts,
+            tuple(adj),
+            conds,
+            alpha,
+        )
     if all(p.p < alpha and p.outcome == FOR for p in parts):
         lead = f"Every part is significant in the paper's direction at alpha {alpha:g}"
         return Decision(HELD, f"{lead}: {measured}.", parts, tuple(adj), conds, alpha)
     against = [(p, q) for p, q in zip(parts, adj) if q < alpha and p.outcome == AGAINST]
     if against:
         names = ", ".join(f"{p.name} (Holm-adjusted p = {q:.2g})" for p, q in against)
-        return Decision(NOT_HELD, f"Significantly against the paper after Holm's correction over {len(parts)} part(s) at "
-                        f"alpha {alpha:g}: {names}. {measured}.", parts, tuple(adj), conds, alpha)
+        return Decision(
+            NOT_HELD,
+            f"Significantly against the paper after Holm's correction over {len(parts)} part(s) at "
+            f"alpha {alpha:g}: {names}. {measured}.",
+            parts,
+            tuple(adj),
+            conds,
+            alpha,
+        )
     n_for = sum(p.outcome == FOR for p in parts)
-    return Decision(INCONCLUSIVE, f"{n_for} of {len(parts)} part(s) significant in the paper's direction, none "
-                    f"significantly against after Holm at alpha {alpha:g}: {measured}.", parts, tuple(adj), conds, alpha)
+    return Decision(
+        INCONCLUSIVE,
+        f"{n_for} of {len(parts)} part(s) significant in the paper's direction, none "
+        f"significantly against after Holm at alpha {alpha:g}: {measured}.",
+        parts,
+        tuple(adj),
+        conds,
+        alpha,
+    )
 
 
 def _plain(x):
@@ -524,8 +699,16 @@ def _plain(x):
 DESIGNS = ("welch", "pooled", "paired")
 
 
-def simulate(effect_sd: float, design: str = "pooled", *, seeds: int = 3, family: int = 4, parts: int = 1,
-             reps: int = 20000, seed: int = 0) -> dict:
+def simulate(
+    effect_sd: float,
+    design: str = "pooled",
+    *,
+    seeds: int = 3,
+    family: int = 4,
+    parts: int = 1,
+    reps: int = 20000,
+    seed: int = 0,
+) -> dict:
     """The rule on synthetic seeds: ``reps`` claims of ``parts`` independent parts, each comparing configuration A
     (mean ``effect_sd``, SD 1) with B (mean 0, SD 1), ``seeds`` seeds each, through the part function of ``design``
     ('welch': :func:`two_sample_part`; 'pooled': the same with :func:`pooled_sd` over ``family`` configurations, A and B
@@ -533,7 +716,9 @@ def simulate(effect_sd: float, design: str = "pooled", *, seeds: int = 3, family
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, not {design!r}")
     if design == "pooled" and family < 2:
-        raise ValueError(f"a pooled design compares two configurations of the family: family must be at least 2, not {family}")
+        raise ValueError(
+            f"a pooled design compares two configurations of the family: family must be at least 2, not {family}"
+        )
     rng = np.random.default_rng(seed)
     k = family if design == "pooled" else 2
     data = rng.standard_normal((reps, parts, k, seeds))
@@ -557,8 +742,10 @@ def _tables(reps: int = 20000) -> None:
     print("null (effect 0): false held / false did not hold, 1-part and 2-part claims")
     for design, fam in (("welch", 2), ("pooled", 4), ("paired", 2)):
         r = [simulate(0.0, design, family=fam, parts=k, reps=reps) for k in (1, 2)]
-        print(f"  {design:7s} family {fam}: held {r[0][HELD]:.4f} / {r[1][HELD]:.4f}, "
-              f"did not hold {r[0][NOT_HELD]:.4f} / {r[1][NOT_HELD]:.4f}")
+        print(
+            f"  {design:7s} family {fam}: held {r[0][HELD]:.4f} / {r[1][HELD]:.4f}, "
+            f"did not hold {r[0][NOT_HELD]:.4f} / {r[1][NOT_HELD]:.4f}"
+        )
     print("power (held), 1-part / 2-part claims")
     for design, fam in (("welch", 2), ("pooled", 2), ("pooled", 4), ("pooled", 8), ("paired", 2)):
         row = [f"{simulate(e, design, family=fam, parts=k, reps=reps)[HELD]:.3f}" for e in (2.0, 3.0) for k in (1, 2)]

@@ -29,6 +29,7 @@ checkpoint (``--stop-after``), where its training-time attention distance callba
 ``go_no_go``): on a go every seed trains to the end, on a no-go the configuration stops there and the report says
 why. A study thereby spends its hours on a long regime only when that regime shows what it was chosen for.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,7 +93,9 @@ def load_study(path: str | Path) -> Study:
     """Read and check a study file (every run's recipe is loaded and validated); raise RecipeError."""
     path = Path(path)
     if not path.is_file():
-        raise RecipeError(f"study file '{path}' does not exist: pass a YAML file such as recipes/studies/raghu2021.yaml.")
+        raise RecipeError(
+            f"study file '{path}' does not exist: pass a YAML file such as recipes/studies/raghu2021.yaml."
+        )
     try:
         d = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -103,7 +106,9 @@ def load_study(path: str | Path) -> Study:
     if unknown:
         raise RecipeError(f"study file '{path}' has unknown key(s) {sorted(unknown)}: allowed are {', '.join(KEYS)}.")
     if not isinstance(d.get("runs"), dict) or not d["runs"]:
-        raise RecipeError(f"study file '{path}' needs a 'runs:' mapping of name -> {{recipe: FILE, set: [KEY=VALUE, ...]}}.")
+        raise RecipeError(
+            f"study file '{path}' needs a 'runs:' mapping of name -> {{recipe: FILE, set: [KEY=VALUE, ...]}}."
+        )
     shared = list(d.get("set") or [])
     root = Path(d.get("root") or f"runs/study-{d.get('study', path.stem)}")
     root = root if root.is_absolute() else ROOT / root
@@ -111,11 +116,20 @@ def load_study(path: str | Path) -> Study:
     measures = _measures(d.get("measures"), path)
     options = _options(d.get("options"), path)
     seeds = _seeds(d.get("seeds"), f"study file '{path}'")
-    study = Study(str(d.get("study", path.stem)), path, root, (ROOT / report) if report else None, measures=measures,
-                  options=options, every_checkpoint=_measures(d.get("every_checkpoint"), path))
+    study = Study(
+        str(d.get("study", path.stem)),
+        path,
+        root,
+        (ROOT / report) if report else None,
+        measures=measures,
+        options=options,
+        every_checkpoint=_measures(d.get("every_checkpoint"), path),
+    )
     for name, spec in d["runs"].items():
         if not isinstance(spec, dict) or "recipe" not in spec or set(spec) - set(RUN_KEYS):
-            raise RecipeError(f"study run '{name}' must be a mapping {{recipe: FILE, set: [KEY=VALUE, ...], measures: [...], seeds: [...]}}.")
+            raise RecipeError(
+                f"study run '{name}' must be a mapping {{recipe: FILE, set: [KEY=VALUE, ...], measures: [...], seeds: [...]}}."
+            )
         recipe = (path.parent / spec["recipe"]).resolve()
         overrides = shared + list(spec.get("set") or [])
         run_seeds = _seeds(spec["seeds"], f"study run '{name}'") if "seeds" in spec else seeds
@@ -123,23 +137,40 @@ def load_study(path: str | Path) -> Study:
         if not isinstance(gate, bool):
             raise RecipeError(f"study run '{name}': go_no_go must be true or false, not {gate!r}.")
         if run_seeds is not None and any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
-            raise RecipeError(f"study run '{name}' sets 'seed=' in set: and the study gives seeds: give the seed in one place only.")
+            raise RecipeError(
+                f"study run '{name}' sets 'seed=' in set: and the study gives seeds: give the seed in one place only."
+            )
         for seed in run_seeds if run_seeds is not None else [None]:
             run_name = name if seed is None else f"{name}_s{seed}"
             if run_name in study.runs:
-                raise RecipeError(f"study run '{run_name}' is named twice (a run name ending in _sN collides with a seeded run): rename it.")
-            ov = overrides if seed is None else overrides + [f"seed={seed}"]
+                raise RecipeError(
+                    f"study run '{run_name}' is named twice (a run name ending in _sN collides with a seeded run): rename it."
+                )
+            ov = overrides if seed is None else [*overrides, f"seed={seed}"]
             try:
                 rec = load_recipe(recipe, ov)
             except RecipeError as e:
                 raise RecipeError(f"study run '{run_name}': {e}") from None
-            if gate and (rec.model.arch != "vit" or not rec.train.checkpoint_every
-                         or "attention_distance" not in [c.name for c in rec.callbacks]):
-                raise RecipeError(f"study run '{name}': go_no_go needs a ViT with train.checkpoint_every set and the "
-                                  "attention_distance callback (set: [\"callbacks=[attention_distance]\"]), which it "
-                                  "measures at the second checkpoint.")
-            study.runs[run_name] = StudyRun(run_name, recipe, ov, root / run_name, _measures(spec.get("measures"), path),
-                                            config=name, seed=seed, go_no_go=gate)
+            if gate and (
+                rec.model.arch != "vit"
+                or not rec.train.checkpoint_every
+                or "attention_distance" not in [c.name for c in rec.callbacks]
+            ):
+                raise RecipeError(
+                    f"study run '{name}': go_no_go needs a ViT with train.checkpoint_every set and the "
+                    'attention_distance callback (set: ["callbacks=[attention_distance]"]), which it '
+                    "measures at the second checkpoint."
+                )
+            study.runs[run_name] = StudyRun(
+                run_name,
+                recipe,
+                ov,
+                root / run_name,
+                _measures(spec.get("measures"), path),
+                config=name,
+                seed=seed,
+                go_no_go=gate,
+            )
     return study
 
 
@@ -147,9 +178,15 @@ def _seeds(value, where: str) -> list[int] | None:
     """A seeds entry: None, or a non-empty list of distinct non-negative integers."""
     if value is None:
         return None
-    if (not isinstance(value, list) or not value or len(set(value)) != len(value)
-            or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in value)):
-        raise RecipeError(f"{where}: seeds must be a list of distinct non-negative integers such as [0, 1], not {value!r}.")
+    if (
+        not isinstance(value, list)
+        or not value
+        or len(set(value)) != len(value)
+        or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in value)
+    ):
+        raise RecipeError(
+            f"{where}: seeds must be a list of distinct non-negative integers such as [0, 1], not {value!r}."
+        )
     return list(value)
 
 
@@ -197,8 +234,11 @@ def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, u
             continue
         outcome, why = pilot_check(open_run(r.run_dir))
         if outcome == NO_GO:
-            print(f"study {study.name}: {config}: no-go at the pilot check: {why}; its runs stop here (the report says so; "
-                  "--no-go-no-go trains them to the end anyway)", flush=True)
+            print(
+                f"study {study.name}: {config}: no-go at the pilot check: {why}; its runs stop here (the report says so; "
+                "--no-go-no-go trains them to the end anyway)",
+                flush=True,
+            )
             continue
         print(f"study {study.name}: {config}: {outcome} at the pilot check: {why}; training it to the end", flush=True)
         on += [(x.recipe, x.overrides, x.run_dir) for x in configs[config]]
@@ -211,11 +251,20 @@ def main(argv=None) -> int:
     p.add_argument("study", help="study YAML, e.g. recipes/studies/raghu2021.yaml")
     p.add_argument("--stage", choices=("all", "train", "analyze", "report"), default="all")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their state, start nothing")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs trained at once, each with an equal share of the cores, output in ROOT/logs/ (default 1)")
-    p.add_argument("--only", nargs="+", metavar="CONFIG", help="train only these configurations (names in the study file)")
-    p.add_argument("--no-go-no-go", action="store_true",
-                   help="train configurations marked go_no_go to the end whatever their pilot check says")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained at once, each with an equal share of the cores, output in ROOT/logs/ (default 1)",
+    )
+    p.add_argument(
+        "--only", nargs="+", metavar="CONFIG", help="train only these configurations (names in the study file)"
+    )
+    p.add_argument(
+        "--no-go-no-go",
+        action="store_true",
+        help="train configurations marked go_no_go to the end whatever their pilot check says",
+    )
     args = p.parse_args(argv)
     if args.jobs < 1:
         print(f"error: --jobs must be at least 1, not {args.jobs}.", file=sys.stderr)
@@ -230,13 +279,14 @@ def main(argv=None) -> int:
         configs = study.configs()
         unknown = sorted(set(args.only or []) - set(configs))
         if unknown:
-            print(f"error: --only names {', '.join(unknown)}, which the study does not have: choose from {', '.join(configs)}.",
-                  file=sys.stderr)
+            print(
+                f"error: --only names {', '.join(unknown)}, which the study does not have: choose from {', '.join(configs)}.",
+                file=sys.stderr,
+            )
             return 2
         failed, started, skipped = train_stage(study, args.only, args.dry_run, args.jobs, args.no_go_no_go)
         n = sum(1 for r in study.runs.values() if not args.only or r.config in args.only)
-        print(f"study {study.name}: {n} runs, {skipped} already finished, {started} started, "
-              f"{len(failed)} failed")
+        print(f"study {study.name}: {n} runs, {skipped} already finished, {started} started, {len(failed)} failed")
         if failed:
             return 1
     if args.dry_run:

@@ -21,6 +21,7 @@ objective is one module holding the backbone as its submodule ``backbone`` (and 
 (``{"student": "backbone.", "teacher": "teacher_backbone."}``) and the checkpoint's meta.json records it, so
 analysis loads the backbone (or the teacher) by name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,8 +85,11 @@ class Objective(nn.Module):
 
     def describe(self) -> dict:
         """What meta.json and TensorBoard's hparams record about the objective."""
-        return {"name": self.name, **(dataclasses.asdict(self.cfg) if dataclasses.is_dataclass(self.cfg) else {}),
-                "parts": dict(self.parts) if self.wraps else {}}
+        return {
+            "name": self.name,
+            **(dataclasses.asdict(self.cfg) if dataclasses.is_dataclass(self.cfg) else {}),
+            "parts": dict(self.parts) if self.wraps else {},
+        }
 
 
 def _discover() -> dict[str, ModuleType]:
@@ -121,21 +125,25 @@ def config_for(recipe):
     return cfg if cfg is not None else REGISTRY[name].Config()
 
 
-def check(recipe) -> Optional[str]:
+def check(recipe) -> str | None:
     """The first error sentence about the objective choice (None when all is well)."""
     name = recipe.train.objective
     if name not in REGISTRY:
         return f"key 'train.objective' is '{name}': choose one of {', '.join(REGISTRY)}."
     for other in REGISTRY:
         if other != name and getattr(recipe.objectives, other, None) is not None:
-            return (f"key 'objectives.{other}' is set but train.objective is '{name}': remove the section or set "
-                    f"train.objective={other}.")
+            return (
+                f"key 'objectives.{other}' is set but train.objective is '{name}': remove the section or set "
+                f"train.objective={other}."
+            )
     mod = REGISTRY[name]
     if not mod.Objective.uses_labels:
         a = recipe.data.augment
         if a.mixup_alpha > 0 or a.cutmix_alpha > 0:
-            return (f"data.augment.mixup_alpha / cutmix_alpha mix labels, which train.objective '{name}' does not use: "
-                    "set both to 0.")
+            return (
+                f"data.augment.mixup_alpha / cutmix_alpha mix labels, which train.objective '{name}' does not use: "
+                "set both to 0."
+            )
     return mod.check(config_for(recipe), recipe) if hasattr(mod, "check") else None
 
 

@@ -58,6 +58,7 @@ Where this differs from the authors' code, and why:
 * Schedules are over optimizer steps (``train.steps``, resumable like ``train.lr``: after a resume with another
   ``train.steps`` the rest of the momentum schedule follows the new value), not epochs x iterations per epoch.
 """
+
 from __future__ import annotations
 
 import copy
@@ -111,20 +112,26 @@ class Config:
 def check(cfg: Config, recipe) -> str | None:
     m, d = recipe.model, recipe.data
     if m.arch != "vit":
-        return (f"train.objective 'dino' trains a ViT (its local crops of another size go through timm's dynamic_img_size), "
-                f"not model.arch {m.arch!r}: set model.arch=vit.")
+        return (
+            f"train.objective 'dino' trains a ViT (its local crops of another size go through timm's dynamic_img_size), "
+            f"not model.arch {m.arch!r}: set model.arch=vit."
+        )
     for key in ("global_crops_scale", "local_crops_scale"):
         s = getattr(cfg, key)
         if len(s) != 2 or not 0.0 < s[0] <= s[1] <= 1.0:
             return f"key 'objectives.dino.{key}' must be two numbers lo, hi with 0 < lo <= hi <= 1, got {s}."
     if cfg.local_crops_number:
         if cfg.local_crop_size % m.patch_size or cfg.local_crop_size > d.img_size:
-            return (f"key 'objectives.dino.local_crop_size' is {cfg.local_crop_size}: it must be a multiple of model.patch_size "
-                    f"({m.patch_size}) no larger than data.img_size ({d.img_size}), e.g. "
-                    f"{max(m.patch_size, (d.img_size * 3 // 7) // m.patch_size * m.patch_size)}.")
+            return (
+                f"key 'objectives.dino.local_crop_size' is {cfg.local_crop_size}: it must be a multiple of model.patch_size "
+                f"({m.patch_size}) no larger than data.img_size ({d.img_size}), e.g. "
+                f"{max(m.patch_size, (d.img_size * 3 // 7) // m.patch_size * m.patch_size)}."
+            )
         if recipe.interventions.local_attention:
-            return ("interventions.local_attention fixes the attention window to the token grid of data.img_size, which DINO's "
-                    "local crops do not have: set objectives.dino.local_crops_number=0 or remove the intervention.")
+            return (
+                "interventions.local_attention fixes the attention window to the token grid of data.img_size, which DINO's "
+                "local crops do not have: set objectives.dino.local_crops_number=0 or remove the intervention."
+            )
     return None
 
 
@@ -132,8 +139,15 @@ class DINOHead(nn.Module):
     """DINO's projection head (vision_transformer.py ``DINOHead``, no batch norm): MLP, L2 normalisation, and a
     bias-free weight-normalised linear layer to ``out_dim`` (its norm fixed to 1 when ``norm_last_layer``)."""
 
-    def __init__(self, in_dim: int, out_dim: int, nlayers: int = 3, hidden_dim: int = 2048, bottleneck_dim: int = 256,
-                 norm_last_layer: bool = True):
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        nlayers: int = 3,
+        hidden_dim: int = 2048,
+        bottleneck_dim: int = 256,
+        norm_last_layer: bool = True,
+    ):
         super().__init__()
         if nlayers == 1:
             self.mlp = nn.Linear(in_dim, bottleneck_dim)
@@ -191,16 +205,28 @@ def random_resized_crops(x: Tensor, n: int, size: int, scale, g: torch.Generator
     boxes = crop_boxes(n * b, h, w, scale, g, x.device)
     index = torch.arange(b, device=x.device, dtype=boxes.dtype).repeat(n)
     # aligned=True: box edges at pixel edges, so a whole-image box at the image's size returns the image itself
-    out = roi_align(x, torch.cat([index[:, None], boxes], 1).to(x.dtype), output_size=size, spatial_scale=1.0,
-                    sampling_ratio=-1, aligned=True)
+    out = roi_align(
+        x,
+        torch.cat([index[:, None], boxes], 1).to(x.dtype),
+        output_size=size,
+        spatial_scale=1.0,
+        sampling_ratio=-1,
+        aligned=True,
+    )
     if hflip:
         flip = torch.rand(n * b, generator=g, device=x.device) < 0.5
         out = torch.where(flip[:, None, None, None], out.flip(-1), out)
     return out
 
 
-def dino_loss(student_out: Tensor, teacher_out: Tensor, center: Tensor, teacher_temp: float, student_temp: float,
-              n_global: int = 2) -> tuple[Tensor, Tensor]:
+def dino_loss(
+    student_out: Tensor,
+    teacher_out: Tensor,
+    center: Tensor,
+    teacher_temp: float,
+    student_temp: float,
+    n_global: int = 2,
+) -> tuple[Tensor, Tensor]:
     """DINO's loss (main_dino.py ``DINOLoss.forward``, without its centre update) and the teacher's probabilities.
 
     ``student_out`` [V * B, K] holds V views view-major, ``teacher_out`` [n_global * B, K] the teacher's global
@@ -235,8 +261,9 @@ class Objective(_Base):
     def __init__(self, backbone: nn.Module, cfg: Config, recipe, num_classes: int):
         super().__init__(backbone, cfg, recipe, num_classes)
         self.img_size = recipe.data.img_size
-        self.head = DINOHead(backbone.num_features, cfg.out_dim, cfg.nlayers, cfg.hidden_dim, cfg.bottleneck_dim,
-                             cfg.norm_last_layer)
+        self.head = DINOHead(
+            backbone.num_features, cfg.out_dim, cfg.nlayers, cfg.hidden_dim, cfg.bottleneck_dim, cfg.norm_last_layer
+        )
         self.teacher_backbone = copy.deepcopy(backbone)  # the same initial weights as the student
         self.teacher_head = copy.deepcopy(self.head)
         for p in [*self.teacher_backbone.parameters(), *self.teacher_head.parameters()]:
@@ -281,8 +308,11 @@ class Objective(_Base):
         c = self.cfg
         g = step_generator(self.seed, step, _rank_world()[0], x.device)
         glob = random_resized_crops(x, 2, self.img_size, c.global_crops_scale, g, c.hflip)
-        loc = random_resized_crops(x, c.local_crops_number, c.local_crop_size, c.local_crops_scale, g, c.hflip) \
-            if c.local_crops_number else None
+        loc = (
+            random_resized_crops(x, c.local_crops_number, c.local_crop_size, c.local_crops_scale, g, c.hflip)
+            if c.local_crops_number
+            else None
+        )
         return glob, loc
 
     def forward(self, x: Tensor, y: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
@@ -297,27 +327,44 @@ class Objective(_Base):
             entropy = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)
             self._update_center_and_stats(teacher, q, entropy)
             dev, h = loss.device, entropy.mean()
-            terms = {"dino_loss": loss.detach(), "teacher_entropy": h, "teacher_student_kl": loss.detach() - h,
-                     "center_norm": self.center.norm(), "teacher_momentum": torch.tensor(self.teacher_momentum(step), device=dev),
-                     "teacher_temp": torch.tensor(temp, device=dev)}
+            terms = {
+                "dino_loss": loss.detach(),
+                "teacher_entropy": h,
+                "teacher_student_kl": loss.detach() - h,
+                "center_norm": self.center.norm(),
+                "teacher_momentum": torch.tensor(self.teacher_momentum(step), device=dev),
+                "teacher_temp": torch.tensor(temp, device=dev),
+            }
         return loss, terms
 
     def _update_center_and_stats(self, teacher: Tensor, q: Tensor, entropy: Tensor) -> None:
         """The centre's EMA of the batch mean of the teacher's outputs over all processes (DINO's ``update_center``),
         and, from the same all-reduce, the statistics summary() reads."""
         k = teacher.shape[1]
-        packed = torch.cat([teacher.sum(0), q.sum(0), entropy.sum().reshape(1),
-                            torch.tensor([float(len(teacher))], device=teacher.device)])
+        packed = torch.cat(
+            [
+                teacher.sum(0),
+                q.sum(0),
+                entropy.sum().reshape(1),
+                torch.tensor([float(len(teacher))], device=teacher.device),
+            ]
+        )
         _, world = _rank_world()
         if world > 1:
             dist.all_reduce(packed)
         n = packed[-1]
         cm = self.cfg.center_momentum
         self.center.mul_(cm).add_((packed[:k] / n).unsqueeze(0), alpha=1.0 - cm)
-        marginal = packed[k:2 * k] / n  # the teacher's probabilities averaged over the views
+        marginal = packed[k : 2 * k] / n  # the teacher's probabilities averaged over the views
         share, proto = marginal.max(0)
-        self.last = {"teacher_entropy": packed[2 * k] / n, "marginal_entropy": -(marginal * torch.log(marginal.clamp_min(1e-30))).sum(),
-                     "top_share": share, "top_prototype": proto, "views": n, "center_norm": self.center.norm()}
+        self.last = {
+            "teacher_entropy": packed[2 * k] / n,
+            "marginal_entropy": -(marginal * torch.log(marginal.clamp_min(1e-30))).sum(),
+            "top_share": share,
+            "top_prototype": proto,
+            "views": n,
+            "center_norm": self.center.norm(),
+        }
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:
@@ -336,13 +383,23 @@ class Objective(_Base):
         log_k = math.log(k)
         collapsed = None
         if h >= UNIFORM_SHARE * log_k:
-            collapsed = (f"DINO collapsed to the uniform distribution: the teacher's mean entropy is {h:.3f} nats, "
-                         f"{h / log_k:.0%} of log(out_dim) = {log_k:.3f}, so its outputs no longer tell images apart (sharpen more: "
-                         f"a lower objectives.dino.teacher_temp).")
+            collapsed = (
+                f"DINO collapsed to the uniform distribution: the teacher's mean entropy is {h:.3f} nats, "
+                f"{h / log_k:.0%} of log(out_dim) = {log_k:.3f}, so its outputs no longer tell images apart (sharpen more: "
+                f"a lower objectives.dino.teacher_temp)."
+            )
         elif st["top_share"] >= DOMINANT_SHARE:
-            collapsed = (f"DINO collapsed to one prototype: prototype {int(st['top_prototype'])} holds {st['top_share']:.0%} of the "
-                         f"teacher's probability over the last step's {int(st['views'])} global views (teacher entropy {h:.3f} nats "
-                         f"of log(out_dim) = {log_k:.3f}; try a lower objectives.dino.center_momentum or a higher teacher_temp).")
-        return {"collapsed": collapsed, "warning": collapsed, "teacher_entropy": h, "log_out_dim": log_k,
-                "teacher_marginal_entropy": st["marginal_entropy"], "top_prototype_share": st["top_share"],
-                "center_norm": st["center_norm"]}
+            collapsed = (
+                f"DINO collapsed to one prototype: prototype {int(st['top_prototype'])} holds {st['top_share']:.0%} of the "
+                f"teacher's probability over the last step's {int(st['views'])} global views (teacher entropy {h:.3f} nats "
+                f"of log(out_dim) = {log_k:.3f}; try a lower objectives.dino.center_momentum or a higher teacher_temp)."
+            )
+        return {
+            "collapsed": collapsed,
+            "warning": collapsed,
+            "teacher_entropy": h,
+            "log_out_dim": log_k,
+            "teacher_marginal_entropy": st["marginal_entropy"],
+            "top_prototype_share": st["top_share"],
+            "center_norm": st["center_norm"],
+        }

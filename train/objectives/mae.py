@@ -51,6 +51,7 @@ Logged terms: ``mae_loss`` (the loss above) and ``mask_ratio_actual`` (the share
 The checkpoint holds the backbone under ``backbone.`` (part ``student``) and the decoder under ``decoder_*`` /
 ``mask_token``; the backbone's keys load into the recipe's ViT built with ``num_classes=0``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -87,20 +88,28 @@ def num_masked(mask_ratio: float, num_patches: int) -> int:
 def check(cfg: Config, recipe) -> str | None:
     m, d = recipe.model, recipe.data
     if m.arch != "vit":
-        return (f"train.objective 'mae' needs a ViT (model.arch: vit, not {m.arch}): its encoder runs on the visible "
-                "patches only.")
+        return (
+            f"train.objective 'mae' needs a ViT (model.arch: vit, not {m.arch}): its encoder runs on the visible "
+            "patches only."
+        )
     if recipe.interventions is not None and getattr(recipe.interventions, "local_attention", None):
-        return ("interventions.local_attention fixes the token grid, but train.objective 'mae' feeds the encoder only the "
-                "visible patches: remove the intervention or choose another objective.")
+        return (
+            "interventions.local_attention fixes the token grid, but train.objective 'mae' feeds the encoder only the "
+            "visible patches: remove the intervention or choose another objective."
+        )
     n = (d.img_size // m.patch_size) ** 2
     k = num_masked(cfg.mask_ratio, n)
     if k < 1 or k > n - 1:
         what = "no patch" if k < 1 else "every patch"
-        return (f"key 'objectives.mae.mask_ratio' ({cfg.mask_ratio}) hides {what} of the {n}-patch grid "
-                f"(round(mask_ratio * {n}) = {k}): choose a ratio that leaves at least one patch hidden and one visible.")
+        return (
+            f"key 'objectives.mae.mask_ratio' ({cfg.mask_ratio}) hides {what} of the {n}-patch grid "
+            f"(round(mask_ratio * {n}) = {k}): choose a ratio that leaves at least one patch hidden and one visible."
+        )
     if cfg.decoder_dim % cfg.decoder_heads or cfg.decoder_dim % 4:
-        return (f"key 'objectives.mae.decoder_dim' ({cfg.decoder_dim}) must be a multiple of 4 (the 2-D sin-cos position "
-                f"embedding) and of 'objectives.mae.decoder_heads' ({cfg.decoder_heads}).")
+        return (
+            f"key 'objectives.mae.decoder_dim' ({cfg.decoder_dim}) must be a multiple of 4 (the 2-D sin-cos position "
+            f"embedding) and of 'objectives.mae.decoder_heads' ({cfg.decoder_heads})."
+        )
     return None
 
 
@@ -146,12 +155,18 @@ class Objective(_Base):
         self.decoder_embed = nn.Linear(backbone.embed_dim, dd)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dd))
         # fixed 2-D sin-cos embedding of the grid (not saved: a function of the grid and width)
-        self.register_buffer("decoder_pos_embed", build_sincos2d_pos_embed(list(grid), dd).unsqueeze(0), persistent=False)
+        self.register_buffer(
+            "decoder_pos_embed", build_sincos2d_pos_embed(list(grid), dd).unsqueeze(0), persistent=False
+        )
         norm = partial(nn.LayerNorm, eps=1e-6)  # the authors' LayerNorm
-        self.decoder_blocks = nn.Sequential(*[Block(dd, cfg.decoder_heads, cfg.decoder_mlp_ratio, qkv_bias=True, norm_layer=norm)
-                                              for _ in range(cfg.decoder_depth)])
+        self.decoder_blocks = nn.Sequential(
+            *[
+                Block(dd, cfg.decoder_heads, cfg.decoder_mlp_ratio, qkv_bias=True, norm_layer=norm)
+                for _ in range(cfg.decoder_depth)
+            ]
+        )
         self.decoder_norm = norm(dd)
-        self.decoder_pred = nn.Linear(dd, self.patch_size ** 2 * recipe.data.in_chans)
+        self.decoder_pred = nn.Linear(dd, self.patch_size**2 * recipe.data.in_chans)
         for mod in (self.decoder_embed, self.decoder_blocks, self.decoder_norm, self.decoder_pred):
             mod.apply(_init_mae)
         nn.init.normal_(self.mask_token, std=0.02)
@@ -179,7 +194,7 @@ class Objective(_Base):
         """The backbone on the visible patches ``ids_keep`` [B, K]: [B, prefix + K, D] (CLS token first if any)."""
         bb = self.backbone
         t = bb._pos_embed(bb.patch_embed(x))  # prefix tokens + position embedding, as timm's forward_features
-        pre, patches = t[:, :self.num_prefix], t[:, self.num_prefix:]
+        pre, patches = t[:, : self.num_prefix], t[:, self.num_prefix :]
         patches = patches.gather(1, ids_keep.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
         t = torch.cat([pre, patches], dim=1)
         t = bb.norm_pre(bb.patch_drop(t))

@@ -1,6 +1,7 @@
 """``train.objective: supervised`` (the default): cross-entropy on the classifier head's logits, with
 ``train.label_smoothing``; with CutMix / mixup on (``data.augment``), timm's ``Mixup`` makes soft targets and the
 loss is timm's ``SoftTargetCrossEntropy`` (DeiT's recipe). The backbone is trained and checkpointed by itself."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +27,9 @@ class Objective(_Base):
     def __init__(self, backbone, cfg, recipe, num_classes: int):
         super().__init__(backbone, cfg, recipe, num_classes)
         self.label_smoothing = recipe.train.label_smoothing
-        self.mixer = augment.make_mixer(recipe.data.augment, num_classes, recipe.train.label_smoothing)  # None: hard labels
+        self.mixer = augment.make_mixer(
+            recipe.data.augment, num_classes, recipe.train.label_smoothing
+        )  # None: hard labels
         self.soft_ce = SoftTargetCrossEntropy()
 
     def loss(self, net, x, y, step):
