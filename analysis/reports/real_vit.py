@@ -40,7 +40,7 @@ from analysis.measure import load_result
 from analysis.measures.aligned_attention import MAX_OFFSET, MIN_MASS, WINDOW
 from analysis.measures.attention_distance import grid_distances
 from analysis.reports import stats as T
-from analysis.reports.claims import LOCAL_FRACTION, uniform_distance
+from analysis.reports.pilots import LOCAL_FRACTION, uniform_distance
 from analysis.taps import Taps, block_names, grid_of, num_prefix_tokens
 
 ROOT = Path(__file__).resolve().parents[2]

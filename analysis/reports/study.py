@@ -41,8 +41,10 @@ import yaml
 
 from analysis.measure import MeasureError, registry, resolve_all
 from analysis.offline import open_run
-from analysis.reports.claims import NO_GO
-from analysis.reports.study_report import analyze_study, check_step, pilot_check, write_report
+from analysis.reports.pilots import NO_GO, check_step, pilot_check
+from analysis.reports.study_report import analyze_study, write_report
+from analysis.studies import paper as find_paper
+from analysis.studies import papers
 from analysis.suite import SuiteOptions, suite_options
 from train.recipe import RecipeError, load_recipe
 from train.sweep import launch_runs
@@ -72,6 +74,7 @@ class Study:
     measures: list[str] | None = None  # measured at every run's last checkpoint (None: every registered measure)
     options: dict = field(default_factory=dict)  # {measure: {option: value}} for every analysis of the study
     every_checkpoint: list[str] | None = None  # measured at every checkpoint of every run (None: the core four)
+    paper: str | None = None  # the paper plug-in that judges it (analysis/studies/<paper>/); None: found by name
 
     def suite_options(self, measures=None) -> SuiteOptions:
         """The suite options of an analysis of this study: ``measures`` with the study's measure options."""
@@ -85,12 +88,14 @@ class Study:
         return out
 
 
-KEYS = ("study", "root", "report", "set", "seeds", "options", "runs", "measures", "every_checkpoint")
+KEYS = ("study", "paper", "root", "report", "set", "seeds", "options", "runs", "measures", "every_checkpoint")
 RUN_KEYS = ("recipe", "set", "measures", "seeds", "go_no_go")
 
 
-def load_study(path: str | Path) -> Study:
-    """Read and check a study file (every run's recipe is loaded and validated); raise RecipeError."""
+def load_study(path: str | Path, root: str | Path | None = None, report: str | Path | None = None) -> Study:
+    """Read and check a study file (every run's recipe is loaded and validated); raise RecipeError. ``root`` and
+    ``report`` replace the file's (relative paths against the current directory). The paper plug-in's ``defaults``
+    fill the keys the file leaves out (e.g. its seeds)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(
@@ -109,10 +114,16 @@ def load_study(path: str | Path) -> Study:
         raise RecipeError(
             f"study file '{path}' needs a 'runs:' mapping of name -> {{recipe: FILE, set: [KEY=VALUE, ...]}}."
         )
+    paper = _paper(d, path)
+    if paper is not None:
+        d = {**papers()[paper].defaults, **d}
     shared = list(d.get("set") or [])
-    root = Path(d.get("root") or f"runs/study-{d.get('study', path.stem)}")
-    root = root if root.is_absolute() else ROOT / root
-    report = d.get("report")
+    if root is not None:
+        root = Path(root).resolve()
+    else:
+        root = Path(d.get("root") or f"runs/study-{d.get('study', path.stem)}")
+        root = root if root.is_absolute() else ROOT / root
+    report = Path(report).resolve() if report is not None else d.get("report")
     measures = _measures(d.get("measures"), path)
     options = _options(d.get("options"), path)
     seeds = _seeds(d.get("seeds"), f"study file '{path}'")
@@ -121,6 +132,7 @@ def load_study(path: str | Path) -> Study:
         path,
         root,
         (ROOT / report) if report else None,
+        paper=paper,
         measures=measures,
         options=options,
         every_checkpoint=_measures(d.get("every_checkpoint"), path),
@@ -174,6 +186,17 @@ def load_study(path: str | Path) -> Study:
     return study
 
 
+def _paper(d: dict, path: Path) -> str | None:
+    """The paper named by the file's ``paper:`` key (checked), else its ``study:`` name when a paper has it."""
+    if "paper" in d:
+        try:
+            return find_paper(str(d["paper"])).name
+        except KeyError as e:
+            raise RecipeError(f"study file '{path}': paper: {e.args[0]}.") from None
+    name = str(d.get("study", path.stem))
+    return name if name in papers() else None
+
+
 def _seeds(value, where: str) -> list[int] | None:
     """A seeds entry: None, or a non-empty list of distinct non-negative integers."""
     if value is None:
@@ -225,6 +248,10 @@ def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, u
     gated = {} if ungated else {r.config: r for r in selected if r.go_no_go and r is configs[r.config][0]}
     first = [(r.recipe, r.overrides, r.run_dir, check_step(load_recipe(r.recipe, r.overrides))) for r in gated.values()]
     rest = [(r.recipe, r.overrides, r.run_dir) for r in selected if r.config not in gated]
+    held = [(r.recipe, r.overrides, r.run_dir) for r in selected if r.config in gated and r is not gated[r.config]]
+    if dry_run and held:  # listed too: they train after a go at their configuration's pilot check
+        print(f"study {study.name}: {len(held)} run(s) train only after a go at their configuration's pilot check:")
+        rest = rest + held
     failed, started, skipped = launch_runs(first + rest, dry_run, jobs)
     if dry_run or not gated:
         return failed, started, skipped
@@ -265,12 +292,22 @@ def main(argv=None) -> int:
         action="store_true",
         help="train configurations marked go_no_go to the end whatever their pilot check says",
     )
+    p.add_argument(
+        "--root",
+        help="folder of the study's runs, instead of the study file's root (e.g. to rerun it "
+        "without touching the runs the committed report was made from)",
+    )
+    p.add_argument(
+        "--report",
+        help="where to write the report (and its JSON twin), instead of the study file's "
+        "report (e.g. to leave the committed docs/ as they are)",
+    )
     args = p.parse_args(argv)
     if args.jobs < 1:
         print(f"error: --jobs must be at least 1, not {args.jobs}.", file=sys.stderr)
         return 2
     try:
-        study = load_study(args.study)
+        study = load_study(args.study, args.root, args.report)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -286,7 +323,12 @@ def main(argv=None) -> int:
             return 2
         failed, started, skipped = train_stage(study, args.only, args.dry_run, args.jobs, args.no_go_no_go)
         n = sum(1 for r in study.runs.values() if not args.only or r.config in args.only)
-        print(f"study {study.name}: {n} runs, {skipped} already finished, {started} started, {len(failed)} failed")
+        verb = "to start" if args.dry_run else "started"
+        started = n - skipped - len(failed) if args.dry_run else started
+        print(
+            f"study {study.name}: {n} runs, {skipped} already finished, {started} {verb}, {len(failed)} failed; "
+            f"runs in {study.root}, report {study.report or study.root / 'report.md'}"
+        )
         if failed:
             return 1
     if args.dry_run:
