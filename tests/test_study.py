@@ -1,5 +1,5 @@
-"""Studies (analysis/reports/study.py): the study file, the claim numbers (analysis/reports/claims.py) on cases with known answers,
-and a tiny study end to end: train, analyse, report."""
+"""Studies (analysis/reports/study.py): the study file, Raghu's claim numbers (analysis/studies/raghu2021/numbers.py)
+on cases with known answers, and a tiny study end to end: train, analyse, report."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,11 @@ import yaml
 from conftest import ROOT, TINY, _merge
 
 from analysis.reports import claims as C
+from analysis.reports import pilots as P
 from analysis.reports.study import load_study, main
+from analysis.reports.study_report import unformatted
+from analysis.studies.raghu2021 import PAPER
+from analysis.studies.raghu2021 import numbers as N
 from train.recipe import RecipeError, load_recipe
 
 
@@ -16,33 +20,34 @@ def test_partition_finds_the_block_structure_of_a_no_skip_map():
     m = np.full((8, 8), 0.2)
     m[:4, :4] = m[4:, 4:] = 0.9  # blocks 0-1 vs 2-3
     np.fill_diagonal(m, 1.0)
-    p = C.partition(m, labels, 2)
+    p = N.partition(m, labels, 2)
     assert p["across"] == pytest.approx(0.2) and p["within"] == pytest.approx(0.9)
-    assert C.partition(m, labels, 1)["across"] > 0.2  # a boundary inside a block mixes both
+    assert N.partition(m, labels, 1)["across"] > 0.2  # a boundary inside a block mixes both
     with pytest.raises(ValueError):
-        C.partition(m, labels, 0)
+        N.partition(m, labels, 0)
 
 
 def test_claim_numbers_on_constructed_results():
-    u = C.uniformity(np.array([[1, 0.5, 0.1], [0.5, 1, 0.3], [0.1, 0.3, 1]]))
+    u = N.uniformity(np.array([[1, 0.5, 0.1], [0.5, 1, 0.3], [0.1, 0.3, 1]]))
     assert u["mean_offdiag"] == pytest.approx(0.3) and u["first_last"] == pytest.approx(0.1)
     ratio = np.ones((2, 4, 5))
     ratio[0, :2, 0], ratio[0, 2:, 0], ratio[0, :, 1:] = 5.0, 0.5, 2.0  # CLS high in the first half, low in the second
-    ph = C.cls_phase(ratio, 0, 1)
-    assert (ph["gap_first"], ph["gap_second"], ph["cls_first"], ph["cls_last"]) == (3.0, -1.5, 5.0, 0.5)
-    assert C.skip_dominance(ratio) == 1.0 and C.skip_dominance(ratio, [True, False, False, False]) == 1.5
+    ph = N.cls_phase(ratio, 0, 1, skip=0)  # log(5 / 2) in the first half, log(0.5 / 2) in the second
+    assert ph["gap_first"] == pytest.approx(np.log(2.5)) and ph["gap_second"] == pytest.approx(np.log(0.25))
+    assert (ph["cls_first"], ph["cls_last"]) == pytest.approx((5.0, 0.5))
+    assert N.skip_dominance(ratio) == 1.0 and N.skip_dominance(ratio, [True, False, False, False]) == 1.5
     d = np.array([[2, 20], [3, 19], [14, 15], [15, 16]], dtype=float)  # local + global heads low, global high
-    hm = C.head_mix(d)
+    hm = N.head_mix(d)
     assert (
         hm["spread_lower"] == pytest.approx(17)
         and hm["spread_upper"] == pytest.approx(1)
         and hm["mean_upper"] > hm["mean_lower"]
     )
-    dr = C.drift([0.9, 0.8, 0.5, 0.3])
+    dr = N.drift([0.9, 0.8, 0.5, 0.3])
     assert dr == {"lower": pytest.approx(0.85), "upper": pytest.approx(0.4)}
-    o = C.offset_heads(np.array([[False, True], [False, False]]))
+    o = N.offset_heads(np.array([[False, True], [False, False]]))
     assert o == {"count": 1, "where": ["block 0 head 1"]}
-    assert C.last_layer([0.5, 0.7, np.nan]) == 0.7
+    assert N.last_layer([0.5, 0.7, np.nan]) == 0.7
 
 
 def _study(tmp_path, runs: dict, **extra) -> str:
@@ -76,7 +81,7 @@ def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
     }
     assert set(s.configs()) == configs | {"vit_local_nomix", "control"}
     # the pilot and the positive control: one seed
-    assert set(s.runs) == {f"{c}_s{i}" for c in configs for i in (0, 1)} | {"vit_local_nomix_s0", "control_s0"}
+    assert set(s.runs) == {f"{c}_s{i}" for c in configs for i in (0, 1, 2)} | {"vit_local_nomix_s0", "control_s0"}
     assert s.runs["vit_local_s0"].go_no_go and not s.runs["vit_cls_s0"].go_no_go
     assert load_recipe(s.runs["control_s0"].recipe, s.runs["control_s0"].overrides).interventions.local_attention
     # the locality-capable family measures attention distance during training (the pilot check) despite callbacks=[]
@@ -84,7 +89,7 @@ def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
         r = load_recipe(s.runs[name].recipe, s.runs[name].overrides)
         assert [c.name for c in r.callbacks] == ["attention_distance"] and r.data.augment.mixup_alpha == mixup
         assert (r.model.num_heads, r.train.steps, r.train.checkpoint_every) == (8, 9000, 1500)
-    assert [r.seed for r in s.configs()["vit_cls"]] == [0, 1] and s.runs["vit_cls_s1"].overrides[-1] == "seed=1"
+    assert [r.seed for r in s.configs()["vit_cls"]] == [0, 1, 2] and s.runs["vit_cls_s1"].overrides[-1] == "seed=1"
     assert (
         s.report == ROOT / "docs" / "reproduction.md" and s.root == ROOT / "runs" / "study-raghu2021"
     )  # the repository's
@@ -157,10 +162,10 @@ def test_study_only_and_jobs_are_checked(tmp_path, capsys):
 
 def test_the_gpu_study_validates_and_lists_its_runs(capsys):
     """The one-GPU study (recipes/studies/raghu2021_gpu.yaml) checked on the CPU: every run's recipe loads, and the dry
-    run lists 13 runs (6 configurations x 2 seeds and the positive control) and starts none."""
+    run lists 19 runs (6 configurations x 3 seeds and the positive control) and starts none."""
     p = ROOT / "recipes" / "studies" / "raghu2021_gpu.yaml"
     s = load_study(p)
-    assert len(s.runs) == 13 and all(len(v) == 2 for c, v in s.configs().items() if c != "control")
+    assert len(s.runs) == 19 and all(len(v) == 3 for c, v in s.configs().items() if c != "control")
     c = load_recipe(s.runs["control_s0"].recipe, s.runs["control_s0"].overrides)
     assert c.train.steps == 600 and c.interventions.local_attention and c.model.patch_size == 2
     r = load_recipe(s.runs["vit_cls_s0"].recipe, s.runs["vit_cls_s0"].overrides)
@@ -168,11 +173,12 @@ def test_the_gpu_study_validates_and_lists_its_runs(capsys):
     assert 50 <= r.train.steps * r.train.batch_size / 60000 <= 100  # epochs of Fashion-MNIST's 60,000 train images
     assert main([str(p), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "13 runs, 0 already finished, 0 started, 0 failed" in out and "vit_cls_s1: starting" in out
+    assert "19 runs, 0 already finished, 19 to start, 0 failed" in out and "vit_cls_s2: starting" in out
 
 
 def test_the_study_resnet_has_identity_shortcuts():
-    """Raghu's ResNets have identity skips: the study's baseline has ResNet-18's [2, 2, 2, 2] layout and a first stage as
+    """Raghu's ResNets have identity skips: the study's baseline has ResNet-18's [2, 2, 2, 2] layout and a first stage
+    as
     wide as the stem, so only each later stage's first (strided) block projects."""
     from train.models import build_model
 
@@ -254,12 +260,13 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
     text = report.read_text()
     for claim in (
         "## 1. ViT layer representations are more uniform",
-        "## 2. Skip connections are much more influential",
-        "## 3. In the first half of the network the CLS token",
-        "## 4. Lower layers mix",
-        "## 5. The first block's local heads are the most similar",
-        "## 6. ViT's intermediate layers are stronger",
-        "## 7. Every ViT learns offset local attention heads",
+        "## 3. Skip connections are much more influential",
+        "## 4. In the first half of the network the CLS token",
+        "## 5. Lower layers mix",
+        "## 7. The first block's local heads are the most similar",
+        "## 11. ViT's intermediate layers are stronger",
+        "## 14. Every ViT learns offset local attention heads",
+        "| part (positive = the paper's direction) | effect | 95% CI | p | test | Holm p (reversal) | outcome |",
         "| vit_cls_s1 | vit_cls | 1 |",
         "Claims at a glance",
         '> "We observe a striking phase transition',
@@ -279,37 +286,31 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
         "Paper: not stated as a number (Fig. 1",
     ):
         assert claim in text, claim
-    assert text.count("Paper: ") == 7 and text.count("Ours: ") == 7  # every claim section shows both
+    n = len(PAPER.claims)
+    assert text.count("Paper: ") == n and text.count("Ours: ") == n  # every claim section shows both
+    assert not unformatted(text)
     assert "Go/no-go: **go**" in text or "Go/no-go: **no-go**" in text
     assert "| resnet_s0 | 0." in text and "| resnet_s0 | nan" not in text  # zero-initialised BatchNorms: left out, said
     assert "constant at random initialisation" in text
-    assert "missing" not in text
+    assert "figure" not in text or "missing)*" not in text.split("## 1.")[0]  # the sections before the claims
     from analysis.reports.run_report import check_report
 
     assert check_report(report) == []
     back = C.read_json(report.with_suffix(".json"))
-    assert list(back["claims"]) == [
-        "uniformity",
-        "skip_dominance",
-        "cls_phase",
-        "head_mix",
-        "head_subsets",
-        "intermediate_probes",
-        "offset_heads",
-    ]
+    assert list(back["claims"]) == PAPER.claims.ids()  # every claim, in the paper's order
     assert back["locality_configuration"]["config"] == "vit_cls" and set(back["pilots"]) == {"vit_cls_s0", "vit_cls_s1"}
     assert all(
         back["claims"][c]["measured"]["configuration"] == "vit_cls"
         for c in ("head_mix", "head_subsets", "offset_heads")
     )
-    assert back["pilots"]["vit_cls_s0"]["go"] in (C.GO, C.NO_GO)
+    assert back["pilots"]["vit_cls_s0"]["go"] in (P.GO, P.NO_GO)
     assert all(c["verdict"] in C.OUTCOMES and c["passage"] and c["rule"] for c in back["claims"].values())
     for cid in ("uniformity", "skip_dominance"):  # see `resnet` above: every shortcut projects
         assert back["claims"][cid]["verdict"] == "not testable" and "0 of its 4 blocks" in back["claims"][cid]["why"]
     assert "not testable" in text and "no identity shortcut" in text
     glance = text.split("## Runs")[0]  # the claims table (the pilot tables below also have rows "| 1 |")
-    rows = [line for line in glance.splitlines() if line.startswith(tuple(f"| {i} |" for i in range(1, 8)))]
-    assert len(rows) == 7 and all(r.count("|") - r.count("\\|") == 8 for r in rows)  # 7 cells: no stray | in a cell
+    rows = [line for line in glance.splitlines() if line.startswith(tuple(f"| {i} |" for i in range(1, n + 1)))]
+    assert len(rows) == n and all(r.count("|") - r.count("\\|") == 7 for r in rows)  # 6 cells: no stray | in a cell
     cka = np.load(tmp_path / "runs" / "vit_cls_s1" / "analysis" / "step_0000008" / "cka.npz", allow_pickle=True)
     assert any(str(lab).endswith("norm1") for lab in cka["labels"])  # the study's option: the paper's layer set
     assert (tmp_path / "runs" / "vit_cls_s0" / "analysis" / "step_0000008" / "erf.npz").is_file()  # measures: all

@@ -3,7 +3,8 @@
 A study plug-in (analysis/studies/<paper>/) declares each claim in one place: a function decorated with
 :meth:`Claims.claim` that carries the claim's text (the paper's claim in the paper's direction, the quoted passage,
 its source and figure, the rule in words, the paper's number where the text gives one) and computes it -- it reads the
-numbers it needs through a :class:`Context` and returns a :class:`Result` whose :class:`~analysis.reports.stats.Decision`
+numbers it needs through a :class:`Context` and returns a :class:`Result` whose
+:class:`~analysis.reports.stats.Decision`
 comes from the one statistical rule (analysis/reports/stats.py: a test and a 95% CI per part, Holm over a claim's parts
 for "did not hold", preconditions for "not testable"). The order of the decorated functions is the order of the
 report. Claim ids are unique within a paper (a second one is refused at import), every declared claim appears in the
@@ -257,9 +258,23 @@ def seeds(configs: dict, least: int = 2) -> Precondition:
     return min_seeds(configs, least)
 
 
+class MissingResult(LookupError):
+    """A claim reads a measure a run does not have (not in the study's measures, or the run is unfinished)."""
+
+
+def _not_testable(name: str, sentence: str, numbers: dict | None = None) -> Decision:
+    return Decision(
+        NOT_TESTABLE,
+        f"{sentence[0].upper()}{sentence[1:]}.",
+        (),
+        (),
+        (Precondition(name, False, sentence, numbers or {}),),
+    )
+
+
 def run_claims(paper: Paper, ctx) -> list[tuple[Claim, Result]]:
-    """Every claim of ``paper`` on the study ``ctx`` reads, in order: a claim whose ``needs`` the study lacks is
-    recorded as not testable with the configurations it lacks."""
+    """Every claim of ``paper`` on the study ``ctx`` reads, in order: a claim whose ``needs`` the study lacks, or
+    whose runs lack a measure it reads (:class:`MissingResult`), is recorded as not testable, saying what is missing."""
     out = []
     for c in paper.claims:
         missing = [n for n in c.needs if n not in ctx.configs]
@@ -273,7 +288,10 @@ def run_claims(paper: Paper, ctx) -> list[tuple[Claim, Result]]:
             )
             out.append((c, Result(d)))
             continue
-        out.append((c, c.test(ctx)))
+        try:
+            out.append((c, c.test(ctx)))
+        except MissingResult as e:
+            out.append((c, Result(_not_testable("measured", str(e)))))
     return out
 
 
@@ -358,6 +376,12 @@ def _cell(s) -> str:
     return str(s).replace("|", "\\|")
 
 
+def _state(c: Precondition) -> str:
+    if not c.passed:
+        return "**failed**"
+    return "not checked" if c.sentence.endswith("so not checked") else "passed"
+
+
 def section(n: int, claim: Claim, r: Result) -> list[str]:
     """A claim's section of the report: the passage, the rule, the paper's number and ours, a table of its parts and
     its preconditions, and the verdict with its reasons."""
@@ -386,7 +410,7 @@ def section(n: int, claim: Claim, r: Result) -> list[str]:
         lines.append("")
     if d.preconditions:
         lines += ["Preconditions:", ""]
-        lines += [f"- {'passed' if c.passed else '**failed**'}: {c.sentence}" for c in d.preconditions]
+        lines += [f"- {_state(c)}: {c.sentence}" for c in d.preconditions]
         lines.append("")
     lines += [f"Verdict: {MARK[d.outcome]}. {d.why}", ""]
     return lines

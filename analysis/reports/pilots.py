@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis import offline as O
 from analysis import storage
 from analysis.figures import attention_distance_panels, save
 from analysis.reports.study_runs import last, progress
@@ -191,7 +190,8 @@ def pilot_section(ctx) -> None:
             outcome, why = pilot_check(run)
             doc.add(
                 f"**{sr.name}** ({state}; {grid}x{grid} grid of {run.recipe.model.patch_size}-pixel patches, "
-                f"{run.recipe.model.num_heads} heads; uniform attention {uniform:.2f} px). Go/no-go: **{outcome}**: {why}.",
+                f"{run.recipe.model.num_heads} heads; uniform attention {uniform:.2f} px). Go/no-go: **{outcome}**: "
+                f"{why}.",
                 "",
                 *_distance_table(by, uniform),
                 "",
@@ -278,13 +278,15 @@ def choose_locality(study, runs: dict, absent: dict, configs: dict) -> dict:
         return {
             "config": FALLBACK,
             "runs": configs[FALLBACK],
-            "why": f"{LOCALITY} has not finished ({'; '.join(pending)}), so the locality claims read {FALLBACK}, {regime}.",
+            "why": f"{LOCALITY} has not finished ({'; '.join(pending)}), so the locality claims read {FALLBACK}, "
+            f"{regime}.",
         }
     seeds = ", ".join(str(sr.seed) for sr in srs if sr.seed is not None) or "its recipe's"
     return {
         "config": LOCALITY,
         "runs": configs[LOCALITY],
-        "why": f"The locality claims read {LOCALITY} (seeds {seeds}; recipes/vit_local.yaml: 8 heads, about 20 epochs with "
+        "why": f"The locality claims read {LOCALITY} (seeds {seeds}; recipes/vit_local.yaml: 8 heads, about 20 epochs "
+        "with "
         f"shift, flip, CutMix and mixup), the regime the pilot runs above chose, and not {FALLBACK}: that is "
         'the default 4-epoch regime, Raghu Fig. 4\'s "not enough data" regime, in which ViT "does not learn '
         'to attend locally" in earlier layers.',
@@ -364,7 +366,8 @@ def control_section(ctx) -> dict | None:
         f'{LOCAL_FRACTION:g} x = {LOCAL_FRACTION * uniform:.2f} px. A "did not hold" or "not testable" about '
         "locality below means something only if these detectors find the forced heads.",
         "",
-        "| forced head | window | attention distance (px, x uniform) | local by distance | local by aligned attention | "
+        "| forced head | window | attention distance (px, x uniform) | local by distance | local by aligned attention "
+        "| "
         "offset as built (peak) |",
         "| --- | --- | --- | --- | --- | --- |",
     )
@@ -372,7 +375,8 @@ def control_section(ctx) -> dict | None:
     for x in c["heads"]:
         f = x["found"]
         doc.add(
-            f"| block {x['block']} head {x['head']} | offset ({x['offset'][0]}, {x['offset'][1]}), radius {x['radius']} | "
+            f"| block {x['block']} head {x['head']} | offset ({x['offset'][0]}, {x['offset'][1]}), radius "
+            f"{x['radius']} | "
             f"{x['distance_px']:.2f} ({x['ratio']:.2f} x) | {yes[f['distance']]} | {yes[f['aligned_local']]} | "
             f"{yes[f['offset']]} ({x['peak'][0]}, {x['peak'][1]}) |"
         )

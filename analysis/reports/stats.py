@@ -17,7 +17,8 @@ Parts (:class:`Part`; ``sign`` = +1 when the paper says a > b, -1 when it says a
 are on that signed scale, so a positive effect is in the paper's direction):
 
 * :func:`paired_part` -- seed i of configuration A paired with seed i of B (same seed, same analysis images):
-  d_i = a_i - b_i, effect = sign x mean(d), SE = sd(d) / sqrt(n) (sd with n - 1), t on df = n - 1 (scipy's ``ttest_rel``).
+  d_i = a_i - b_i, effect = sign x mean(d), SE = sd(d) / sqrt(n) (sd with n - 1), t on df = n - 1 (scipy's
+  ``ttest_rel``).
 * :func:`two_sample_part` -- A and B as independent samples of seeds. Default Welch: SE = sqrt(s_a^2/n_a + s_b^2/n_b),
   df by Welch-Satterthwaite, (s_a^2/n_a + s_b^2/n_b)^2 / ((s_a^2/n_a)^2/(n_a-1) + (s_b^2/n_b)^2/(n_b-1)) (scipy's
   ``ttest_ind(equal_var=False)``); for configurations whose seed SD differs, e.g. a ViT against a ResNet. With
@@ -74,7 +75,8 @@ noncentral t: 0.463, 0.576, 0.633 at 2 sigma and 0.783, 0.894, 0.931 at 3 sigma 
 Welch is conservative with 3 seeds (its df falls towards 2 when one sample happens to vary less). For comparison, the
 rule this replaces (an effect counts beyond 2x the largest seed-to-seed difference, analysis/reports/claims.py), in
 the same simulation (200,000 claims): with 2 seeds a true null is held 3.5% and did not hold 3.5%, power 29% at
-2 sigma and 49% at 3 sigma; with 3 seeds 0.25% each, power 9% and 24%. The paired design is the weakest with 3 seeds (df 2): pair
+2 sigma and 49% at 3 sigma; with 3 seeds 0.25% each, power 9% and 24%. The paired design is the weakest with 3 seeds
+(df 2): pair
 only when the seeds of the two configurations are correlated (the pairing then removes the shared part); pooling the
 family's seed SD is the cheapest power.
 
@@ -123,7 +125,8 @@ class _T:
 
 
 class _Boot:
-    """A bootstrap distribution ``boot`` of an estimate ``est`` (percentile or BCa with bias ``z0`` and acceleration ``a``)."""
+    """A bootstrap distribution ``boot`` of an estimate ``est`` (percentile or BCa with bias ``z0`` and acceleration
+    ``a``)."""
 
     def __init__(self, est: float, boot: np.ndarray, method: str, z0: float = 0.0, a: float = 0.0):
         self.est, self.boot, self.method, self.z0, self.a = float(est), np.sort(boot), method, float(z0), float(a)
@@ -295,7 +298,8 @@ def pooled_sd(groups: Mapping[str, Sequence[float]] | Iterable[Sequence[float]])
 
 
 def paired_part(name: str, a, b, *, sign: int = 1, alpha: float = ALPHA) -> Part:
-    """Seed i of ``a`` paired with seed i of ``b``: the one-sample t on d = a - b (df = n - 1; scipy's ``ttest_rel``)."""
+    """Seed i of ``a`` paired with seed i of ``b``: the one-sample t on d = a - b (df = n - 1; scipy's
+    ``ttest_rel``)."""
     a, b = _values(a, "a", name, 2), _values(b, "b", name, 2)
     if len(a) != len(b):
         raise ValueError(
@@ -712,7 +716,8 @@ def simulate(
     """The rule on synthetic seeds: ``reps`` claims of ``parts`` independent parts, each comparing configuration A
     (mean ``effect_sd``, SD 1) with B (mean 0, SD 1), ``seeds`` seeds each, through the part function of ``design``
     ('welch': :func:`two_sample_part`; 'pooled': the same with :func:`pooled_sd` over ``family`` configurations, A and B
-    among them; 'paired': :func:`paired_part`, seeds independent) and :func:`decide`. Returns the share of each outcome."""
+    among them; 'paired': :func:`paired_part`, seeds independent) and :func:`decide`. Returns the share of each
+    outcome."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, not {design!r}")
     if design == "pooled" and family < 2:

@@ -138,52 +138,59 @@ def load_study(path: str | Path, root: str | Path | None = None, report: str | P
         every_checkpoint=_measures(d.get("every_checkpoint"), path),
     )
     for name, spec in d["runs"].items():
-        if not isinstance(spec, dict) or "recipe" not in spec or set(spec) - set(RUN_KEYS):
-            raise RecipeError(
-                f"study run '{name}' must be a mapping {{recipe: FILE, set: [KEY=VALUE, ...], measures: [...], seeds: [...]}}."
-            )
-        recipe = (path.parent / spec["recipe"]).resolve()
-        overrides = shared + list(spec.get("set") or [])
-        run_seeds = _seeds(spec["seeds"], f"study run '{name}'") if "seeds" in spec else seeds
-        gate = spec.get("go_no_go", False)
-        if not isinstance(gate, bool):
-            raise RecipeError(f"study run '{name}': go_no_go must be true or false, not {gate!r}.")
-        if run_seeds is not None and any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
-            raise RecipeError(
-                f"study run '{name}' sets 'seed=' in set: and the study gives seeds: give the seed in one place only."
-            )
-        for seed in run_seeds if run_seeds is not None else [None]:
-            run_name = name if seed is None else f"{name}_s{seed}"
-            if run_name in study.runs:
-                raise RecipeError(
-                    f"study run '{run_name}' is named twice (a run name ending in _sN collides with a seeded run): rename it."
-                )
-            ov = overrides if seed is None else [*overrides, f"seed={seed}"]
-            try:
-                rec = load_recipe(recipe, ov)
-            except RecipeError as e:
-                raise RecipeError(f"study run '{run_name}': {e}") from None
-            if gate and (
-                rec.model.arch != "vit"
-                or not rec.train.checkpoint_every
-                or "attention_distance" not in [c.name for c in rec.callbacks]
-            ):
-                raise RecipeError(
-                    f"study run '{name}': go_no_go needs a ViT with train.checkpoint_every set and the "
-                    'attention_distance callback (set: ["callbacks=[attention_distance]"]), which it '
-                    "measures at the second checkpoint."
-                )
-            study.runs[run_name] = StudyRun(
-                run_name,
-                recipe,
-                ov,
-                root / run_name,
-                _measures(spec.get("measures"), path),
-                config=name,
-                seed=seed,
-                go_no_go=gate,
-            )
+        _add_runs(study, name, spec, path, shared, seeds)
     return study
+
+
+def _add_runs(study: Study, name: str, spec, path: Path, shared: list[str], seeds: list[int] | None) -> None:
+    """Check one entry of the study file's ``runs:`` and add its runs (one per seed) to ``study``."""
+    if not isinstance(spec, dict) or "recipe" not in spec or set(spec) - set(RUN_KEYS):
+        raise RecipeError(
+            f"study run '{name}' must be a mapping {{recipe: FILE, set: [KEY=VALUE, ...], measures: [...], seeds: "
+            "[...]}."
+        )
+    recipe = (path.parent / spec["recipe"]).resolve()
+    overrides = shared + list(spec.get("set") or [])
+    run_seeds = _seeds(spec["seeds"], f"study run '{name}'") if "seeds" in spec else seeds
+    gate = spec.get("go_no_go", False)
+    if not isinstance(gate, bool):
+        raise RecipeError(f"study run '{name}': go_no_go must be true or false, not {gate!r}.")
+    if run_seeds is not None and any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
+        raise RecipeError(
+            f"study run '{name}' sets 'seed=' in set: and the study gives seeds: give the seed in one place only."
+        )
+    for seed in run_seeds if run_seeds is not None else [None]:
+        run_name = name if seed is None else f"{name}_s{seed}"
+        if run_name in study.runs:
+            raise RecipeError(
+                f"study run '{run_name}' is named twice (a run name ending in _sN collides with a seeded run): "
+                "rename it."
+            )
+        ov = overrides if seed is None else [*overrides, f"seed={seed}"]
+        try:
+            rec = load_recipe(recipe, ov)
+        except RecipeError as e:
+            raise RecipeError(f"study run '{run_name}': {e}") from None
+        if gate and (
+            rec.model.arch != "vit"
+            or not rec.train.checkpoint_every
+            or "attention_distance" not in [c.name for c in rec.callbacks]
+        ):
+            raise RecipeError(
+                f"study run '{name}': go_no_go needs a ViT with train.checkpoint_every set and the "
+                'attention_distance callback (set: ["callbacks=[attention_distance]"]), which it '
+                "measures at the second checkpoint."
+            )
+        study.runs[run_name] = StudyRun(
+            run_name,
+            recipe,
+            ov,
+            study.root / run_name,
+            _measures(spec.get("measures"), path),
+            config=name,
+            seed=seed,
+            go_no_go=gate,
+        )
 
 
 def _paper(d: dict, path: Path) -> str | None:
@@ -262,7 +269,8 @@ def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, u
         outcome, why = pilot_check(open_run(r.run_dir))
         if outcome == NO_GO:
             print(
-                f"study {study.name}: {config}: no-go at the pilot check: {why}; its runs stop here (the report says so; "
+                f"study {study.name}: {config}: no-go at the pilot check: {why}; its runs stop here (the report says "
+                "so; "
                 "--no-go-no-go trains them to the end anyway)",
                 flush=True,
             )
@@ -317,7 +325,8 @@ def main(argv=None) -> int:
         unknown = sorted(set(args.only or []) - set(configs))
         if unknown:
             print(
-                f"error: --only names {', '.join(unknown)}, which the study does not have: choose from {', '.join(configs)}.",
+                f"error: --only names {', '.join(unknown)}, which the study does not have: choose from "
+                f"{', '.join(configs)}.",
                 file=sys.stderr,
             )
             return 2

@@ -133,9 +133,14 @@ class Context:
     notes: list[str] = field(default_factory=list)
     shared: dict = field(default_factory=dict)
 
-    def last(self, run, measure: str, step: int | None = None):
-        """Run ``run``'s saved result of ``measure`` at its last checkpoint (or ``step``); None when not measured."""
-        return R.last(run, measure, step)
+    def last(self, run, measure: str, step: int | None = None, optional: bool = False):
+        """Run ``run``'s saved result of ``measure`` at its last checkpoint (or ``step``); when it was not measured,
+        None if ``optional``, else :class:`~analysis.reports.claims.MissingResult` (the claim is not testable)."""
+        res = R.last(run, measure, step)
+        if res is None and not optional:
+            at = "its last checkpoint" if step is None else f"step {step}"
+            raise C.MissingResult(f"{measure} was not measured on {run.name} at {at} (add it to the study's measures)")
+        return res
 
     def previous(self, run, measure: str):
         """The same at the run's second-to-last checkpoint (None when not measured there)."""
@@ -167,7 +172,10 @@ def write_report(study) -> int:
     return 0
 
 
-_PLACEHOLDER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_.]*(![rsa])?(:[^{}]*)?\}")
+# a str.format field: a name, an optional conversion and an optional format spec (e.g. {C.GO_FRACTION:g}, {x!r:>8})
+_PLACEHOLDER = re.compile(
+    r"\{[A-Za-z_][\w.]*(\[[^\]]*\])?(![rsa])?(:[<>=^]?[+\- ]?#?0?\d*[,_]?(\.\d+)?[bcdeEfFgGnosxX%]?)?\}"
+)
 
 
 def unformatted(text: str) -> list[str]:

@@ -8,6 +8,7 @@ passage, rule and the code that computes it: claims.py; the numbers of one model
 
 from analysis.reports.claims import Paper
 from analysis.reports.pilots import control_section, locality_section, pilot_section
+from analysis.studies.raghu2021 import ablation  # noqa: F401  (declares the test-time ablation claim)
 from analysis.studies.raghu2021.claims import CLAIMS
 
 PAPER = Paper(

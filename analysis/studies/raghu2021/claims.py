@@ -199,7 +199,7 @@ def noskip_partition(ctx) -> Result:
         "vit_cls": [ctx.top1(r) for r in base],
         **{f"noskip_b{b}": [ctx.top1(r) for r in rs] for b, rs in ns.items()},
     }
-    for b, runs in sorted(ns.items()):
+    for b in sorted(ns):
         fam = {
             "vit_cls": [across(r, b) for r in base],
             **{f"noskip_b{k}": [across(r, b) for r in v] for k, v in ns.items()},
@@ -524,7 +524,8 @@ def head_subsets(ctx) -> Result:
             (
                 sub_fig / "head_subsets.png",
                 "head_subsets",
-                f"{runs[0].name}: block-0 heads from local to global: CKA of windows of consecutive heads (lines) and of "
+                f"{runs[0].name}: block-0 heads from local to global: CKA of windows of consecutive heads (lines) and "
+                "of "
                 "single heads (circles) to the ResNet's lower layers (Raghu Fig. 5)",
             )
         ],
@@ -615,7 +616,7 @@ def gap_token_probes(ctx) -> Result:
 )
 def erf(ctx) -> Result:
     vit_runs, res_runs = ctx.configs["vit_cls"], ctx.configs["resnet"]
-    if any(ctx.last(r, "erf") is None for r in vit_runs + res_runs):
+    if any(ctx.last(r, "erf", optional=True) is None for r in vit_runs + res_runs):
         return Result(
             Decision(
                 NOT_TESTABLE,
@@ -676,7 +677,7 @@ def _mean_pool(ctx, r) -> np.ndarray:
 )
 def intermediate_probes(ctx) -> Result:
     vit_runs, res_runs = ctx.configs["vit_cls"], ctx.configs["resnet"]
-    if any(ctx.last(r, "fewshot_probe") is None for r in vit_runs + res_runs):
+    if any(ctx.last(r, "fewshot_probe", optional=True) is None for r in vit_runs + res_runs):
         return _absent("fewshot_probe results on every seed")
     vit = [N.middle_mean(_mean_pool(ctx, r)) for r in vit_runs]
     res = [N.middle_mean(_mean_pool(ctx, r)) for r in res_runs]
@@ -709,7 +710,7 @@ def data_probes(ctx) -> Result:
     fr = _fractions(ctx)
     if len(fr) < 2:
         return _absent("subset_<fraction> (at least one data subset beside the full data)")
-    if any(ctx.last(r, "fewshot_probe") is None for _, rs, _ in fr for r in rs):
+    if any(ctx.last(r, "fewshot_probe", optional=True) is None for _, rs, _ in fr for r in rs):
         return _absent("fewshot_probe results on every subset run")
     n = min(len(rs) for _, rs, _ in fr)
     per_seed = [[N.middle_mean(_mean_pool(ctx, rs[i])) for _, rs, _ in fr] for i in range(n)]
@@ -830,7 +831,7 @@ def data_drift(ctx) -> Result:
 def offset_heads(ctx) -> Result:
     name, lruns = _locality_runs(ctx)
     runs = lruns if name == LOCALITY else [r for k in ("vit_cls", "vit_gap") for r in ctx.configs.get(k, [])]
-    al = {r.name: ctx.last(r, "aligned_attention") for r in runs}
+    al = {r.name: ctx.last(r, "aligned_attention", optional=True) for r in runs}
     al = {k: v for k, v in al.items() if v is not None}
     n_local = {k: int(np.asarray(v["local"], dtype=bool).sum()) for k, v in al.items()}
     counts = {k: N.offset_heads(v["offset_local"]) for k, v in al.items()}
@@ -864,7 +865,8 @@ def offset_heads(ctx) -> Result:
     d_fig = storage.step_dir(lruns[0].path, max(lruns[0].checkpoints), "figures")
     return Result(
         d,
-        ours=f"{sum(have)} of {len(have)} runs with an offset local head; {sum(n_local.values())} of {heads} heads local",
+        ours=f"{sum(have)} of {len(have)} runs with an offset local head; {sum(n_local.values())} of {heads} heads "
+        "local",
         measured=measured,
         figures=[
             (

@@ -79,7 +79,8 @@ def floors_section(doc, arch: list, opts, root: Path) -> None:
         "only above it; a trained layer's CKA with the same layer at initialisation is how far training moved it. "
         "Same images, layers, representation and estimator as the maps; seed 0 of each configuration.",
         "",
-        "| model | mean off-diagonal CKA, trained | ... at random init | first-last CKA, trained | ... at random init |",
+        "| model | mean off-diagonal CKA, trained | ... at random init | first-last CKA, trained | ... at random init "
+        "|",
         "| --- | --- | --- | --- | --- |",
     )
     floors = {r.name: _cka_floors(r, opts) for r in arch}
@@ -87,7 +88,8 @@ def floors_section(doc, arch: list, opts, root: Path) -> None:
     for name, f in floors.items():
         u, ui = _uniformity(f["matrix"]), _uniformity(f["init_matrix"])
         doc.add(
-            f"| {name} | {u['mean_offdiag']:.3f} | {ui['mean_offdiag']:.3f} | {u['first_last']:.3f} | {ui['first_last']:.3f} |"
+            f"| {name} | {u['mean_offdiag']:.3f} | {ui['mean_offdiag']:.3f} | {u['first_last']:.3f} | "
+            f"{ui['first_last']:.3f} |"
         )
         dead = [str(lab) for lab, x in zip(f["labels"], np.diag(f["init_matrix"])) if not np.isfinite(x)]
         if dead:
@@ -101,7 +103,8 @@ def floors_section(doc, arch: list, opts, root: Path) -> None:
         )
     doc.add(
         "",
-        "| model | block output | CKA with pixels, trained | ... at random init | CKA trained vs the same layer at init |",
+        "| model | block output | CKA with pixels, trained | ... at random init | CKA trained vs the same layer at "
+        "init |",
         "| --- | --- | --- | --- | --- |",
     )
     panels = {}
@@ -110,7 +113,8 @@ def floors_section(doc, arch: list, opts, root: Path) -> None:
         for i, t in enumerate(taps):
             if t.endswith(".out"):
                 doc.add(
-                    f"| {name} | {labels[i]} | {f['pixels'][i]:.3f} | {f['init_pixels'][i]:.3f} | {f['init_same'][i]:.3f} |"
+                    f"| {name} | {labels[i]} | {f['pixels'][i]:.3f} | {f['init_pixels'][i]:.3f} | "
+                    f"{f['init_same'][i]:.3f} |"
                 )
         panels[name] = (
             labels,

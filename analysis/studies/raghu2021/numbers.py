@@ -11,7 +11,8 @@ def _block_of(label: str) -> int:
 
 
 def uniformity(matrix) -> dict:
-    """Raghu Fig. 1: ``mean_offdiag`` mean CKA over pairs of distinct layers; ``first_last`` CKA of the first and last layer."""
+    """Raghu Fig. 1: ``mean_offdiag`` mean CKA over pairs of distinct layers; ``first_last`` CKA of the first and last
+    layer."""
     m = np.asarray(matrix, dtype=float)
     off = m[~np.eye(len(m), dtype=bool)]
     return {"mean_offdiag": float(off.mean()), "first_last": float(m[0, -1])}
@@ -40,7 +41,8 @@ def skip_dominance(ratio, blocks=None) -> float:
 
 def head_mix(distance) -> dict:
     """Raghu Fig. 3: attention distances [L, H]. ``spread_lower`` / ``spread_upper``: the mean over blocks of (max - min
-    over heads) in the lower / upper half of the blocks; ``mean_lower`` / ``mean_upper``: the mean distance in each half;
+    over heads) in the lower / upper half of the blocks; ``mean_lower`` / ``mean_upper``: the mean distance in each
+    half;
     ``min``: the smallest head distance anywhere."""
     d = np.asarray(distance, dtype=float)
     h = len(d) // 2
