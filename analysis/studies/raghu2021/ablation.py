@@ -81,7 +81,7 @@ def skip_costs(base: list[dict], noskip: dict[int, list[dict]]) -> dict:
     "middle blocks.)",
     rule="Per no-skip block i, on the same analysis images, seeds paired: test-time cost (vit_cls's top-1 minus its "
     "top-1 with block i's skip paths removed at test time, ablation target blocks.i.skip) minus training-time cost "
-    "(vit_cls's top-1 minus noskip_b{i}'s); a paired t over seeds per block.",
+    "(vit_cls's top-1 minus noskip_b<i>'s); a paired t over seeds per block.",
     paper_value="4% top-1 drop for middle blocks trained without their skip (Fig. 8 caption); no test-time number",
     needs=("vit_cls",),
 )
