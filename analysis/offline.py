@@ -426,75 +426,82 @@ def analyze_run(
     if problem:
         raise AnalysisError(f"run {run.path}: {problem}")
     stats: dict = {"computed": [], "reused": [], "steps": steps, "skipped": [], "not_applicable": [], "model": ""}
-    # every checkpoint is checked before any result is written (a corrupted one stops the run here, not midway); one
-    # that a trainer still running pruned since the run was opened is skipped (stats["skipped"])
-    wkeys = {}
-    own = None
-    for step in steps:
-        try:
-            wkeys[step] = weights_key(run, step)
-            if not run.external:
-                if (
-                    own is None
-                ):  # the recipe's model without weights: do the checkpoints' tensors fit it (cached or not)?
-                    with torch.device("meta"):
-                        own = build_model(run.recipe, data.num_classes if uses_labels(run.recipe) else 0).state_dict()
-                try:
-                    verify_checkpoint(run.checkpoints[step])
-                    check_weights_fit(own, run.checkpoints[step], part_prefix(run, step))
-                except CheckpointError as e:
-                    raise AnalysisError(str(e)) from None
-        except AnalysisError:
-            if not pruned(run, step):
-                raise
-            stats["skipped"].append(step)
-            wkeys.pop(step, None)
     all_gone = AnalysisError(
         f"the checkpoints of run {run.path} to analyse ({', '.join(map(str, steps))}) were deleted while being "
-        "analysed (a trainer still running keeps only its last train.keep_last): analyse newer ones, e.g. --steps last."
+        "analysed (a trainer still running keeps only its last train.keep_last): analyse newer ones, e.g. --steps "
+        "last."
     )
+    wkeys = _checked_weights(run, steps, data, stats)
     if not wkeys:
         raise all_gone
     writer = _Writer(run, tensorboard)
     try:
         for step in tqdm(list(wkeys), desc=f"analyse {run.name}", disable=not progress, unit="ckpt"):
-            out = step_dir(run, step)
             keys = {n: storage.cache_key(wkeys[step], fp, opts.settings(n), n) for n in opts.measures}
-            todo = [n for n in opts.measures if force or not storage.is_cached(out, n, keys[n])]
-            stats["reused"] += [(step, n) for n in opts.measures if n not in todo]
-            if not todo:
-                continue
-            try:
-                model = load_model(run, step, data)
-            except AnalysisError:
-                if not pruned(run, step):
-                    raise
-                stats["skipped"].append(step)
-                continue
-            try:
-                res = S.run_suite(model, data, opts, measures=todo)
-            except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
-                raise AnalysisError(f"run {run.path}: {e}") from None
-            meta = res["meta"]
-            stats["model"] = f"a {meta['arch']}" + (
-                " without a class token" if meta["arch"] == "vit" and not meta["num_prefix_tokens"] else ""
-            )
-            stats["not_applicable"] += [n for n in todo if n not in res and n not in stats["not_applicable"]]
-            if (
-                not stats["computed"] and not stats["reused"] and len(res) == 1
-            ):  # nothing asked for applies: say so, write nothing
-                raise AnalysisError(
-                    f"run {run.path}: {' and '.join(todo)} {'does' if len(todo) == 1 else 'do'} not apply to this model "
-                    f"({stats['model']}): see python -m analysis --list for what each measure needs."
-                )
-            stats["computed"] += [(step, n) for n in res if n != "meta"]
-            publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
+            _analyse_step(run, step, data, opts, keys, force, stats, writer)
     finally:
         writer.close()
     stats["steps"] = [s for s in steps if s not in stats["skipped"]]
     if not stats["steps"]:
         raise all_gone
     return stats
+
+
+def _checked_weights(run: Run, steps: list[int], data, stats: dict) -> dict[int, str]:
+    """{step: weights key} of the checkpoints to analyse. Every checkpoint is checked before any result is written
+    (a corrupted one stops the run here, not midway); one that a trainer still running pruned since the run was
+    opened is skipped (``stats["skipped"]``)."""
+    wkeys, own = {}, None
+    for step in steps:
+        try:
+            wkeys[step] = weights_key(run, step)
+            if run.external:
+                continue
+            if own is None:  # the recipe's model without weights: do the checkpoints' tensors fit it (cached or not)?
+                with torch.device("meta"):
+                    own = build_model(run.recipe, data.num_classes if uses_labels(run.recipe) else 0).state_dict()
+            try:
+                verify_checkpoint(run.checkpoints[step])
+                check_weights_fit(own, run.checkpoints[step], part_prefix(run, step))
+            except CheckpointError as e:
+                raise AnalysisError(str(e)) from None
+        except AnalysisError:
+            if not pruned(run, step):
+                raise
+            stats["skipped"].append(step)
+            wkeys.pop(step, None)
+    return wkeys
+
+
+def _analyse_step(run: Run, step: int, data, opts: S.SuiteOptions, keys: dict, force: bool, stats: dict, writer):
+    """The measures of one checkpoint that are not cached (all with ``force``): computed and published."""
+    todo = [n for n in opts.measures if force or not storage.is_cached(step_dir(run, step), n, keys[n])]
+    stats["reused"] += [(step, n) for n in opts.measures if n not in todo]
+    if not todo:
+        return
+    try:
+        model = load_model(run, step, data)
+    except AnalysisError:
+        if not pruned(run, step):
+            raise
+        stats["skipped"].append(step)
+        return
+    try:
+        res = S.run_suite(model, data, opts, measures=todo)
+    except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
+        raise AnalysisError(f"run {run.path}: {e}") from None
+    meta = res["meta"]
+    stats["model"] = f"a {meta['arch']}" + (
+        " without a class token" if meta["arch"] == "vit" and not meta["num_prefix_tokens"] else ""
+    )
+    stats["not_applicable"] += [n for n in todo if n not in res and n not in stats["not_applicable"]]
+    if not stats["computed"] and not stats["reused"] and len(res) == 1:  # nothing asked applies: say so, write nothing
+        raise AnalysisError(
+            f"run {run.path}: {' and '.join(todo)} {'does' if len(todo) == 1 else 'do'} not apply to this model "
+            f"({stats['model']}): see python -m analysis --list for what each measure needs."
+        )
+    stats["computed"] += [(step, n) for n in res if n != "meta"]
+    publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
 
 
 def check_writable(run: Run) -> None:

@@ -126,8 +126,8 @@ def preflight(recipe, overrides: list, resume) -> None:
     (the launcher decides it). Raises RecipeError, RunFolderError, CheckpointError or DataError."""
     # deferred, as in main(): importing the trainer (torch, accelerate, timm) takes seconds
     from train.callbacks import build_callbacks
+    from train.run_folder import RunLock, prepare_run, run_dir_for
     from train.sources import check_source
-    from train.trainer import RunLock, prepare_run, run_dir_for
 
     build_callbacks(recipe.callbacks).check_recipe(recipe)
     run_dir = run_dir_for(recipe, overrides)
@@ -164,7 +164,9 @@ def main(argv=None) -> int:
 
     from train.checkpoint import CheckpointError
     from train.data import DataError
-    from train.trainer import RunFolderError, StopSignals, TrainingDiverged, TrainingStopped, train
+    from train.errors import RunFolderError, TrainingDiverged, TrainingStopped
+    from train.run_folder import StopSignals
+    from train.trainer import train
 
     if args.check:
         try:
