@@ -3,7 +3,8 @@ cross-run comparisons on the same analysis images.
 
 - :func:`open_run` reads a run folder (its resolved ``recipe.yaml`` and complete checkpoints).
 - :func:`analyze_run` runs the suite on chosen checkpoints. A measure whose saved result carries the same
-  cache key (checkpoint weights' sha256, analysis images, batch size and its own options: :func:`analysis.storage.cache_key`) is not
+  cache key (checkpoint weights' sha256, analysis images, batch size and its own options:
+  :func:`analysis.storage.cache_key`) is not
   recomputed; results go to ``analysis/step_XXXXXXX/``, figures to ``figures/step_XXXXXXX/`` and scalars and
   images to the run's TensorBoard at the checkpoint's step.
 - :func:`against` computes cross-model CKA between a run's checkpoint and another run's (or the same run's
@@ -36,12 +37,12 @@ import timm
 import torch
 from tqdm.auto import tqdm
 
-from analysis import storage
+from analysis import publish, storage
 from analysis import suite as S
 from analysis.figures import cka_heatmap, save, subplots
-from analysis.head_subsets import head_subset_cka, head_subset_figure
 from analysis.measure import MeasureError, as_list, load_result, save_result
 from analysis.measures.cka import cka_layers
+from analysis.measures.head_subsets import head_subset_cka, head_subset_figure
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, arch_of
 from train.checkpoint import (
@@ -57,6 +58,7 @@ from train.checkpoint import (
     verify_checkpoint,
 )
 from train.data import DataError, build_data
+from train.errors import UserError
 from train.models import build_model
 from train.objectives import uses_labels
 from train.recipe import RecipeError, load_recipe
@@ -64,7 +66,7 @@ from train.recipe import RecipeError, load_recipe
 DEFAULT_PART = storage.DEFAULT_PART
 
 
-class AnalysisError(ValueError):
+class AnalysisError(UserError, ValueError):
     """Bad input to offline analysis; the message is one sentence for the user."""
 
 
@@ -116,7 +118,8 @@ def open_run(path: str | Path, part: str | None = None) -> Run:
     ckpts = list_checkpoints(p / "checkpoints", warn=False)
     if not ckpts:
         raise AnalysisError(
-            f"run {p} has no complete checkpoint: train it until its first checkpoint (./launch.sh RECIPE), or pass another run."
+            f"run {p} has no complete checkpoint: train it until its first checkpoint (./launch.sh RECIPE), or pass "
+            "another run."
         )
     run = Run(p, p.name, recipe, {int(STEP_RE.match(c.name).group(1)): c for c in ckpts})
     return select_part(run, part) if part is not None else run
@@ -125,7 +128,8 @@ def open_run(path: str | Path, part: str | None = None) -> Run:
 def checkpoint_parts(run: Run, step: int) -> dict[str, str]:
     """The networks of checkpoint ``step``: {part name: its key prefix in model.safetensors}, from the objective's
     ``parts`` in meta.json (``{"student": "backbone.", "teacher": "teacher_backbone."}`` for DINO); a supervised
-    run, a run from before objectives and a model from elsewhere hold one network, saved unprefixed: ``{"student": ""}``."""
+    run, a run from before objectives and a model from elsewhere hold one network, saved unprefixed: ``{"student":
+    ""}``."""
     if run.external:
         return {DEFAULT_PART: ""}
     try:
@@ -177,7 +181,8 @@ def external_run(
     embedding's grid; ``--set data.img_size=N`` to choose), and ``probe_images`` (a folder) trains probes and k-NN.
     Without, the analysis and probe-train images of ``recipe_path`` (+ overrides) are used, and only those are decoded
     (the train split stays on disk); ``preprocessing="model"`` normalises them with the model's mean and std,
-    ``"recipe"`` with the data's own (as a run trained here on that recipe: needed to compare the two with --against)."""
+    ``"recipe"`` with the data's own (as a run trained here on that recipe: needed to compare the two with
+    --against)."""
     if not arch.startswith("timm:") or len(arch) <= 5:
         raise AnalysisError(f"--model '{arch}' must look like timm:<architecture>, e.g. timm:vit_tiny_patch16_224.")
     if weights != "pretrained" and not Path(weights).is_file():
@@ -291,7 +296,8 @@ def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, im
             model.load_state_dict(state)
         except RuntimeError:
             raise AnalysisError(
-                f"weights in {weights} do not fit this model ({arch} at data.img_size={img_size}, data.in_chans={in_chans}: "
+                f"weights in {weights} do not fit this model ({arch} at data.img_size={img_size}, "
+                f"data.in_chans={in_chans}: "
                 f"{fit_report(model.state_dict(), state) or 'load_state_dict refused them'}): pass the architecture "
                 "they belong to and the image size and channels they were trained at (e.g. --set data.img_size=224 "
                 "data.in_chans=3)."
@@ -541,7 +547,7 @@ def pruned(run: Run, step: int, wait_s: float = 2.0) -> bool:
 
 def publish_step(run: Run, step: int, res: dict, writer, keys: dict) -> None:
     """Arrays and cache keys to analysis/step_X/, PNGs to figures/step_X/, scalars and images to TensorBoard."""
-    storage.publish(
+    publish.publish(
         res, step_dir(run, step), writer, step, keys=keys, figure_dir=step_dir(run, step, "figures"), part=run.part
     )
 

@@ -5,19 +5,26 @@ so recipe validation, the data layer and the run folder can raise them without i
 from __future__ import annotations
 
 
-class RecipeError(ValueError):
+class UserError(Exception):
+    """A problem in what the user gave (a recipe, data, a run folder, options): ``str(e)`` is the one sentence that
+    the code which found the problem wrote, printed as it is (never relabelled on the way). ``analysis/`` derives
+    its own errors from it (MeasureError, AnalysisError), so a training-time analysis option reaches the user
+    through ``python -m train`` unchanged."""
+
+
+class RecipeError(UserError, ValueError):
     """A recipe (file, base chain or override) is malformed; the message is one sentence for the user."""
 
 
-class DataError(RuntimeError):
+class DataError(UserError, RuntimeError):
     """A data set cannot be found, reached or read; the message is one sentence for the user."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message is one sentence for the user."""
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(UserError, RuntimeError):
     """The run folder cannot be used as asked (in use, not writable, nothing to resume, ...); one sentence."""
 
 

@@ -13,17 +13,17 @@ import dataclasses
 import hashlib
 import json
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
 from interventions import InterventionsConfig
 from interventions import check as check_interventions
 from train.callbacks import is_callback_name, known_callbacks
+from train.coerce import coerce
 from train.errors import RecipeError
 from train.objectives import ObjectivesConfig
 from train.objectives import check as check_objective
@@ -369,16 +369,19 @@ def _read_yaml(path: Path) -> dict:
         text = "\0"
     if "\0" in text:
         raise RecipeError(
-            f"recipe file '{path}' is not a text file (binary or not UTF-8): pass a YAML recipe such as recipes/default.yaml."
+            f"recipe file '{path}' is not a text file (binary or not UTF-8): pass a YAML recipe such as "
+            "recipes/default.yaml."
         )
     data = _yaml(text, f"recipe file '{path}'")
     if data is None:
         raise RecipeError(
-            f"recipe file '{path}' is empty (no keys, only comments or blank lines): write the keys to change, or 'base: default.yaml'."
+            f"recipe file '{path}' is empty (no keys, only comments or blank lines): write the keys to change, or "
+            "'base: default.yaml'."
         )
     if not isinstance(data, dict):
         raise RecipeError(
-            f"recipe file '{path}' must hold a mapping of keys (data:, model:, train:, ...), not a {type(data).__name__}."
+            f"recipe file '{path}' must hold a mapping of keys (data:, model:, train:, ...), not a "
+            f"{type(data).__name__}."
         )
     return data
 
@@ -428,68 +431,6 @@ def _set_override(d: dict, assignment: str) -> None:
 # ---------------------------------------------------------------- validation against the dataclasses' field types
 
 
-_SCALARS = {
-    bool: (bool,),
-    int: (int,),
-    float: (int, float),
-    str: (str,),
-    dict: (dict,),
-}  # type -> accepted Python types
-_YAML_BOOL_WORDS = {False: {"no", "off", "false"}, True: {"yes", "on", "true"}}  # YAML 1.1 reads these as booleans
-
-
-def _type_name(tp) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args)
-    if origin is list:
-        return f"a list of {_type_name(args[0])}"
-    if tp is type(None):
-        return "null"
-    return "a mapping" if dataclasses.is_dataclass(tp) else getattr(tp, "__name__", str(tp))
-
-
-def _convert(value: Any, tp, key: str):
-    """``value`` checked against the field type ``tp`` (scalars, Optional / Union, Literal, list, nested
-    dataclasses); a dataclass may define ``from_recipe(value)`` to accept a shorthand. RecipeError if it does not fit."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        real = [a for a in args if a is not type(None)]
-        if len(real) == 1:  # Optional[X]: X's own, more precise message
-            return _convert(value, real[0], key)
-        for a in real:
-            try:
-                return _convert(value, a, key)
-            except RecipeError:
-                pass
-    elif origin is Literal:
-        if isinstance(value, bool):
-            value = next((a for a in args if str(a).lower() in _YAML_BOOL_WORDS[value]), value)
-        if value in args and not isinstance(value, bool):
-            return value
-    elif origin is list:
-        if isinstance(value, dict) and dataclasses.is_dataclass(args[0]):
-            value = [value]  # one mapping where a list of them is expected
-        if isinstance(value, list):
-            return [_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    elif dataclasses.is_dataclass(tp):
-        value = tp.from_recipe(value) if hasattr(tp, "from_recipe") else value
-        if isinstance(value, dict):
-            return _build(tp, value, key)
-    elif tp in _SCALARS:
-        if isinstance(value, _SCALARS[tp]) and (tp is bool or not isinstance(value, bool)):
-            return float(value) if tp is float else value
-    else:
-        raise TypeError(f"unsupported schema type {tp} for {key}")  # a bug in the schema, not in the recipe
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
-    raise RecipeError(f"key '{key}' must be {_type_name(tp)}, got {shown}.")
-
-
 def _check_range(value, meta: dict, key: str) -> None:
     """``metadata`` {lo, hi, lo_open} of a numeric field (see :func:`_range`)."""
     if not meta or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -510,7 +451,7 @@ def _build(cls, data: dict, prefix: str = ""):
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in fields:
             raise RecipeError(f"unknown key '{key}': allowed keys here are {', '.join(sorted(fields))}.")
-        kwargs[k] = _convert(v, hints[k], key)
+        kwargs[k] = coerce(v, hints[k], key, RecipeError, build=_build)
         _check_range(kwargs[k], fields[k].metadata, key)
     for name, f in fields.items():
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
