@@ -5,7 +5,8 @@ suite the training-time callback and ``python -m analysis`` run.
     from analysis.api import analyze
 
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, num_classes=10)
-    res = analyze(model, torch.rand(64, 3, 32, 32), measures=["cka", "attention_distance"], options={"cka": {"repr": "cls"}})
+    res = analyze(model, torch.rand(64, 3, 32, 32), measures=["cka", "attention_distance"], options={"cka": {"repr":
+    "cls"}})
     res["summary"]["attention_distance"]["mean_px"]      # key numbers per measure
     res["results"]["cka"]["matrix"]                       # the arrays
     res["figures"]["cka/self"].savefig("cka.png")         # matplotlib figures
@@ -13,7 +14,8 @@ suite the training-time callback and ``python -m analysis`` run.
 ``model`` is a timm VisionTransformer, ResNet or MLP-Mixer object, or a run folder (``"runs/default"``, or
 ``"runs/default:600"`` for a checkpoint), whose own analysis and probe-train images are used unless ``images`` are
 given; ``part`` picks the network of a self-supervised checkpoint (``"student"``, the default, or e.g. ``"teacher"``
-for DINO's EMA teacher: train/objectives). ``images`` is a tensor [N, C, H, W] (uint8 or float) or an iterable of ``(images, labels)`` batches (a
+for DINO's EMA teacher: train/objectives). ``images`` is a tensor [N, C, H, W] (uint8 or float) or an iterable of
+``(images, labels)`` batches (a
 DataLoader); measures that read labels (probes, k-NN, clustering) need ``labels`` and, for probes and k-NN,
 ``probe_images`` / ``probe_labels`` to train on. ``normalize`` maps a batch to model inputs (default: uint8 /
 255, float unchanged). ``images`` may also be a folder of image files (one subfolder per class gives labels) or
@@ -38,16 +40,16 @@ from __future__ import annotations
 import fnmatch
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from analysis import offline as O
-from analysis import storage
-from analysis.measure import MeasureError
+from analysis import publish, storage
 from analysis.suite import float32_forward, missing_labels, run_suite, suite_options
 from analysis.taps import TapError, Taps, arch_of, available_taps, block_kinds, block_names
 from train.splits import TensorBatches
@@ -88,7 +90,8 @@ def _images(images, labels) -> TensorBatches:
     if x.is_floating_point() and not torch.isfinite(x).all():
         bad = int((~torch.isfinite(x)).flatten(1).any(1).sum())
         raise ValueError(
-            f"{bad} of the {len(x)} images hold NaN or infinite values, which make every number NaN: pass finite images."
+            f"{bad} of the {len(x)} images hold NaN or infinite values, which make every number NaN: pass finite "
+            "images."
         )
     if len(y) != len(x):
         raise ValueError(f"{len(x)} images but {len(y)} labels.")
@@ -122,27 +125,24 @@ def _check_fits(model, data) -> None:
 
 
 def analyze(
-    model,
-    images=None,
-    labels=None,
+    model: torch.nn.Module | str | Path,
+    images: torch.Tensor | Iterable | str | Path | None = None,
+    labels: torch.Tensor | Sequence[int] | None = None,
     *,
-    measures=None,
-    options: dict | None = None,
-    probe_images=None,
-    probe_labels=None,
-    normalize=None,
+    measures: str | Sequence[str] | None = None,
+    options: dict[str, dict[str, Any]] | None = None,
+    probe_images: torch.Tensor | Iterable | str | Path | None = None,
+    probe_labels: torch.Tensor | Sequence[int] | None = None,
+    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
     num_classes: int | None = None,
     batch_size: int = 256,
     figures: bool = True,
     part: str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Run ``measures`` (default: CKA, norm ratios, attention distances, few-shot probes; ``"all"`` for every one)
     with ``options`` ({measure: {option: value}}) on ``images``. Returns ``{"results": {measure: arrays},
     "summary": {measure: key numbers}, "figures": {tag: matplotlib Figure}}`` (figures only if ``figures``)."""
-    try:
-        opts = suite_options(measures, batch_size, options)
-    except MeasureError as e:
-        raise ValueError(str(e)) from None
+    opts = suite_options(measures, batch_size, options)  # MeasureError, a ValueError: its own sentence
     model, data = _model_and_data(model, images, labels, probe_images, probe_labels, normalize, num_classes, part)
     _check_fits(model, data)
     missing = missing_labels(data, opts)
@@ -166,7 +166,7 @@ def analyze(
         "summary": storage.summary_of(res),
     }
     if figures:
-        out["figures"] = storage.make_figures(res, part=part)
+        out["figures"] = publish.make_figures(res, part=part)
     return out
 
 

@@ -28,13 +28,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from analysis import storage
-from analysis.measure import MeasureError
+from analysis import publish, storage
 from analysis.suite import DEFAULT, make_context, model_problem, problem, run_suite, suite_options
 from train.callbacks import Callback
+from train.errors import RecipeError
 from train.models import build_model
 from train.objectives import uses_labels
-from train.recipe import RecipeError
 
 _DRAWER: ThreadPoolExecutor | None = None
 
@@ -54,10 +53,8 @@ class AnalysisSuiteCallback(Callback):
         self, every: int | None = None, measures=None, batch_size: int = 256, figures: bool = True, **measure_options
     ):
         super().__init__(every)
-        try:
-            self.opts = suite_options(DEFAULT if measures is None else measures, batch_size, measure_options)
-        except MeasureError as e:
-            raise TypeError(str(e)) from None
+        # a wrong measure or option: MeasureError, the sentence of the code that found it, reaches the user as it is
+        self.opts = suite_options(DEFAULT if measures is None else measures, batch_size, measure_options)
         self.figures = figures
         self._fingerprint: str | None = None
         self._pending: list[Future] = []
@@ -89,7 +86,7 @@ class AnalysisSuiteCallback(Callback):
                 keys = {
                     n: storage.cache_key(wid, self._fingerprint, self.opts.settings(n), n) for n in res if n != "meta"
                 }
-            storage.publish(
+            publish.publish(
                 res, storage.step_dir(ctx.run_dir, ctx.step), ctx.writer, ctx.step, figures=False, keys=keys
             )
             if self.figures:
@@ -98,7 +95,7 @@ class AnalysisSuiteCallback(Callback):
     def _draw_later(self, res, writer, step, figure_dir) -> None:
         """Figures in the background (module docstring), one at a time in submission order."""
         self._collect(wait=False)
-        self._pending.append(_drawer().submit(storage.publish_figures, res, figure_dir, writer, step))
+        self._pending.append(_drawer().submit(publish.publish_figures, res, figure_dir, writer, step))
 
     def _collect(self, wait: bool) -> None:
         keep = []

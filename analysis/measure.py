@@ -31,24 +31,40 @@ A result is a FLAT dict ``{key: numpy array | int | float | str | list[str]}``: 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
-import types
 import typing
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
-REGISTRY: dict[str, type[Measure]] = {}
+from interventions import Registry
+from train.coerce import coerce
+from train.errors import UserError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from matplotlib.figure import Figure
+
+    from train.splits import TensorBatches
+
 ENTRY_POINT_GROUP = "vitlab.measures"
 
 
-class MeasureError(ValueError):
+class MeasureError(UserError, ValueError):
     """A measure name or option that does not exist or does not fit; the message is one sentence for the user."""
+
+
+class AnalysisData(Protocol):
+    """What a measure reads of the data: train's data bundle (``train.data.DataBundle``) for a run, or
+    :class:`analysis.api.Data` for images passed from Python."""
+
+    analysis: TensorBatches
+    probe_train: TensorBatches
+    num_classes: int
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -59,9 +75,9 @@ class Context:
     ``batch_size`` is the suite's analysis minibatch (also the CKA minibatch)."""
 
     model: torch.nn.Module
-    data: Any
+    data: AnalysisData
     device: torch.device
-    accelerator: Any = None
+    accelerator: Accelerator | None = None
     arch: str = "vit"  # vit | resnet | mixer
     blocks: tuple = ()  # block names in forward order (analysis.taps.block_names)
     prefix: int = 0
@@ -77,7 +93,8 @@ class NoOptions:
 
 def labels_problem(data, probe: bool = False) -> str | None:
     """One sentence if the analysis images (and with ``probe`` the probe-train images) have no labels or unknown ones
-    (-1, what :func:`analysis.api.analyze` gives images passed without labels), for a measure that compares against them."""
+    (-1, what :func:`analysis.api.analyze` gives images passed without labels), for a measure that compares against
+    them."""
     for split, what, how in (
         (data.analysis, "the analysis images", "labels"),
         *(((data.probe_train, "probe-train images (probe_train)", "probe_images and probe_labels"),) if probe else ()),
@@ -85,7 +102,8 @@ def labels_problem(data, probe: bool = False) -> str | None:
         y = split.labels
         if len(y) == 0 or int(y.min()) < 0:
             return (
-                f"it needs {what} with their class labels, and {'there are none' if len(y) == 0 else 'some are unknown'}: "
+                f"it needs {what} with their class labels, and "
+                f"{'there are none' if len(y) == 0 else 'some are unknown'}: "
                 f"pass {how} (from Python), or analyse a run folder."
             )
     return None
@@ -102,7 +120,7 @@ class Measure:
     uses_labels: ClassVar[str] = ""
     version: ClassVar[int] = 1  # raise it when the definition changes: cached results of older versions are recomputed
 
-    def __init__(self, ctx: Context, opts=None):
+    def __init__(self, ctx: Context, opts: Any = None):  # opts: an instance of the measure's Options
         self.ctx = ctx
         self.opts = opts if opts is not None else self.Options()
 
@@ -112,12 +130,12 @@ class Measure:
         return True
 
     @classmethod
-    def problem(cls, data, opts) -> str | None:
+    def problem(cls, data: AnalysisData, opts: Any) -> str | None:
         """One sentence if this measure cannot run on ``data`` with ``opts`` (checked before anything is written)."""
         return None
 
     @classmethod
-    def model_problem(cls, ctx: Context, opts) -> str | None:
+    def model_problem(cls, ctx: Context, opts: Any) -> str | None:
         """One sentence if this measure, applying to the model of ``ctx``, cannot run on it with ``opts`` (e.g. an
         option that reads a class token the model lacks). ``ctx.model`` may be on the meta device (no weights):
         read its structure only. Checked before anything is written, at training time before the first step."""
@@ -135,72 +153,55 @@ class Measure:
     def update_probe(self, j: int, cap: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> None:
         """One probe-train minibatch (only called when :meth:`probe_taps` is not empty)."""
 
-    def finish(self) -> dict:
+    def finish(self) -> dict[str, Any]:
         """Reduce over processes and return the result (a flat dict, see the module docstring)."""
         raise NotImplementedError
 
     @staticmethod
-    def summary(r: dict) -> dict:
+    def summary(r: dict[str, Any]) -> dict[str, Any]:
         """Key numbers (JSON-able) for summary.json and reports."""
         return {}
 
     @staticmethod
-    def scalars(r: dict) -> dict[str, float]:
+    def scalars(r: dict[str, Any]) -> dict[str, float]:
         """TensorBoard scalars {tag: value}; tags read group/detail (e.g. knn/cls/block03)."""
         return {}
 
     @staticmethod
-    def figures(r: dict, step: int | None = None) -> dict:
+    def figures(r: dict[str, Any], step: int | None = None) -> dict[str, Figure]:
         """{tag: matplotlib Figure} (TensorBoard image tag, also the PNG file name with / -> _)."""
         return {}
 
 
+def _is_measure(obj) -> str | None:
+    return (
+        None if isinstance(obj, type) and issubclass(obj, Measure) else "a Measure subclass (analysis.measure.Measure)"
+    )
+
+
+MEASURES = Registry("measure", "analysis.measures", group=ENTRY_POINT_GROUP, accepts=_is_measure)
+REGISTRY: dict[str, type[Measure]] = MEASURES.known  # the measures found so far; registry() finds them all
+
+
 def register(cls: type[Measure]) -> type[Measure]:
-    if not cls.name or (cls.name in REGISTRY and REGISTRY[cls.name].__qualname__ != cls.__qualname__):
-        raise ValueError(f"measure name {cls.name!r} is empty or taken")
+    """Class decorator: make a Measure subclass known under ``cls.name``."""
     if not dataclasses.is_dataclass(cls.Options):
         raise TypeError(f"measure {cls.name!r}: Options must be a dataclass")
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-_discovered = False
+    return MEASURES.add(cls.name, cls)
 
 
 def registry() -> dict[str, type[Measure]]:
-    """Every known measure, {name: class}: the modules of analysis/measures/ and the ``vitlab.measures`` entry points."""
-    global _discovered
-    if not _discovered:
-        import analysis.measures as pkg  # deferred: its modules import this one (they register on import)
-
-        for m in pkgutil.iter_modules(pkg.__path__):
-            importlib.import_module(f"{pkg.__name__}.{m.name}")
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            ep.load()
-        _discovered = True
-    return REGISTRY
+    """Every known measure, {name: class}: the modules of analysis/measures/ and the ``vitlab.measures`` entry
+    points."""
+    return MEASURES.items()
 
 
 def resolve(name: str) -> str:
     """A measure's registered name from ``name`` (a registered name, or ``package.module:Class`` of a Measure
     subclass, imported and registered here); MeasureError (one sentence) when there is none."""
-    known = registry()
-    if name in known:
+    if name in registry():
         return name
-    if ":" in name:
-        mod, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise MeasureError(
-                f"measure '{name}' cannot be imported ({e}): give an importable package.module:Class."
-            ) from None
-        if not (isinstance(cls, type) and issubclass(cls, Measure)):
-            raise MeasureError(f"'{name}' is not a Measure subclass (analysis.measure.Measure).")
-        return register(cls).name
-    raise MeasureError(
-        f"unknown measure '{name}': choose from {', '.join(sorted(known))} (or give package.module:Class)."
-    )
+    return register(MEASURES.get(name, MeasureError)).name
 
 
 def resolve_all(names) -> tuple[str, ...]:
@@ -213,49 +214,9 @@ def resolve_all(names) -> tuple[str, ...]:
 # ---------------------------------------------------------------- options
 
 
-def _coerce(value, tp, where: str):
-    """``value`` as type ``tp`` (bool, int, float, str, tuple[...], X | None, Literal[...]); MeasureError otherwise."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
-    if origin is typing.Literal:
-        if value not in args:
-            raise MeasureError(f"{where} must be one of {', '.join(map(str, args))}, not {value!r}.")
-        return value
-    if origin in (tuple, list) or tp in (tuple, list):
-        items = value if isinstance(value, (list, tuple)) else [value]
-        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(items))
-        return tuple(items)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise MeasureError(f"{where} must be true or false, not {value!r}.")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise MeasureError(f"{where} must be an integer, not {value!r}.")
-    if tp is float:
-        if isinstance(value, str):
-            try:
-                value = float(value)  # YAML 1.1 reads 1e-3 as a string
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise MeasureError(f"{where} must be a number, not {value!r}.")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise MeasureError(f"{where} must be a string, not {value!r}.")
-    return value
-
-
-def make_options(cls: type[Measure], values: dict | None = None):
-    """The measure's Options from a mapping of overrides (recipe or CLI), each key and type checked."""
+def make_options(cls: type[Measure], values: dict[str, Any] | None = None) -> Any:
+    """The measure's Options from a mapping of overrides (recipe or CLI), each key and type checked by the recipe's
+    coercion engine (:mod:`train.coerce`: the same types and the same sentences as recipe keys)."""
     values = dict(values or {})
     fields = {f.name: f for f in dataclasses.fields(cls.Options)}
     hints = typing.get_type_hints(cls.Options)
@@ -263,7 +224,9 @@ def make_options(cls: type[Measure], values: dict | None = None):
     if bad:
         allowed = ", ".join(sorted(fields)) or "none"
         raise MeasureError(f"unknown option '{cls.name}.{bad[0]}': the options of {cls.name} are {allowed}.")
-    opts = cls.Options(**{k: _coerce(v, hints[k], f"option {cls.name}.{k}") for k, v in values.items()})
+    opts = cls.Options(
+        **{k: coerce(v, hints[k], f"{cls.name}.{k}", MeasureError, noun="option") for k, v in values.items()}
+    )
     check = getattr(opts, "check", None)
     if check is not None:
         problem = check()

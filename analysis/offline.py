@@ -3,7 +3,8 @@ cross-run comparisons on the same analysis images.
 
 - :func:`open_run` reads a run folder (its resolved ``recipe.yaml`` and complete checkpoints).
 - :func:`analyze_run` runs the suite on chosen checkpoints. A measure whose saved result carries the same
-  cache key (checkpoint weights' sha256, analysis images, batch size and its own options: :func:`analysis.storage.cache_key`) is not
+  cache key (checkpoint weights' sha256, analysis images, batch size and its own options:
+  :func:`analysis.storage.cache_key`) is not
   recomputed; results go to ``analysis/step_XXXXXXX/``, figures to ``figures/step_XXXXXXX/`` and scalars and
   images to the run's TensorBoard at the checkpoint's step.
 - :func:`against` computes cross-model CKA between a run's checkpoint and another run's (or the same run's
@@ -36,12 +37,12 @@ import timm
 import torch
 from tqdm.auto import tqdm
 
-from analysis import storage
+from analysis import publish, storage
 from analysis import suite as S
 from analysis.figures import cka_heatmap, save, subplots
-from analysis.head_subsets import head_subset_cka, head_subset_figure
 from analysis.measure import MeasureError, as_list, load_result, save_result
 from analysis.measures.cka import cka_layers
+from analysis.measures.head_subsets import head_subset_cka, head_subset_figure
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, arch_of
 from train.checkpoint import (
@@ -57,6 +58,7 @@ from train.checkpoint import (
     verify_checkpoint,
 )
 from train.data import DataError, build_data
+from train.errors import UserError
 from train.models import build_model
 from train.objectives import uses_labels
 from train.recipe import RecipeError, load_recipe
@@ -64,7 +66,7 @@ from train.recipe import RecipeError, load_recipe
 DEFAULT_PART = storage.DEFAULT_PART
 
 
-class AnalysisError(ValueError):
+class AnalysisError(UserError, ValueError):
     """Bad input to offline analysis; the message is one sentence for the user."""
 
 
@@ -116,7 +118,8 @@ def open_run(path: str | Path, part: str | None = None) -> Run:
     ckpts = list_checkpoints(p / "checkpoints", warn=False)
     if not ckpts:
         raise AnalysisError(
-            f"run {p} has no complete checkpoint: train it until its first checkpoint (./launch.sh RECIPE), or pass another run."
+            f"run {p} has no complete checkpoint: train it until its first checkpoint (./launch.sh RECIPE), or pass "
+            "another run."
         )
     run = Run(p, p.name, recipe, {int(STEP_RE.match(c.name).group(1)): c for c in ckpts})
     return select_part(run, part) if part is not None else run
@@ -125,7 +128,8 @@ def open_run(path: str | Path, part: str | None = None) -> Run:
 def checkpoint_parts(run: Run, step: int) -> dict[str, str]:
     """The networks of checkpoint ``step``: {part name: its key prefix in model.safetensors}, from the objective's
     ``parts`` in meta.json (``{"student": "backbone.", "teacher": "teacher_backbone."}`` for DINO); a supervised
-    run, a run from before objectives and a model from elsewhere hold one network, saved unprefixed: ``{"student": ""}``."""
+    run, a run from before objectives and a model from elsewhere hold one network, saved unprefixed: ``{"student":
+    ""}``."""
     if run.external:
         return {DEFAULT_PART: ""}
     try:
@@ -177,7 +181,8 @@ def external_run(
     embedding's grid; ``--set data.img_size=N`` to choose), and ``probe_images`` (a folder) trains probes and k-NN.
     Without, the analysis and probe-train images of ``recipe_path`` (+ overrides) are used, and only those are decoded
     (the train split stays on disk); ``preprocessing="model"`` normalises them with the model's mean and std,
-    ``"recipe"`` with the data's own (as a run trained here on that recipe: needed to compare the two with --against)."""
+    ``"recipe"`` with the data's own (as a run trained here on that recipe: needed to compare the two with
+    --against)."""
     if not arch.startswith("timm:") or len(arch) <= 5:
         raise AnalysisError(f"--model '{arch}' must look like timm:<architecture>, e.g. timm:vit_tiny_patch16_224.")
     if weights != "pretrained" and not Path(weights).is_file():
@@ -291,7 +296,8 @@ def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, im
             model.load_state_dict(state)
         except RuntimeError:
             raise AnalysisError(
-                f"weights in {weights} do not fit this model ({arch} at data.img_size={img_size}, data.in_chans={in_chans}: "
+                f"weights in {weights} do not fit this model ({arch} at data.img_size={img_size}, "
+                f"data.in_chans={in_chans}: "
                 f"{fit_report(model.state_dict(), state) or 'load_state_dict refused them'}): pass the architecture "
                 "they belong to and the image size and channels they were trained at (e.g. --set data.img_size=224 "
                 "data.in_chans=3)."
@@ -426,75 +432,82 @@ def analyze_run(
     if problem:
         raise AnalysisError(f"run {run.path}: {problem}")
     stats: dict = {"computed": [], "reused": [], "steps": steps, "skipped": [], "not_applicable": [], "model": ""}
-    # every checkpoint is checked before any result is written (a corrupted one stops the run here, not midway); one
-    # that a trainer still running pruned since the run was opened is skipped (stats["skipped"])
-    wkeys = {}
-    own = None
-    for step in steps:
-        try:
-            wkeys[step] = weights_key(run, step)
-            if not run.external:
-                if (
-                    own is None
-                ):  # the recipe's model without weights: do the checkpoints' tensors fit it (cached or not)?
-                    with torch.device("meta"):
-                        own = build_model(run.recipe, data.num_classes if uses_labels(run.recipe) else 0).state_dict()
-                try:
-                    verify_checkpoint(run.checkpoints[step])
-                    check_weights_fit(own, run.checkpoints[step], part_prefix(run, step))
-                except CheckpointError as e:
-                    raise AnalysisError(str(e)) from None
-        except AnalysisError:
-            if not pruned(run, step):
-                raise
-            stats["skipped"].append(step)
-            wkeys.pop(step, None)
     all_gone = AnalysisError(
         f"the checkpoints of run {run.path} to analyse ({', '.join(map(str, steps))}) were deleted while being "
-        "analysed (a trainer still running keeps only its last train.keep_last): analyse newer ones, e.g. --steps last."
+        "analysed (a trainer still running keeps only its last train.keep_last): analyse newer ones, e.g. --steps "
+        "last."
     )
+    wkeys = _checked_weights(run, steps, data, stats)
     if not wkeys:
         raise all_gone
     writer = _Writer(run, tensorboard)
     try:
         for step in tqdm(list(wkeys), desc=f"analyse {run.name}", disable=not progress, unit="ckpt"):
-            out = step_dir(run, step)
             keys = {n: storage.cache_key(wkeys[step], fp, opts.settings(n), n) for n in opts.measures}
-            todo = [n for n in opts.measures if force or not storage.is_cached(out, n, keys[n])]
-            stats["reused"] += [(step, n) for n in opts.measures if n not in todo]
-            if not todo:
-                continue
-            try:
-                model = load_model(run, step, data)
-            except AnalysisError:
-                if not pruned(run, step):
-                    raise
-                stats["skipped"].append(step)
-                continue
-            try:
-                res = S.run_suite(model, data, opts, measures=todo)
-            except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
-                raise AnalysisError(f"run {run.path}: {e}") from None
-            meta = res["meta"]
-            stats["model"] = f"a {meta['arch']}" + (
-                " without a class token" if meta["arch"] == "vit" and not meta["num_prefix_tokens"] else ""
-            )
-            stats["not_applicable"] += [n for n in todo if n not in res and n not in stats["not_applicable"]]
-            if (
-                not stats["computed"] and not stats["reused"] and len(res) == 1
-            ):  # nothing asked for applies: say so, write nothing
-                raise AnalysisError(
-                    f"run {run.path}: {' and '.join(todo)} {'does' if len(todo) == 1 else 'do'} not apply to this model "
-                    f"({stats['model']}): see python -m analysis --list for what each measure needs."
-                )
-            stats["computed"] += [(step, n) for n in res if n != "meta"]
-            publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
+            _analyse_step(run, step, data, opts, keys, force, stats, writer)
     finally:
         writer.close()
     stats["steps"] = [s for s in steps if s not in stats["skipped"]]
     if not stats["steps"]:
         raise all_gone
     return stats
+
+
+def _checked_weights(run: Run, steps: list[int], data, stats: dict) -> dict[int, str]:
+    """{step: weights key} of the checkpoints to analyse. Every checkpoint is checked before any result is written
+    (a corrupted one stops the run here, not midway); one that a trainer still running pruned since the run was
+    opened is skipped (``stats["skipped"]``)."""
+    wkeys, own = {}, None
+    for step in steps:
+        try:
+            wkeys[step] = weights_key(run, step)
+            if run.external:
+                continue
+            if own is None:  # the recipe's model without weights: do the checkpoints' tensors fit it (cached or not)?
+                with torch.device("meta"):
+                    own = build_model(run.recipe, data.num_classes if uses_labels(run.recipe) else 0).state_dict()
+            try:
+                verify_checkpoint(run.checkpoints[step])
+                check_weights_fit(own, run.checkpoints[step], part_prefix(run, step))
+            except CheckpointError as e:
+                raise AnalysisError(str(e)) from None
+        except AnalysisError:
+            if not pruned(run, step):
+                raise
+            stats["skipped"].append(step)
+            wkeys.pop(step, None)
+    return wkeys
+
+
+def _analyse_step(run: Run, step: int, data, opts: S.SuiteOptions, keys: dict, force: bool, stats: dict, writer):
+    """The measures of one checkpoint that are not cached (all with ``force``): computed and published."""
+    todo = [n for n in opts.measures if force or not storage.is_cached(step_dir(run, step), n, keys[n])]
+    stats["reused"] += [(step, n) for n in opts.measures if n not in todo]
+    if not todo:
+        return
+    try:
+        model = load_model(run, step, data)
+    except AnalysisError:
+        if not pruned(run, step):
+            raise
+        stats["skipped"].append(step)
+        return
+    try:
+        res = S.run_suite(model, data, opts, measures=todo)
+    except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
+        raise AnalysisError(f"run {run.path}: {e}") from None
+    meta = res["meta"]
+    stats["model"] = f"a {meta['arch']}" + (
+        " without a class token" if meta["arch"] == "vit" and not meta["num_prefix_tokens"] else ""
+    )
+    stats["not_applicable"] += [n for n in todo if n not in res and n not in stats["not_applicable"]]
+    if not stats["computed"] and not stats["reused"] and len(res) == 1:  # nothing asked applies: say so, write nothing
+        raise AnalysisError(
+            f"run {run.path}: {' and '.join(todo)} {'does' if len(todo) == 1 else 'do'} not apply to this model "
+            f"({stats['model']}): see python -m analysis --list for what each measure needs."
+        )
+    stats["computed"] += [(step, n) for n in res if n != "meta"]
+    publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
 
 
 def check_writable(run: Run) -> None:
@@ -534,7 +547,7 @@ def pruned(run: Run, step: int, wait_s: float = 2.0) -> bool:
 
 def publish_step(run: Run, step: int, res: dict, writer, keys: dict) -> None:
     """Arrays and cache keys to analysis/step_X/, PNGs to figures/step_X/, scalars and images to TensorBoard."""
-    storage.publish(
+    publish.publish(
         res, step_dir(run, step), writer, step, keys=keys, figure_dir=step_dir(run, step, "figures"), part=run.part
     )
 

@@ -1,4 +1,5 @@
-"""Where analysis results live in a run folder, and their cache keys -- in one place.
+"""Where analysis results live in a run folder, and their cache keys -- in one place. This module only stores and
+reads back; :mod:`analysis.publish` sends results to TensorBoard and draws their figures.
 
     runs/<name>/analysis/step_XXXXXXX/<measure>.npz     a measure's result (analysis/measure.py)
     runs/<name>/analysis/step_XXXXXXX/summary.json      key numbers of every measure and the model's block layout
@@ -16,7 +17,8 @@ titles labelled by it (``analysis/teacher/cka/mean_offdiag``, image ``teacher/ck
 A result's cache key (:func:`cache_key`) is a hash of the checkpoint's weights (their recorded sha256), the
 analysis images (:func:`data_fingerprint`), the measure's name and what the measure depends on
 (:meth:`analysis.suite.SuiteOptions.settings`: the batch size, the measure's own options and its definition's
-``version``): changing one measure's options recomputes that measure only. A cached result is reused only if its file reads back whole.
+``version``): changing one measure's options recomputes that measure only. A cached result is reused only if its file
+reads back whole.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from analysis.figures import render, write_png
 from analysis.measure import load_result, registry, save_result
 from train.checkpoint import step_dir_name
 
@@ -60,22 +61,6 @@ def against_dir(
 def part_label(part: str | None) -> str | None:
     """The label of a part's results (tags, titles): None for the default part, whose results are unlabelled."""
     return None if part in (None, DEFAULT_PART) else part
-
-
-def label_figure(fig, label: str | None):
-    """Prefix ``label: `` to the figure's title (its suptitle, else every titled panel, else a new suptitle)."""
-    if not label:
-        return fig
-    sup = getattr(fig, "_suptitle", None)
-    titled = [ax for ax in fig.axes if ax.get_title()]
-    if sup is not None and sup.get_text():
-        sup.set_text(f"{label}: {sup.get_text()}")
-    elif titled:
-        for ax in titled:
-            ax.set_title(f"{label}: {ax.get_title()}")
-    else:
-        fig.suptitle(label)
-    return fig
 
 
 def data_fingerprint(data) -> str:
@@ -221,74 +206,11 @@ def load_results(out_dir: Path, measures=None) -> dict:
     return res
 
 
-def make_figures(res: dict, step: int | None = None, part: str | None = None) -> dict:
-    """{tag: figure} of every measure; for a part other than the default, tags ``<part>/...`` and titles labelled."""
-    reg = registry()
-    label = part_label(part)
-    figs = {}
-    for name, r in res.items():
-        if name in reg:
-            figs.update(reg[name].figures(r, step))
-    if label:
-        figs = {f"{label}/{tag}": label_figure(fig, label) for tag, fig in figs.items()}
-    return figs
+def __getattr__(name: str):
+    """``publish``, ``publish_figures``, ``make_figures``, ``log_results`` moved to :mod:`analysis.publish` (this module
+    only stores); the old names still resolve for callers outside the engine (bench/)."""
+    if name in ("publish", "publish_figures", "make_figures", "log_results", "label_figure", "SCALAR_PREFIX"):
+        from analysis import publish
 
-
-SCALAR_PREFIX = "analysis/"  # one TensorBoard group for every analysis scalar, beside train/, eval/ and time/
-
-
-def log_results(res: dict, writer, step: int, part: str | None = None) -> None:
-    """TensorBoard scalars of every measure under ``analysis/`` (e.g. ``analysis/cka/mean_offdiag``; another part
-    than the default under ``analysis/<part>/``), so the training and eval curves are not spread among dozens of
-    analysis groups; through the raw SummaryWriter."""
-    if writer is None:
-        return
-    reg = registry()
-    label = part_label(part)
-    prefix = SCALAR_PREFIX + (f"{label}/" if label else "")
-    for name, r in res.items():
-        if name in reg:
-            for tag, v in reg[name].scalars(r).items():
-                writer.add_scalar(prefix + tag, v, step)
-
-
-def publish(
-    res: dict,
-    out_dir: Path,
-    writer=None,
-    step: int | None = None,
-    figures: bool = True,
-    keys: dict | None = None,
-    figure_dir: Path | None = None,
-    png: bool = True,
-    part: str | None = None,
-) -> Path:
-    """Write arrays + summary.json (+ cache keys) to ``out_dir``, log scalars, and draw each figure ONCE, as an
-    image that goes to TensorBoard and (``png``) to ``figure_dir`` (default ``out_dir``); ``part``: the network the
-    results are of, labelling tags and titles unless it is the default one."""
-    write_results(res, out_dir, step, keys)
-    log_results(res, writer, step, part)
-    if figures:
-        publish_figures(res, Path(figure_dir or out_dir), writer, step, png, part)
-    return Path(out_dir)
-
-
-def publish_figures(
-    res: dict, figure_dir: Path, writer=None, step: int | None = None, png: bool = True, part: str | None = None
-) -> None:
-    """Draw each measure's figures ONCE, as images that go to TensorBoard and (``png``) to ``figure_dir``. Uses no
-    pyplot state (analysis/figures.py), so it may run in a background thread."""
-    if not png and writer is None:
-        return
-    if png:
-        Path(figure_dir).mkdir(parents=True, exist_ok=True)
-    label = part_label(part)
-    for name, fig in make_figures(res, step, part).items():
-        rgb = render(fig)
-        if writer is not None:
-            writer.add_image(name, rgb, step, dataformats="HWC")
-        if png:  # the file name without the part: the part's own folder says it
-            stem = name[len(label) + 1 :] if label else name
-            write_png(rgb, Path(figure_dir) / f"{stem.replace('/', '_')}.png")
-    if writer is not None:  # drawn after the checkpoint's flush (in the background): a kill must not lose them
-        writer.flush()
+        return getattr(publish, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

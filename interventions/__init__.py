@@ -20,32 +20,21 @@ This package is a leaf: it imports nothing from ``train`` or ``analysis`` (``tra
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 import typing
 from types import ModuleType
-from typing import Optional
 
+from interventions._registry import Registry
 
-def _discover() -> dict[str, ModuleType]:
-    """Every module of this package that defines ``Config``, by module name, in name order."""
-    found = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"{__name__}.{info.name}")
-        if hasattr(mod, "Config"):
-            found[info.name] = mod
-    return found
+__all__ = ["Registry"]  # the registry helper of every plug-in kind (interventions/_registry.py)
 
-
-REGISTRY: dict[str, ModuleType] = _discover()
+PLUGINS = Registry("intervention", __name__, module_plugin=lambda mod: hasattr(mod, "Config"))
+REGISTRY: dict[str, ModuleType] = PLUGINS.items()  # every module of this package that defines Config
 
 
 def entry_type(name: str):
-    """The type of recipe key ``interventions.<name>``: the module's ``ENTRY``, else ``Optional[Config]``."""
+    """The type of recipe key ``interventions.<name>``: the module's ``ENTRY``, else ``Config | None``."""
     mod = REGISTRY[name]
-    return getattr(mod, "ENTRY", Optional[mod.Config])
+    return getattr(mod, "ENTRY", mod.Config | None)
 
 
 def _is_list(name: str) -> bool:

@@ -70,13 +70,17 @@ def check(entries: list[Config], recipe) -> str | None:
             )
         if e.radius >= g - 1:
             return (
-                f"key '{_key(i, 'radius')}' is {e.radius}: a window of radius {g - 1} or more covers the whole {g}x{g} token "
+                f"key '{_key(i, 'radius')}' is {e.radius}: a window of radius {g - 1} or more covers the whole {g}x{g} "
+                "token "
                 f"grid from every cell and restricts nothing; use 0..{g - 2}."
             )
         for b in e.blocks:
             for h in e.heads:
                 if (b, h) in seen:
-                    return f"key '{_key(i, 'heads')}' forces head {h} of block {b} a second time: name each head of a block once."
+                    return (
+                        f"key '{_key(i, 'heads')}' forces head {h} of block {b} a second time: name each head of a "
+                        "block once."
+                    )
                 seen.add((b, h))
     return None
 

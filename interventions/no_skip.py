@@ -25,7 +25,10 @@ def check(cfg: Config, recipe) -> str | None:
         return "key 'interventions.no_skip' applies to ViTs only (model.arch: vit)."
     for b in cfg.blocks:
         if not 0 <= b < m.depth:
-            return f"key 'interventions.no_skip.blocks' holds block {b}, out of range: blocks are 0..{m.depth - 1} for model.depth {m.depth}."
+            return (
+                f"key 'interventions.no_skip.blocks' holds block {b}, out of range: blocks are 0..{m.depth - 1} for "
+                f"model.depth {m.depth}."
+            )
     return None
 
 

@@ -259,12 +259,12 @@ def test_unknown_layer_set_is_one_sentence():
     with pytest.raises(MeasureError) as e:
         make_options(CKAMeasure, {"layers": "nonsense"})
     msg = str(e.value)
-    assert msg == "option cka.layers must be one of blocks, sublayers, paper, all, not 'nonsense'."
+    assert msg == "option 'cka.layers' must be one of 'blocks', 'sublayers', 'paper', 'all', got 'nonsense'."
 
 
 def test_cli_refuses_an_unknown_layer_set_before_anything(tmp_path, capsys):
     run = tmp_path / "runs" / "none"
     assert analysis_main([str(run), "--opt", "cka.layers=nonsense"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: option cka.layers must be one of blocks, sublayers, paper, all, not 'nonsense'."
+    assert err == "error: option 'cka.layers' must be one of 'blocks', 'sublayers', 'paper', 'all', got 'nonsense'."
     assert not (tmp_path / "runs").exists()

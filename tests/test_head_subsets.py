@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.head_subsets import default_resnet_layers, head_subset_cka, head_subset_figure, split_heads
+from analysis.measures.head_subsets import default_resnet_layers, head_subset_cka, head_subset_figure, split_heads
 from analysis.measure import load_result, save_result
 from analysis.measures.attention_distance import attention_distance
 from analysis.similarity import cka

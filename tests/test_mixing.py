@@ -29,7 +29,7 @@ DEFAULT = ROOT / "recipes/default.yaml"
     "override, words",
     [
         ("data.augment.cutmix_alpha=-1", "'data.augment.cutmix_alpha' is -1.0, out of range: it must be >= 0.0"),
-        ("data.augment.mixup_alpha=lots", "'data.augment.mixup_alpha' must be float, got 'lots'"),
+        ("data.augment.mixup_alpha=lots", "'data.augment.mixup_alpha' must be a number, got 'lots'"),
         ("data.augment.mix_prob=1.5", "'data.augment.mix_prob' is 1.5, out of range"),
         ("data.augment.switch_prob=-0.1", "'data.augment.switch_prob' is -0.1, out of range"),
         ("data.augment.mix_mode=image", "'data.augment.mix_mode' must be one of 'batch', 'pair', 'elem'"),

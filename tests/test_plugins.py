@@ -85,7 +85,7 @@ def toy_file(tmp_path, monkeypatch):
     d.mkdir()
     (d / "toy_mean.py").write_text(TOY)
     monkeypatch.setattr(analysis.measures, "__path__", [*analysis.measures.__path__, str(d)])
-    monkeypatch.setattr(M, "_discovered", False)
+    monkeypatch.setattr(M.MEASURES, "_discovered", False)
     yield
     M.REGISTRY.pop("toy_mean", None)
 
@@ -117,11 +117,11 @@ def test_every_measure_has_options_that_are_checked():
         make_options(cls, {})  # defaults are valid
         with pytest.raises(MeasureError, match=f"unknown option '{name}.nope'"):
             make_options(cls, {"nope": 1})
-    with pytest.raises(MeasureError, match="knn.k must be an integer"):
+    with pytest.raises(MeasureError, match="option .knn.k. must be an integer"):
         S.suite_options(["knn"], 32, {"knn": {"k": "ten"}})
     with pytest.raises(MeasureError, match="shots must be at least 1"):
         S.suite_options(None, 32, {"fewshot_probe": {"shots": 0}})
-    with pytest.raises(MeasureError, match="cka.repr must be one of"):
+    with pytest.raises(MeasureError, match="option .cka.repr. must be one of"):
         S.suite_options(None, 32, {"cka": {"repr": "middle"}})
     with pytest.raises(MeasureError, match="unknown measure 'ckaa'"):
         S.suite_options(["ckaa"])

@@ -14,7 +14,7 @@ import torch
 from conftest import class_split, tiny_resnet
 
 from analysis.__main__ import main as analysis_main
-from analysis.head_subsets import head_subset_cka
+from analysis.measures.head_subsets import head_subset_cka
 from analysis.measures.aligned_attention import offset_local_heads
 from analysis.storage import load_results, step_dir
 from analysis.suite import run_suite, suite_options

@@ -90,7 +90,7 @@ MALFORMED = [
     ("interventions: {data_subset: {fraction: 1.5}}\n", [], ["interventions.data_subset.fraction", "<= 1.0"]),
     ("data: {source: hub}\n", [], ["data.name"]),
     ("{}\n", ["train.steps"], ["override", "key.sub=value"]),
-    ("{}\n", ["train.steps.x=3"], ["key 'train.steps' must be int"]),
+    ("{}\n", ["train.steps.x=3"], ["key 'train.steps' must be an integer"]),
     ("{}\n", ["model.arch=transformer"], ["model.arch", "'vit'", "'resnet'"]),
     ("model: {arch: resnet, resnet_layers: [1, 1]}\n", [], ["model.resnet_layers", "4"]),
 ]
@@ -157,9 +157,9 @@ BAD_INPUT = [
     (b"seed: 4294967296\n", [], ["'seed'", "<= 4294967295"]),  # numpy's global seed is 32-bit
     (b"{}\n", ["seed=4294967296"], ["'seed'", "<= 4294967295"]),
     (b"model: {depth: " + b"9" * 5000 + b"}\n", [], ["number too long to read"]),
-    (b"{}\n", ["seed=" + "9" * 5000], ["'seed' must be int", "(5002 characters)"]),
+    (b"{}\n", ["seed=" + "9" * 5000], ["'seed' must be an integer", "(5002 characters)"]),
     (b"model: {depth: " + b"[" * 20000 + b"]" * 20000 + b"}\n", [], ["nests lists or mappings too deeply"]),
-    (b"{}\n", ["model.depth=" + "[" * 20000 + "]" * 20000], ["'model.depth' must be int", "(40002 characters)"]),
+    (b"{}\n", ["model.depth=" + "[" * 20000 + "]" * 20000], ["'model.depth' must be an integer", "(40002 characters)"]),
 ]
 
 

@@ -16,7 +16,7 @@ from conftest import TINY, _merge, read_scalars
 from safetensors.torch import load_file, save_file
 
 from analysis import offline as O
-from analysis import storage
+from analysis import publish, storage
 from analysis.__main__ import main
 from analysis.api import analyze
 from analysis.measure import load_result, registry
@@ -126,7 +126,7 @@ def test_every_measure_on_the_student_and_on_the_teacher_kept_apart_and_labelled
     tags = read_scalars(ssl)
     assert "analysis/teacher/cka/mean_offdiag" in tags and "analysis/cka/mean_offdiag" in tags
     # figure titles say teacher
-    figs = storage.make_figures(storage.load_results(teacher, ["cka", "knn"]), 4, part="teacher")
+    figs = publish.make_figures(storage.load_results(teacher, ["cka", "knn"]), 4, part="teacher")
     assert figs and all(tag.startswith("teacher/") for tag in figs)
     for fig in figs.values():
         titles = [ax.get_title() for ax in fig.axes] + [fig._suptitle.get_text() if fig._suptitle else ""]

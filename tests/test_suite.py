@@ -121,9 +121,9 @@ def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_ea
     draw is a warning, not a failed run."""
     import threading
 
-    from analysis import storage
+    from analysis import publish
 
-    threads, real = [], storage.publish_figures
+    threads, real = [], publish.publish_figures
 
     def spy(res, figure_dir, writer=None, step=None, *a, **kw):
         threads.append(threading.current_thread().name)
@@ -131,7 +131,7 @@ def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_ea
             raise RuntimeError("no font")
         return real(res, figure_dir, writer, step, *a, **kw)
 
-    monkeypatch.setattr(storage, "publish_figures", spy)
+    monkeypatch.setattr(publish, "publish_figures", spy)
     p = write_recipe(
         callbacks=[{"name": "analysis_suite", "batch_size": 32, "measures": ["cka"]}],
         train={"steps": 12, "checkpoint_every": 4, "log_every": 4},

@@ -26,55 +26,40 @@ This module must stay free of torch imports at load time: recipe validation uses
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from interventions import Registry
 from train.errors import RecipeError
 
+if TYPE_CHECKING:  # annotations only: this module imports no torch at load time
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from train.data import DataBundle
+    from train.recipe import Recipe
+
 ENTRY_POINT_GROUP = "vitlab.callbacks"
-_REGISTRY: dict[str, Any] = {}
+CALLBACKS = Registry("callback", group=ENTRY_POINT_GROUP)
 
 
 def register_callback(name: str) -> Callable:
     """Class decorator: make a Callback subclass available to recipes under ``name``."""
-
-    def deco(cls):
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def _entry_points() -> dict:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return CALLBACKS.register(name)
 
 
 def known_callbacks() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_entry_points()))
+    return CALLBACKS.names()
 
 
 def is_callback_name(name: str) -> bool:
     """Whether ``name`` can name a callback: a known name, or ``package.module:Class`` (imported when built)."""
-    return name in _REGISTRY or name in _entry_points() or (":" in name and all(name.partition(":")[::2]))
-
-
-def _resolve(name: str):
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    eps = _entry_points()
-    if name in eps:
-        return eps[name].load()
-    mod, _, attr = name.partition(":")
-    try:
-        return getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise RecipeError(
-            f"callback '{name}' cannot be imported ({e}): give an importable package.module:Class."
-        ) from None
+    return CALLBACKS.could_name(name)
 
 
 @dataclass
@@ -83,16 +68,16 @@ class TrainContext:
     run's tracker (main process only); ``writer`` is the raw TensorBoard SummaryWriter on the main process
     and None elsewhere; ``checkpoint_dir`` is set during ``on_checkpoint``."""
 
-    accelerator: Any
-    model: Any
-    recipe: Any
-    data: Any
-    run_dir: Any
+    accelerator: Accelerator
+    model: torch.nn.Module
+    recipe: Recipe
+    data: DataBundle
+    run_dir: Path
     step: int = 0
     epoch: int = 0
-    writer: Any = None
-    checkpoint_dir: Any = None
-    log: Callable = field(default=lambda values, step: None)
+    writer: SummaryWriter | None = None
+    checkpoint_dir: Path | None = None
+    log: Callable[[dict[str, float], int], None] = field(default=lambda values, step: None)
 
     def checkpoints_at(self, step: int) -> bool:
         """Whether the trainer writes a checkpoint at ``step`` (then ``on_checkpoint`` follows ``on_step_end``)."""
@@ -106,13 +91,15 @@ class Callback:
     def __init__(self, every: int | None = None, **options):
         self.every = every
         if options:
-            raise TypeError(f"callback {type(self).__name__} takes no options {sorted(options)}")
+            raise RecipeError(
+                f"callback {type(self).__name__} takes no options ({', '.join(sorted(options))}): remove them."
+            )
 
-    def check_recipe(self, recipe) -> None:
+    def check_recipe(self, recipe: Recipe) -> None:
         """Raise RecipeError (one sentence) if this callback cannot run on this recipe's model, before any data is
         read (``--check``, which ``./launch.sh`` runs before starting several processes)."""
 
-    def validate(self, recipe, data) -> None:
+    def validate(self, recipe: Recipe, data: DataBundle) -> None:
         """Raise RecipeError (one sentence) if this callback cannot run on this recipe's model and data; called
         before the run folder is written (the default: :meth:`check_recipe`)."""
         self.check_recipe(recipe)
@@ -174,24 +161,26 @@ class CallbackList:
 
 
 def build_callbacks(specs) -> CallbackList:
-    """Instantiate the recipe's ``callbacks:`` entries (CallbackConfig objects)."""
+    """Instantiate the recipe's ``callbacks:`` entries (CallbackConfig objects). Options a callback's signature does
+    not take are one RecipeError; a callback that refuses an option's value raises its own one-sentence error
+    (a :class:`train.errors.UserError`), which reaches the user unchanged."""
     out = []
     for spec in specs:
-        cls = _resolve(spec.name)
+        cls = CALLBACKS.get(spec.name, RecipeError)
         try:
-            out.append(cls(every=spec.every, **spec.options))
+            inspect.signature(cls).bind(every=spec.every, **spec.options)
         except TypeError as e:
             raise RecipeError(
-                f"callback '{spec.name}': {e}"
-                if str(e).endswith(".")
-                else f"callback '{spec.name}' got options it does not take ({e}): see its docstring."
+                f"callback '{spec.name}' got options it does not take ({e}): see its docstring."
             ) from None
+        out.append(cls(every=spec.every, **spec.options))
     return CallbackList(out)
 
 
 @register_callback("sample_images")
 class SampleImages(Callback):
-    """Logs a grid of ``n`` augmented (and mixed) training images (``data/train_samples``) so augmentation can be checked
+    """Logs a grid of ``n`` augmented (and mixed) training images (``data/train_samples``) so augmentation can be
+    checked
     by eye; at train start and then at its cadence (every checkpoint by default)."""
 
     def __init__(self, every: int | None = None, n: int = 32):

@@ -19,12 +19,10 @@ import shutil
 import warnings
 from pathlib import Path
 
+from train.errors import CheckpointError
+
 STEP_RE = re.compile(r"^step_(\d{7,})$")
 META = "meta.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message is one sentence for the user."""
 
 
 def step_dir_name(step: int) -> str:
@@ -149,7 +147,8 @@ def read_meta(path: Path) -> dict:
         return json.loads((Path(path) / META).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(
-            f"checkpoint {path} has an unreadable {META} ({type(e).__name__}): delete the folder to resume from an earlier checkpoint."
+            f"checkpoint {path} has an unreadable {META} ({type(e).__name__}): delete the folder to resume from an "
+            "earlier checkpoint."
         ) from None
 
 
@@ -166,11 +165,13 @@ def verify_checkpoint(path: Path) -> dict:
         f = path / name
         if not f.is_file():
             raise CheckpointError(
-                f"checkpoint {path} is corrupted ({name} is missing): delete the folder to resume from an earlier checkpoint."
+                f"checkpoint {path} is corrupted ({name} is missing): delete the folder to resume from an earlier "
+                "checkpoint."
             )
         if sha256_file(f) != digest:
             raise CheckpointError(
-                f"checkpoint {path} is corrupted ({name} does not match its recorded checksum): delete the folder to resume from an earlier checkpoint."
+                f"checkpoint {path} is corrupted ({name} does not match its recorded checksum): delete the folder to "
+                "resume from an earlier checkpoint."
             )
     return meta
 
@@ -184,7 +185,8 @@ def resolve_resume(ckpt_root: Path, explicit: str | None, run_dir: Path | None =
             p2 = Path(ckpt_root) / explicit
             if not p2.is_dir():
                 raise CheckpointError(
-                    f"--resume {explicit}: no such checkpoint folder; pass a path like {Path(ckpt_root) / 'step_0000500'}."
+                    f"--resume {explicit}: no such checkpoint folder; pass a path like "
+                    f"{Path(ckpt_root) / 'step_0000500'}."
                 )
             p = p2
         if not (p / META).is_file() and (p / "checkpoints").is_dir():  # a run folder, not a checkpoint
@@ -192,7 +194,8 @@ def resolve_resume(ckpt_root: Path, explicit: str | None, run_dir: Path | None =
                 return resolve_resume(ckpt_root, None)
             raise CheckpointError(
                 f"--resume {explicit} is a run folder, not a checkpoint: pass --resume alone with that run's "
-                f"recipe and overrides (or --name {p.name}), or one of its checkpoints, e.g. {p / 'checkpoints' / 'step_0000500'}."
+                f"recipe and overrides (or --name {p.name}), or one of its checkpoints, e.g. "
+                f"{p / 'checkpoints' / 'step_0000500'}."
             )
         return p
     complete = list_checkpoints(ckpt_root)

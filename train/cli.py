@@ -119,15 +119,16 @@ def die_with_launcher() -> bool:
 def preflight(recipe, overrides: list, resume) -> None:
     """What ``--check`` verifies beyond the recipe, with the trainer's and the data layer's own rules and messages, in
     the trainer's order, without training or writing (it reads, and takes the run folder's lock while it reads, as the
-    trainer does): the callbacks' options (and against the recipe's model); the run folder (not in use by a live trainer; no checkpoints unless
+    trainer does): the callbacks' options (and against the recipe's model); the run folder (not in use by a live
+    trainer; no checkpoints unless
     --resume; with --resume, a complete checkpoint whose files match their checksums, trained with this recipe:
     :func:`train.trainer.prepare_run`); that the data source opens (:func:`train.sources.check_source`, which reads no
     images). Left to the trainer: whether the checkpoint's tensors load into the model, and the number of processes
     (the launcher decides it). Raises RecipeError, RunFolderError, CheckpointError or DataError."""
     # deferred, as in main(): importing the trainer (torch, accelerate, timm) takes seconds
     from train.callbacks import build_callbacks
+    from train.run_folder import RunLock, prepare_run, run_dir_for
     from train.sources import check_source
-    from train.trainer import RunLock, prepare_run, run_dir_for
 
     build_callbacks(recipe.callbacks).check_recipe(recipe)
     run_dir = run_dir_for(recipe, overrides)
@@ -162,14 +163,14 @@ def main(argv=None) -> int:
     if args.stop_after is not None and args.stop_after < 1:
         return fail(f"--stop-after must be a step of at least 1, not {args.stop_after}.")
 
-    from train.checkpoint import CheckpointError
-    from train.data import DataError
-    from train.trainer import RunFolderError, StopSignals, TrainingDiverged, TrainingStopped, train
+    from train.errors import TrainingDiverged, TrainingStopped, UserError
+    from train.run_folder import StopSignals
+    from train.trainer import train
 
     if args.check:
         try:
             preflight(recipe, list(args.overrides), args.resume)
-        except (RecipeError, DataError, CheckpointError, RunFolderError) as e:
+        except UserError as e:  # one sentence, written by the code that found the problem
             return fail(str(e))
         return 0
 
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
             allow_process_change=args.allow_process_change,
             stop_after=args.stop_after,
         )
-    except (RecipeError, DataError, CheckpointError, RunFolderError) as e:
+    except UserError as e:
         return fail(str(e))
     except TrainingDiverged as e:
         return fail(str(e), code=1)
@@ -198,10 +199,12 @@ def main(argv=None) -> int:
     if _is_main():
         if summary.get("already_finished"):
             print(
-                f"{summary['run_dir']}: already finished at step {summary['step']} (top-1 {summary['top1']}); nothing to do."
+                f"{summary['run_dir']}: already finished at step {summary['step']} (top-1 {summary['top1']}); nothing "
+                "to do."
             )
         else:
             print(
-                f"done: {summary['run_dir']} step {summary['step']} eval top-1 {summary['top1']:.4f} in {summary['wall_s']:.0f} s"
+                f"done: {summary['run_dir']} step {summary['step']} eval top-1 {summary['top1']:.4f} in "
+                f"{summary['wall_s']:.0f} s"
             )
     return 0

@@ -100,14 +100,16 @@ class DataBundle:
 
 
 def train_is_lazy(cfg, ds) -> bool:
-    """data.in_memory: 'true' / 'false' as said; 'auto': lazy when the decoded split would exceed MAX_IN_MEMORY_BYTES."""
+    """data.in_memory: 'true' / 'false' as said; 'auto': lazy when the decoded split would exceed
+    MAX_IN_MEMORY_BYTES."""
     if cfg.in_memory != "auto":
         return cfg.in_memory == "false"
     return len(ds) * cfg.in_chans * cfg.img_size**2 > MAX_IN_MEMORY_BYTES
 
 
 def _check_size(key: str, size, available: int, split: str, held_out: int = 0) -> None:
-    """A size the recipe asks of a split must fit in it (less ``held_out`` data.val_size images): refused, not clamped."""
+    """A size the recipe asks of a split must fit in it (less ``held_out`` data.val_size images): refused, not
+    clamped."""
     if size is not None and size > available:
         less = f" once data.val_size ({held_out}) are held out" if held_out else ""
         raise DataError(
@@ -128,7 +130,8 @@ def _in_memory(ds, rows, cfg, lab_col: str, what: str) -> Split:
     n, c, s = len(rows), cfg.in_chans, cfg.img_size
     if n * c * s * s > MAX_IN_MEMORY_BYTES:
         raise DataError(
-            f"split '{what}' would take {n * c * s * s / 2**30:.0f} GiB in memory: lower {_SHRINK[what]} or data.img_size."
+            f"split '{what}' would take {n * c * s * s / 2**30:.0f} GiB in memory: lower {_SHRINK[what]} or "
+            "data.img_size."
         )
     return Split(decode_rows(ds, rows, cfg), labels(ds, lab_col, rows))
 

@@ -68,7 +68,8 @@ def checkpoint_of(spec: str, run_root: str | Path = "runs") -> Path:
 
 
 def classifier_name(net: nn.Module) -> str | None:
-    """The name of ``net``'s classifier head module (timm's ``get_classifier()``), or None when it has none with weights."""
+    """The name of ``net``'s classifier head module (timm's ``get_classifier()``), or None when it has none with
+    weights."""
     head = net.get_classifier() if hasattr(net, "get_classifier") else None
     if head is None or not any(True for _ in head.parameters()):
         return None
@@ -140,7 +141,8 @@ def load_pretrained(recipe, net: nn.Module) -> dict:
     if why:
         keys = _differing_keys(recipe, ckpt)
         fix = (
-            f"its run was trained with {', '.join(keys)}: set the same (--set {' '.join(k.split(' ')[0] for k in keys)})"
+            f"its run was trained with {', '.join(keys)}: set the same (--set "
+            f"{' '.join(k.split(' ')[0] for k in keys)})"
             if keys
             else "the recipe's model section and data.img_size / in_chans must match the pretrained run's"
         )
@@ -198,7 +200,8 @@ def apply(recipe, objective, resumed_meta: dict | None) -> dict | None:
             )
         if not t.init_from and resumed_meta is None and os.environ.get("RANK", "0") == "0":
             print(
-                "note: train.freeze_backbone without train.init_from trains a linear head on a randomly initialised backbone "
+                "note: train.freeze_backbone without train.init_from trains a linear head on a randomly initialised "
+                "backbone "
                 "(the random-features baseline).",
                 file=sys.stderr,
             )

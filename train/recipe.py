@@ -13,17 +13,17 @@ import dataclasses
 import hashlib
 import json
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
 from interventions import InterventionsConfig
 from interventions import check as check_interventions
 from train.callbacks import is_callback_name, known_callbacks
+from train.coerce import coerce
 from train.errors import RecipeError
 from train.objectives import ObjectivesConfig
 from train.objectives import check as check_objective
@@ -369,16 +369,19 @@ def _read_yaml(path: Path) -> dict:
         text = "\0"
     if "\0" in text:
         raise RecipeError(
-            f"recipe file '{path}' is not a text file (binary or not UTF-8): pass a YAML recipe such as recipes/default.yaml."
+            f"recipe file '{path}' is not a text file (binary or not UTF-8): pass a YAML recipe such as "
+            "recipes/default.yaml."
         )
     data = _yaml(text, f"recipe file '{path}'")
     if data is None:
         raise RecipeError(
-            f"recipe file '{path}' is empty (no keys, only comments or blank lines): write the keys to change, or 'base: default.yaml'."
+            f"recipe file '{path}' is empty (no keys, only comments or blank lines): write the keys to change, or "
+            "'base: default.yaml'."
         )
     if not isinstance(data, dict):
         raise RecipeError(
-            f"recipe file '{path}' must hold a mapping of keys (data:, model:, train:, ...), not a {type(data).__name__}."
+            f"recipe file '{path}' must hold a mapping of keys (data:, model:, train:, ...), not a "
+            f"{type(data).__name__}."
         )
     return data
 
@@ -428,68 +431,6 @@ def _set_override(d: dict, assignment: str) -> None:
 # ---------------------------------------------------------------- validation against the dataclasses' field types
 
 
-_SCALARS = {
-    bool: (bool,),
-    int: (int,),
-    float: (int, float),
-    str: (str,),
-    dict: (dict,),
-}  # type -> accepted Python types
-_YAML_BOOL_WORDS = {False: {"no", "off", "false"}, True: {"yes", "on", "true"}}  # YAML 1.1 reads these as booleans
-
-
-def _type_name(tp) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args)
-    if origin is list:
-        return f"a list of {_type_name(args[0])}"
-    if tp is type(None):
-        return "null"
-    return "a mapping" if dataclasses.is_dataclass(tp) else getattr(tp, "__name__", str(tp))
-
-
-def _convert(value: Any, tp, key: str):
-    """``value`` checked against the field type ``tp`` (scalars, Optional / Union, Literal, list, nested
-    dataclasses); a dataclass may define ``from_recipe(value)`` to accept a shorthand. RecipeError if it does not fit."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        real = [a for a in args if a is not type(None)]
-        if len(real) == 1:  # Optional[X]: X's own, more precise message
-            return _convert(value, real[0], key)
-        for a in real:
-            try:
-                return _convert(value, a, key)
-            except RecipeError:
-                pass
-    elif origin is Literal:
-        if isinstance(value, bool):
-            value = next((a for a in args if str(a).lower() in _YAML_BOOL_WORDS[value]), value)
-        if value in args and not isinstance(value, bool):
-            return value
-    elif origin is list:
-        if isinstance(value, dict) and dataclasses.is_dataclass(args[0]):
-            value = [value]  # one mapping where a list of them is expected
-        if isinstance(value, list):
-            return [_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    elif dataclasses.is_dataclass(tp):
-        value = tp.from_recipe(value) if hasattr(tp, "from_recipe") else value
-        if isinstance(value, dict):
-            return _build(tp, value, key)
-    elif tp in _SCALARS:
-        if isinstance(value, _SCALARS[tp]) and (tp is bool or not isinstance(value, bool)):
-            return float(value) if tp is float else value
-    else:
-        raise TypeError(f"unsupported schema type {tp} for {key}")  # a bug in the schema, not in the recipe
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
-    raise RecipeError(f"key '{key}' must be {_type_name(tp)}, got {shown}.")
-
-
 def _check_range(value, meta: dict, key: str) -> None:
     """``metadata`` {lo, hi, lo_open} of a numeric field (see :func:`_range`)."""
     if not meta or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -510,7 +451,7 @@ def _build(cls, data: dict, prefix: str = ""):
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in fields:
             raise RecipeError(f"unknown key '{key}': allowed keys here are {', '.join(sorted(fields))}.")
-        kwargs[k] = _convert(v, hints[k], key)
+        kwargs[k] = coerce(v, hints[k], key, RecipeError, build=_build)
         _check_range(kwargs[k], fields[k].metadata, key)
     for name, f in fields.items():
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -518,71 +459,94 @@ def _build(cls, data: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
-def _cross_checks(r: Recipe) -> None:
-    m, d, t = r.model, r.data, r.train
-    if m.arch in ("vit", "mixer"):
-        if d.img_size % m.patch_size:
-            raise RecipeError(f"key 'model.patch_size' ({m.patch_size}) must divide 'data.img_size' ({d.img_size}).")
-    if m.arch == "mixer" and int(m.mixer_token_ratio * m.embed_dim) < 1:
-        raise RecipeError(
-            f"key 'model.mixer_token_ratio' ({m.mixer_token_ratio}) times 'model.embed_dim' ({m.embed_dim}) "
-            "must give at least 1 hidden unit for the token-mixing MLP."
+def _model_checks(m: ModelConfig, d: DataConfig) -> str | None:
+    if m.arch in ("vit", "mixer") and d.img_size % m.patch_size:
+        return f"key 'model.patch_size' ({m.patch_size}) must divide 'data.img_size' ({d.img_size})."
+    if m.arch == "mixer":
+        for key, ratio, what in (
+            ("mixer_token_ratio", m.mixer_token_ratio, "token"),
+            ("mlp_ratio", m.mlp_ratio, "channel"),
+        ):
+            if int(ratio * m.embed_dim) < 1:
+                return (
+                    f"key 'model.{key}' ({ratio}) times 'model.embed_dim' ({m.embed_dim}) "
+                    f"must give at least 1 hidden unit for the {what}-mixing MLP."
+                )
+    if m.arch == "vit" and m.embed_dim % m.num_heads:
+        return f"key 'model.num_heads' ({m.num_heads}) must divide 'model.embed_dim' ({m.embed_dim})."
+    if m.arch != "resnet":
+        return None
+    if m.dropout > 0:
+        return (
+            f"key 'model.dropout' ({m.dropout}) applies to model.arch vit and mixer only: set it to 0 for a resnet "
+            "(use model.drop_path)."
         )
-    if m.arch == "mixer" and int(m.mlp_ratio * m.embed_dim) < 1:
-        raise RecipeError(
-            f"key 'model.mlp_ratio' ({m.mlp_ratio}) times 'model.embed_dim' ({m.embed_dim}) "
-            "must give at least 1 hidden unit for the channel-mixing MLP."
+    if len(m.resnet_layers) != 4 or len(m.resnet_channels) != 4:
+        return (
+            "keys 'model.resnet_layers' and 'model.resnet_channels' must each list 4 numbers (timm ResNets have 4 "
+            "stages)."
         )
-    if m.arch == "vit":
-        if m.embed_dim % m.num_heads:
-            raise RecipeError(f"key 'model.num_heads' ({m.num_heads}) must divide 'model.embed_dim' ({m.embed_dim}).")
-    if m.arch == "resnet" and m.dropout > 0:
-        raise RecipeError(
-            f"key 'model.dropout' ({m.dropout}) applies to model.arch vit and mixer only: set it to 0 for a resnet (use model.drop_path)."
-        )
-    if m.arch == "resnet":
-        if len(m.resnet_layers) != 4 or len(m.resnet_channels) != 4:
-            raise RecipeError(
-                "keys 'model.resnet_layers' and 'model.resnet_channels' must each list 4 numbers (timm ResNets have 4 stages)."
-            )
-        if any(v < 1 for v in m.resnet_layers + m.resnet_channels):
-            raise RecipeError("keys 'model.resnet_layers' and 'model.resnet_channels' must hold positive integers.")
+    if any(v < 1 for v in m.resnet_layers + m.resnet_channels):
+        return "keys 'model.resnet_layers' and 'model.resnet_channels' must hold positive integers."
+    return None
+
+
+def _data_checks(d: DataConfig, t: TrainConfig) -> str | None:
     if d.source == "hub" and not d.name:
-        raise RecipeError(
-            "key 'data.name' must name a Hugging Face hub data set (e.g. cifar10) when data.source is 'hub'."
-        )
+        return "key 'data.name' must name a Hugging Face hub data set (e.g. cifar10) when data.source is 'hub'."
     if d.source in ("imagefolder", "parquet", "disk") and not d.path:
-        raise RecipeError(f"key 'data.path' must give a folder when data.source is '{d.source}'.")
+        return f"key 'data.path' must give a folder when data.source is '{d.source}'."
     if d.val_size and d.train_split == d.eval_split:
-        raise RecipeError(
+        return (
             f"key 'data.val_size' ({d.val_size}) holds out part of the train split, which is also the eval split "
             f"('{d.eval_split}') here: give data.eval_split another split, or set data.val_size to 0."
         )
     a = d.augment
     if (a.mixup_alpha > 0 or a.cutmix_alpha > 0) and t.batch_size % 2:
-        raise RecipeError(
+        return (
             f"key 'train.batch_size' ({t.batch_size}) must be even when data.augment.mixup_alpha or cutmix_alpha "
             "is > 0 (timm's Mixup pairs each image with the batch's mirror image): make it even."
         )
+    return None
+
+
+def _train_checks(t: TrainConfig) -> str | None:
     if t.min_lr > t.lr:
-        raise RecipeError(f"key 'train.min_lr' ({t.min_lr}) must not exceed 'train.lr' ({t.lr}).")
+        return f"key 'train.min_lr' ({t.min_lr}) must not exceed 'train.lr' ({t.lr})."
     if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
-        raise RecipeError(f"key 'train.betas' must be two numbers in [0, 1), got {t.betas}.")
-    known = known_callbacks()
+        return f"key 'train.betas' must be two numbers in [0, 1), got {t.betas}."
+    return None
+
+
+def _run_checks(r: Recipe) -> str | None:
     for i, cb in enumerate(r.callbacks):
         if not is_callback_name(cb.name):
-            raise RecipeError(
-                f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback: choose one of {', '.join(sorted(known))}, or give package.module:Class."
+            return (
+                f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback: choose one of "
+                f"{', '.join(sorted(known_callbacks()))}, or give package.module:Class."
             )
     for k, v in r.sweep.items():
         if not isinstance(v, list) or not v:
-            raise RecipeError(f"key 'sweep.{k}' must be a non-empty list of values to try.")
+            return f"key 'sweep.{k}' must be a non-empty list of values to try."
     name = r.run.name
     if name is not None and (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name):
-        raise RecipeError(
-            f"key 'run.name' ({name!r}, also --name) must be a folder name, not a path: no '/', '\\' or '..' (the folder goes under run.root)."
+        return (
+            f"key 'run.name' ({name!r}, also --name) must be a folder name, not a path: no '/', '\\' or '..' (the "
+            "folder goes under run.root)."
         )
-    msg = check_interventions(r) or check_objective(r)
+    return None
+
+
+def _cross_checks(r: Recipe) -> None:
+    """Checks between keys (and of the interventions and objective against the rest): the first problem's sentence."""
+    msg = (
+        _model_checks(r.model, r.data)
+        or _data_checks(r.data, r.train)
+        or _train_checks(r.train)
+        or _run_checks(r)
+        or check_interventions(r)
+        or check_objective(r)
+    )
     if msg:
         raise RecipeError(msg)
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from train.errors import DataError
+
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = [
     "T-shirt/top",
@@ -38,16 +40,13 @@ FASHION_MNIST_CLASSES = [
 ]
 
 
-class DataError(RuntimeError):
-    """A data set cannot be found, reached or read; the message is one sentence for the user."""
-
-
 def _read_idx(path: Path) -> np.ndarray:
     with gzip.open(path, "rb") as f:
         raw = f.read()
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
         raise DataError(
-            f"'{path}' is not a uint8 IDX file: reinstall the data with 'apt-get install --reinstall dataset-fashion-mnist'."
+            f"'{path}' is not a uint8 IDX file: reinstall the data with 'apt-get install --reinstall "
+            "dataset-fashion-mnist'."
         )
     ndim = raw[3]
     shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
@@ -227,8 +226,10 @@ def _from_hub(name: str, load):
                 else "fill the cache there (load it once), copy it to HF_HOME here and set HF_HUB_OFFLINE=1"
             )
             raise DataError(
-                f"{why} and data set '{name}' is not in the local Hugging Face cache (HF_HOME {constants.HF_HOME}): where there "
-                f"is a network, save it with datasets.load_dataset('{name}').save_to_disk(PATH), copy PATH here and use "
+                f"{why} and data set '{name}' is not in the local Hugging Face cache (HF_HOME {constants.HF_HOME}): "
+                "where there "
+                f"is a network, save it with datasets.load_dataset('{name}').save_to_disk(PATH), copy PATH here and "
+                "use "
                 f"data.source: disk with data.path: PATH, or {cache}."
             ) from None
         raise DataError(f"could not load hub data set '{name}': {str(e).splitlines()[0][:300]}") from None

@@ -131,7 +131,8 @@ class EpochBatchSampler(torch.utils.data.Sampler):
         self.set_epoch(0)
         if self.batches_per_epoch() == 0:
             raise DataError(
-                f"the train split ({n} images) is smaller than one batch ({batch_size} x {world} processes): lower train.batch_size."
+                f"the train split ({n} images) is smaller than one batch ({batch_size} x {world} processes): lower "
+                "train.batch_size."
             )
 
     def batches_per_epoch(self) -> int:

@@ -3,8 +3,8 @@
 Each run's folder is named after its overrides (``runs/<recipe>-<key>_<value>...``). Finished runs (their
 final checkpoint exists) are skipped without starting anything; interrupted ones resume from their latest
 complete checkpoint, so a sweep can be stopped and started again safely. Every combination is validated
-before the first run starts. Values are YAML: ``--grid interventions.no_skip.blocks=[0],[3],[5]``. Without --grid, the recipe's
-``sweep:`` section ({key: [values]}) is the grid (recipes/studies/ use this).
+before the first run starts. Values are YAML: ``--grid interventions.no_skip.blocks=[0],[3],[5]``. Without
+--grid, the recipe's ``sweep:`` section ({key: [values]}) is the grid (recipes/studies/ use this).
 """
 
 from __future__ import annotations
@@ -73,99 +73,109 @@ def _log_path(run_dir: Path) -> Path:
     return run_dir.parent / "logs" / f"{run_dir.name}.log"
 
 
-def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tuple[list, int, int]:
-    """Train each (recipe, overrides, run_dir) of ``plan`` in its own ``./launch.sh`` process: finished runs are
-    skipped, interrupted ones resume, a failed run is reported and the rest go on. Returns (failed [(name, exit
-    code)], started, skipped). A plan entry may carry a fourth item, a step: that run trains only to it (``--stop-after``)
-    and counts as done, or is skipped, once it has a checkpoint there.
-
-    ``jobs`` > 1 trains that many runs at once, each with an equal share of this machine's cores (VITLAB_THREADS),
-    its output in ``<runs root>/logs/<run>.log``: small models train faster side by side than one after the other with all
-    threads (two 1-thread runs of the default ViT on 2 cores: ~1.3x the images per second of one 2-thread run)."""
-
+def _todo(plan: list[tuple], dry_run: bool) -> tuple[list[tuple], int]:
+    """(label, command, run folder, stop step) of each run of ``plan`` that still has steps to train, and how many
+    were skipped (finished, or at their stop step already); with ``dry_run`` each is only listed."""
     launcher = [str(ROOT / "launch.sh")] if (ROOT / "launch.sh").is_file() else [sys.executable, "-m", "train"]
-    failed, started, skipped = [], 0, 0
-    todo = []
+    todo, skipped = [], 0
     for i, (recipe, overrides, run_dir, *until) in enumerate(plan, 1):
         run_dir = Path(run_dir)
         stop = until[0] if until else None
         label = f"[{i}/{len(plan)}] {run_dir.name}" + (f" (to step {stop})" if stop else "")
-        if is_finished(run_dir):
-            print(f"{label}: finished, skipped", flush=True)
+        done = (
+            "finished" if is_finished(run_dir) else f"at step {stop} already" if stop and reached(run_dir, stop) else ""
+        )
+        if done:
+            print(f"{label}: {done}, skipped", flush=True)
             skipped += 1
             continue
-        if stop and reached(run_dir, stop):
-            print(f"{label}: at step {stop} already, skipped", flush=True)
-            skipped += 1
-            continue
-        resumable = bool(list_checkpoints(run_dir / "checkpoints", warn=False))  # --resume refuses to start a run
         if dry_run:
+            resumable = bool(list_checkpoints(run_dir / "checkpoints", warn=False))  # --resume refuses to start one
             print(f"{label}: {'resuming' if resumable else 'starting'}", flush=True)
             continue
-        cmd = [
-            *launcher,
-            str(recipe),
-            "--set",
-            *overrides,
-            f"run.root={run_dir.resolve().parent}",
-            f"run.name={run_dir.name}",
-        ]
-        if stop:
-            cmd += ["--stop-after", str(stop)]
-        todo.append((label, cmd, run_dir, stop))
-    env = os.environ.copy()
-    if jobs > 1:
-        env["VITLAB_THREADS"] = str(max(1, _cores() // jobs))
-    running: list[tuple[str, Path, subprocess.Popen, object, int | None]] = []
+        root = f"run.root={run_dir.resolve().parent}"
+        cmd = [*launcher, str(recipe), "--set", *overrides, root, f"run.name={run_dir.name}"]
+        todo.append((label, cmd + (["--stop-after", str(stop)] if stop else []), run_dir, stop))
+    return todo, skipped
 
-    def reap(block: bool) -> None:
-        while running and (block or any(e[2].poll() is not None for e in running)):
-            for entry in list(running):
-                label, run_dir, proc, log, stop = entry
-                if proc.poll() is None:
-                    continue
-                running.remove(entry)
-                if log is not None:
-                    log.close()
-                if proc.returncode != 0 or not (is_finished(run_dir) or (stop and reached(run_dir, stop))):
-                    failed.append((run_dir.name, proc.returncode))
-                    where = f"; its output is in {_log_path(run_dir)}" if log is not None else ""
-                    print(
-                        f"{label}: failed with exit code {proc.returncode}{where}; the rest go on (run this again to resume it)",
-                        flush=True,
-                    )
-                elif log is not None:
-                    print(f"{label}: finished", flush=True)
-            if block and running:
-                time.sleep(1.0)
-            block = block and bool(running)
 
-    try:
-        for label, cmd, run_dir, stop in todo:
-            while len(running) >= jobs:
-                reap(block=False)
-                time.sleep(1.0)
-            # decided at launch, not when planned: with jobs > 1 an earlier run may have written this folder meanwhile
-            resume = bool(list_checkpoints(run_dir / "checkpoints", warn=False))
-            print(f"{label}: {'resuming' if resume else 'starting'}", flush=True)
-            log = None
-            if jobs > 1:
-                _log_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
-                log = open(_log_path(run_dir), "a")  # beside the run folder: the trainer owns what is inside it
-            proc = subprocess.Popen(
-                cmd + (["--resume"] if resume else []),
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT if log is not None else None,
+class _Runs:
+    """The runs training at once: started with their share of the cores, reaped as they end (a failure is
+    reported and the rest go on)."""
+
+    def __init__(self, jobs: int):
+        self.jobs = jobs
+        self.env = os.environ.copy()
+        if jobs > 1:
+            self.env["VITLAB_THREADS"] = str(max(1, _cores() // jobs))
+        self.running: list[tuple[str, Path, subprocess.Popen, object, int | None]] = []
+        self.failed: list[tuple[str, int]] = []
+
+    def start(self, label: str, cmd: list[str], run_dir: Path, stop: int | None) -> None:
+        while len(self.running) >= self.jobs:
+            self.reap(block=False)
+            time.sleep(1.0)
+        # decided at launch, not when planned: with jobs > 1 an earlier run may have written this folder meanwhile
+        resume = bool(list_checkpoints(run_dir / "checkpoints", warn=False))
+        print(f"{label}: {'resuming' if resume else 'starting'}", flush=True)
+        log = None
+        if self.jobs > 1:
+            _log_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+            log = open(_log_path(run_dir), "a")  # noqa: SIM115  (closed when reaped; the trainer owns the run folder)
+        stderr = subprocess.STDOUT if log is not None else None
+        proc = subprocess.Popen(cmd + (["--resume"] if resume else []), env=self.env, stdout=log, stderr=stderr)
+        self.running.append((label, run_dir, proc, log, stop))
+
+    def _ended(self, label: str, run_dir: Path, proc: subprocess.Popen, log, stop: int | None) -> None:
+        if log is not None:
+            log.close()
+        if proc.returncode != 0 or not (is_finished(run_dir) or (stop and reached(run_dir, stop))):
+            self.failed.append((run_dir.name, proc.returncode))
+            where = f"; its output is in {_log_path(run_dir)}" if log is not None else ""
+            print(
+                f"{label}: failed with exit code {proc.returncode}{where}; the rest go on (run this again to resume "
+                "it)",
+                flush=True,
             )
-            started += 1
-            running.append((label, run_dir, proc, log, stop))
-        reap(block=True)
-    except KeyboardInterrupt:  # the children got the same SIGINT: they checkpoint and stop; wait for them
-        for entry in running:
+        elif log is not None:
+            print(f"{label}: finished", flush=True)
+
+    def reap(self, block: bool) -> None:
+        while self.running and (block or any(e[2].poll() is not None for e in self.running)):
+            for entry in list(self.running):
+                if entry[2].poll() is None:
+                    continue
+                self.running.remove(entry)
+                self._ended(*entry)
+            if block and self.running:
+                time.sleep(1.0)
+            block = block and bool(self.running)
+
+    def wait_all(self) -> None:
+        for entry in self.running:
             entry[2].wait()
+
+
+def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tuple[list, int, int]:
+    """Train each (recipe, overrides, run_dir) of ``plan`` in its own ``./launch.sh`` process: finished runs are
+    skipped, interrupted ones resume, a failed run is reported and the rest go on. Returns (failed [(name, exit
+    code)], started, skipped). A plan entry may carry a fourth item, a step: that run trains only to it
+    (``--stop-after``) and counts as done, or is skipped, once it has a checkpoint there.
+
+    ``jobs`` > 1 trains that many runs at once, each with an equal share of this machine's cores (VITLAB_THREADS),
+    its output in ``<runs root>/logs/<run>.log``: small models train faster side by side than one after the other
+    with all threads (two 1-thread runs of the default ViT on 2 cores: ~1.3x the images per second of one 2-thread
+    run)."""
+    todo, skipped = _todo(plan, dry_run)
+    runs = _Runs(jobs)
+    try:
+        for entry in todo:
+            runs.start(*entry)
+        runs.reap(block=True)
+    except KeyboardInterrupt:  # the children got the same SIGINT: they checkpoint and stop; wait for them
+        runs.wait_all()
         raise
-    return failed, started, skipped
+    return runs.failed, len(todo), skipped
 
 
 def main(argv=None) -> int:

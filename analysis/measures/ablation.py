@@ -216,7 +216,8 @@ def parse_targets(spec, arch: str, blocks: list[str], modules: list[nn.Module], 
         block, kind = m["block"], ("head" if m["heads"] else m["kind"])
         if block not in blocks:
             raise MeasureError(
-                f"ablation target '{s}': the model has no block '{block}' (its blocks are {blocks[0]} ... {blocks[-1]})."
+                f"ablation target '{s}': the model has no block '{block}' (its blocks are {blocks[0]} ... "
+                f"{blocks[-1]})."
             )
         b = blocks.index(block)
         if kind not in KINDS[arch] or not exists(b, kind):
@@ -253,7 +254,8 @@ class _Hooks:
 
 
 def _replace_args(value):
-    """A forward pre-hook giving the module ``value`` as its first argument (the model runs on a dummy image up to it)."""
+    """A forward pre-hook giving the module ``value`` as its first argument (the model runs on a dummy image up to
+    it)."""
     return lambda mod, args: (value, *tuple(args[1:]))
 
 
@@ -293,7 +295,8 @@ class Ablation(Measure):
     # ------------------------------------------------------------------ which activations are replaced by what
 
     def _replaces(self, t: Target) -> bool:
-        """Whether target ``t`` needs unablated values (not zero: ``replace`` is not zero, and a skip is not removed)."""
+        """Whether target ``t`` needs unablated values (not zero: ``replace`` is not zero, and a skip is not
+        removed)."""
         return self.opts.replace != "zero" and not (t.kind in SKIP_KINDS and self.opts.skip == "remove")
 
     def _sites(self) -> list[tuple[int, str]]:
@@ -824,7 +827,8 @@ def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
         else _f(r["clean_loss"])
     )
     ax.set_title(
-        f"{title}\n(unablated {'loss' if label == 'loss_increase' else 'top-1'} {clean * (1 if label == 'loss_increase' else 100):.1f}"
+        f"{title}\n(unablated {'loss' if label == 'loss_increase' else 'top-1'} "
+        f"{clean * (1 if label == 'loss_increase' else 100):.1f}"
         f"{'' if label == 'loss_increase' else '%'}, {int(np.asarray(r['n_images']))} images)",
         fontsize=8,
     )
@@ -896,7 +900,8 @@ def skip_cka_map(r: dict, sfx: str = ""):
     ax.set_xlabel("output of block")
     ax.set_ylabel("skip path removed at block" if kind == "skip" else "shortcut ablated at block")
     ax.set_title(
-        f"CKA to the unablated model after removing one block's skip path{sfx}\n(test-time counterpart of Raghu Fig. 8)",
+        f"CKA to the unablated model after removing one block's skip path{sfx}\n(test-time counterpart of Raghu Fig. "
+        "8)",
         fontsize=8,
     )
     fig.tight_layout()

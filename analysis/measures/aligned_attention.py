@@ -85,7 +85,8 @@ class AlignedOptions:
 
 
 def canvas_index(grid: tuple[int, int]) -> Tensor:
-    """[N, N] long: the flat canvas cell ((gh-1 + r'-r) * (2gw-1) + (gw-1 + c'-c)) of key k=(r', c') for query q=(r, c)."""
+    """[N, N] long: the flat canvas cell ((gh-1 + r'-r) * (2gw-1) + (gw-1 + c'-c)) of key k=(r', c') for query q=(r,
+    c)."""
     gh, gw = grid
     r = torch.arange(gh).repeat_interleave(gw)
     c = torch.arange(gw).repeat(gh)
@@ -196,7 +197,8 @@ def offset_local_heads(
     lands within one token of a point at most two tokens away". Over every point p with Chebyshev |p| <=
     ``max_offset``, the mass in the window of ``window`` cells around p (:func:`window_mass`); the best such window
     gives ``peak_mass`` [...] (its mass; ties between windows go to the centre nearest the query).
-    ``local`` [...] = peak_mass >= ``min_mass`` and the peak at most ``max_offset`` away; ``peak_offset`` [..., 2] is the
+    ``local`` [...] = peak_mass >= ``min_mass`` and the peak at most ``max_offset`` away; ``peak_offset`` [..., 2] is
+    the
     map's maximum cell inside that window (a head fixed on the token two to the right has it at (0, +2) even when the
     best window is centred one nearer; ties to the cell nearest the query); ``window_centre`` [..., 2] the window's
     centre of mass; ``offset_local`` = local and the window's centre of mass rounds to a cell other than (0, 0) (the

@@ -136,7 +136,8 @@ def _check(attn: Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> None:
     expected = num_prefix_tokens + grid[0] * grid[1]
     if attn.shape[-1] != expected:
         raise ValueError(
-            f"attn has T={attn.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {grid[0]}x{grid[1]} = {expected}"
+            f"attn has T={attn.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {grid[0]}x{grid[1]} = "
+            f"{expected}"
         )
 
 
@@ -261,7 +262,8 @@ class AttentionDistance:
     def sync(self, accelerator=None) -> None:
         """Sum the state over processes with ``torch.distributed.all_reduce`` (SUM) when a process group with more
         than one process is initialised (otherwise nothing). Blocks seen only by some processes are added as zeros
-        elsewhere first. The packed state is summed by :func:`analysis.reduce.all_reduce_sum`. Call it once, after the last ``update`` and before
+        elsewhere first. The packed state is summed by :func:`analysis.reduce.all_reduce_sum`. Call it once, after the
+        last ``update`` and before
         ``compute``: calling it twice sums twice."""
 
         if accelerator is not None and accelerator.num_processes == 1:

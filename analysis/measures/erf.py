@@ -237,7 +237,10 @@ class ERFOptions:
 
     def check(self):
         if self.images < 1 or self.batch < 1 or self.forward_images < 1:
-            return f"images, batch and forward_images must be >= 1, not {self.images}, {self.batch}, {self.forward_images}."
+            return (
+                f"images, batch and forward_images must be >= 1, not {self.images}, {self.batch}, "
+                f"{self.forward_images}."
+            )
         return None
 
 

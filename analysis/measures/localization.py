@@ -11,7 +11,8 @@ patching step ("before pooling we split the feature map into patches and flatten
 presented in the paper include this additional patching step") is described for the linear probes, and Fig. 9
 itself (ResNet-50's final block, 7 x 7) is unchanged by it. ``resnet_tokens: patch`` applies it (p x p patches
 flattened to C p^2 values before the pooling, same token grid; p as in analysis/features.py or option
-``resnet_patch``); Raghu's code is not published, so which one their earlier-layer Fig. D.3 uses is not known. The input patch at grid position (i, j) is the block of NORMALISED input pixels it covers,
+``resnet_patch``); Raghu's code is not published, so which one their earlier-layer Fig. D.3 uses is not known. The
+input patch at grid position (i, j) is the block of NORMALISED input pixels it covers,
 
     rows [floor(i H / gh), ceil((i + 1) H / gh)),  cols [floor(j W / gw), ceil((j + 1) W / gw)),
 
@@ -133,7 +134,10 @@ class LocalizationOptions:
         if "attn_probs" in self.kinds:
             return "localization compares token representations; attn_probs is not one."
         if self.resnet_patch < 0 or self.resnet_max_side < 1:
-            return f"resnet_patch must be >= 0 and resnet_max_side >= 1, not {self.resnet_patch} and {self.resnet_max_side}."
+            return (
+                f"resnet_patch must be >= 0 and resnet_max_side >= 1, not {self.resnet_patch} and "
+                f"{self.resnet_max_side}."
+            )
         return None
 
 
@@ -156,10 +160,6 @@ class Localization(Measure):
 
     name = "localization"
     Options = LocalizationOptions
-
-    @classmethod
-    def applies(cls, ctx: Context) -> bool:
-        return ctx.arch in ("vit", "mixer", "resnet")
 
     def __init__(self, ctx: Context, opts=None):
         super().__init__(ctx, opts)

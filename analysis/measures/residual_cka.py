@@ -64,10 +64,6 @@ class ResidualCKA(Measure):
     name = "residual_cka"
     Options = ResidualCKAOptions
 
-    @classmethod
-    def applies(cls, ctx: Context) -> bool:
-        return ctx.arch in ("vit", "mixer", "resnet")
-
     def __init__(self, ctx: Context, opts=None):
         super().__init__(ctx, opts)
         self.unbiased = self.opts.unbiased

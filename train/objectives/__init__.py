@@ -12,7 +12,8 @@ The trainer's loop, checkpoints, exact resume, multi-process training and Tensor
 objective; an objective only says what one step's loss is (:meth:`Objective.loss`) and what happens after the
 optimizer step (:meth:`Objective.after_step`, e.g. an EMA teacher). Everything an objective keeps between steps
 (teacher weights, DINO's centre, a decoder) is a parameter or buffer of the objective module, so the checkpoint
-holds it and resume restores it; randomness inside a step (masks, crops) comes from :func:`train.seeding.step_generator`, a
+holds it and resume restores it; randomness inside a step (masks, crops) comes from
+:func:`train.seeding.step_generator`, a
 function of (seed, step, process), so a resumed run draws the same masks.
 
 Checkpoints. A supervised run trains (and saves) the backbone itself, as before objectives existed. Any other
@@ -25,15 +26,14 @@ analysis loads the backbone (or the teacher) by name.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 from types import ModuleType
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
+from interventions import Registry
 from train.seeding import step_generator  # noqa: F401  (re-exported: objectives draw their masks and crops with it)
 
 
@@ -92,23 +92,15 @@ class Objective(nn.Module):
         }
 
 
-def _discover() -> dict[str, ModuleType]:
-    found = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"{__name__}.{info.name}")
-        if hasattr(mod, "Config") and hasattr(mod, "Objective"):
-            found[info.name] = mod
-    return found
-
-
-REGISTRY: dict[str, ModuleType] = _discover()
+PLUGINS = Registry(
+    "objective", __name__, module_plugin=lambda mod: hasattr(mod, "Config") and hasattr(mod, "Objective")
+)
+REGISTRY: dict[str, ModuleType] = PLUGINS.items()  # every module defining Config and Objective
 
 
 def _config_class():
     """The recipe's ``objectives:`` section: one optional mapping per objective (its defaults when absent)."""
-    fields = [(name, Optional[mod.Config], dataclasses.field(default=None)) for name, mod in REGISTRY.items()]
+    fields = [(name, mod.Config | None, dataclasses.field(default=None)) for name, mod in REGISTRY.items()]
     cls = dataclasses.make_dataclass("ObjectivesConfig", fields)
     cls.__module__ = __name__
     cls.__doc__ = "The recipe's ``objectives:`` section: options of " + ", ".join(REGISTRY) + " (each optional)."

@@ -64,6 +64,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,8 @@ def check(cfg: Config, recipe) -> str | None:
     m, d = recipe.model, recipe.data
     if m.arch != "vit":
         return (
-            f"train.objective 'dino' trains a ViT (its local crops of another size go through timm's dynamic_img_size), "
+            "train.objective 'dino' trains a ViT (its local crops of another size go through timm's "
+            "dynamic_img_size), "
             f"not model.arch {m.arch!r}: set model.arch=vit."
         )
     for key in ("global_crops_scale", "local_crops_scale"):
@@ -123,13 +125,15 @@ def check(cfg: Config, recipe) -> str | None:
     if cfg.local_crops_number:
         if cfg.local_crop_size % m.patch_size or cfg.local_crop_size > d.img_size:
             return (
-                f"key 'objectives.dino.local_crop_size' is {cfg.local_crop_size}: it must be a multiple of model.patch_size "
+                f"key 'objectives.dino.local_crop_size' is {cfg.local_crop_size}: it must be a multiple of "
+                "model.patch_size "
                 f"({m.patch_size}) no larger than data.img_size ({d.img_size}), e.g. "
                 f"{max(m.patch_size, (d.img_size * 3 // 7) // m.patch_size * m.patch_size)}."
             )
         if recipe.interventions.local_attention:
             return (
-                "interventions.local_attention fixes the attention window to the token grid of data.img_size, which DINO's "
+                "interventions.local_attention fixes the attention window to the token grid of data.img_size, which "
+                "DINO's "
                 "local crops do not have: set objectives.dino.local_crops_number=0 or remove the intervention."
             )
     return None
@@ -256,7 +260,7 @@ class Objective(_Base):
     name = "dino"
     uses_labels = False
     wraps = True
-    parts = {"student": "backbone.", "teacher": "teacher_backbone."}
+    parts: ClassVar[dict[str, str]] = {"student": "backbone.", "teacher": "teacher_backbone."}
 
     def __init__(self, backbone: nn.Module, cfg: Config, recipe, num_classes: int):
         super().__init__(backbone, cfg, recipe, num_classes)
@@ -385,13 +389,16 @@ class Objective(_Base):
         if h >= UNIFORM_SHARE * log_k:
             collapsed = (
                 f"DINO collapsed to the uniform distribution: the teacher's mean entropy is {h:.3f} nats, "
-                f"{h / log_k:.0%} of log(out_dim) = {log_k:.3f}, so its outputs no longer tell images apart (sharpen more: "
+                f"{h / log_k:.0%} of log(out_dim) = {log_k:.3f}, so its outputs no longer tell images apart (sharpen "
+                "more: "
                 f"a lower objectives.dino.teacher_temp)."
             )
         elif st["top_share"] >= DOMINANT_SHARE:
             collapsed = (
-                f"DINO collapsed to one prototype: prototype {int(st['top_prototype'])} holds {st['top_share']:.0%} of the "
-                f"teacher's probability over the last step's {int(st['views'])} global views (teacher entropy {h:.3f} nats "
+                f"DINO collapsed to one prototype: prototype {int(st['top_prototype'])} holds {st['top_share']:.0%} of "
+                "the "
+                f"teacher's probability over the last step's {int(st['views'])} global views (teacher entropy {h:.3f} "
+                "nats "
                 f"of log(out_dim) = {log_k:.3f}; try a lower objectives.dino.center_momentum or a higher teacher_temp)."
             )
         return {

@@ -24,7 +24,8 @@ Following the authors' code (facebookresearch/mae, models_mae.py):
   process draws its own (micro-batches of one step continue the step's stream).
 * The decoder: a linear embedding of the encoder's output to ``decoder_dim``, mask tokens (normal, std 0.02), fixed
   2-D sin-cos position embeddings (the CLS token's is zero, as theirs), ``decoder_depth`` timm ``Block``s of
-  ``decoder_heads`` heads (LayerNorm eps 1e-6), a LayerNorm and a linear prediction of ``patch_size^2 * in_chans`` pixels; Linear layers
+  ``decoder_heads`` heads (LayerNorm eps 1e-6), a LayerNorm and a linear prediction of ``patch_size^2 * in_chans``
+  pixels; Linear layers
   xavier-uniform with zero bias (their init). With a CLS model the CLS token goes through the decoder and its output
   is dropped (theirs); a GAP model has no CLS token.
 
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -81,7 +83,8 @@ class Config:
 
 
 def num_masked(mask_ratio: float, num_patches: int) -> int:
-    """Hidden patches per image: ``round(mask_ratio * num_patches)`` (Python's round: a half goes to the even number)."""
+    """Hidden patches per image: ``round(mask_ratio * num_patches)`` (Python's round: a half goes to the even
+    number)."""
     return int(round(mask_ratio * num_patches))
 
 
@@ -139,7 +142,7 @@ def _init_mae(m: nn.Module) -> None:
 class Objective(_Base):
     name = "mae"
     uses_labels = False
-    parts = {"student": "backbone."}
+    parts: ClassVar[dict[str, str]] = {"student": "backbone."}
 
     def __init__(self, backbone, cfg: Config, recipe, num_classes: int):
         super().__init__(backbone, cfg, recipe, num_classes)
@@ -175,7 +178,8 @@ class Objective(_Base):
     # ---------------------------------------------------------------- the parts of one step
 
     def generator(self, step: int, device) -> torch.Generator:
-        """The masking generator of ``step`` on this process (one stream per step, continued across its micro-batches)."""
+        """The masking generator of ``step`` on this process (one stream per step, continued across its
+        micro-batches)."""
         if self._gen is None or self._gen[0] != step or self._gen[1].device.type != torch.device(device).type:
             self._gen = (step, step_generator(self.seed, step, _rank(), device))
         return self._gen[1]
@@ -202,7 +206,8 @@ class Objective(_Base):
         return getattr(bb, self._final_norm)(t)
 
     def decode(self, latent: Tensor, ids_restore: Tensor) -> Tensor:
-        """Predicted pixels of every patch [B, N, p*p*C] from the encoded visible patches (the authors' forward_decoder)."""
+        """Predicted pixels of every patch [B, N, p*p*C] from the encoded visible patches (the authors'
+        forward_decoder)."""
         z = self.decoder_embed(latent)
         b, p = z.shape[0], self.num_prefix
         tokens = torch.cat([z[:, p:], self.mask_token.expand(b, self.num_patches - (z.shape[1] - p), -1)], dim=1)

@@ -5,6 +5,7 @@ loss is timm's ``SoftTargetCrossEntropy`` (DeiT's recipe). The backbone is train
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch.nn.functional as F
 from timm.loss import SoftTargetCrossEntropy
@@ -22,7 +23,7 @@ class Objective(_Base):
     name = "supervised"
     uses_labels = True
     wraps = False
-    parts = {}
+    parts: ClassVar[dict[str, str]] = {}
 
     def __init__(self, backbone, cfg, recipe, num_classes: int):
         super().__init__(backbone, cfg, recipe, num_classes)

@@ -1,12 +1,15 @@
 """ViT attention heads, sorted from local to global, compared with a ResNet's lower layers by CKA
 (Raghu et al. 2021 §4, "Does access to global information result in different features?", Fig. 5).
 
-A cross-model function (not a single-model Measure): :func:`head_subset_cka`.
+A cross-model measure (two models, so a function rather than a registered single-model Measure):
+:func:`head_subset_cka`, run by ``python -m analysis RUN --against RESNET_RUN``.
 
 Definitions. ViT block ``block`` (default 0, the first encoder block) has H heads of width dh.
 
-- Head distance: the mean attention distance of each head (:func:`analysis.measures.attention_distance.attention_distance`: spatial
-  queries and keys, rows renormalised over spatial keys; patch-centre pixels by default, ``unit`` picks another) over ALL the given images. Heads are
+- Head distance: the mean attention distance of each head
+(:func:`analysis.measures.attention_distance.attention_distance`: spatial
+  queries and keys, rows renormalised over spatial keys; patch-centre pixels by default, ``unit`` picks another) over
+  ALL the given images. Heads are
   ordered by it, ascending (most local first; stable sort, ties by head index): ``head_order``.
 - Head representation: the head's attention output BEFORE the output projection, ``(A_h V_h)`` [T, dh] per image,
   spatial tokens only (prefix/CLS rows dropped), flattened to [N * dh]. It is read from the input of ``attn.norm``
@@ -27,7 +30,8 @@ Definitions. ViT block ``block`` (default 0, the first encoder block) has H head
   heads are kept as their own rows (``cka``).
 - ResNet layers: by default the outputs of the residual blocks of the first two stages (taps ``layer{s}.{j}.out``,
   s = 1, 2), flattened per image.
-- CKA: minibatch linear CKA (:class:`analysis.similarity.MinibatchCKA` with ``ys``, unbiased HSIC by default) over the same
+- CKA: minibatch linear CKA (:class:`analysis.similarity.MinibatchCKA` with ``ys``, unbiased HSIC by default) over the
+same
   fixed minibatches of ``batch_size`` images for both models; every minibatch needs >= 4 images.
 
 Two passes over the images: attention distances first (they fix the order and the subsets), then features.
