@@ -26,7 +26,7 @@ import torch
 from analysis import offline as O
 from analysis import storage
 from analysis import suite as S
-from analysis.measure import as_list
+from analysis.measure import as_list, registry
 from analysis.measures.clustering import kmeans, purity
 from train.knn import knn_accuracy
 from train.models import build_model
@@ -86,9 +86,8 @@ def raw_pixels(run, study) -> dict:
         q = data.normalize(data.analysis.images).flatten(1).double()
         b = data.normalize(data.probe_train.images).flatten(1).double()
         qy, by = data.analysis.labels, data.probe_train.labels
-        c = int(max(int(qy.max()), int(by.max())) + 1)
-        acc = knn_accuracy(b, by, q, qy, min(ko.k, len(by)), ko.temperature, c)
-        assign, _, _ = kmeans(q, len(torch.unique(qy)), co.seed, co.restarts, co.max_iter)
+        acc = knn_accuracy(b, by, q, qy, min(ko.k, len(by)), ko.temperature, data.num_classes)
+        assign, _, _ = kmeans(q, data.num_classes, co.seed, co.restarts, co.max_iter)
         cache[key] = {"knn": float(acc), "purity": float(purity(assign, qy))}
         _store(f, cache)
     return cache[key]
@@ -107,7 +106,8 @@ def teacher_runs(runs: list, study) -> list | None:
     out = []
     for r in runs:
         t = O.open_run(r.path, TEACHER)
-        O.analyze_run(t, None, study.suite_options(study.every_checkpoint), progress=False)
-        O.analyze_run(t, ["last"], study.suite_options(study.measures or None), progress=False)
+        measures = study.runs[r.name].measures or study.measures or sorted(registry())
+        O.analyze_run(t, None, study.suite_options(study.every_checkpoint), tensorboard=False, progress=False)
+        O.analyze_run(t, ["last"], study.suite_options(measures), tensorboard=False, progress=False)
         out.append(t)
     return out
