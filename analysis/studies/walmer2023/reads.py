@@ -1,0 +1,108 @@
+"""What Walmer's claims read from a study: each run's saved results (its last checkpoint), and cross-model CKA between
+two runs (computed and cached on the runs' shared analysis images)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from analysis import offline as O
+from analysis import storage
+from analysis import suite as S
+from analysis.measure import as_list
+
+
+def _pool(result, pool: str = "cls") -> int | None:
+    pools = as_list(result["pools"])
+    return pools.index(pool) if pool in pools else None
+
+
+def knn(ctx, run, previous: bool = False) -> dict | None:
+    """k-NN of the CLS token (analysis/measures/knn.py): {"top1" (last block), "n", "baseline" (Gaussian features,
+    last block), "curve" [L], "baseline_curve" [L]}, or None (no CLS token, or not measured). ``previous``: at the
+    run's second-to-last checkpoint."""
+    r = ctx.previous(run, "knn") if previous else ctx.last(run, "knn")
+    if r is None or _pool(r) is None:
+        return None
+    acc, base = np.asarray(r["acc"])[_pool(r)], np.asarray(r["baseline"])[_pool(r)]
+    return {
+        "top1": float(acc[-1]),
+        "n": int(r["n_query"]),
+        "baseline": float(base[-1]),
+        "curve": acc,
+        "baseline_curve": base,
+    }
+
+
+def purity(ctx, run) -> dict | None:
+    """k-means cluster purity of the CLS token: {"value" (last block), "baseline", "curve" [L], "baseline_curve"}."""
+    r = ctx.last(run, "clustering")
+    if r is None or _pool(r) is None:
+        return None
+    v, base = np.asarray(r["purity"])[_pool(r)], np.asarray(r["baseline_purity"])[_pool(r)]
+    return {"value": float(v[-1]), "baseline": float(base[-1]), "curve": v, "baseline_curve": base}
+
+
+def distances(ctx, run, unit: str = "unit_square", previous: bool = False):
+    """Attention distances [L, H] (``unit_square``: Walmer's token grid on a 1 x 1 square; ``pixels``: patch-centre
+    pixels, for the locality precondition), or None."""
+    a = ctx.previous(run, "attention_distance") if previous else ctx.last(run, "attention_distance")
+    return None if a is None else np.asarray(a[unit], dtype=float)
+
+
+def attn_skip(ctx, run):
+    """residual_cka skip_branch of the attention sublayer [L], or None."""
+    res = ctx.last(run, "residual_cka")
+    if res is None or "attn" not in as_list(res["sublayers"]):
+        return None
+    return np.asarray(res["skip_branch"])[as_list(res["sublayers"]).index("attn")]
+
+
+def has_cls(run) -> bool:
+    m = run.recipe.model
+    return m.arch == "vit" and m.head == "cls"
+
+
+def block_outputs(labels) -> np.ndarray:
+    """Indices of the block outputs among cross-CKA layer labels ("3.mlp" is block 3's output, cka.layer_label)."""
+    labels = [str(x) for x in labels]
+    idx = [i for i, lab in enumerate(labels) if lab.endswith(".mlp")]
+    return np.array(idx if idx else range(len(labels)))
+
+
+def cross_same_index(a, b, opts) -> np.ndarray | None:
+    """Linear CKA of the same block's outputs of a's and b's last checkpoints (analysis/offline.py against, cached)."""
+    step = max(a.checkpoints)
+    r = O.against(a, b, max(b.checkpoints), [step], opts, progress=False)["results"][step]
+    return np.asarray(r["same_index"])[block_outputs(r["labels_a"])] if "same_index" in r else None
+
+
+def cls_cka(a, b, study) -> float:
+    """Linear CKA of the last block's CLS token between two runs' last checkpoints (Walmer Fig. 6 left), cached in
+    ``<study root>/walmer/cls_cka.json`` under a key of both weights, the images and the CKA estimator."""
+    opts = study.suite_options(["cka"])
+    co = opts.of("cka")
+    key = ":".join(
+        [
+            O.weights_key(a, max(a.checkpoints)),
+            O.weights_key(b, max(b.checkpoints)),
+            O.fingerprint(a),
+            str(opts.batch_size),
+            str(co.unbiased),
+        ]
+    )
+    f = study.root / "walmer" / "cls_cka.json"
+    cache = json.loads(f.read_text()) if f.is_file() else {}
+    if key not in cache:
+        data, bdata = O.check_same_images(a, b)
+        cls = S.suite_options(
+            ["cka"], opts.batch_size, {"cka": {"repr": "cls", "layers": "blocks", "unbiased": co.unbiased}}
+        )
+        res = O.cross_cka(
+            O.load_model(a, max(a.checkpoints), data), O.load_model(b, max(b.checkpoints), bdata), data, cls
+        )
+        cache[key] = float(np.asarray(res["matrix"])[-1, -1])
+        f.parent.mkdir(parents=True, exist_ok=True)
+        storage.atomic_text(f, json.dumps(cache, indent=1))
+    return cache[key]
