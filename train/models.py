@@ -56,6 +56,7 @@ def build_vit(
         num_heads=m.num_heads,
         mlp_ratio=m.mlp_ratio,
         class_token=cls,
+        reg_tokens=m.reg_tokens,
         global_pool="token" if cls else "avg",
         drop_path_rate=m.drop_path,
         drop_rate=m.dropout,  # after the position embedding (and before the head)

@@ -13,6 +13,7 @@ from typing import Literal
 
 import numpy as np
 
+from analysis.features import has_class_token
 from analysis.figures import cka_heatmap
 from analysis.measure import Measure, as_list, register
 from analysis.similarity import MinibatchCKA, represent
@@ -150,7 +151,7 @@ class CKAMeasure(Measure):
 
     @classmethod
     def model_problem(cls, ctx, opts):
-        if opts.repr == "cls" and ctx.prefix == 0:
+        if opts.repr == "cls" and not has_class_token(ctx.model, ctx.prefix):
             return (
                 f"option repr=cls reads the class token, and this {ctx.arch} has none (a GAP ViT, a ResNet or a Mixer): "
                 "use repr mean_spatial or flatten."

@@ -43,7 +43,14 @@ from typing import Literal
 import numpy as np
 import torch
 
-from analysis.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
+from analysis.features import (
+    DEFAULT_MAX_SIDE,
+    final_channels,
+    has_class_token,
+    layer_tag,
+    resnet_patch_side,
+    spatial_tokens,
+)
 from analysis.figures import subplots
 from analysis.measure import Context, Measure, as_list, labels_problem, register
 from analysis.probing import DEFAULT_METHOD, probe_layers, probe_split, probe_split_problem
@@ -148,7 +155,7 @@ class TokenProbes(Measure):
         self.shots, self.seeds, self.stride = self.opts.shots, tuple(self.opts.seeds), self.opts.stride
         self.max_side = self.opts.resnet_max_side
         self.final = final_channels(ctx.model) if ctx.arch == "resnet" else None
-        self.cls = ctx.arch == "vit" and ctx.prefix > 0
+        self.cls = ctx.arch == "vit" and has_class_token(ctx.model, ctx.prefix)  # not a register model's token 0
         self.test_parts: list = []
         self.train_parts: list = []
 
