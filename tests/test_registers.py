@@ -130,3 +130,15 @@ def test_measures_drop_registers(class_token):
     a = acts["blocks.1.attn_probs"].double().mean(1)
     torch.testing.assert_close(torch.as_tensor(tn["attn_patch_on_registers"][1]), a[:, p:, reg].sum(-1).mean(1).mean(0))
     assert math.isnan(tn["attn_cls_on_registers"][1]) is (not class_token)
+
+
+@pytest.mark.parametrize("name", ["registers", "registers_gpu"])
+def test_register_studies_load(name):
+    from analysis.reports.study import load_study
+
+    s = load_study(ROOT / "recipes" / "studies" / f"{name}.yaml")
+    assert s.every_checkpoint == ["token_norms"] and set(s.configs()) == {"vit_reg0", "vit_reg4"}
+    for run in s.runs.values():
+        r = load_recipe(run.recipe, run.overrides)
+        assert r.model.reg_tokens == (4 if run.config == "vit_reg4" else 0)
+        assert r.train.keep_last * r.train.checkpoint_every >= r.train.steps  # every checkpoint stays to be measured
