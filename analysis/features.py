@@ -159,7 +159,8 @@ def spatial_tokens(
     t = t[:, num_prefix_tokens:]
     if t.shape[1] != grid[0] * grid[1]:
         raise ValueError(
-            f"{t.shape[1]} spatial tokens after {num_prefix_tokens} prefix tokens, but the grid {grid} has {grid[0] * grid[1]}"
+            f"{t.shape[1]} spatial tokens after {num_prefix_tokens} prefix tokens, but the grid {grid} has "
+            f"{grid[0] * grid[1]}"
         )
     return t, (int(grid[0]), int(grid[1]))
 

@@ -26,7 +26,8 @@ def build_model(recipe, num_classes: int) -> nn.Module:
         )
     elif model_interventions(recipe.interventions):  # each intervention's check says so first, in recipe terms
         raise ValueError(
-            f"interventions {', '.join(model_interventions(recipe.interventions))} apply to ViTs only, not to model.arch {m.arch!r}."
+            f"interventions {', '.join(model_interventions(recipe.interventions))} apply to ViTs only, "
+            f"not to model.arch {m.arch!r}."
         )
     elif m.arch == "mixer":
         model = build_mixer(m, d.img_size, d.in_chans, num_classes)

@@ -66,12 +66,14 @@ class FewShotOptions:
         return None
 
 
-_BASELINES: dict = {}  # the random-feature probe depends only on shapes, labels, shots, seeds and the probe: computed once
+# the random-feature probe depends only on shapes, labels, shots, seeds and the probe: computed once
+_BASELINES: dict = {}
 
 
 def _baseline(tr, va, te, train_y, test_y, layers, kw, kind) -> dict:
     """The probe on random features of the same shapes (Walmer App. B.3), cached per process by what it
-    depends on (feature shapes, labels, shots, seeds, method, l2, noise kind), so it is not recomputed at every checkpoint."""
+    depends on (feature shapes, labels, shots, seeds, method, l2, noise kind), so it is not recomputed at every
+    checkpoint."""
     h = hashlib.sha256(repr([tuple(d[t].shape) for d in (tr, va, te) for t in layers]).encode())
     for t in (train_y, test_y, kw["val_y"]):
         h.update(t.numpy().tobytes())

@@ -23,7 +23,8 @@ run through :func:`analysis.probing.probe_layers`, under exactly the conventions
 seed s are drawn from that first half by ``sample_shots(labels, shots, s)`` (option ``seeds``, default (0, 1, 2)),
 and the ridge regulariser (option ``l2``) is, by default (null), picked on the second half from the method's grid,
 as Raghu App. A tunes on held-out data (a number fixes it; 1024 is big_vision's). ``mean_over_tokens[l]`` is the
-mean of ``acc[l]`` over the spatial tokens (Fig. 11 left: CLS excluded); a CLS model's class token (token 0) gets the same probe, ``cls_acc[l]``.
+mean of ``acc[l]`` over the spatial tokens (Fig. 11 left: CLS excluded); a CLS model's class token (token 0) gets
+the same probe, ``cls_acc[l]`` (a register model's registers are prefix tokens, not probed).
 With option ``stride`` s > 1 only the grid positions whose row and column are multiples of s are probed.
 
 Result (flat dict): ``layers`` [L] tap names, ``block_index`` [L], ``grid`` [L, 2] (gh, gw), ``token_index``
@@ -70,11 +71,17 @@ class TokenProbeOptions:
 
     def check(self):
         if self.shots < 1 or self.stride < 1 or not self.seeds:
-            return f"shots and stride must be >= 1 and seeds not empty, not shots={self.shots}, stride={self.stride}, seeds={list(self.seeds)}."
+            return (
+                "shots and stride must be >= 1 and seeds not empty, not "
+                f"shots={self.shots}, stride={self.stride}, seeds={list(self.seeds)}."
+            )
         if self.l2 is not None and self.l2 <= 0:
             return f"l2 must be a positive number (or null to pick it on held-out images), not {self.l2}."
         if self.resnet_patch < 0 or self.resnet_max_side < 1:
-            return f"resnet_patch must be >= 0 and resnet_max_side >= 1, not {self.resnet_patch} and {self.resnet_max_side}."
+            return (
+                f"resnet_patch must be >= 0 and resnet_max_side >= 1, not {self.resnet_patch} and "
+                f"{self.resnet_max_side}."
+            )
         return None
 
 
@@ -235,9 +242,10 @@ class TokenProbes(Measure):
                 cls_acc.append(r[0])
                 cls_std.append(r[1])
         size = max(len(a) for a in accs)
-        pad = lambda vs, fill: np.stack(
-            [np.concatenate([v, np.full(size - len(v), fill, dtype=np.asarray(v).dtype)]) for v in vs]
-        )
+
+        def pad(vs, fill):
+            return np.stack([np.concatenate([v, np.full(size - len(v), fill, dtype=np.asarray(v).dtype)]) for v in vs])
+
         blocks = list(self.ctx.blocks)
         out = {
             "layers": list(self.layers),
@@ -311,7 +319,8 @@ class TokenProbes(Measure):
 
 
 def layer_token_heatmap(acc: np.ndarray, layers: list[str], title: str = ""):
-    """Fig. D.4 as one matrix: probe top-1 per token (columns, probed tokens in row-major grid order) and layer (rows)."""
+    """Fig. D.4 as one matrix: probe top-1 per token (columns, probed tokens in row-major grid order) and layer
+    (rows)."""
 
     fig, ax = subplots(figsize=(6, 0.35 * len(layers) + 1.5))
     im = ax.imshow(
