@@ -4,6 +4,7 @@ one token scaled 10x, a scaled register token, a model without outliers, a posit
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,3 +128,28 @@ def test_first_outlier_step_and_figures(tmp_path):
     s = TokenNorms.summary(loaded)
     assert s["share_images_per_block"]["block01"] == 1.0
     assert "token_norms/share_images/block01" in TokenNorms.scalars(loaded)
+
+
+def test_across_checkpoints_at_training_time_and_offline(write_recipe):
+    """A 4-register run with token_norms in its training-time suite: every checkpoint has the result, the offline
+    analysis (python -m analysis RUN --measures token_norms --force) recomputes it exactly, and
+    first_outlier_step reads the run's results."""
+    from analysis.__main__ import main
+    from analysis.measures.token_norms import load_run_results
+    from train.recipe import load_recipe
+    from train.trainer import train
+
+    cb = {"name": "analysis_suite", "batch_size": 32, "measures": ["token_norms"], "token_norms": {"probe_images": 32}}
+    p = write_recipe("reg4", model={"reg_tokens": 4}, callbacks=[cb])
+    run = Path(train(load_recipe(p), progress=False)["run_dir"])
+    at_training = load_run_results(run)
+    assert sorted(at_training) == [4, 8]
+    assert int(at_training[8]["num_registers"]) == 4 and int(at_training[8]["num_prefix_tokens"]) == 5
+    argv = [str(run), "--measures", "token_norms", "--opt", "token_norms.probe_images=32", "--batch-size", "32"]
+    assert main([*argv, "--force", "--no-progress", "--no-tensorboard"]) == 0  # recomputed, not read back
+    offline = load_run_results(run)
+    for step in (4, 8):
+        for key, v in at_training[step].items():
+            np.testing.assert_array_equal(np.asarray(v), np.asarray(offline[step][key]), err_msg=key)
+    step = first_outlier_step(offline)
+    assert step is None or step in (4, 8)
