@@ -382,9 +382,10 @@ def norm_histograms(r: dict, blocks: list[str], at: str = ""):
         )
         ax.tick_params(labelsize=6)
         ax.set_xlabel("token norm ||x||", fontsize=6)
+        ax.set_ylabel("patch tokens", fontsize=6)
     fig.suptitle(
-        f"output token norms of the patch tokens (Darcet et al. 2024 Fig. 3){at}; dashed: outlier cut "
-        f"{k:g} x median; red CLS, orange registers",
+        f"output token norms of the patch tokens (Darcet et al. 2024 Fig. 3){at}\ndashed: outlier cut "
+        f"{k:g} x median; red: CLS, orange: registers (median norms); title: images with an outlier",
         fontsize=7,
     )
     fig.tight_layout()
@@ -403,8 +404,8 @@ def outlier_maps(r: dict, blocks: list[str], at: str = ""):
         ax.set_title(f"{block_label(blocks[i], i)}: {float(np.asarray(r['count'])[i]):.2f}/image", fontsize=7)
     fig.colorbar(im, ax=list(axes[: len(blocks)]), fraction=0.03)
     fig.suptitle(
-        f"where the high-norm outlier tokens are (norm > {float(r['k']):g} x the image's median){at}: "
-        "share of images, per patch",
+        f"where the high-norm outlier tokens are (norm > {float(r['k']):g} x the image's median){at}\n"
+        "share of images whose patch token there is an outlier; title: outliers per image",
         fontsize=7,
     )
     return fig
