@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from matplotlib.ticker import NullFormatter
 from torch import Tensor
 
 from analysis.attention_maps import block_label
@@ -380,7 +381,8 @@ def norm_histograms(r: dict, blocks: list[str], at: str = ""):
         ax.set_title(
             f"{block_label(blocks[i], i)}: {100 * float(np.asarray(r['share_images'])[i]):.0f}% of images", fontsize=7
         )
-        ax.tick_params(labelsize=6)
+        ax.xaxis.set_minor_formatter(NullFormatter())  # log-axis minor labels overlap in small panels
+        ax.tick_params(which="both", labelsize=6)
         ax.set_xlabel("token norm ||x||", fontsize=6)
         ax.set_ylabel("patch tokens", fontsize=6)
     fig.suptitle(
@@ -396,7 +398,7 @@ def outlier_maps(r: dict, blocks: list[str], at: str = ""):
     """Per block the share of images whose token at each grid position is a high-norm outlier."""
     maps = np.asarray(r["outlier_map"])
     fig, axes = _panel_grid(len(blocks), 1.8)
-    top = max(float(maps.max()), 1e-9)
+    top = float(maps.max()) or 1.0  # no outlier anywhere: a 0-1 scale, all black
     for i, ax in enumerate(axes[: len(blocks)]):
         im = ax.imshow(maps[i], cmap="magma", vmin=0.0, vmax=top, interpolation="nearest")
         ax.set_xticks([])
