@@ -119,6 +119,9 @@ def test_first_outlier_step_and_figures(tmp_path):
     finally:
         h.remove()
     assert first_outlier_step({0: clean, 100: clean, 200: planted, 300: planted}) == 200
+    no_probe = run(m, probe_images=0, attention=False)  # the cheap variant: norms and outliers only
+    assert np.isnan(no_probe["probe_acc_normal"]).all() and "attn_cls_on_outliers" not in no_probe
+    np.testing.assert_array_equal(no_probe["share_images"], clean["share_images"])
     assert first_outlier_step({0: clean, 100: clean}) is None
     save_result(planted, tmp_path / "token_norms.npz")
     loaded = load_result(tmp_path / "token_norms.npz")

@@ -224,7 +224,8 @@ class TokenNorms(Measure):
         feats_parts = [(j, {k: v for k, v in d.items() if k.startswith("feat|")}, y) for j, d, y in self.parts]
         norm_parts = [(j, {k: v for k, v in d.items() if k.startswith("norm|")}, y) for j, d, y in self.parts]
         norms, _ = collect(norm_parts, self.ctx.accelerator)
-        feats, _ = collect([fp for fp in feats_parts if fp[1]], self.ctx.accelerator)
+        kept = [fp for fp in feats_parts if fp[1]]  # minibatch 0 is kept (on some process) when probe_images > 0
+        feats = collect(kept, self.ctx.accelerator)[0] if self.opts.probe_images > 0 else {}
         sums = all_reduce_tree(self.sums or None, self.ctx.accelerator) or {}
         gh, gw = self.ctx.grid
         k, p, n_blocks = float(self.opts.k), self.p, len(self.blocks)
