@@ -159,7 +159,8 @@ def spatial_tokens(
     t = t[:, num_prefix_tokens:]
     if t.shape[1] != grid[0] * grid[1]:
         raise ValueError(
-            f"{t.shape[1]} spatial tokens after {num_prefix_tokens} prefix tokens, but the grid {grid} has {grid[0] * grid[1]}"
+            f"{t.shape[1]} spatial tokens after {num_prefix_tokens} prefix tokens, but the grid {grid} has "
+            f"{grid[0] * grid[1]}"
         )
     return t, (int(grid[0]), int(grid[1]))
 
@@ -170,9 +171,19 @@ def layer_tag(layer: str, block_index: int) -> str:
     return f"block{int(block_index):02d}" + ("" if kind == "out" else f"_{kind}")
 
 
+def has_class_token(model, num_prefix_tokens: int) -> bool:
+    """Whether token 0 is a class token: timm's ``has_class_token`` where the model states it (a GAP ViT with
+    registers has prefix tokens but no class token), else whether there is any prefix token."""
+    while hasattr(model, "module") and not hasattr(model, "has_class_token"):
+        model = model.module
+    return bool(getattr(model, "has_class_token", num_prefix_tokens > 0)) and num_prefix_tokens > 0
+
+
 def pools_for(ctx: Context) -> list[str]:
-    """``["cls", "mean_spatial"]`` for token models with a prefix (CLS) token, else ``["mean_spatial"]``."""
-    return ["cls", "mean_spatial"] if ctx.arch != "resnet" and ctx.prefix > 0 else ["mean_spatial"]
+    """``["cls", "mean_spatial"]`` for token models with a class token, else ``["mean_spatial"]`` (registers are
+    prefix tokens but not a class token: a GAP ViT with registers pools ``mean_spatial`` only)."""
+    cls = ctx.arch != "resnet" and has_class_token(ctx.model, ctx.prefix)
+    return ["cls", "mean_spatial"] if cls else ["mean_spatial"]
 
 
 def blocks_of(ctx: Context) -> list[str]:

@@ -26,8 +26,8 @@ def build_model(recipe, num_classes: int) -> nn.Module:
         )
     elif model_interventions(recipe.interventions):  # each intervention's check says so first, in recipe terms
         raise ValueError(
-            f"interventions {', '.join(model_interventions(recipe.interventions))} apply to ViTs only, not to "
-            f"model.arch {m.arch!r}."
+            f"interventions {', '.join(model_interventions(recipe.interventions))} apply to ViTs only, "
+            f"not to model.arch {m.arch!r}."
         )
     elif m.arch == "mixer":
         model = build_mixer(m, d.img_size, d.in_chans, num_classes)
@@ -57,6 +57,7 @@ def build_vit(
         num_heads=m.num_heads,
         mlp_ratio=m.mlp_ratio,
         class_token=cls,
+        reg_tokens=m.reg_tokens,
         global_pool="token" if cls else "avg",
         drop_path_rate=m.drop_path,
         drop_rate=m.dropout,  # after the position embedding (and before the head)

@@ -113,6 +113,8 @@ class ModelConfig:
     # vit / mixer: dropout after every dense layer but the qkv projection and after adding the position embedding
     # (ViT paper App. B.1: 0.1 on ImageNet); timm's drop_rate and proj_drop_rate
     dropout: float = field(default=0.0, metadata=_range(0.0, 1.0))
+    # vit: learnable register tokens (Darcet et al. 2024), timm's reg_tokens; prefix tokens after the class token
+    reg_tokens: int = field(default=0, metadata=_range(0, 64))
 
 
 @dataclass
@@ -191,6 +193,7 @@ ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("train", "init_from"): None,
     ("train", "init_part"): "student",
     ("train", "freeze_backbone"): False,
+    ("model", "reg_tokens"): 0,
 }
 # The interventions that existed when the hash was defined: hashed even when absent (None / []), as they always
 # were. Any other intervention is left out of the hash while absent, so adding one keeps every hash.

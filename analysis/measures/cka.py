@@ -13,6 +13,7 @@ from typing import Literal
 
 import numpy as np
 
+from analysis.features import has_class_token
 from analysis.figures import cka_heatmap
 from analysis.measure import Measure, as_list, register
 from analysis.similarity import MinibatchCKA, represent
@@ -142,19 +143,18 @@ class CKAMeasure(Measure):
       projection shortcuts.
 
     The reproduction of Raghu Fig. 1-2 uses ``layers: paper`` (``--opt cka.layers=paper`` on the command line,
-    ``cka: {layers: paper}`` in a recipe's analysis_suite callback); the other sets are views of the same maps. Result:
-    ``matrix``
-    [L, L], ``labels``, ``taps``, ``repr``, ``layers``."""
+    ``cka: {layers: paper}`` in a recipe's analysis_suite callback); the other sets are views of the same maps.
+    Result: ``matrix`` [L, L], ``labels``, ``taps``, ``repr``, ``layers``."""
 
     name = "cka"
     Options = CKAOptions
 
     @classmethod
     def model_problem(cls, ctx, opts):
-        if opts.repr == "cls" and ctx.prefix == 0:
+        if opts.repr == "cls" and not has_class_token(ctx.model, ctx.prefix):
             return (
-                f"option repr=cls reads the class token, and this {ctx.arch} has none (a GAP ViT, a ResNet or a "
-                "Mixer): "
+                f"option repr=cls reads the class token, and this {ctx.arch} has none (a GAP ViT, with or without "
+                "registers, a ResNet or a Mixer): "
                 "use repr mean_spatial or flatten."
             )
         return None

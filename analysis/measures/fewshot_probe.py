@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 
 from analysis.baselines import DEFAULT_BASELINE, noise_like
-from analysis.features import final_channels, resnet_patch_side
+from analysis.features import final_channels, has_class_token, resnet_patch_side
 from analysis.figures import probe_plot
 from analysis.measure import Measure, as_list, labels_problem, register
 from analysis.probing import DEFAULT_METHOD, pool_features, probe_layers, probe_split, probe_split_problem
@@ -110,7 +110,8 @@ class FewShotProbeMeasure(Measure):
         if ctx.arch == "resnet":
             self.pools = ["mean"]
         else:
-            self.pools = [p for p in o.pools if not (p == "cls" and ctx.prefix == 0)]
+            cls = has_class_token(ctx.model, ctx.prefix)  # registers are prefix tokens, not a class token
+            self.pools = [p for p in o.pools if not (p == "cls" and not cls)]
         self.final = final_channels(ctx.model) if ctx.arch == "resnet" else None
         self.test, self.train = [], []
 

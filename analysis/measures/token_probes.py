@@ -23,8 +23,8 @@ run through :func:`analysis.probing.probe_layers`, under exactly the conventions
 seed s are drawn from that first half by ``sample_shots(labels, shots, s)`` (option ``seeds``, default (0, 1, 2)),
 and the ridge regulariser (option ``l2``) is, by default (null), picked on the second half from the method's grid,
 as Raghu App. A tunes on held-out data (a number fixes it; 1024 is big_vision's). ``mean_over_tokens[l]`` is the
-mean of ``acc[l]`` over the spatial tokens (Fig. 11 left: CLS excluded); a CLS model's class token (token 0) gets the
-same probe, ``cls_acc[l]``.
+mean of ``acc[l]`` over the spatial tokens (Fig. 11 left: CLS excluded); a CLS model's class token (token 0) gets
+the same probe, ``cls_acc[l]`` (a register model's registers are prefix tokens, not probed).
 With option ``stride`` s > 1 only the grid positions whose row and column are multiples of s are probed.
 
 Result (flat dict): ``layers`` [L] tap names, ``block_index`` [L], ``grid`` [L, 2] (gh, gw), ``token_index``
@@ -44,7 +44,14 @@ from typing import Literal
 import numpy as np
 import torch
 
-from analysis.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
+from analysis.features import (
+    DEFAULT_MAX_SIDE,
+    final_channels,
+    has_class_token,
+    layer_tag,
+    resnet_patch_side,
+    spatial_tokens,
+)
 from analysis.figures import subplots
 from analysis.measure import Context, Measure, as_list, labels_problem, register
 from analysis.probing import DEFAULT_METHOD, probe_layers, probe_split, probe_split_problem
@@ -65,8 +72,8 @@ class TokenProbeOptions:
     def check(self):
         if self.shots < 1 or self.stride < 1 or not self.seeds:
             return (
-                f"shots and stride must be >= 1 and seeds not empty, not shots={self.shots}, stride={self.stride}, "
-                f"seeds={list(self.seeds)}."
+                "shots and stride must be >= 1 and seeds not empty, not "
+                f"shots={self.shots}, stride={self.stride}, seeds={list(self.seeds)}."
             )
         if self.l2 is not None and self.l2 <= 0:
             return f"l2 must be a positive number (or null to pick it on held-out images), not {self.l2}."
@@ -151,7 +158,7 @@ class TokenProbes(Measure):
         self.shots, self.seeds, self.stride = self.opts.shots, tuple(self.opts.seeds), self.opts.stride
         self.max_side = self.opts.resnet_max_side
         self.final = final_channels(ctx.model) if ctx.arch == "resnet" else None
-        self.cls = ctx.arch == "vit" and ctx.prefix > 0
+        self.cls = ctx.arch == "vit" and has_class_token(ctx.model, ctx.prefix)  # not a register model's token 0
         self.test_parts: list = []
         self.train_parts: list = []
 
