@@ -1,0 +1,76 @@
+"""The register study's claims (analysis/studies/registers/) on synthetic token_norms and k-NN results with known
+answers: outliers without registers and none with them (held), no outliers at all (the register claims not
+testable at this budget, with the numbers), and the equivalence test of "registers cost nothing"."""
+
+import numpy as np
+from test_claims import FakeRun
+
+from analysis.reports import claims as C
+from analysis.studies.registers import PAPER
+
+rng = np.random.default_rng(0)
+
+
+def _tn(share: float, blocks: int = 6) -> dict:
+    s = np.full(blocks, 0.0)
+    s[3] = share  # the outliers live in block 3
+    return {
+        "share_images": s,
+        "max_over_median": np.where(s > 0, 9.0, 1.5),
+        "attn_cls_on_outliers": np.full(blocks, 0.4 + rng.uniform(0, 0.05)),
+        "attn_uniform_on_outliers": np.full(blocks, 0.02),
+        "probe_acc_normal": np.full(blocks, 0.9),
+        "probe_acc_outlier": np.full(blocks, 0.1 + rng.uniform(0, 0.05)),
+    }
+
+
+def _knn(top1: float) -> dict:
+    return {"pools": ["cls", "mean_spatial"], "acc": np.array([[0.5, top1], [0.4, 0.5]])}
+
+
+class Ctx:
+    def __init__(self, tmp, reg0: list, reg4: list, knn0=None, knn4=None):
+        self.configs, self.results = {}, {}
+        for c, tns, kn in (("vit_reg0", reg0, knn0), ("vit_reg4", reg4, knn4)):
+            self.configs[c] = []
+            for i, t in enumerate(tns):
+                r = FakeRun(f"{c}_s{i}", tmp)
+                self.configs[c].append(r)
+                self.results[(r.name, "token_norms")] = t
+                if kn is not None:
+                    self.results[(r.name, "knn")] = _knn(kn[i])
+
+    def last(self, run, measure, step=None, optional=False):
+        res = self.results.get((run.name, measure))
+        if res is None and not optional:
+            raise C.MissingResult(f"{measure} was not measured on {run.name}")
+        return res
+
+
+def _run(ctx) -> dict:
+    return {c.id: r for c, r in C.run_claims(PAPER, ctx)}
+
+
+def test_outliers_without_registers_and_none_with_them(tmp_path):
+    out = _run(
+        Ctx(
+            tmp_path,
+            [_tn(0.30 + e) for e in (0.0, 0.02, -0.02)],
+            [_tn(0.0) for _ in range(3)],
+            knn0=[0.800, 0.805, 0.798],
+            knn4=[0.801, 0.803, 0.799],
+        )
+    )
+    for cid in ("outliers_appear", "registers_remove_outliers", "outliers_absorb_attention", "outliers_lose_position"):
+        assert out[cid].outcome == C.HELD, (cid, out[cid].why)
+    assert out["registers_cost_nothing"].outcome == C.HELD  # within +-1 point: equivalent
+    assert out["registers_cost_nothing"].decision.parts[0].test.startswith("TOST")
+
+
+def test_no_outliers_at_this_budget_is_said_with_the_numbers(tmp_path):
+    out = _run(Ctx(tmp_path, [_tn(0.0) for _ in range(3)], [_tn(0.0) for _ in range(3)], [0.8] * 3, [0.7, 0.71, 0.69]))
+    assert out["outliers_appear"].outcome in (C.NOT_HELD, C.INCONCLUSIVE)
+    removed = out["registers_remove_outliers"]
+    assert removed.outcome == C.NOT_TESTABLE and "No outliers at this budget" in removed.why and "1.50" in removed.why
+    assert out["outliers_lose_position"].outcome == C.NOT_TESTABLE
+    assert out["registers_cost_nothing"].outcome == C.NOT_HELD  # 10 points lost: beyond the margin
