@@ -328,3 +328,36 @@ def test_every_checkpoint_is_checked_and_read(tmp_path):
     assert load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml"}})).every_checkpoint is None  # the core four
     with pytest.raises(RecipeError, match="attention_distanse"):
         load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml"}}, every_checkpoint=["attention_distanse"]))
+
+
+def test_a_configuration_can_start_from_weights_of_its_own(tmp_path):
+    import torch
+
+    from train.models import build_model
+
+    p = _study(
+        tmp_path,
+        {
+            "a": {"recipe": "tiny.yaml"},
+            "b": {"recipe": "tiny.yaml", "init": "own"},
+            "c": {"recipe": "tiny.yaml", "init": "own"},
+        },
+        seeds=[0, 1],
+    )
+    s = load_study(p)
+    assert not any(o.startswith("model.init_seed") for o in s.runs["a_s0"].overrides)  # shared: the run's seed
+    own = {n: [o for o in s.runs[n].overrides if o.startswith("model.init_seed")] for n in ("b_s0", "b_s1", "c_s0")}
+    assert len({v[0] for v in own.values()}) == 3  # per configuration and seed, reproducible from the name
+    assert load_study(p).runs["b_s1"].overrides == s.runs["b_s1"].overrides
+
+    def first_weight(name):
+        torch.manual_seed(0)  # the trainer seeds torch with the run's seed before building the model
+        w = next(build_model(load_recipe(s.runs[name].recipe, s.runs[name].overrides), 10).parameters()).detach()
+        return w, torch.rand(1)  # the global generator after the build: the data order
+
+    (wa, ra), (wb, rb) = first_weight("a_s0"), first_weight("b_s0")
+    assert not torch.equal(wa, wb) and not torch.equal(ra, rb)  # own weights; the build leaves the generator alone
+    torch.manual_seed(0)
+    assert torch.equal(rb, torch.rand(1))
+    with pytest.raises(RecipeError, match="init must be shared"):
+        load_study(_study(tmp_path, {"a": {"recipe": "tiny.yaml", "init": "mine"}}))

@@ -3,6 +3,7 @@ timm MLP-Mixer (Raghu et al. 2021 App. H: a third, attention-free token architec
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from timm.models.mlp_mixer import MixerBlock, MlpMixer
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet, make_blocks
@@ -12,7 +13,16 @@ from interventions import apply_model, block_fn_for, model_interventions
 
 
 def build_model(recipe, num_classes: int) -> nn.Module:
-    """The recipe's model with its interventions applied (see interventions/)."""
+    """The recipe's model with its interventions applied (see interventions/); with ``model.init_seed`` its initial
+    weights are drawn from a generator seeded with it, leaving the global generator (the data order) as it was."""
+    if getattr(recipe.model, "init_seed", None) is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(recipe.model.init_seed)
+            return _build_model(recipe, num_classes)
+    return _build_model(recipe, num_classes)
+
+
+def _build_model(recipe, num_classes: int) -> nn.Module:
     m, d = recipe.model, recipe.data
     if m.arch == "vit":
         # DINO's local crops are smaller than data.img_size: timm's dynamic_img_size resamples the position embedding

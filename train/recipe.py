@@ -115,6 +115,10 @@ class ModelConfig:
     dropout: float = field(default=0.0, metadata=_range(0.0, 1.0))
     # vit: learnable register tokens (Darcet et al. 2024), timm's reg_tokens; prefix tokens after the class token
     reg_tokens: int = field(default=0, metadata=_range(0, 64))
+    # the seed of the model's initial weights alone (None: the run's seed, which also orders the data): runs of two
+    # configurations that share a seed otherwise start from the same weights, which flatters their CKA similarity;
+    # a study gives each configuration its own with `init: own`
+    init_seed: int | None = field(default=None, metadata=_range(0, 2**32 - 1))
 
 
 @dataclass
@@ -194,6 +198,7 @@ ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("train", "init_part"): "student",
     ("train", "freeze_backbone"): False,
     ("model", "reg_tokens"): 0,
+    ("model", "init_seed"): None,
 }
 # The interventions that existed when the hash was defined: hashed even when absent (None / []), as they always
 # were. Any other intervention is left out of the hash while absent, so adding one keeps every hash.

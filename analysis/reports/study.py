@@ -33,6 +33,7 @@ why. A study thereby spends its hours on a long regime only when that regime sho
 from __future__ import annotations
 
 import argparse
+import zlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +90,8 @@ class Study:
 
 
 KEYS = ("study", "paper", "root", "report", "set", "seeds", "options", "runs", "measures", "every_checkpoint")
-RUN_KEYS = ("recipe", "set", "measures", "seeds", "go_no_go")
+RUN_KEYS = ("recipe", "set", "measures", "seeds", "go_no_go", "init")
+INITS = ("shared", "own")
 
 
 def load_study(path: str | Path, root: str | Path | None = None, report: str | Path | None = None) -> Study:
@@ -152,6 +154,12 @@ def _add_runs(study: Study, name: str, spec, path: Path, shared: list[str], seed
     recipe = (path.parent / spec["recipe"]).resolve()
     overrides = shared + list(spec.get("set") or [])
     run_seeds = _seeds(spec["seeds"], f"study run '{name}'") if "seeds" in spec else seeds
+    init = spec.get("init", "shared")
+    if init not in INITS:
+        raise RecipeError(
+            f"study run '{name}': init must be shared (the same initial weights as every configuration's run of the "
+            f"same seed) or own (weights of its own), not {init!r}."
+        )
     gate = spec.get("go_no_go", False)
     if not isinstance(gate, bool):
         raise RecipeError(f"study run '{name}': go_no_go must be true or false, not {gate!r}.")
@@ -167,6 +175,8 @@ def _add_runs(study: Study, name: str, spec, path: Path, shared: list[str], seed
                 "rename it."
             )
         ov = overrides if seed is None else [*overrides, f"seed={seed}"]
+        if init == "own":  # weights of its own, reproducible: from the configuration's name and the seed
+            ov = [*ov, f"model.init_seed={(zlib.crc32(name.encode()) + (seed or 0)) % 2**32}"]
         try:
             rec = load_recipe(recipe, ov)
         except RecipeError as e:
