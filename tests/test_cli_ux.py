@@ -2,7 +2,14 @@
 relative to the caller's folder through launch.sh, the offline progress bar, the figures' paper elements and
 report.md's tables."""
 
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +100,78 @@ def test_a_mistyped_flag_gets_the_closest_flag(capsys):
         main(["runs/x", "--mesures", "cka"])
     assert e.value.code == 2
     assert "--mesures (did you mean --measures?)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- launch.sh: paths and the shared virtualenv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_venv(path: Path) -> Path:
+    """A virtualenv whose python records pip calls (nothing is installed) and runs everything else on this Python."""
+    (path / "bin").mkdir(parents=True)
+    py = path / "bin" / "python"
+    py.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1 $2" = "-m pip" ]; then echo "pip $* in $PWD" >> "{path}/pip.log"; exit 0; fi\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    py.chmod(0o755)
+    return path
+
+
+def launch(script: Path, args: list[str], cwd: Path, venv: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "VITLAB_VENV": str(venv), "VITLAB_NPROC": "1"}
+    env.pop("VITLAB_REINSTALL", None)
+    return subprocess.run([str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def stamp_of(checkout: Path) -> str:
+    return f"{checkout} {hashlib.sha256((checkout / 'pyproject.toml').read_bytes()).hexdigest()}\n"
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="launch.sh's setup wants the data")
+def test_launch_sh_resolves_paths_against_the_callers_folder(tmp_path):
+    venv = fake_venv(tmp_path / "venv")
+    (venv / ".vitlab-installed").write_text(stamp_of(ROOT))
+    here = tmp_path / "elsewhere"
+    (here / "runs" / "x").mkdir(parents=True)  # a folder that is not a run: the caller's runs/x, not the repository's
+    r = launch(ROOT / "launch.sh", ["analyze", "runs/x", "--no-progress"], here, venv)
+    assert r.returncode == 2, r.stderr
+    assert "'runs/x' is not a vitlab run folder (no recipe.yaml)" in r.stderr
+    r = launch(ROOT / "launch.sh", ["analyze", "runs/y"], here, venv)
+    assert r.returncode == 2 and "run folder 'runs/y' does not exist" in r.stderr
+    assert not (venv / "pip.log").exists()
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="launch.sh's setup wants the data")
+def test_a_second_checkout_sharing_the_virtualenv_does_not_reinstall_itself(tmp_path):
+    venv = fake_venv(tmp_path / "venv")
+    a, b = tmp_path / "a", tmp_path / "b"
+    for c in (a, b):
+        c.mkdir()
+        shutil.copy2(ROOT / "launch.sh", c / "launch.sh")
+        (c / "pyproject.toml").write_text('[project]\nname = "vitlab"\n')
+
+    def installs() -> list[str]:
+        log = venv / "pip.log"
+        return [line for line in log.read_text().splitlines() if " -e " in line] if log.exists() else []
+
+    assert launch(a / "launch.sh", ["setup"], tmp_path, venv).returncode == 0
+    assert installs() == [f"pip -m pip install -q -e .[dev] in {a}"]
+    assert (venv / ".vitlab-installed").read_text() == stamp_of(a)
+    time.sleep(0.05)
+    (b / "pyproject.toml").touch()  # newer than the stamp: the old stamp compared times and reinstalled b
+    r = launch(b / "launch.sh", ["setup"], tmp_path, venv)
+    assert r.returncode == 0 and len(installs()) == 1 and r.stderr == ""
+    (b / "pyproject.toml").write_text('[project]\nname = "vitlab"\ndependencies = ["x"]\n')
+    r = launch(b / "launch.sh", ["setup"], tmp_path, venv)
+    assert r.returncode == 0 and len(installs()) == 1
+    assert f"was installed by {a}, whose pyproject.toml differs" in r.stderr  # said, not done
+    (a / "pyproject.toml").write_text('[project]\nname = "vitlab"\nversion = "2"\n')  # the installer's own change
+    assert launch(a / "launch.sh", ["setup"], tmp_path, venv).returncode == 0
+    assert len(installs()) == 2 and (venv / ".vitlab-installed").read_text() == stamp_of(a)
+    assert launch(a / "launch.sh", ["setup"], tmp_path, venv).returncode == 0 and len(installs()) == 2
+    shutil.rmtree(a)  # the checkout that installed it is gone: the next one takes the virtualenv over
+    assert launch(b / "launch.sh", ["setup"], tmp_path, venv).returncode == 0
+    assert installs()[-1] == f"pip -m pip install -q -e .[dev] in {b}"
