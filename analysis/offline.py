@@ -456,12 +456,14 @@ def analyze_run(
     if not wkeys:
         raise all_gone
     writer = _Writer(run, tensorboard)
+    bar = tqdm(total=len(wkeys) * len(opts.measures), desc=f"analyse {run.name}", disable=not progress, unit="measure")
     try:
-        for step in tqdm(list(wkeys), desc=f"analyse {run.name}", disable=not progress, unit="ckpt"):
+        for step in list(wkeys):
             out = step_dir(run, step)
             keys = {n: storage.cache_key(wkeys[step], fp, opts.settings(n), n) for n in opts.measures}
             todo = [n for n in opts.measures if force or not storage.is_cached(out, n, keys[n])]
             stats["reused"] += [(step, n) for n in opts.measures if n not in todo]
+            bar.update(len(opts.measures) - len(todo))  # cached: done at once
             if not todo:
                 continue
             try:
@@ -472,7 +474,7 @@ def analyze_run(
                 stats["skipped"].append(step)
                 continue
             try:
-                res = S.run_suite(model, data, opts, measures=todo)
+                res = S.run_suite(model, data, opts, measures=todo, on_stage=(stages := _Stages(bar, step, todo)))
             except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
                 raise AnalysisError(f"run {run.path}: {e}") from None
             meta = res["meta"]
@@ -488,13 +490,30 @@ def analyze_run(
                     f"({stats['model']}): see python -m analysis --list for what each measure needs."
                 )
             stats["computed"] += [(step, n) for n in res if n != "meta"]
+            stages("figures, TensorBoard")
             publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
+            bar.update(len(todo) - sum(1 for n in todo if n in res))  # measures that do not apply to this model
     finally:
         writer.close()
+        bar.close()
     stats["steps"] = [s for s in steps if s not in stats["skipped"]]
     if not stats["steps"]:
         raise all_gone
     return stats
+
+
+class _Stages:
+    """The suite's ``on_stage`` for the offline progress bar: the stage under way as its postfix (``step 600: cka``)
+    and one tick per measure as it finishes (the passes over the images tick nothing)."""
+
+    def __init__(self, bar, step: int, measures: list[str]):
+        self.bar, self.step, self.measures, self.current = bar, step, set(measures), None
+
+    def __call__(self, stage: str) -> None:
+        if self.current in self.measures:
+            self.bar.update(1)
+        self.current = stage
+        self.bar.set_postfix_str(f"step {self.step}: {stage}")
 
 
 def check_writable(run: Run) -> None:

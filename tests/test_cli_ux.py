@@ -11,10 +11,16 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import yaml
+from conftest import TINY, _merge
 
 import analysis.measure as M
 from analysis.__main__ import list_measures, main, parser
+from analysis.reports.compare import main as compare_main
+from train.recipe import load_recipe
+from train.trainer import train
 
 PLUGIN = textwrap.dedent('''
     from dataclasses import dataclass
@@ -175,3 +181,44 @@ def test_a_second_checkout_sharing_the_virtualenv_does_not_reinstall_itself(tmp_
     shutil.rmtree(a)  # the checkout that installed it is gone: the next one takes the virtualenv over
     assert launch(b / "launch.sh", ["setup"], tmp_path, venv).returncode == 0
     assert installs()[-1] == f"pip -m pip install -q -e .[dev] in {b}"
+
+
+# ---------------------------------------------------------------- progress, compare's options
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 2-block ViT trained 8 steps, checkpoints at steps 4 and 8, no training-time analysis."""
+    root = tmp_path_factory.mktemp("runs")
+    p = root / "tiny.yaml"
+    p.write_text(yaml.safe_dump(_merge(TINY, {"callbacks": [], "run": {"root": str(root)}})))
+    return Path(train(load_recipe(p), progress=False)["run_dir"])
+
+
+def test_the_offline_bar_names_the_measure_being_computed(tiny_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    assert main([str(run), "--measures", "cka,norm_ratio", "--batch-size", "32", "--no-tensorboard"]) == 0
+    err = capsys.readouterr().err
+    for stage in ("pass over the analysis images (cka, norm_ratio)", "cka", "norm_ratio", "figures, TensorBoard"):
+        for step in (4, 8):
+            assert f"step {step}: {stage}" in err, (stage, step)
+    assert "4/4 [" in err and "1/4 [" in err and "measure" in err  # one tick per measure, not per checkpoint
+    # everything cached: the bar fills at once
+    assert main([str(run), "--measures", "cka,norm_ratio", "--batch-size", "32", "--no-tensorboard"]) == 0
+    assert "4/4 [" in capsys.readouterr().err
+
+
+def test_compare_takes_measure_options(tiny_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    args = [str(run), "--measures", "cka", "--batch-size", "32", "--no-progress", "--out", str(tmp_path / "c")]
+    assert compare_main([*args, "--opt", "cka.layers=blocks"]) == 0
+    labels = np.load(run / "analysis" / "step_0000008" / "cka.npz")["labels"]
+    assert len(labels) == 2  # the 2 block outputs, not the default sublayers
+    assert compare_main([*args, "--opt", "cka.layer=blocks"]) == 2
+    assert "unknown option 'cka.layer' (did you mean cka.layers?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare_main(["--help"])
+    out = capsys.readouterr().out
+    assert "usage: python -m analysis.reports.compare" in out and "--opt MEASURE.OPTION=VALUE" in out
