@@ -222,3 +222,86 @@ def test_compare_takes_measure_options(tiny_run, tmp_path, capsys):
         compare_main(["--help"])
     out = capsys.readouterr().out
     assert "usage: python -m analysis.reports.compare" in out and "--opt MEASURE.OPTION=VALUE" in out
+
+
+# ---------------------------------------------------------------- figures a paper reader recognises
+
+
+def _inside(fig, artist) -> bool:
+    """Whether ``artist`` is drawn wholly inside the figure (not clipped at its edge)."""
+    fig.canvas.draw()
+    box, edge = artist.get_window_extent(), fig.bbox
+    return box.x0 >= edge.x0 - 0.5 and box.y0 >= edge.y0 - 0.5 and box.x1 <= edge.x1 + 0.5 and box.y1 <= edge.y1 + 0.5
+
+
+def test_attention_distance_figure_has_head_legend_uniform_line_and_whole_labels():
+    from analysis.measures.attention_distance import AttentionDistanceMeasure, grid_distances
+
+    rng = np.random.default_rng(0)
+    r = {"pixels": rng.uniform(1, 12, (6, 4)), "blocks": [f"blocks.{i}" for i in range(6)], "patch_size": 4}
+    r["unit_square"] = r["pixels"] / (6 * 4)  # a 7x7 grid: unit-square distances are pixels / ((7 - 1) * 4)
+    expected = float(grid_distances((7, 7), 4).mean())
+    # an independent reference: the mean distance over every pair of the 49 patch centres, 4 px apart
+    rc = np.stack(np.meshgrid(np.arange(7), np.arange(7), indexing="ij"), -1).reshape(-1, 2) * 4.0
+    assert expected == pytest.approx(np.linalg.norm(rc[:, None] - rc[None], axis=-1).mean())
+    assert AttentionDistanceMeasure.uniform(r) == pytest.approx(expected)  # a result saved without its grid
+    assert AttentionDistanceMeasure.uniform({**r, "grid": [7, 7]}) == pytest.approx(expected)
+    fig = AttentionDistanceMeasure.figures(r, step=3)["attn_dist/heads"]
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert texts[:4] == ["head 0", "head 1", "head 2", "head 3"] and texts[4].startswith("uniform attention (14.4 px")
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label().startswith("uniform attention")]
+    assert line.get_ydata()[0] == pytest.approx(expected) and ax.get_ylim()[1] > expected
+    assert _inside(fig, ax.yaxis.label) and _inside(fig, ax.xaxis.label) and _inside(fig, legend)
+    # more heads than tab10 has colours: a colourbar names them instead
+    from analysis.figures import attention_distance_plot
+
+    fig = attention_distance_plot(rng.uniform(1, 12, (4, 16)), uniform=10.0)
+    assert any(a.get_ylabel() == "head" for a in fig.axes[1:]) and _inside(fig, fig.axes[0].yaxis.label)
+
+
+def test_cka_figures_have_colourbar_axis_labels_and_every_layer_named(tmp_path):
+    from analysis.measures.cka import CKAMeasure
+    from analysis.reports.compare import cka_grid
+
+    labels = [f"{b}.{k}" for b in range(6) for k in ("norm1", "attn", "norm2", "mlp")]
+    m = np.random.default_rng(0).uniform(0, 1, (24, 24))
+    fig = CKAMeasure.figures({"matrix": m, "labels": labels, "layers": "sublayers"}, step=5)["cka/self"]
+    ax, cbar = fig.axes
+    assert ax.get_title() == "CKA between sublayers (step 5)"
+    assert cbar.get_ylabel() == "CKA" and cbar.get_ylim() == (0.0, 1.0)
+    assert ax.get_xlabel() == "layer" and ax.get_ylabel() == "layer"
+    assert [t.get_text() for t in ax.get_xticklabels()] == labels == [t.get_text() for t in ax.get_yticklabels()]
+    many = [f"l{i}" for i in range(90)]
+    fig = CKAMeasure.figures({"matrix": np.eye(90), "labels": many, "layers": "all"})["cka/self"]
+    assert fig.axes[0].get_xlabel() == "layer (every 3rd labelled)" and len(fig.axes[0].get_xticklabels()) == 30
+    # compare's grid: one panel per run, every layer named on both axes, one colourbar
+    results = {n: {"cka": {"matrix": m, "labels": labels}} for n in ("a", "b", "c")}
+    drawn = {}
+    import analysis.reports.compare as C
+
+    real = C.save
+    C.save = lambda fig, path: drawn.setdefault("fig", fig) and real(fig, path)
+    try:
+        cka_grid(results, tmp_path / "cka_grid.png")
+    finally:
+        C.save = real
+    axes = drawn["fig"].axes
+    panels, bars = axes[:3], axes[3:]
+    assert [a.get_title() for a in panels] == ["a", "b", "c"] and len(bars) == 1 and bars[0].get_ylabel() == "CKA"
+    for a in panels:
+        assert a.get_xlabel() == "layer" and a.get_ylabel() == "layer"
+        assert [t.get_text() for t in a.get_xticklabels()] == labels
+
+
+def test_cls_attention_maps_share_one_scale_with_a_colourbar():
+    cls_attention = M.registry()["cls_attention"]
+    maps = np.random.default_rng(0).uniform(0, 1, (3, 2, 4, 4))
+    maps[1, 1] *= 5  # one head far more peaked: the others must not each be stretched to their own maximum
+    fig = cls_attention.figures({"maps": maps, "blocks": ["blocks.0", "blocks.1", "blocks.2"]}, step=1)
+    fig = fig["cls_attention/maps"]
+    images = [im for a in fig.axes for im in a.get_images()]
+    assert len(images) == 6 and {im.get_clim() for im in images} == {(0.0, float(maps.max()))}
+    (cbar,) = [a for a in fig.axes if a.get_ylabel() == "CLS attention weight"]
+    assert cbar.get_ylim() == pytest.approx((0.0, float(maps.max())))

@@ -85,7 +85,8 @@ class AlignedOptions:
 
 
 def canvas_index(grid: tuple[int, int]) -> Tensor:
-    """[N, N] long: the flat canvas cell ((gh-1 + r'-r) * (2gw-1) + (gw-1 + c'-c)) of key k=(r', c') for query q=(r, c)."""
+    """[N, N] long: the flat canvas cell ((gh-1 + r'-r) * (2gw-1) + (gw-1 + c'-c)) of key k=(r', c') for query
+    q=(r, c)."""
     gh, gw = grid
     r = torch.arange(gh).repeat_interleave(gw)
     c = torch.arange(gw).repeat(gh)
@@ -196,9 +197,9 @@ def offset_local_heads(
     lands within one token of a point at most two tokens away". Over every point p with Chebyshev |p| <=
     ``max_offset``, the mass in the window of ``window`` cells around p (:func:`window_mass`); the best such window
     gives ``peak_mass`` [...] (its mass; ties between windows go to the centre nearest the query).
-    ``local`` [...] = peak_mass >= ``min_mass`` and the peak at most ``max_offset`` away; ``peak_offset`` [..., 2] is the
-    map's maximum cell inside that window (a head fixed on the token two to the right has it at (0, +2) even when the
-    best window is centred one nearer; ties to the cell nearest the query); ``window_centre`` [..., 2] the window's
+    ``local`` [...] = peak_mass >= ``min_mass`` and the peak at most ``max_offset`` away; ``peak_offset`` [..., 2] is
+    the map's maximum cell inside that window (a head fixed on the token two to the right has it at (0, +2) even when
+    the best window is centred one nearer; ties to the cell nearest the query); ``window_centre`` [..., 2] the window's
     centre of mass; ``offset_local`` = local and the window's centre of mass rounds to a cell other than (0, 0) (the
     region attended to is offset from the query; a head spread over the 3x3 around its query is not). Also
     ``map_peak`` [..., 2] (the maximum cell of the map itself, anywhere) and ``mass_centre`` [..., 2].
@@ -343,6 +344,7 @@ class AlignedAttention(BlockSums):
                 marked=mark,
                 peaks=peaks,
                 midlines=True,
+                shared=False,
             ),
             "aligned_attention/maps": map_grid(
                 np.asarray(r["maps"]),
@@ -351,5 +353,6 @@ class AlignedAttention(BlockSums):
                 marked=mark,
                 peaks=peaks,
                 midlines=True,
+                shared=False,
             ),
         }

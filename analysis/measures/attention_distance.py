@@ -136,7 +136,8 @@ def _check(attn: Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> None:
     expected = num_prefix_tokens + grid[0] * grid[1]
     if attn.shape[-1] != expected:
         raise ValueError(
-            f"attn has T={attn.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {grid[0]}x{grid[1]} = {expected}"
+            f"attn has T={attn.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {grid[0]}x{grid[1]} = "
+            f"{expected}"
         )
 
 
@@ -261,8 +262,8 @@ class AttentionDistance:
     def sync(self, accelerator=None) -> None:
         """Sum the state over processes with ``torch.distributed.all_reduce`` (SUM) when a process group with more
         than one process is initialised (otherwise nothing). Blocks seen only by some processes are added as zeros
-        elsewhere first. The packed state is summed by :func:`analysis.reduce.all_reduce_sum`. Call it once, after the last ``update`` and before
-        ``compute``: calling it twice sums twice."""
+        elsewhere first. The packed state is summed by :func:`analysis.reduce.all_reduce_sum`. Call it once, after the
+        last ``update`` and before ``compute``: calling it twice sums twice."""
 
         if accelerator is not None and accelerator.num_processes == 1:
             return
@@ -313,7 +314,27 @@ class AttentionDistanceMeasure(Measure):
         for u in UNITS:
             d = self.acc.compute(u)
             out[u] = torch.stack([d[i] for i in range(n)]).numpy()
-        return {**out, "blocks": list(self.ctx.blocks), "patch_size": int(self.ctx.patch_size)}
+        return {
+            **out,
+            "blocks": list(self.ctx.blocks),
+            "patch_size": int(self.ctx.patch_size),
+            "grid": list(self.ctx.grid),
+        }
+
+    @staticmethod
+    def uniform(r, unit: str = "pixels") -> float | None:
+        """The mean distance, in ``unit``, of a head attending uniformly over the token grid (the figures' reference
+        line); the grid of a result saved before it was recorded is read from its two units (square grids)."""
+        if "grid" in r:
+            grid = tuple(int(g) for g in np.asarray(r["grid"]).reshape(-1))
+        else:
+            px, sq = np.asarray(r["pixels"], dtype=float), np.asarray(r["unit_square"], dtype=float)
+            ok = sq > 0
+            if not ok.any():
+                return None
+            side = int(round(float(np.median(px[ok] / sq[ok])) / int(r["patch_size"]))) + 1  # pixels/unit = (g-1) P
+            grid = (side, side)
+        return float(grid_distances(grid, int(r["patch_size"]), unit).mean())
 
     @staticmethod
     def summary(r):
@@ -345,9 +366,13 @@ class AttentionDistanceMeasure(Measure):
     def figures(r, step=None):
 
         at = f" (step {step})" if step is not None else ""
+        uniform = AttentionDistanceMeasure.uniform
         figs = {
             "attn_dist/heads": attention_distance_plot(
-                r["pixels"], title=f"attention distance, patch centres{at}", unit=UNIT_LABELS["pixels"]
+                r["pixels"],
+                title=f"attention distance, patch centres{at}",
+                unit=UNIT_LABELS["pixels"],
+                uniform=uniform(r, "pixels"),
             )
         }
         if "pixel_level" in r:
@@ -355,5 +380,6 @@ class AttentionDistanceMeasure(Measure):
                 r["pixel_level"],
                 title=f"attention distance, pixel to pixel (ViT App. D.6){at}",
                 unit=UNIT_LABELS["pixel_level"],
+                uniform=uniform(r, "pixel_level"),
             )
         return figs

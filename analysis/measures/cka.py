@@ -142,8 +142,8 @@ class CKAMeasure(Measure):
       projection shortcuts.
 
     The reproduction of Raghu Fig. 1-2 uses ``layers: paper`` (``--opt cka.layers=paper`` on the command line,
-    ``cka: {layers: paper}`` in a recipe's analysis_suite callback); the other sets are views of the same maps. Result: ``matrix``
-    [L, L], ``labels``, ``taps``, ``repr``, ``layers``."""
+    ``cka: {layers: paper}`` in a recipe's analysis_suite callback); the other sets are views of the same maps. Result:
+    ``matrix`` [L, L], ``labels``, ``taps``, ``repr``, ``layers``."""
 
     name = "cka"
     Options = CKAOptions
@@ -152,8 +152,8 @@ class CKAMeasure(Measure):
     def model_problem(cls, ctx, opts):
         if opts.repr == "cls" and ctx.prefix == 0:
             return (
-                f"option repr=cls reads the class token, and this {ctx.arch} has none (a GAP ViT, a ResNet or a Mixer): "
-                "use repr mean_spatial or flatten."
+                f"option repr=cls reads the class token, and this {ctx.arch} has none (a GAP ViT, a ResNet or a "
+                "Mixer): use repr mean_spatial or flatten."
             )
         return None
 
@@ -196,5 +196,6 @@ class CKAMeasure(Measure):
     def figures(r, step=None):
 
         at = f" (step {step})" if step is not None else ""
-        layers = f", {r['layers']} layers" if "layers" in r else ""
+        which = {"blocks": "block outputs", "sublayers": "sublayers", "paper": "Raghu's layers", "all": "all layers"}
+        layers = f" between {which.get(str(r['layers']), str(r['layers']))}" if "layers" in r else ""
         return {"cka/self": cka_heatmap(r["matrix"], as_list(r["labels"]), title=f"CKA{layers}{at}")}

@@ -23,8 +23,9 @@ from analysis import offline as O
 from analysis import storage
 from analysis import suite as S
 from analysis.__main__ import measure_options
-from analysis.figures import save, subplots
+from analysis.figures import attention_distance_panels, every_nth, layer_ticks, save, subplots
 from analysis.measure import MeasureError, as_list
+from analysis.measures.attention_distance import AttentionDistanceMeasure
 from analysis.measures.norm_ratio import NormRatioMeasure
 from analysis.reports.run_report import fmt
 from train.checkpoint import read_meta
@@ -41,18 +42,21 @@ def _panels(n: int, w: float = 3.2, h: float = 2.8, **kw):
 
 
 def cka_grid(results: dict, path: Path) -> Path:
-
+    """Every run's CKA between its layers, one panel each (origin bottom-left), one colourbar from 0 to 1, every layer
+    named (every n-th beyond analysis.figures.MAX_TICK_LABELS, said in the axis labels)."""
     items = [(k, r["cka"]) for k, r in results.items() if "cka" in r]
-    fig, axes = _panels(len(items), h=3.0)
+    fig, axes = _panels(len(items), w=3.6, h=3.6, layout="constrained")
+    im = None
     for ax, (name, r) in zip(axes, items):
-        ax.imshow(np.asarray(r["matrix"]), origin="lower", vmin=0, vmax=1, cmap="magma")
+        im = ax.imshow(np.asarray(r["matrix"]), origin="lower", vmin=0, vmax=1, cmap="magma")
         labels = as_list(r["labels"])
-        step = max(1, len(labels) // 6)
-        ax.set_xticks(range(0, len(labels), step), labels[::step], rotation=90, fontsize=5)
-        ax.set_yticks(range(0, len(labels), step), labels[::step], fontsize=5)
+        sx, sy = layer_ticks(ax, labels, "x", 5), layer_ticks(ax, labels, "y", 5)
+        ax.set_xlabel("layer" + every_nth(sx), fontsize=7)
+        ax.set_ylabel("layer" + every_nth(sy), fontsize=7)
         ax.set_title(name, fontsize=8)
+    if im is not None:
+        fig.colorbar(im, ax=axes, shrink=0.8).set_label("CKA")
     fig.suptitle("CKA between layers")
-    fig.tight_layout()
     save(fig, path)
     return path
 
@@ -88,21 +92,16 @@ def probe_lines(results: dict, path: Path) -> Path | None:
 
 
 def attention_panels(results: dict, path: Path) -> Path | None:
-
-    items = [
-        (k, np.asarray(r["attention_distance"]["pixels"])) for k, r in results.items() if "attention_distance" in r
-    ]
-    if not items:
+    """Raghu Fig. 3 vs 4: each ViT's mean attention distance per head (coloured by head, named in the legend) and
+    block, and uniform attention's distance on its grid (dotted)."""
+    panels = {
+        k: (np.asarray(r["attention_distance"]["pixels"]), AttentionDistanceMeasure.uniform(r["attention_distance"]))
+        for k, r in results.items()
+        if "attention_distance" in r
+    }
+    if not panels:
         return None
-    fig, axes = _panels(len(items), sharey=True)
-    for ax, (name, d) in zip(axes, items):
-        for b in range(d.shape[0]):
-            ax.scatter(np.full(d.shape[1], b), d[b], s=10)
-        ax.set_title(name, fontsize=8)
-        ax.set_xlabel("block", fontsize=7)
-    axes[0].set_ylabel("attention distance (px)")
-    fig.tight_layout()
-    save(fig, path)
+    save(attention_distance_panels(panels, unit="px"), path)
     return path
 
 
