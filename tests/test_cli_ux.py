@@ -305,3 +305,25 @@ def test_cls_attention_maps_share_one_scale_with_a_colourbar():
     assert len(images) == 6 and {im.get_clim() for im in images} == {(0.0, float(maps.max()))}
     (cbar,) = [a for a in fig.axes if a.get_ylabel() == "CLS attention weight"]
     assert cbar.get_ylim() == pytest.approx((0.0, float(maps.max())))
+
+
+# ---------------------------------------------------------------- report.md
+
+
+def test_report_tables_clustering_rows_to_3_significant_digits():
+    from analysis.reports.run_report import _summary_rows
+
+    summary = {
+        "clustering": {
+            "purity": {"cls": {"last": 0.412345678, "best": 0.0123456, "best_layer": "blocks.3", "per_layer": [1 / 3]}}
+        },
+        "attention_distance": {"mean_px": [12.3456, 1234.5]},
+        "meta": {"arch": "vit"},
+    }
+    rows = _summary_rows(summary)
+    assert "| clustering | purity/cls/last | 0.412 |" in rows
+    assert "| clustering | purity/cls/best | 0.0123 |" in rows
+    assert "| clustering | purity/cls/best_layer | blocks.3 |" in rows
+    assert "| clustering | purity/cls/per_layer | 0.333 |" in rows
+    assert "| attention_distance | mean_px | 12.3 1230 |" in rows
+    assert not any("{" in r for r in rows) and len(rows) == 7
