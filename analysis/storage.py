@@ -234,7 +234,7 @@ def make_figures(res: dict, step: int | None = None, part: str | None = None) ->
     return figs
 
 
-SCALAR_PREFIX = "analysis/"  # one TensorBoard group for every analysis scalar, beside train/, eval/ and time/
+SCALAR_PREFIX = "analysis/"  # one TensorBoard group for every analysis scalar and image, beside train/, eval/, time/
 
 
 def log_results(res: dict, writer, step: int, part: str | None = None) -> None:
@@ -285,8 +285,8 @@ def publish_figures(
     label = part_label(part)
     for name, fig in make_figures(res, step, part).items():
         rgb = render(fig)
-        if writer is not None:
-            writer.add_image(name, rgb, step, dataformats="HWC")
+        if writer is not None:  # under analysis/ as the scalars: a measure's images and numbers side by side
+            writer.add_image(SCALAR_PREFIX + name, rgb, step, dataformats="HWC")
         if png:  # the file name without the part: the part's own folder says it
             stem = name[len(label) + 1 :] if label else name
             write_png(rgb, Path(figure_dir) / f"{stem.replace('/', '_')}.png")

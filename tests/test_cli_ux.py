@@ -327,3 +327,29 @@ def test_report_tables_clustering_rows_to_3_significant_digits():
     assert "| clustering | purity/cls/per_layer | 0.333 |" in rows
     assert "| attention_distance | mean_px | 12.3 1230 |" in rows
     assert not any("{" in r for r in rows) and len(rows) == 7
+
+
+# ---------------------------------------------------------------- TensorBoard
+
+
+def test_hparams_show_booleans_as_words_and_lists_as_yaml():
+    from train.recipe import flatten
+    from train.trainer import _hparam_values
+
+    hp = flatten(
+        _hparam_values(
+            {
+                "train": {"lr": 0.001, "steps": 8, "compile": False},
+                "callbacks": [{"name": "analysis_suite", "every": 600}, "sample_images"],
+                "interventions": {"no_skip": None, "head_mask": {}},
+            }
+        )
+    )
+    assert hp == {
+        "train.lr": 0.001,
+        "train.steps": 8,
+        "train.compile": "false",  # TensorBoard's hparams would show a bool (an int) as 0
+        "callbacks": "[{name: analysis_suite, every: 600}, sample_images]",
+        "interventions.no_skip": "null",
+        "interventions.head_mask": "{}",
+    }

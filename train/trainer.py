@@ -255,10 +255,22 @@ def evaluate(accelerator, model, loader, data, num_classes: int) -> dict:
     return {"top1": float(metric.compute()), "loss": loss_sum / max(n, 1), "n": n}
 
 
+def _hparam_values(d):
+    """The recipe as TensorBoard's HParams tab shows it best: booleans as true / false (an int subclass, they would
+    show as 1 / 0), lists and None in YAML's flow style (``[{name: cka, every: 600}]``, not JSON); nested keys kept."""
+    if isinstance(d, dict) and d:
+        return {k: _hparam_values(v) for k, v in d.items()}
+    if isinstance(d, bool):
+        return str(d).lower()
+    if isinstance(d, (int, float, str)):
+        return d
+    return yaml.safe_dump(d, default_flow_style=True, sort_keys=False, width=10**6).removesuffix("\n...\n").strip()
+
+
 def _write_hparams(writer, recipe: Recipe, extra: dict) -> None:
     """HParams into the run's own events file (SummaryWriter.add_hparams would open a second folder)."""
 
-    hp = flatten({**recipe.to_dict(), **extra})
+    hp = flatten(_hparam_values({**recipe.to_dict(), **extra}))
     exp, ssi, sei = hparams(hp, {"eval/top1": 0.0})
     for s in (exp, ssi, sei):
         writer.file_writer.add_summary(s)
