@@ -353,3 +353,23 @@ def test_hparams_show_booleans_as_words_and_lists_as_yaml():
         "interventions.no_skip": "null",
         "interventions.head_mask": "{}",
     }
+
+
+def test_the_custom_scalars_layout_puts_training_first(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from torch.utils.tensorboard import SummaryWriter
+
+    from train.recipe import Recipe
+    from train.trainer import _write_hparams
+
+    w = SummaryWriter(str(tmp_path))
+    _write_hparams(w, Recipe(), {})
+    w.close()
+    ea = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    ea.Reload()
+    raw = ea.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0]
+    layout = layout_pb2.Layout.FromString(raw)
+    assert [c.title for c in layout.category] == ["training", "time (s)", "analysis (key numbers)"]
+    first = layout.category[0].chart[0]
+    assert first.title.startswith("loss") and "^train/loss$" in first.multiline.tag

@@ -267,13 +267,33 @@ def _hparam_values(d):
     return yaml.safe_dump(d, default_flow_style=True, sort_keys=False, width=10**6).removesuffix("\n...\n").strip()
 
 
+# TensorBoard's Custom Scalars tab (http://localhost:6006/#custom_scalars): the training curves first, in this order
+# (the Time Series tab sorts groups by name, so there analysis/ comes before train/)
+TB_LAYOUT = {
+    "training": {
+        "loss (train, eval, val)": ["Multiline", ["^train/loss$", "^eval/loss$", "^val/loss$"]],
+        "top-1 (eval, val)": ["Multiline", ["^eval/top1$", "^val/top1$"]],
+        "learning rate": ["Multiline", ["^train/lr$"]],
+        "gradient norm": ["Multiline", ["^train/grad_norm$"]],
+        "throughput (images/s)": ["Multiline", ["^train/throughput_img_s$"]],
+        "epoch": ["Multiline", ["^train/epoch$"]],
+    },
+    "time (s)": {"eval, checkpoint, callbacks": ["Multiline", ["^time/"]]},
+    "analysis (key numbers)": {
+        "CKA mean off-diagonal": ["Multiline", ["^analysis/(.*/)?cka/mean_offdiag$"]],
+    },
+}
+
+
 def _write_hparams(writer, recipe: Recipe, extra: dict) -> None:
-    """HParams into the run's own events file (SummaryWriter.add_hparams would open a second folder)."""
+    """HParams into the run's own events file (SummaryWriter.add_hparams would open a second folder), and the
+    Custom Scalars layout (:data:`TB_LAYOUT`)."""
 
     hp = flatten(_hparam_values({**recipe.to_dict(), **extra}))
     exp, ssi, sei = hparams(hp, {"eval/top1": 0.0})
     for s in (exp, ssi, sei):
         writer.file_writer.add_summary(s)
+    writer.add_custom_scalars(TB_LAYOUT)
 
 
 def _override_key(o: str) -> str:
