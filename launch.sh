@@ -5,27 +5,65 @@
 #   ./launch.sh sweep RECIPE --grid key=v1,v2 [--grid ...]        one run per combination (resumable)
 #   ./launch.sh analyze RUN_DIR [--against OTHER[:STEP]] [...]    offline analysis of saved checkpoints (cached)
 #   ./launch.sh study recipes/studies/raghu2021.yaml              train + analyse a study, write its report
-# Set-up (every command): create .venv if missing, install the project (pip install -e '.[dev]') when
-# pyproject.toml changed, install Debian's dataset-fashion-mnist if /usr/share/datasets/fashion-mnist is missing.
+# Set-up (every command): create .venv if missing, install the project (pip install -e '.[dev]') when this
+# checkout's pyproject.toml changed since it installed itself (the stamp .venv/.vitlab-installed records the checkout
+# and the sha256 of its pyproject.toml; a second checkout sharing the virtualenv uses it without reinstalling, its own
+# code first on PYTHONPATH), install Debian's dataset-fashion-mnist if /usr/share/datasets/fashion-mnist is missing.
+# Paths on the command line are relative to the folder you call this from (test's: to the repository).
 # Multi-process on CPU: VITLAB_NPROC=2 ./launch.sh ...; on GPUs run 'accelerate config' once and it is used.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")"
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's packages, whichever checkout installed .venv
 
 PYTHON=${PYTHON:-python3}
-VENV=.venv
+VENV=${VITLAB_VENV:-$ROOT/.venv}
 FMNIST=/usr/share/datasets/fashion-mnist
+
+# The checkout that the virtualenv's editable install points at (pip's direct_url.json), or nothing.
+installed_by() {
+    sed -n 's|.*"url": *"file://\([^"]*\)".*|\1|p' "$VENV"/lib/python*/site-packages/vitlab-*.dist-info/direct_url.json \
+        2>/dev/null | head -n 1
+}
+
+# Whether to (re)install this checkout into $VENV: never installed; installed by this checkout from another
+# pyproject.toml; or installed by a checkout that no longer exists. A stamp written before it named its checkout
+# (empty) is read as then (pyproject.toml newer than it) when the editable install is this checkout's.
+needs_install() {
+    local stamp=$1 want=$2 have owner
+    [ -f "$stamp" ] || return 0
+    [ "${VITLAB_REINSTALL:-0}" = 1 ] && return 0
+    have=$(cat "$stamp")
+    if [ -z "$have" ]; then
+        [ "$(installed_by)" = "$ROOT" ] || return 1
+        [ "$ROOT/pyproject.toml" -nt "$stamp" ] && return 0
+        echo "$want" >"$stamp"
+        return 1
+    fi
+    owner=${have% *}
+    if [ "$owner" = "$ROOT" ]; then
+        [ "$have" != "$want" ]
+        return
+    fi
+    [ -f "$owner/pyproject.toml" ] || return 0
+    if [ "${have##* }" != "${want##* }" ]; then
+        echo "[vitlab] $VENV was installed by $owner, whose pyproject.toml differs from this checkout's: if" \
+            "dependencies changed, run VITLAB_REINSTALL=1 $ROOT/launch.sh setup (it repoints the editable install)" >&2
+    fi
+    return 1
+}
 
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
         echo "[vitlab] creating $VENV" >&2
         "$PYTHON" -m venv "$VENV"
     fi
-    local stamp="$VENV/.vitlab-installed"
-    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    local stamp="$VENV/.vitlab-installed" want
+    want="$ROOT $(sha256sum "$ROOT/pyproject.toml" | cut -d ' ' -f 1)"
+    if needs_install "$stamp" "$want"; then
         echo "[vitlab] installing the project into $VENV (pip install -e '.[dev]')" >&2
         "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-        "$VENV/bin/python" -m pip install -q -e '.[dev]'
-        touch "$stamp"
+        (cd "$ROOT" && "$VENV/bin/python" -m pip install -q -e '.[dev]')
+        echo "$want" >"$stamp"
     fi
     if [ ! -d "$FMNIST" ]; then
         if [ "$(id -u)" = 0 ]; then
@@ -98,6 +136,7 @@ case "$cmd" in
     test)
         shift
         setup
+        cd "$ROOT"  # the repository's tests, from the repository (pytest paths are relative to it)
         exec "$VENV/bin/python" -m pytest "$@"
         ;;
     setup)
@@ -120,7 +159,7 @@ case "$cmd" in
         ;;
     *)
         setup
-        recipe=recipes/default.yaml
+        recipe=$ROOT/recipes/default.yaml
         if [ $# -gt 0 ] && [[ "$1" != -* ]]; then
             recipe=$1
             shift

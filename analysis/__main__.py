@@ -1,4 +1,4 @@
-"""``python -m analysis RUN_DIR`` (also ``./launch.sh analyze RUN_DIR``): the analysis suite on a run's saved
+r"""``python -m analysis RUN_DIR`` (also ``./launch.sh analyze RUN_DIR``): the analysis suite on a run's saved
 checkpoints, cached, with figures, TensorBoard and report.md.
 
     python -m analysis runs/default                          every checkpoint, the core four measures
@@ -21,24 +21,141 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import inspect
+import re
+import shutil
 import sys
+import textwrap
+import typing
 import warnings
 from pathlib import Path
 
+import yaml
+
 from analysis import offline as O
 from analysis import suite as S
-from analysis.measure import MeasureError, options_dict, registry
+from analysis.measure import MeasureError, options_dict, registry, resolve
 from analysis.reports.run_report import write_run_report
+
+
+def did_you_mean(word: str, choices, prefix: str = "") -> str:
+    """`` (did you mean PREFIX+X?)`` for the closest of ``choices`` to a mistyped ``word`` (difflib), or ``''``."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def check_names(names: list[str] | None, opt: dict) -> None:
+    """MeasureError (one sentence, with the closest name) for a mistyped measure in ``names`` or ``opt`` (``{measure:
+    {option: value}}``) or a mistyped option; names of the form package.module:Class are left to the registry."""
+    known = registry()
+    for n in [*(names or []), *opt]:
+        if n != "all" and ":" not in n and n not in known:
+            raise MeasureError(
+                f"unknown measure '{n}'{did_you_mean(n, known)}: python -m analysis --list shows every measure "
+                "(or give package.module:Class)."
+            )
+    for m, vals in opt.items():
+        fields = [f.name for f in dataclasses.fields(registry()[resolve(m)].Options)]
+        for k in vals:
+            if k not in fields:
+                raise MeasureError(
+                    f"unknown option '{m}.{k}'{did_you_mean(k, fields, f'{m}.')}: the options of {m} are "
+                    f"{', '.join(fields) or 'none'}."
+                )
+
+
+def measure_options(measures: str | None, batch_size: int, opt_items: list[str]) -> S.SuiteOptions:
+    """SuiteOptions from ``--measures`` (comma-separated), the batch size and ``--opt`` items (MeasureError, one
+    sentence naming the closest name, for an unknown measure or option). Shared by python -m analysis and compare."""
+    names = [m.strip() for m in measures.split(",")] if measures is not None else None
+    if names is not None and "" in names:
+        raise MeasureError(
+            f"--measures '{measures}' has an empty name: list names separated by single commas, e.g. cka,knn."
+        )
+    opt = S.parse_opt_args(opt_items)
+    check_names(names, opt)
+    return S.suite_options(names, batch_size, opt)
+
+
+# ---------------------------------------------------------------- --list
+
+
+def _type_text(tp) -> str:
+    """An option's type as a user writes it: ``one of a, b``, ``true or false``, ``list of integers``, ..."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or (origin is not None and type(None) in args):
+        inner = [a for a in args if a is not type(None)]
+        return f"{_type_text(inner[0])} or null" if len(inner) == 1 else " or ".join(map(_type_text, inner))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin in (tuple, list):
+        item = args[0] if args else str
+        if typing.get_origin(item) is typing.Literal:
+            return "a list of " + ", ".join(map(str, typing.get_args(item)))
+        return f"a list of {_type_text(item).removeprefix('a ').removeprefix('an ')}s"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _option_comments(options_cls) -> dict[str, str]:
+    """The comment after each field of an Options dataclass in its source (its explanation), {field: comment}."""
+    try:
+        lines = inspect.getsource(options_cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    out: dict[str, str] = {}
+    field = None
+    for line in lines[1:]:
+        if re.match(r"\s+(def |@)", line):
+            break
+        m = re.match(r"\s{4}(\w+)\s*:", line)
+        field = m.group(1) if m else field
+        c = re.search(r"#\s*(.*)$", line)
+        if field and c and not line.lstrip().startswith("#"):
+            out[field] = f"{out[field]} {c.group(1)}" if field in out else c.group(1)
+    return out
+
+
+def _yaml(value) -> str:
+    """A value as it is written after --opt (YAML: true, null, [a, b])."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).removesuffix("\n...\n").strip()
+
+
+def describe(name: str, cls, width: int) -> str:
+    """One measure for --list: its name, the first paragraph of its docstring whole, and every option with its default,
+    the values it takes and its explanation."""
+    doc = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].replace("``", "")
+    lines = [name, textwrap.fill(" ".join(doc.split()), width, initial_indent="    ", subsequent_indent="    ")]
+    hints = typing.get_type_hints(cls.Options)
+    comments = _option_comments(cls.Options)
+    defaults = options_dict(cls.Options())
+    if not defaults:
+        lines.append("    options: none")
+    for k, v in defaults.items():
+        text = f"{_type_text(hints[k])}" + (f"; {comments[k]}" if k in comments else "")
+        lines.append(
+            textwrap.fill(
+                f"--opt {name}.{k}={_yaml(v)}: {text}", width, initial_indent="    ", subsequent_indent="        "
+            )
+        )
+    return "\n".join(lines)
+
+
+def list_measures(extra: str | None) -> str:
+    """Every registered measure (and the package.module:Class measures named in ``extra``, a --measures value) for
+    --list, wrapped to the terminal's width."""
+    for n in (extra or "").split(","):
+        if ":" in n:
+            resolve(n.strip())
+    width = max(60, min(120, shutil.get_terminal_size((100, 24)).columns))
+    return "\n\n".join(describe(n, cls, width) for n, cls in sorted(registry().items()))
 
 
 def options(args) -> S.SuiteOptions:
     """SuiteOptions from the command line (MeasureError, one sentence, for an unknown measure or option)."""
-    names = [m.strip() for m in args.measures.split(",")] if args.measures is not None else None
-    if names is not None and "" in names:
-        raise MeasureError(
-            f"--measures '{args.measures}' has an empty name: list names separated by single commas, e.g. cka,knn."
-        )
-    return S.suite_options(names, args.batch_size, S.parse_opt_args(args.opt))
+    return measure_options(args.measures, args.batch_size, args.opt)
 
 
 def without_unlabelled(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteOptions:
@@ -63,12 +180,25 @@ def without_unlabelled(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteO
     return dataclasses.replace(opts, measures=tuple(m for m in opts.measures if m not in missing))
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with the closest option named for an unknown one (``--mesures``: did you mean --measures?)."""
+
+    def error(self, message: str):
+        words = re.findall(r"(?<!\S)(--?[\w-]+)", message.partition(":")[2]) if "unrecognized" in message else []
+        known = [o for a in self._actions for o in a.option_strings]
+        hints = [f"{w}{did_you_mean(w.partition('=')[0], known)}" for w in words]
+        if any("did you mean" in h for h in hints):
+            message = f"unrecognized arguments: {' '.join(hints)}"
+        super().error(message)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    intro, _, rest = __doc__.partition("\n\n")
+    p = Parser(
         prog="python -m analysis",
-        description=__doc__.split("\n")[0],
+        description=intro,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.split("\n")[2:]),
+        epilog=rest,
     )
     p.add_argument("run", nargs="?", help="run folder (runs/<name>)")
     p.add_argument("--steps", help="comma-separated checkpoint steps, or 'last' (default: every checkpoint)")
@@ -128,101 +258,100 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="MEASURE.OPTION=VALUE",
-        help="a measure's option, e.g. --opt knn.k=10 --opt cka.repr=cls (python -m analysis --list shows them); repeatable",
+        help="a measure's option, e.g. --opt knn.k=10 --opt cka.repr=cls (python -m analysis --list shows them); "
+        "repeatable",
     )
     p.add_argument("--force", action="store_true", help="recompute even when cached results exist")
-    p.add_argument("--no-tensorboard", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--list", action="store_true", help="list the measures and exit")
+    p.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard events (files and report only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="list the measures (with --measures pkg.module:Class, yours too), their options and values, and exit",
+    )
     return p
 
 
-def main(argv=None) -> int:
-    args = parser().parse_args(argv)
-    if args.list:
-        for name, cls in sorted(registry().items()):
-            opts = ", ".join(f"{k}={v!r}" for k, v in options_dict(cls.Options()).items()) or "no options"
-            print(f"{name:20s} {(cls.__doc__ or '').strip().splitlines()[0]}\n{'':20s} options: {opts}")
-        return 0
-    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+def open_target(args):
+    """The run to analyse: a run folder, or a model from elsewhere (--model) with its weights and images."""
+    if args.model:
+        if not args.weights:
+            raise O.AnalysisError("--model needs --weights FILE.safetensors (or --weights pretrained with a network).")
+        recipe = args.recipe or str(Path(__file__).resolve().parents[1] / "recipes" / "default.yaml")
+        return O.external_run(
+            args.model,
+            args.weights,
+            recipe,
+            args.overrides,
+            args.out,
+            args.images,
+            args.probe_images,
+            args.preprocessing,
+        )
+    if args.images or args.probe_images:
+        raise O.AnalysisError(
+            "--images analyses a model from elsewhere: pass it with --model timm:<arch> --weights FILE."
+        )
+    if not args.run:
+        raise O.AnalysisError(
+            "no run given: pass a run folder (python -m analysis runs/default) or --model timm:<arch> --weights FILE."
+        )
+    return O.open_run(args.run)
+
+
+def parse_steps(run, text: str | None) -> list[str] | None:
+    """--steps as a list (every step checked before any work), or None for every checkpoint."""
+    steps = [s.strip() for s in text.split(",")] if text is not None else None
+    if steps is not None and "" in steps:
+        raise O.AnalysisError(
+            f"--steps '{text}' has an empty step: list steps separated by single commas, e.g. 600,1800."
+        )
+    for s in steps or []:
+        run.step(s)
+    return steps
+
+
+def analyse(args) -> tuple:
+    """Every input checked, then the analysis and the --against comparisons: (run, stats); AnalysisError if bad."""
     try:
-        try:
-            opts = options(args)
-        except MeasureError as e:
-            raise O.AnalysisError(str(e)) from None
-        if args.model:
-            if not args.weights:
-                raise O.AnalysisError(
-                    "--model needs --weights FILE.safetensors (or --weights pretrained with a network)."
-                )
-            recipe = args.recipe or str(Path(__file__).resolve().parents[1] / "recipes" / "default.yaml")
-            run = O.external_run(
-                args.model,
-                args.weights,
-                recipe,
-                args.overrides,
-                args.out,
-                args.images,
-                args.probe_images,
-                args.preprocessing,
-            )
-        elif args.images or args.probe_images:
-            raise O.AnalysisError(
-                "--images analyses a model from elsewhere: pass it with --model timm:<arch> --weights FILE."
-            )
-        elif args.run:
-            run = O.open_run(args.run)
-        else:
-            raise O.AnalysisError(
-                "no run given: pass a run folder (python -m analysis runs/default) or --model timm:<arch> --weights FILE."
-            )
-        O.select_part(run, args.part)
-        steps = [s.strip() for s in args.steps.split(",")] if args.steps is not None else None
-        if steps is not None and "" in steps:
-            raise O.AnalysisError(
-                f"--steps '{args.steps}' has an empty step: list steps separated by single commas, e.g. 600,1800."
-            )
-        if steps:
-            [run.step(s) for s in steps]  # check them all before any work
-        others = [O.parse_against(a) for a in args.against]
-        for other, _ in others:
-            O.check_same_images(run, other)
-        opts = without_unlabelled(run, opts, args.measures)
-        problem = S.problem(O.load_data(run), opts)
-        if problem:
-            raise O.AnalysisError(problem)
-        if run.external:  # check that the weights fit before anything is written
-            O.load_model(run, 0, O.load_data(run))
-        stats = O.analyze_run(
-            run, steps, opts, force=args.force, tensorboard=not args.no_tensorboard, progress=not args.no_progress
-        )
-        for other, ostep in others:
-            a = O.against(
-                run, other, ostep, steps[-1:] if steps else None, opts, force=args.force, progress=not args.no_progress
-            )
-            for step, res in a["results"].items():
-                line = f"{run.label}@{step} vs {other.label}@{ostep}: mean CKA {res['matrix'].mean():.3f}"
-                if "same_index" in res:
-                    line += ", same-index layers " + " ".join(f"{v:.2f}" for v in res["same_index"])
-                print(line)
-    except O.AnalysisError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a write refused midway (a full disk, a sub-folder not writable): the results written stay
-        print(
-            f"error: cannot write {e.filename or 'the results'} ({e.strerror or e}): free space or make it writable, then run "
-            "this again (what was written is reused).",
-            file=sys.stderr,
-        )
-        return 2
+        opts = options(args)
+    except MeasureError as e:
+        raise O.AnalysisError(str(e)) from None
+    run = open_target(args)
+    O.select_part(run, args.part)
+    steps = parse_steps(run, args.steps)
+    others = [O.parse_against(a) for a in args.against]
+    for other, _ in others:
+        O.check_same_images(run, other)
+    opts = without_unlabelled(run, opts, args.measures)
+    problem = S.problem(O.load_data(run), opts)
+    if problem:
+        raise O.AnalysisError(problem)
+    if run.external:  # check that the weights fit before anything is written
+        O.load_model(run, 0, O.load_data(run))
+    progress = not args.no_progress
+    stats = O.analyze_run(run, steps, opts, force=args.force, tensorboard=not args.no_tensorboard, progress=progress)
+    for other, ostep in others:
+        a = O.against(run, other, ostep, steps[-1:] if steps else None, opts, force=args.force, progress=progress)
+        for step, res in a["results"].items():
+            line = f"{run.label}@{step} vs {other.label}@{ostep}: mean CKA {res['matrix'].mean():.3f}"
+            if "same_index" in res:
+                line += ", same-index layers " + " ".join(f"{v:.2f}" for v in res["same_index"])
+            print(line)
+    return run, stats
+
+
+def say_done(run, stats: dict) -> None:
+    """The closing lines: measures that did not apply, steps pruned meanwhile, counts and where the report is."""
     if stats["not_applicable"]:
         print(
-            f"{run.label}: {', '.join(stats['not_applicable'])}: not applicable to this model ({stats['model']}), nothing computed"
+            f"{run.label}: {', '.join(stats['not_applicable'])}: not applicable to this model ({stats['model']}), "
+            "nothing computed"
         )
     if stats["skipped"]:
         print(
-            f"{run.label}: skipped step(s) {', '.join(map(str, stats['skipped']))}: deleted while being analysed (a trainer "
-            "still running keeps only its last train.keep_last checkpoints)"
+            f"{run.label}: skipped step(s) {', '.join(map(str, stats['skipped']))}: deleted while being analysed (a "
+            "trainer still running keeps only its last train.keep_last checkpoints)"
         )
     report = write_run_report(run)  # the report shows the default part; another part's results are in its own folder
     where = (
@@ -234,6 +363,30 @@ def main(argv=None) -> int:
         f"{run.label}: {len(stats['computed'])} results computed, {len(stats['reused'])} reused from cache "
         f"(steps {', '.join(map(str, stats['steps']))}); {where}"
     )
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    try:
+        if args.list:
+            try:
+                print(list_measures(args.measures))
+            except MeasureError as e:
+                raise O.AnalysisError(str(e)) from None
+            return 0
+        run, stats = analyse(args)
+    except O.AnalysisError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a write refused midway (a full disk, a sub-folder not writable): the results written stay
+        print(
+            f"error: cannot write {e.filename or 'the results'} ({e.strerror or e}): free space or make it writable, "
+            "then run this again (what was written is reused).",
+            file=sys.stderr,
+        )
+        return 2
+    say_done(run, stats)
     return 0
 
 

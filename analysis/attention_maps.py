@@ -30,7 +30,8 @@ def check(attn: Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> None:
     expected = num_prefix_tokens + grid[0] * grid[1]
     if attn.shape[-1] != expected:
         raise ValueError(
-            f"attn has T={attn.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {grid[0]}x{grid[1]} = {expected}"
+            f"attn has T={attn.shape[-1]} tokens, expected {num_prefix_tokens} prefix + {grid[0]}x{grid[1]} = "
+            f"{expected}"
         )
 
 
@@ -101,19 +102,30 @@ def map_grid(
     marked: np.ndarray | None = None,
     peaks: np.ndarray | None = None,
     midlines: bool = False,
+    shared: bool = True,
+    scale_label: str = "attention weight",
 ):
-    """Grid of maps [L, H, h, w]: rows are blocks, columns heads, each map on its own colour scale from 0 to its maximum
-    (Walmer Fig. 2, 3, 17, 18). ``marked`` [L, H] heads get a red frame and their ``peaks`` offset as title; ``midlines`` draws the canvas
-    centre lines (Walmer's red mid-lines)."""
+    """Grid of maps [L, H, h, w]: rows are blocks, columns heads (Walmer Fig. 2, 3, 17, 18). ``shared``: one colour
+    scale from 0 to the largest value of any map, shown by a colourbar labelled ``scale_label``, so panels compare;
+    otherwise each map on its own scale from 0 to its maximum (said in the title). ``marked`` [L, H] heads get a red
+    frame and their ``peaks`` offset as title; ``midlines`` draws the canvas centre lines (Walmer's red mid-lines)."""
     m = np.asarray(maps)
     n_l, n_h = m.shape[:2]
     size = min(1.1, 14.0 / max(n_l, n_h))
-    fig, axes = subplots(n_l, n_h, figsize=(0.6 + size * n_h, 0.6 + size * n_l), squeeze=False)
+    fig, axes = subplots(
+        n_l,
+        n_h,
+        figsize=(0.6 + size * n_h + (0.9 if shared else 0), 0.9 + size * n_l),
+        squeeze=False,
+        layout="constrained",
+    )
+    top_all = float(np.nanmax(m)) if np.isfinite(m).any() else 1.0
+    im = None
     for i in range(n_l):
         for h in range(n_h):
             ax = axes[i, h]
-            top = float(np.nanmax(m[i, h])) if np.isfinite(m[i, h]).any() else 1.0
-            ax.imshow(m[i, h], cmap="viridis", interpolation="nearest", vmin=0.0, vmax=top if top > 0 else 1.0)
+            top = top_all if shared else (float(np.nanmax(m[i, h])) if np.isfinite(m[i, h]).any() else 1.0)
+            im = ax.imshow(m[i, h], cmap="viridis", interpolation="nearest", vmin=0.0, vmax=top if top > 0 else 1.0)
             ax.set_xticks([])
             ax.set_yticks([])
             if midlines:
@@ -129,7 +141,12 @@ def map_grid(
                 ax.set_ylabel(block_label(blocks[i], i), fontsize=6)
             if i == n_l - 1:
                 ax.set_xlabel(f"head {h}", fontsize=6)
+    if shared and im is not None:
+        cb = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=min(1.0, 0.4 + 0.1 * n_l), aspect=30)
+        cb.set_label(scale_label, fontsize=7)
+        cb.ax.tick_params(labelsize=6)
+    else:
+        title += "\n(each map on its own colour scale, 0 to its maximum)"
     chars = max(30, int(fig.get_figwidth() * 72 / (8 * 0.55)))  # characters of 8-pt text across the figure
     fig.suptitle("\n".join(textwrap.fill(line, chars) for line in title.split("\n")), fontsize=8)
-    fig.tight_layout()
     return fig

@@ -20,11 +20,31 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 
-def subplots(nrows: int = 1, ncols: int = 1, figsize=None, **kw):
-    """``(fig, axes)`` as ``pyplot.subplots`` gives them, on a pyplot-free Figure with an Agg canvas (module docstring)."""
-    fig = Figure(figsize=figsize)
+def subplots(nrows: int = 1, ncols: int = 1, figsize=None, layout=None, **kw):
+    """``(fig, axes)`` as ``pyplot.subplots`` gives them, on a pyplot-free Figure with an Agg canvas (module
+    docstring); ``layout="constrained"`` keeps labels, legends and colourbars inside the figure."""
+    fig = Figure(figsize=figsize, layout=layout)
     FigureCanvasAgg(fig)
     return fig, fig.subplots(nrows, ncols, **kw)
+
+
+MAX_TICK_LABELS = 40  # layer names per axis that 6-pt labels fit on a 4-inch axis; more: every n-th, said
+
+
+def layer_ticks(ax, labels: list[str], axis: str = "x", fontsize: float = 6) -> int:
+    """Every layer's name on ``axis`` when at most :data:`MAX_TICK_LABELS`, else every n-th (returned: n)."""
+    step = max(1, -(-len(labels) // MAX_TICK_LABELS))
+    pos, names = range(0, len(labels), step), labels[::step]
+    if axis == "x":
+        ax.set_xticks(pos, names, rotation=90, fontsize=fontsize)
+    else:
+        ax.set_yticks(pos, names, fontsize=fontsize)
+    return step
+
+
+def every_nth(step: int) -> str:
+    """`` (every n-th labelled)`` for an axis label when only every ``step``-th layer is named, else ``''``."""
+    return "" if step == 1 else f" (every {step}{'nd' if step == 2 else 'rd' if step == 3 else 'th'} labelled)"
 
 
 def cka_heatmap(
@@ -35,18 +55,16 @@ def cka_heatmap(
     xname: str = "layer",
     yname: str = "layer",
 ):
-    """Raghu Fig. 1/2/8: CKA between every pair of layers (origin bottom-left, as in the paper)."""
-    fig, ax = subplots(figsize=(5, 4.2))
+    """Raghu Fig. 1/2/8: CKA between every pair of layers (origin bottom-left, as in the paper), a colourbar from 0 to
+    1, every layer named on both axes (every n-th beyond :data:`MAX_TICK_LABELS`, said in the axis label)."""
+    fig, ax = subplots(figsize=(5.2, 4.6), layout="constrained")
     im = ax.imshow(np.asarray(m), origin="lower", vmin=0, vmax=1, cmap="magma", aspect="auto")
-    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.colorbar(im, ax=ax, fraction=0.046).set_label("CKA")
     ylabels = ylabels if ylabels is not None else xlabels
-    step_x, step_y = max(1, len(xlabels) // 12), max(1, len(ylabels) // 12)
-    ax.set_xticks(range(0, len(xlabels), step_x), xlabels[::step_x], rotation=90, fontsize=6)
-    ax.set_yticks(range(0, len(ylabels), step_y), ylabels[::step_y], fontsize=6)
-    ax.set_xlabel(xname)
-    ax.set_ylabel(yname)
-    ax.set_title(title)
-    fig.tight_layout()
+    sx, sy = layer_ticks(ax, xlabels, "x"), layer_ticks(ax, ylabels, "y")
+    ax.set_xlabel(xname + every_nth(sx))
+    ax.set_ylabel(yname + every_nth(sy))
+    ax.set_title(title, fontsize=9)
     return fig
 
 
@@ -98,16 +116,46 @@ def norm_ratio_lines(curves: dict[str, np.ndarray], title: str = "norm ratio ||z
     return fig
 
 
-def attention_distance_plot(dist: np.ndarray, title: str = "mean attention distance", unit: str = "pixels"):
-    """Raghu Fig. 3 / ViT Fig. 7 right: one dot per head at each block."""
-    d = np.asarray(dist)  # [blocks, heads]
-    fig, ax = subplots(figsize=(5, 3.5))
-    for b in range(d.shape[0]):
-        ax.scatter(np.full(d.shape[1], b), d[b], s=12, c=np.arange(d.shape[1]), cmap="tab10", vmin=0, vmax=9)
-    ax.set_xlabel("block")
-    ax.set_ylabel(f"attention distance ({unit})")
-    ax.set_title(title)
-    fig.tight_layout()
+def uniform_line(ax, uniform: float | None, unit: str = "px") -> None:
+    """The mean attention distance of a head attending uniformly over the token grid, dotted (ViT Fig. 7 right and
+    Raghu Fig. 3 show the range up to it: distances near it are global heads, far below it local ones)."""
+    if uniform is not None and np.isfinite(uniform):
+        ax.axhline(
+            uniform, color="k", ls=":", lw=1, label=f"uniform attention ({uniform:.1f}{' ' + unit if unit else ''})"
+        )
+
+
+def head_dots(ax, d: np.ndarray, s: float = 12, legend: bool = True):
+    """One dot per head at each block, coloured by head: a legend of the heads up to 10 (tab10), else a colourbar
+    (viridis, returned) since more colours than ten cannot be told apart by name."""
+    n_heads = d.shape[1]
+    x = np.arange(d.shape[0])
+    if n_heads <= 10:
+        for h in range(n_heads):
+            ax.scatter(x, d[:, h], s=s, color=matplotlib.colormaps["tab10"](h), label=f"head {h}")
+        return None
+    hs = np.broadcast_to(np.arange(n_heads), d.shape)
+    return ax.scatter(np.repeat(x, n_heads), d.reshape(-1), s=s, c=hs.reshape(-1), cmap="viridis")
+
+
+def attention_distance_plot(
+    dist: np.ndarray, title: str = "mean attention distance", unit: str = "pixels", uniform: float | None = None
+):
+    """Raghu Fig. 3 / ViT Fig. 7 right: one dot per head at each block (heads named in a legend, or a colourbar beyond
+    ten heads), and ``uniform`` attention's distance on the same grid as a dotted reference line."""
+    d = np.asarray(dist, dtype=float)  # [blocks, heads]
+    fig, ax = subplots(figsize=(6, 3.8), layout="constrained")
+    sc = head_dots(ax, d)
+    uniform_line(ax, uniform, "px" if unit.startswith("pixels") else "")
+    top = max([float(np.nanmax(d)) if np.isfinite(d).any() else 1.0, uniform or 0.0])
+    ax.set_ylim(0, 1.08 * top)
+    ax.set_xticks(range(d.shape[0]))
+    ax.set_xlabel("block (by depth)")
+    ax.set_ylabel(f"mean attention distance\n({unit})", fontsize=9)
+    if sc is not None:
+        fig.colorbar(sc, ax=ax, fraction=0.046).set_label("head")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    ax.set_title(title, fontsize=9)
     return fig
 
 
@@ -128,18 +176,18 @@ def attention_distance_panels(
         ax.axis("off")
     for i, (ax, (name, (dist, uniform))) in enumerate(zip(axes.flat, panels.items())):
         d = np.asarray(dist, dtype=float)
-        for b in range(d.shape[0]):
-            ax.scatter(np.full(d.shape[1], b), d[b], s=10, c=np.arange(d.shape[1]), cmap="tab10", vmin=0, vmax=9)
-        ax.axhline(uniform, color="k", ls=":", lw=1, label=f"uniform attention ({uniform:.1f})")
-        if threshold is not None:
+        head_dots(ax, d, s=10)
+        uniform_line(ax, uniform, "")
+        if threshold is not None and uniform is not None:
             ax.axhline(threshold * uniform, color="grey", ls="--", lw=1, label=f"{threshold:g} x uniform")
         ax.set_xticks(range(d.shape[0]))
-        ax.set_ylim(0, max(1.15 * uniform, 1.05 * float(np.nanmax(d)) if np.isfinite(d).any() else uniform))
+        top = float(np.nanmax(d)) if np.isfinite(d).any() else 1.0
+        ax.set_ylim(0, max(1.15 * (uniform or 0.0), 1.05 * top))
         ax.set_xlabel("block (by depth)")
         ax.set_ylabel(f"mean distance ({unit})", fontsize=8)
         ax.set_title(name, fontsize=8)
         if i == 0:
-            ax.legend(fontsize=6, loc="lower right")
+            ax.legend(fontsize=6, loc="best")
     fig.suptitle(textwrap.fill(title, int(16 * 3.4 * cols)), fontsize=9)
     fig.tight_layout()
     return fig

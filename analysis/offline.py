@@ -441,12 +441,14 @@ def analyze_run(
     if not wkeys:
         raise all_gone
     writer = _Writer(run, tensorboard)
+    bar = tqdm(total=len(wkeys) * len(opts.measures), desc=f"analyse {run.name}", disable=not progress, unit="measure")
     try:
-        for step in tqdm(list(wkeys), desc=f"analyse {run.name}", disable=not progress, unit="ckpt"):
+        for step in list(wkeys):
             keys = {n: storage.cache_key(wkeys[step], fp, opts.settings(n), n) for n in opts.measures}
-            _analyse_step(run, step, data, opts, keys, force, stats, writer)
+            _analyse_step(run, step, data, opts, keys, force, stats, writer, bar)
     finally:
         writer.close()
+        bar.close()
     stats["steps"] = [s for s in steps if s not in stats["skipped"]]
     if not stats["steps"]:
         raise all_gone
@@ -479,10 +481,12 @@ def _checked_weights(run: Run, steps: list[int], data, stats: dict) -> dict[int,
     return wkeys
 
 
-def _analyse_step(run: Run, step: int, data, opts: S.SuiteOptions, keys: dict, force: bool, stats: dict, writer):
-    """The measures of one checkpoint that are not cached (all with ``force``): computed and published."""
+def _analyse_step(run: Run, step: int, data, opts: S.SuiteOptions, keys: dict, force: bool, stats: dict, writer, bar):
+    """The measures of one checkpoint that are not cached (all with ``force``): computed and published; ``bar``
+    ticks once per measure and shows the stage under way."""
     todo = [n for n in opts.measures if force or not storage.is_cached(step_dir(run, step), n, keys[n])]
     stats["reused"] += [(step, n) for n in opts.measures if n not in todo]
+    bar.update(len(opts.measures) - len(todo))  # cached: done at once
     if not todo:
         return
     try:
@@ -493,7 +497,7 @@ def _analyse_step(run: Run, step: int, data, opts: S.SuiteOptions, keys: dict, f
         stats["skipped"].append(step)
         return
     try:
-        res = S.run_suite(model, data, opts, measures=todo)
+        res = S.run_suite(model, data, opts, measures=todo, on_stage=(stages := _Stages(bar, step, todo)))
     except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
         raise AnalysisError(f"run {run.path}: {e}") from None
     meta = res["meta"]
@@ -507,7 +511,23 @@ def _analyse_step(run: Run, step: int, data, opts: S.SuiteOptions, keys: dict, f
             f"({stats['model']}): see python -m analysis --list for what each measure needs."
         )
     stats["computed"] += [(step, n) for n in res if n != "meta"]
+    stages("figures, TensorBoard")
     publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
+    bar.update(len(todo) - sum(1 for n in todo if n in res))  # measures that do not apply to this model
+
+
+class _Stages:
+    """The suite's ``on_stage`` for the offline progress bar: the stage under way as its postfix (``step 600: cka``)
+    and one tick per measure as it finishes (the passes over the images tick nothing)."""
+
+    def __init__(self, bar, step: int, measures: list[str]):
+        self.bar, self.step, self.measures, self.current = bar, step, set(measures), None
+
+    def __call__(self, stage: str) -> None:
+        if self.current in self.measures:
+            self.bar.update(1)
+        self.current = stage
+        self.bar.set_postfix_str(f"step {self.step}: {stage}")
 
 
 def check_writable(run: Run) -> None:

@@ -95,7 +95,7 @@ def publish_figures(
     for name, fig in make_figures(res, step, part).items():
         rgb = render(fig)
         if writer is not None:
-            writer.add_image(name, rgb, step, dataformats="HWC")
+            writer.add_image(SCALAR_PREFIX + name, rgb, step, dataformats="HWC")
         if png:  # the file name without the part: the part's own folder says it
             stem = name[len(label) + 1 :] if label else name
             write_png(rgb, Path(figure_dir) / f"{stem.replace('/', '_')}.png")

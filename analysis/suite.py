@@ -190,10 +190,12 @@ def float32_forward(model):
             model.forward = patched
 
 
-def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, measures=None) -> dict:
+def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, measures=None, on_stage=None) -> dict:
     """The requested measures (``measures`` or ``opts.measures``; those that do not apply to the model, e.g.
     attention measures on a ResNet, are left out) of ``model`` on ``data.analysis`` (and ``data.probe_train``).
-    Returns ``{"meta": {...}, <measure>: result}`` (results as in analysis/measure.py)."""
+    Returns ``{"meta": {...}, <measure>: result}`` (results as in analysis/measure.py). ``on_stage(text)``, when
+    given, is called as each stage starts: the passes over the images, then each measure's name (its finish)."""
+    on_stage = on_stage or (lambda text: None)
     opts = opts or SuiteOptions()
     names = resolve_all(measures if measures is not None else opts.measures)
     p = problem(data, SuiteOptions(names, opts.batch_size, opts.options))
@@ -211,9 +213,11 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
             ms = [reg[n](ctx, opts.of(n)) for n in names if reg[n].applies(ctx)]
             taps = sorted(set().union(*(m.taps() for m in ms))) if ms else []
             if taps:
+                on_stage(f"pass over the analysis images ({', '.join(m.name for m in ms)})")
                 _pass(ctx, data.analysis, taps, lambda j, cap, x, y: [m.update(j, cap, x, y) for m in ms])
             ptaps = sorted(set().union(*(m.probe_taps() for m in ms))) if ms else []
             if ptaps:
+                on_stage("pass over the probe-train images")
                 _pass(
                     ctx,
                     data.probe_train,
@@ -229,6 +233,7 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
                 }
             }
             for m in ms:
+                on_stage(m.name)
                 with torch.no_grad():
                     out[m.name] = m.finish()
     finally:

@@ -280,7 +280,9 @@ def test_measure_result_names_each_distance_and_figures_label_them():
     attn = _self_attention(2, 3, (2, 2), 1)
     m.update(0, {"blocks.0.attn_probs": attn, "blocks.1.attn_probs": torch.full_like(attn, 0.2)}, None, None)
     r = m.finish()
-    assert set(r) == {"pixels", "unit_square", "pixel_level", "blocks", "patch_size"}
+    assert set(r) == {"pixels", "unit_square", "pixel_level", "blocks", "patch_size", "grid"}
+    # uniform attention on the 2x2 grid, 2 px apart: 4 pairs at 0, 8 at 2, 4 at 2 sqrt(2) -> 1 + sqrt(2) / 2
+    assert AttentionDistanceMeasure.uniform(r) == pytest.approx(1 + math.sqrt(2) / 2)
     np.testing.assert_allclose(r["pixels"][0], 0)
     np.testing.assert_allclose(r["pixel_level"][0], (2 + math.sqrt(2)) / 4, rtol=1e-12)
     np.testing.assert_allclose(r["unit_square"][1], (2 + math.sqrt(2)) / 4, rtol=1e-12)  # uniform over the 4 corners

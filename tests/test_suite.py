@@ -110,7 +110,8 @@ def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, t
 
     ea = EventAccumulator(str(run / "tb"), size_guidance={"images": 0})
     ea.Reload()
-    assert {"cka/self", "norm_ratio/lines", "attn_dist/heads", "probe/10shot"} <= set(ea.Tags()["images"])
+    images = {"cka/self", "norm_ratio/lines", "attn_dist/heads", "probe/10shot"}  # beside the scalars, in analysis/
+    assert {"analysis/" + t for t in images} <= set(ea.Tags()["images"])
 
 
 def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_early(
@@ -155,7 +156,7 @@ def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_ea
 
     ea = EventAccumulator(str(run / "tb"), size_guidance={"images": 0})
     ea.Reload()
-    assert [e.step for e in ea.Images("cka/self")] == [4]
+    assert [e.step for e in ea.Images("analysis/cka/self")] == [4]
 
 
 def test_probe_split_too_small_is_a_recipe_error_before_the_run_folder(write_recipe, tmp_path, capsys):

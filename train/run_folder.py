@@ -286,11 +286,43 @@ def wait_past_event_files(tb_dir: Path, limit_s: float = 2.0) -> None:
         time.sleep(0.02)
 
 
+def _hparam_values(d):
+    """The recipe as TensorBoard's HParams tab shows it best: booleans as true / false (an int subclass, they would
+    show as 1 / 0), lists and None in YAML's flow style (``[{name: cka, every: 600}]``, not JSON); nested keys kept."""
+    if isinstance(d, dict) and d:
+        return {k: _hparam_values(v) for k, v in d.items()}
+    if isinstance(d, bool):
+        return str(d).lower()
+    if isinstance(d, (int, float, str)):
+        return d
+    return yaml.safe_dump(d, default_flow_style=True, sort_keys=False, width=10**6).removesuffix("\n...\n").strip()
+
+
+# TensorBoard's Custom Scalars tab (http://localhost:6006/#custom_scalars): the training curves first, in this order
+# (the Time Series tab sorts groups by name, so there analysis/ comes before train/)
+TB_LAYOUT = {
+    "training": {
+        "loss (train, eval, val)": ["Multiline", ["^train/loss$", "^eval/loss$", "^val/loss$"]],
+        "top-1 (eval, val)": ["Multiline", ["^eval/top1$", "^val/top1$"]],
+        "learning rate": ["Multiline", ["^train/lr$"]],
+        "gradient norm": ["Multiline", ["^train/grad_norm$"]],
+        "throughput (images/s)": ["Multiline", ["^train/throughput_img_s$"]],
+        "epoch": ["Multiline", ["^train/epoch$"]],
+    },
+    "time (s)": {"eval, checkpoint, callbacks": ["Multiline", ["^time/"]]},
+    "analysis (key numbers)": {
+        "CKA mean off-diagonal": ["Multiline", ["^analysis/(.*/)?cka/mean_offdiag$"]],
+    },
+}
+
+
 def write_hparams(writer, recipe: Recipe, extra: dict) -> None:
-    """HParams into the run's own events file (SummaryWriter.add_hparams would open a second folder)."""
+    """HParams into the run's own events file (SummaryWriter.add_hparams would open a second folder), and the
+    Custom Scalars layout (:data:`TB_LAYOUT`)."""
     from torch.utils.tensorboard.summary import hparams  # deferred: `python -m train --check` reads no torch
 
-    hp = flatten({**recipe.to_dict(), **extra})
+    hp = flatten(_hparam_values({**recipe.to_dict(), **extra}))
+    writer.add_custom_scalars(TB_LAYOUT)
     exp, ssi, sei = hparams(hp, {"eval/top1": 0.0})
     for s in (exp, ssi, sei):
         writer.file_writer.add_summary(s)

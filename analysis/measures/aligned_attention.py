@@ -345,6 +345,7 @@ class AlignedAttention(BlockSums):
                 marked=mark,
                 peaks=peaks,
                 midlines=True,
+                shared=False,
             ),
             "aligned_attention/maps": map_grid(
                 np.asarray(r["maps"]),
@@ -353,5 +354,6 @@ class AlignedAttention(BlockSums):
                 marked=mark,
                 peaks=peaks,
                 midlines=True,
+                shared=False,
             ),
         }

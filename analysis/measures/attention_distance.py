@@ -315,7 +315,27 @@ class AttentionDistanceMeasure(Measure):
         for u in UNITS:
             d = self.acc.compute(u)
             out[u] = torch.stack([d[i] for i in range(n)]).numpy()
-        return {**out, "blocks": list(self.ctx.blocks), "patch_size": int(self.ctx.patch_size)}
+        return {
+            **out,
+            "blocks": list(self.ctx.blocks),
+            "patch_size": int(self.ctx.patch_size),
+            "grid": list(self.ctx.grid),
+        }
+
+    @staticmethod
+    def uniform(r, unit: str = "pixels") -> float | None:
+        """The mean distance, in ``unit``, of a head attending uniformly over the token grid (the figures' reference
+        line); the grid of a result saved before it was recorded is read from its two units (square grids)."""
+        if "grid" in r:
+            grid = tuple(int(g) for g in np.asarray(r["grid"]).reshape(-1))
+        else:
+            px, sq = np.asarray(r["pixels"], dtype=float), np.asarray(r["unit_square"], dtype=float)
+            ok = sq > 0
+            if not ok.any():
+                return None
+            side = int(round(float(np.median(px[ok] / sq[ok])) / int(r["patch_size"]))) + 1  # pixels/unit = (g-1) P
+            grid = (side, side)
+        return float(grid_distances(grid, int(r["patch_size"]), unit).mean())
 
     @staticmethod
     def summary(r):
@@ -347,9 +367,13 @@ class AttentionDistanceMeasure(Measure):
     def figures(r, step=None):
 
         at = f" (step {step})" if step is not None else ""
+        uniform = AttentionDistanceMeasure.uniform
         figs = {
             "attn_dist/heads": attention_distance_plot(
-                r["pixels"], title=f"attention distance, patch centres{at}", unit=UNIT_LABELS["pixels"]
+                r["pixels"],
+                title=f"attention distance, patch centres{at}",
+                unit=UNIT_LABELS["pixels"],
+                uniform=uniform(r, "pixels"),
             )
         }
         if "pixel_level" in r:
@@ -357,5 +381,6 @@ class AttentionDistanceMeasure(Measure):
                 r["pixel_level"],
                 title=f"attention distance, pixel to pixel (ViT App. D.6){at}",
                 unit=UNIT_LABELS["pixel_level"],
+                uniform=uniform(r, "pixel_level"),
             )
         return figs

@@ -198,5 +198,6 @@ class CKAMeasure(Measure):
     def figures(r, step=None):
 
         at = f" (step {step})" if step is not None else ""
-        layers = f", {r['layers']} layers" if "layers" in r else ""
+        which = {"blocks": "block outputs", "sublayers": "sublayers", "paper": "Raghu's layers", "all": "all layers"}
+        layers = f" between {which.get(str(r['layers']), str(r['layers']))}" if "layers" in r else ""
         return {"cka/self": cka_heatmap(r["matrix"], as_list(r["labels"]), title=f"CKA{layers}{at}")}

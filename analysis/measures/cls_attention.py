@@ -135,4 +135,5 @@ class ClsAttention(BlockSums):
         title = "average CLS attention (renormalised over spatial keys)" + (
             f", step {step}" if step is not None else ""
         )
-        return {"cls_attention/maps": map_grid(np.asarray(r["maps"]), as_list(r["blocks"]), title)}
+        maps = map_grid(np.asarray(r["maps"]), as_list(r["blocks"]), title, scale_label="CLS attention weight")
+        return {"cls_attention/maps": maps}

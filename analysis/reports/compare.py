@@ -1,4 +1,4 @@
-"""``python -m analysis.compare RUN_DIR RUN_DIR ... [--reference RUN[:STEP]]``: runs side by side.
+"""``python -m analysis.reports.compare RUN_DIR RUN_DIR ... [--reference RUN[:STEP]]``: runs side by side.
 
 Each run is analysed at one checkpoint (``--step``, default its last; cached results are reused, missing ones
 computed with the offline suite), then the comparison draws into ``--out`` (default runs/compare-<names>/):
@@ -22,8 +22,10 @@ import numpy as np
 from analysis import offline as O
 from analysis import storage
 from analysis import suite as S
-from analysis.figures import save, subplots
+from analysis.__main__ import measure_options
+from analysis.figures import attention_distance_panels, every_nth, layer_ticks, save, subplots
 from analysis.measure import MeasureError, as_list
+from analysis.measures.attention_distance import AttentionDistanceMeasure
 from analysis.measures.norm_ratio import NormRatioMeasure
 from analysis.reports.run_report import fmt
 from train.checkpoint import read_meta
@@ -40,18 +42,21 @@ def _panels(n: int, w: float = 3.2, h: float = 2.8, **kw):
 
 
 def cka_grid(results: dict, path: Path) -> Path:
-
+    """Every run's CKA between its layers, one panel each (origin bottom-left), one colourbar from 0 to 1, every layer
+    named (every n-th beyond analysis.figures.MAX_TICK_LABELS, said in the axis labels)."""
     items = [(k, r["cka"]) for k, r in results.items() if "cka" in r]
-    fig, axes = _panels(len(items), h=3.0)
+    fig, axes = _panels(len(items), w=3.6, h=3.6, layout="constrained")
+    im = None
     for ax, (name, r) in zip(axes, items):
-        ax.imshow(np.asarray(r["matrix"]), origin="lower", vmin=0, vmax=1, cmap="magma")
+        im = ax.imshow(np.asarray(r["matrix"]), origin="lower", vmin=0, vmax=1, cmap="magma")
         labels = as_list(r["labels"])
-        step = max(1, len(labels) // 6)
-        ax.set_xticks(range(0, len(labels), step), labels[::step], rotation=90, fontsize=5)
-        ax.set_yticks(range(0, len(labels), step), labels[::step], fontsize=5)
+        sx, sy = layer_ticks(ax, labels, "x", 5), layer_ticks(ax, labels, "y", 5)
+        ax.set_xlabel("layer" + every_nth(sx), fontsize=7)
+        ax.set_ylabel("layer" + every_nth(sy), fontsize=7)
         ax.set_title(name, fontsize=8)
+    if im is not None:
+        fig.colorbar(im, ax=axes, shrink=0.8).set_label("CKA")
     fig.suptitle("CKA between layers")
-    fig.tight_layout()
     save(fig, path)
     return path
 
@@ -87,21 +92,16 @@ def probe_lines(results: dict, path: Path) -> Path | None:
 
 
 def attention_panels(results: dict, path: Path) -> Path | None:
-
-    items = [
-        (k, np.asarray(r["attention_distance"]["pixels"])) for k, r in results.items() if "attention_distance" in r
-    ]
-    if not items:
+    """Raghu Fig. 3 vs 4: each ViT's mean attention distance per head (coloured by head, named in the legend) and
+    block, and uniform attention's distance on its grid (dotted)."""
+    panels = {
+        k: (np.asarray(r["attention_distance"]["pixels"]), AttentionDistanceMeasure.uniform(r["attention_distance"]))
+        for k, r in results.items()
+        if "attention_distance" in r
+    }
+    if not panels:
         return None
-    fig, axes = _panels(len(items), sharey=True)
-    for ax, (name, d) in zip(axes, items):
-        for b in range(d.shape[0]):
-            ax.scatter(np.full(d.shape[1], b), d[b], s=10)
-        ax.set_title(name, fontsize=8)
-        ax.set_xlabel("block", fontsize=7)
-    axes[0].set_ylabel("attention distance (px)")
-    fig.tight_layout()
-    save(fig, path)
+    save(attention_distance_panels(panels, unit="px"), path)
     return path
 
 
@@ -134,8 +134,8 @@ def compare(
     opts: S.SuiteOptions | None = None,
     progress: bool = True,
 ) -> dict:
-    """Analyse (cached) and draw ``runs`` side by side; ``reference`` is (Run, step) or None. Returns
-    {"results": {name: suite result}, "same_index": {name: [L]}, "top1": {name: float}, "figures": [paths], "out": Path}."""
+    """Analyse (cached) and draw ``runs`` side by side; ``reference`` is (Run, step) or None. Returns {"results":
+    {name: suite result}, "same_index": {name: [L]}, "top1": {name: float}, "figures": [paths], "out": Path}."""
     opts = opts or S.SuiteOptions()
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
@@ -187,8 +187,9 @@ def write_compare_report(res: dict, reference=None) -> Path:
         probe = summ.get("fewshot_probe", {})
         pool = next((p for p in ("cls", "mean_spatial", "mean") if p in probe), None)
         ad = summ.get("attention_distance", {}).get("mean_px")
+        cka = summ.get("cka", {}).get("mean_offdiag", float("nan"))
         lines.append(
-            f"| {name} | {fmt(res['top1'].get(name, float('nan')))} | {fmt(summ.get('cka', {}).get('mean_offdiag', float('nan')))} | "
+            f"| {name} | {fmt(res['top1'].get(name, float('nan')))} | {fmt(cka)} | "
             f"{fmt(probe[pool][-1]) if pool else 'n/a'} | {fmt(np.mean(ad)) if ad else 'n/a'} |"
         )
     if res["same_index"]:
@@ -201,15 +202,33 @@ def write_compare_report(res: dict, reference=None) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.compare", description=__doc__.split("\n")[0])
+    intro, _, rest = __doc__.partition("\n\n")
+    p = argparse.ArgumentParser(
+        prog="python -m analysis.reports.compare",
+        description=intro,
+        epilog=rest,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("runs", nargs="+", help="run folders")
     p.add_argument("--step", help="checkpoint step of every run (default: each run's last)")
     p.add_argument("--reference", metavar="RUN[:STEP]", help="per-layer similarity of every run to this one (Fig. 12)")
     p.add_argument("--out", help="output folder (default runs/compare-<names>)")
     p.add_argument("--measures", help="comma-separated measures (default: the core four)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--batch-size", type=int, default=256, help="analysis minibatch (also the CKA minibatch, >= 4)")
+    p.add_argument(
+        "--opt",
+        action="append",
+        default=[],
+        metavar="MEASURE.OPTION=VALUE",
+        help="a measure's option, as for python -m analysis, e.g. --opt fewshot_probe.shots=4; repeatable",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:
+        try:
+            opts = measure_options(args.measures, args.batch_size, args.opt)
+        except MeasureError as e:
+            raise O.AnalysisError(str(e)) from None
         runs = [O.open_run(r) for r in args.runs]
         if args.step:
             [r.step(args.step) for r in runs]
@@ -217,10 +236,6 @@ def main(argv=None) -> int:
         if reference:
             for r in runs:
                 O.check_same_images(r, reference[0])
-        try:
-            opts = S.suite_options(args.measures.split(",") if args.measures else None)
-        except MeasureError as e:
-            raise O.AnalysisError(str(e)) from None
         res = compare(runs, args.step, reference, args.out, opts, progress=not args.no_progress)
     except O.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -30,17 +30,29 @@ def _rel(path: Path, base: Path) -> str:
     return path.resolve().relative_to(base.resolve()).as_posix()
 
 
+def sig(v, digits: int = 3) -> str:
+    """Numbers for the summary table: floats to ``digits`` significant digits (never in e-notation), lists joined."""
+    if isinstance(v, (list, tuple, np.ndarray)):
+        return " ".join(sig(x, digits) for x in np.asarray(v).reshape(-1).tolist())
+    if isinstance(v, (float, np.floating)) and np.isfinite(v):
+        return np.format_float_positional(float(v), precision=digits, unique=False, fractional=False, trim="-")
+    return str(v)
+
+
 def _summary_rows(summary: dict) -> list[str]:
+    """One row per number of each measure's summary; nested keys (clustering's metric/pool/statistic) joined by /."""
     rows = ["| measure | key | value (per layer where a list) |", "| --- | --- | --- |"]
+
+    def add(name: str, key: str, v) -> None:
+        if isinstance(v, dict):
+            for k, v2 in v.items():
+                add(name, f"{key}/{k}" if key else str(k), v2)
+        else:
+            rows.append(f"| {name} | {key} | {sig(v)} |")
+
     for name, s in summary.items():
-        if name in ("meta", "step") or not isinstance(s, dict):
-            continue
-        for k, v in s.items():
-            if isinstance(v, dict):
-                for k2, v2 in v.items():
-                    rows.append(f"| {name} | {k}/{k2} | {fmt(v2)} |")
-            else:
-                rows.append(f"| {name} | {k} | {fmt(v)} |")
+        if name not in ("meta", "step") and isinstance(s, dict):
+            add(name, "", s)
     return rows
 
 
