@@ -148,7 +148,7 @@ def convert(onnx_path: str | Path, img_size: int = IMG_SIZE) -> tuple[str, dict[
         raise ConversionError(f"ONNX file '{path}' does not exist.")
     try:
         model = onnx.load(str(path))
-    except Exception as e:
+    except Exception as e:  # a damaged protobuf raises DecodeError and others
         raise ConversionError(f"'{path}' is not a readable ONNX file ({type(e).__name__}).") from None
     init = {t.name: t for t in model.graph.initializer}
     depth = _depth(init)
@@ -242,7 +242,7 @@ def build(onnx_path: str | Path | None = None, out: str | Path | None = None, fo
             with safe_open(str(dst), "pt") as f:
                 if (f.metadata() or {}).get("onnx_sha256") == digest:
                     return dst
-        except Exception:
+        except Exception:  # a damaged cache file is rebuilt
             pass
     arch, state = convert(src)
     dst.parent.mkdir(parents=True, exist_ok=True)

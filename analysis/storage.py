@@ -103,7 +103,7 @@ def readable(path: Path) -> bool:
     try:
         load_result(path)
         return True
-    except Exception:
+    except Exception:  # any failure to read means "not usable"
         return False
 
 

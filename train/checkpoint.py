@@ -74,7 +74,7 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, meta: dict, keep_la
     if err is None:
         try:
             accelerator.save_state(str(staging), safe_serialization=True)
-        except Exception as e:
+        except Exception as e:  # safetensors (SafetensorError) and torch.save (RuntimeError) wrap ENOSPC
             err = e
         err = _failed_anywhere(accelerator, err)
     if err is None and accelerator.is_main_process:
@@ -214,7 +214,7 @@ def read_weights(path: Path, prefix: str = "") -> tuple[dict, Path]:
         raise CheckpointError(f"no weights at {f}: pass a checkpoint folder (step_XXXXXXX) or a .safetensors file.")
     try:
         state = load_file(str(f))
-    except Exception as e:
+    except Exception as e:  # a truncated or foreign file
         raise CheckpointError(
             f"weights file {f} cannot be read ({type(e).__name__}): it is corrupted or not a safetensors file."
         ) from None
@@ -283,10 +283,10 @@ def check_weights_fit(own: dict, path: Path, prefix: str = "") -> None:
         with safe_open(str(f), "pt") as sf:
             state = {
                 k[len(prefix) :]: torch.empty(sf.get_slice(k).get_shape(), device="meta")
-                for k in sf
+                for k in sf.keys()  # noqa: SIM118 (a safetensors file handle is not iterable)
                 if k.startswith(prefix)
             }
-    except Exception:
+    except Exception:  # truncated or foreign: read_weights says so when it is loaded
         return
     if prefix and not state:
         raise _no_part(f, prefix)

@@ -349,7 +349,7 @@ _Loader.add_implicit_resolver(
 def _yaml(text: str, where: str):
     """Parse YAML ``text`` with :class:`_Loader`; a syntax error or a duplicate key is one sentence about ``where``."""
     try:
-        return yaml.load(text, Loader=_Loader)
+        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
     except _DuplicateKey as e:
         raise RecipeError(f"{where} gives the key '{e.key}' twice (line {e.line}): keep one of them.") from None
     except yaml.YAMLError as e:

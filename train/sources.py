@@ -109,7 +109,7 @@ def _load_saved(path: Path):
 
     try:
         return datasets.load_from_disk(str(path))
-    except Exception as e:
+    except Exception as e:  # any reader error becomes one sentence
         raise DataError(
             f"could not read the saved data set at '{path}' ({type(e).__name__}: {str(e)[:200]})."
         ) from None
@@ -250,7 +250,7 @@ def load_source(cfg):
             if cfg.source == "imagefolder":
                 return datasets.load_dataset("imagefolder", data_dir=str(path))
             return datasets.load_dataset("parquet", data_files=files)
-        except Exception as e:
+        except Exception as e:  # any reader error becomes one sentence
             raise DataError(
                 f"could not read {cfg.source} data at '{path}' ({type(e).__name__}: {str(e)[:200]})."
             ) from None
