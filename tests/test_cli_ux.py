@@ -361,7 +361,7 @@ def test_the_custom_scalars_layout_puts_training_first(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
     from train.recipe import Recipe
-    from train.trainer import _write_hparams
+    from train.run_folder import write_hparams as _write_hparams
 
     w = SummaryWriter(str(tmp_path))
     _write_hparams(w, Recipe(), {})
