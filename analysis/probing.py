@@ -78,7 +78,8 @@ def signed_one_hot(labels: Tensor, num_classes: int) -> Tensor:
 
 
 def default_l2_grid(train_x: Tensor) -> Tensor:
-    """The centred method's grid ``s * 2 ** arange(-10, 11, 2)`` with ``s = mean_i ||x_i - mean(X)||^2`` (float64, ascending).
+    """The centred method's grid ``s * 2 ** arange(-10, 11, 2)`` with ``s = mean_i ||x_i - mean(X)||^2`` (float64,
+    ascending).
 
     Scaling by ``s`` (the mean diagonal of the centred Gram matrix ``Xc Xc^T``) puts the grid on the scale of the
     eigenvalues the regulariser competes with, so it does not depend on the features' units. ``s = 0`` becomes 1.
@@ -186,7 +187,7 @@ def _grid_accuracies(
     coef = coef.reshape(len(evals), -1)  # [n, G*K]
     ev = _design(eval_x.to(z.device), mean, std)  # [m, d]
     (n, gk), d = coef.shape, z.shape[1]
-    if d * gk < d * n + n * (n + gk):  # few features: the weights Z^T U coef [d, G*K] of every l2, then one product
+    if d * gk < d * n + n * (n + gk):  # noqa: SIM108 -- few features: the weights Z^T U coef [d, G*K] of every l2, then one product
         scores = ev @ ((z.T @ evecs) @ coef)
     else:  # many features: the kernel to the shots [m, n] first
         scores = ((ev @ z.T) @ evecs) @ coef
@@ -202,7 +203,8 @@ def _best_l2(grid: Tensor, accs: Tensor) -> float:
 
 
 def holdout_split(labels: Tensor, seed: int = HOLDOUT_SEED) -> tuple[Tensor, Tensor]:
-    """Seeded per-class split ``(fit_idx, holdout_idx)``: ``max(1, n_c // 5)`` of each class with ``n_c >= 2`` held out."""
+    """Seeded per-class split ``(fit_idx, holdout_idx)``: ``max(1, n_c // 5)`` of each class with ``n_c >= 2`` held
+    out."""
     labels = labels.long().cpu()
     gen = torch.Generator().manual_seed(seed)
     fit, hold = [], []
@@ -348,12 +350,14 @@ def probe_layers(
     num_classes: int | None = None,
     method: str = DEFAULT_METHOD,
 ) -> dict[str, tuple[float, float]]:
-    """Per-layer few-shot probes (Raghu et al. 2021 App. A, Fig. 11/13; ViT paper §4.1): ``{layer: (mean, std)}`` of top-1.
+    """Per-layer few-shot probes (Raghu et al. 2021 App. A, Fig. 11/13; ViT paper §4.1): ``{layer: (mean, std)}`` of
+    top-1.
 
     For every seed, ``idx = sample_shots(train_y, shots, seed)`` (the same images for every layer) and each layer gets
     ``fewshot_probe(train_feats[layer][idx], train_y[idx], test_feats[layer], test_y, l2_grid, method=method)``, its
     l2 (when not fixed) picked on ``val_feats[layer], val_y`` when given. big_vision draws its shots with numpy's
-    ``default_rng(seed)``; ours with :func:`sample_shots` (torch), so the same seed gives other images. ``mean`` is over seeds; ``std`` is the sample standard deviation over seeds
+    ``default_rng(seed)``; ours with :func:`sample_shots` (torch), so the same seed gives other images. ``mean`` is
+    over seeds; ``std`` is the sample standard deviation over seeds
     (Bessel-corrected, n - 1), 0.0 for a single seed. K is fixed once over all labels so every seed uses the same K.
     """
     if set(train_feats) != set(test_feats) or (val_feats is not None and set(val_feats) != set(train_feats)):
@@ -407,6 +411,7 @@ def probe_split_problem(data, shots: int, option: str = "shots") -> str | None:
         return None
     return (
         f"few-shot probes draw {shots} shots per class from half of the probe-train split, whose rarest class has "
-        f"{int(counts.min()) if len(counts) else 0} images: raise data.probe_train_size to at least {2 * shots * data.num_classes} "
+        f"{int(counts.min()) if len(counts) else 0} images: raise data.probe_train_size to at least "
+        f"{2 * shots * data.num_classes} "
         f"or lower the option {option}."
     )

@@ -1,4 +1,5 @@
-"""Reduction over processes and sharding of minibatches, in one place, whatever the backend (gloo on CPU, NCCL on GPUs)."""
+"""Reduction over processes and sharding of minibatches, in one place, whatever the backend (gloo on CPU, NCCL on
+GPUs)."""
 
 from __future__ import annotations
 

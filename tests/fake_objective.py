@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import types
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -24,7 +25,7 @@ class Config:
 class Objective(_Base):
     name = NAME
     uses_labels = False
-    parts = {"student": "backbone.", "teacher": "teacher_backbone."}
+    parts: ClassVar[dict] = {"student": "backbone.", "teacher": "teacher_backbone."}
 
     def __init__(self, backbone, cfg, recipe, num_classes):
         super().__init__(backbone, cfg, recipe, num_classes)

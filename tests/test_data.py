@@ -88,7 +88,8 @@ print(out)
 
 
 def _run_unreachable(script: str, hf_home: Path):
-    """``script`` in a fresh process with no offline switch, HF_HOME ``hf_home`` and the Hub unreachable (HF_ENDPOINT on a
+    """``script`` in a fresh process with no offline switch, HF_HOME ``hf_home`` and the Hub unreachable (HF_ENDPOINT
+    on a
     closed local port: the connection error of a machine without network, on any machine)."""
     env = {
         k: v
@@ -142,7 +143,8 @@ def test_hub_unreachable_reads_a_cached_data_set_at_once(tmp_path):
 
 
 def test_hub_probe(monkeypatch):
-    """The probe: reachable when anything answers HTTP at the endpoint (any status), unreachable on a refused connection."""
+    """The probe: reachable when anything answers HTTP at the endpoint (any status), unreachable on a refused
+    connection."""
     import huggingface_hub.constants
 
     from train.sources import hub_reachable

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.measures.head_subsets import default_resnet_layers, head_subset_cka, head_subset_figure, split_heads
 from analysis.measure import load_result, save_result
 from analysis.measures.attention_distance import attention_distance
+from analysis.measures.head_subsets import default_resnet_layers, head_subset_cka, head_subset_figure, split_heads
 from analysis.similarity import cka
 from analysis.taps import Taps
 

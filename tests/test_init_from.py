@@ -6,6 +6,7 @@ older hashes, and every bad input is one sentence, exit 2, before anything is wr
 import json
 import shutil
 from pathlib import Path
+from typing import ClassVar
 
 import fake_objective
 import pytest
@@ -46,7 +47,7 @@ SMALL = [
 class CaptureStart(Callback):
     """The backbone's weights when training starts (after init_from, before the first step)."""
 
-    state: dict = {}
+    state: ClassVar[dict] = {}
 
     def on_train_start(self, ctx):
         CaptureStart.state = {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}

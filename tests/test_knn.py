@@ -192,7 +192,8 @@ def _ctx(model, arch, prefix):
 
 @torch.no_grad()
 def _drive(m, ctx, batch=16, shard=None):
-    """The suite's protocol: fixed minibatches j of the analysis (then probe-train) split; ``shard=(r, world)`` keeps j = r mod world."""
+    """The suite's protocol: fixed minibatches j of the analysis (then probe-train) split; ``shard=(r, world)`` keeps j
+    = r mod world."""
     for split, taps, update in (
         (ctx.data.analysis, m.taps(), m.update),
         (ctx.data.probe_train, m.probe_taps(), m.update_probe),

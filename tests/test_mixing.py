@@ -2,6 +2,7 @@
 resume with mixing on, the default recipe's hash."""
 
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -193,7 +194,7 @@ def test_randaugment_differs_image_by_image_and_follows_torch_seed():
 class CountingMixer:
     """Wraps a mixer to count the batches it mixed, by batch size (training batches vs sample_images' grid)."""
 
-    calls: dict = {}
+    calls: ClassVar[dict] = {}
 
     def __init__(self, inner):
         self.inner = inner
@@ -209,7 +210,8 @@ def _final_weights(run: Path) -> dict:
 
 def test_resume_is_exact_with_cutmix_and_mixup(write_recipe, monkeypatch):
     """8 steps straight == 4 steps, crash, resume 4 more, with CutMix + mixup per image and RandAugment (and the
-    mixed sample grid): same loss curve, same final weights. timm's Mixup draws from numpy's global RNG; a checkpoint keeps that RNG's
+    mixed sample grid): same loss curve, same final weights. timm's Mixup draws from numpy's global RNG; a checkpoint
+    keeps that RNG's
     state, but a callback that draws from it after the save (test_numpy_draw) shifts every later draw of the
     straight run and not of the resumed one, unless numpy is reseeded from (seed, step, rank) like torch."""
     real = train.augment.make_mixer

@@ -14,8 +14,8 @@ import torch
 from conftest import class_split, tiny_resnet
 
 from analysis.__main__ import main as analysis_main
-from analysis.measures.head_subsets import head_subset_cka
 from analysis.measures.aligned_attention import offset_local_heads
+from analysis.measures.head_subsets import head_subset_cka
 from analysis.storage import load_results, step_dir
 from analysis.suite import run_suite, suite_options
 from analysis.taps import Taps
@@ -192,7 +192,8 @@ def test_a_resnet_refuses_it(write_recipe, capsys):
 
 
 def test_trained_briefly_the_detectors_still_find_the_local_heads(write_recipe):
-    """24 steps of training with the mask (fp32: bf16 autocast is slower on CPU), then offline analysis (python -m analysis) of the last checkpoint: the
+    """24 steps of training with the mask (fp32: bf16 autocast is slower on CPU), then offline analysis (python -m
+    analysis) of the last checkpoint: the
     forced heads stay local (distance within 0.6 px of the even-window value: where a head looks inside its window
     is learned) and the offset head's peak is (0, +2); meta.json records the intervention."""
     p = write_recipe(

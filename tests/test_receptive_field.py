@@ -1,5 +1,6 @@
 """Effective receptive fields: an explicit per-image, per-channel gradient loop as reference, known supports (no token
-mixing -> the centre patch only; a 3x3-conv ResNet stage -> a 7x7 window), the protocol end-to-end, sharding, round-trip."""
+mixing -> the centre patch only; a 3x3-conv ResNet stage -> a 7x7 window), the protocol end-to-end, sharding,
+round-trip."""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def _vit_sublayers(model, x):
 
 
 def _reference_erf(model, images, name, centre):
-    """sum over images of the mean over channels d of sum_c |d F[centre, d] / d x| -- one image and one channel at a time."""
+    """sum over images of the mean over channels d of sum_c |d F[centre, d] / d x| -- one image and one channel at a
+    time."""
     total = torch.zeros(images.shape[-2:], dtype=torch.float64)
     for b in range(images.shape[0]):
         x = images[b : b + 1].clone().requires_grad_(True)

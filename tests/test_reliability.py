@@ -226,7 +226,8 @@ def test_a_signal_while_the_stopped_trainer_exits_changes_nothing(write_recipe, 
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("VITLAB_SIGNAL_TESTS"),
-    reason="timing-sensitive (two trainers and three signals; it timed out at 270 s on a loaded 2-core machine): set VITLAB_SIGNAL_TESTS=1 to run it",
+    reason="timing-sensitive (two trainers and three signals; it timed out at 270 s on a loaded 2-core machine): set "
+    "VITLAB_SIGNAL_TESTS=1 to run it",
 )
 def test_launch_sh_several_processes_three_ctrl_c(write_recipe, tmp_path):
     """Ctrl-C three times to VITLAB_NPROC=2 ./launch.sh (the last ones after the trainers stopped): the trainers
@@ -297,7 +298,8 @@ def assert_one_sentence(r: subprocess.CompletedProcess, says: str) -> None:
 
 
 def snapshot(folder: Path) -> list:
-    """Every file under ``folder`` with its size and mtime, less the lock file (a check takes the lock, as the trainer does)."""
+    """Every file under ``folder`` with its size and mtime, less the lock file (a check takes the lock, as the trainer
+    does)."""
     return sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in folder.rglob("*") if f.name != ".lock")
 
 
@@ -503,7 +505,8 @@ def test_result_json_after_death_past_final_checkpoint_counts_every_segment(writ
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("raised", ["OSError", "SafetensorError"])
 def test_full_disk_during_a_checkpoint(raised, write_recipe, tmp_path, monkeypatch, capsys):
-    """ENOSPC while writing step 8: one sentence, exit 2, no staging folder left, step 4 intact and resumable. safetensors
+    """ENOSPC while writing step 8: one sentence, exit 2, no staging folder left, step 4 intact and resumable.
+    safetensors
     reports a full disk as its own SafetensorError (torch.save as a RuntimeError), not as an OSError."""
     import safetensors
     from accelerate import Accelerator

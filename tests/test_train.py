@@ -6,6 +6,7 @@ import os
 import subprocess
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ class Poison(Callback):
 
 @register_callback("test_record")
 class Record(Callback):
-    calls: list = []
+    calls: ClassVar[list] = []
 
     def __init__(self, every=None, sleep=0.0):
         super().__init__(every)

@@ -114,10 +114,12 @@ def per_image(model, split, normalize, batch: int = 16, windows: list | None = N
     ``distance`` [N, L, H]   each head's mean attention distance (pixels between patch centres; spatial queries,
                              each row renormalised over spatial keys: attention_distance's definition, per image);
     ``log_gap`` [N, 2, L]    for the attention and the MLP sublayer, log of the CLS token's norm ratio ||z|| / ||f(z)||
-                             minus the mean over spatial tokens of the log of theirs (norm_ratio's definition, per image);
+                             minus the mean over spatial tokens of the log of theirs (norm_ratio's definition, per
+                             image);
     ``cls_input_spread`` [2, L] the CLS token's skip input z: largest deviation from its mean over images, relative to
                              its norm (0: the same vector for every image, as block 0's cls_token + pos_embed[0]);
-    ``window_mass`` [N, K]   for each (block, head, (dr, dc)) in the list ``windows``: the share of the head's attention,
+    ``window_mass`` [N, K]   for each (block, head, (dr, dc)) in the list ``windows``: the share of the head's
+    attention,
                              averaged over spatial queries, on the keys within ``WINDOW`` tokens of query + (dr, dc)
                              (aligned_attention's window mass, per image)."""
     blocks, p = block_names(model), num_prefix_tokens(model)
@@ -623,7 +625,8 @@ def _markdown(s: dict, copied: list, fig_dir: Path, out_md: Path) -> str:
     ]
     for b in range(L):
         lines.append(
-            f"| {b + 1} | {ad['min_px'][b]:.1f} | {ad['min_px'][b] / u:.2f} | {ad['mean_px'][b]:.1f} | {ad['max_px'][b]:.1f} |"
+            f"| {b + 1} | {ad['min_px'][b]:.1f} | {ad['min_px'][b] / u:.2f} | {ad['mean_px'][b]:.1f} | "
+            f"{ad['max_px'][b]:.1f} |"
         )
     lines += [
         "",

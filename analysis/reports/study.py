@@ -33,8 +33,8 @@ why. A study thereby spends its hours on a long regime only when that regime sho
 from __future__ import annotations
 
 import argparse
-import zlib
 import sys
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
