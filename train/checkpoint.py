@@ -283,7 +283,7 @@ def check_weights_fit(own: dict, path: Path, prefix: str = "") -> None:
         with safe_open(str(f), "pt") as sf:
             state = {
                 k[len(prefix) :]: torch.empty(sf.get_slice(k).get_shape(), device="meta")
-                for k in sf
+                for k in sf.keys()  # noqa: SIM118  (safetensors' safe_open is not iterable)
                 if k.startswith(prefix)
             }
     except Exception:
