@@ -124,15 +124,23 @@ def two_process_launch(recipe_path, port: int) -> tuple[list[str], dict]:
 # ---------------------------------------------------------------- tiny models and labelled images for measure tests
 
 
-def tiny_vit(class_token: bool = True):
-    """A 2-block, 32-wide timm ViT on 28x28x1 (7x7 tokens), seeded, in eval mode."""
+def tiny_vit(class_token: bool = True, num_heads: int = 2):
+    """A 2-block, 32-wide timm ViT on 28x28x1 (7x7 tokens) with ``num_heads`` heads, seeded, in eval mode."""
     import torch
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
     kw = {} if class_token else {"class_token": False, "global_pool": "avg"}
     return VisionTransformer(
-        img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, **kw
+        img_size=28,
+        patch_size=4,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=32,
+        depth=2,
+        num_heads=num_heads,
+        mlp_ratio=2.0,
+        **kw,
     ).eval()
 
 

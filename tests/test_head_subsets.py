@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_vit
 
 from analysis.measure import load_result, save_result
 from analysis.measures.attention_distance import attention_distance
@@ -24,12 +25,7 @@ def normalize(x):
 
 
 def _vit(heads=4):
-    from timm.models.vision_transformer import VisionTransformer
-
-    torch.manual_seed(0)
-    return VisionTransformer(
-        img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=heads, mlp_ratio=2.0
-    ).eval()
+    return tiny_vit(num_heads=heads)  # the shared tiny ViT (conftest), with 4 heads to sort by default
 
 
 def _resnet():
