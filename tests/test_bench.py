@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py"))
+SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))  # _common: shared
 RATIO = {  # what each script's RATIO line must hold
     "ablation_speed.py": (
         r"^RATIO ablation threads=1: heads/suite=[\d.]+ \(\(suite\+heads\)-suite\)/suite=-?[\d.]+ "
