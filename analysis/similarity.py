@@ -59,10 +59,13 @@ _CHUNK_ELEMENTS = 1 << 20
 # Below this many features per example the whole Gram is cheap (about 0.3 ms at n = 256, p = 96 in float64, one
 # thread), so it stays float64 there, exact as before; float32 products (~1e-9 relative on CKA) only where they pay.
 _FLOAT32_MIN_FEATURES = 256
-# K is symmetric, so only one triangle needs forming: on CPU, a symmetric rank-k update (BLAS ?syrk, through
-# scipy) forms the upper triangle alone, n^2 p / 2 multiply-adds, about half the time of X X^T. Elsewhere (CUDA:
-# torch exposes no syrk) only the upper block triangle is multiplied: rows cut into this many blocks, block row r
-# times rows r.. (the diagonal block and those right of it), (B + 1) / 2B of the full product's flops: 0.625 at 4.
+# K is symmetric, so only one triangle needs forming: on CPU with one thread, a symmetric rank-k update (BLAS
+# ?syrk, through scipy's OpenBLAS) forms the upper triangle alone, n^2 p / 2 multiply-adds, about half the time of
+# X X^T. With more threads a second thread pool (OpenBLAS's beside torch's spinning OpenMP workers) oversubscribed
+# the cores: at 2 threads on a loaded 2-core host, 4-20x slower than one thread, so there, and on CUDA (torch
+# exposes no syrk), only the upper block triangle is multiplied with torch's own pool: rows cut into this many
+# blocks, block row r times rows r.. (the diagonal block and those right of it), (B + 1) / 2B of the full product's
+# flops: 0.625 at 4.
 # Below the minimum row count the product is too small for blocking to pay.
 _GRAM_ROW_BLOCKS = 4
 _GRAM_BLOCKED_MIN_ROWS = 64
@@ -105,7 +108,8 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
     keep ~1e-7 relative precision on what CKA sees. The columns go through in chunks: each chunk is centred into a
     small float32 buffer, multiplied in float32 and added to a float64 sum, so no float64 (or full float32) copy
     of X is ever made and float32 rounding accumulates over at most one chunk. Only the upper triangle of each
-    chunk's product is formed (BLAS syrk on CPU, ``_GRAM_ROW_BLOCKS`` elsewhere) and mirrored at the end. float64
+    chunk's product is formed (BLAS syrk on CPU with one torch thread, ``_GRAM_ROW_BLOCKS`` otherwise) and mirrored
+    at the end. float64
     inputs, and inputs with fewer than ``_FLOAT32_MIN_FEATURES`` features, are computed in float64.
     """
     n = x.shape[0]
@@ -116,7 +120,7 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
     cols = -(-p // chunks)  # equal chunks
     buf = torch.empty(n * cols, dtype=dt, device=x.device)
     m = x.mean(0, dtype=dt)  # once: a mean over a column chunk (a strided slice) is slow with 2 threads
-    upper = _upper_gram_syrk if x.device.type == "cpu" else _upper_gram_blocked
+    upper = _upper_gram_syrk if x.device.type == "cpu" and torch.get_num_threads() == 1 else _upper_gram_blocked
     k = upper(x, m, buf, cols)
     return k.triu() + k.triu(1).T  # the upper triangle (all computed) mirrored: K exactly symmetric
 

@@ -19,6 +19,10 @@ RATIO = {  # what each script's RATIO line must hold
         r"^RATIO cka (default|vits|vitb) threads=1: new/half=[\d.]+ new/full=[\d.]+ numpee/new=[\d.]+ "
         r"old/new=[\d.]+ .*max_abs_vs_old="
     ),
+    "input_speed.py": (
+        r"^RATIO input size=224: lazy=\d+/s timm=\d+/s lazy/timm=[\d.]+( tv=\d+/s lazy/tv=[\d.]+)? "
+        r"workers_for_3000/s=\d+$"
+    ),
     "suite_speed.py": r"^RATIO suite threads=1: suite/forward=[\d.]+ \(suite\+figures\)/forward=[\d.]+$",
     "train_speed.py": r"^RATIO train threads=1: harness/bare fp32=[\d.]+ bf16=[\d.]+; bf16/fp32 harness=[\d.]+$",
 }

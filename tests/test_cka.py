@@ -248,12 +248,21 @@ def test_centred_gram_uses_float32_syrk_without_a_float64_copy(monkeypatch):
     monkeypatch.setattr(B, "ssyrk", spy("ssyrk"))
     monkeypatch.setattr(B, "dsyrk", spy("dsyrk"))
     monkeypatch.setattr(C, "_CHUNK_ELEMENTS", 64 * 100)
-    C._centred_gram(torch.randn(64, 300))
-    assert seen == [("ssyrk", "float32", (100, 64))] * 3  # 3 chunks, each [cols, n] column-major
-    seen.clear()
-    C._centred_gram(torch.randn(64, 300, dtype=torch.float64))
-    C._centred_gram(torch.randn(64, 50))
-    assert {(name, d) for name, d, _ in seen} == {("dsyrk", "float64")}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        C._centred_gram(torch.randn(64, 300))
+        assert seen == [("ssyrk", "float32", (100, 64))] * 3  # 3 chunks, each [cols, n] column-major
+        seen.clear()
+        C._centred_gram(torch.randn(64, 300, dtype=torch.float64))
+        C._centred_gram(torch.randn(64, 50))
+        assert {(name, d) for name, d, _ in seen} == {("dsyrk", "float64")}
+        seen.clear()
+        torch.set_num_threads(2)  # torch's own pool (blocked products), no second BLAS pool beside it
+        C._centred_gram(torch.randn(64, 300))
+        assert seen == []
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_blocked_gram_multiplies_only_the_upper_block_triangle(monkeypatch):
