@@ -63,9 +63,11 @@ _FLOAT32_MIN_FEATURES = 256
 # ?syrk, through scipy's OpenBLAS) forms the upper triangle alone, n^2 p / 2 multiply-adds, about half the time of
 # X X^T. With more threads a second thread pool (OpenBLAS's beside torch's spinning OpenMP workers) oversubscribed
 # the cores: at 2 threads on a loaded 2-core host, 4-20x slower than one thread, so there, and on CUDA (torch
-# exposes no syrk), only the upper block triangle is multiplied with torch's own pool: rows cut into this many
-# blocks, block row r times rows r.. (the diagonal block and those right of it), (B + 1) / 2B of the full product's
-# flops: 0.625 at 4.
+# exposes no syrk), torch's own pool forms the products. On CUDA only the upper block triangle is multiplied: rows
+# cut into this many blocks, block row r times rows r.. (the diagonal block and those right of it), (B + 1) / 2B of
+# the full product's flops: 0.625 at 4. On CPU with several threads each chunk is one whole product: every block
+# product is a parallel region ending in a barrier, and on the loaded 2-core host the blocked form took 5-15x the
+# time of one X X^T at 2 threads (a descheduled thread stalls each barrier).
 # Below the minimum row count the product is too small for blocking to pay.
 _GRAM_ROW_BLOCKS = 4
 _GRAM_BLOCKED_MIN_ROWS = 64
@@ -147,7 +149,8 @@ def _upper_gram_syrk(x: torch.Tensor, m: torch.Tensor, buf: torch.Tensor, cols: 
 def _upper_gram_blocked(x: torch.Tensor, m: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Tensor:
     """The upper block triangle of the centred Gram by torch.mm (any device), chunk by chunk."""
     n, p = x.shape
-    rows = -(-n // _GRAM_ROW_BLOCKS) if n >= _GRAM_BLOCKED_MIN_ROWS else n
+    blocked = n >= _GRAM_BLOCKED_MIN_ROWS and x.device.type != "cpu"
+    rows = -(-n // _GRAM_ROW_BLOCKS) if blocked else n  # CPU, several threads: one product per chunk (see above)
     k = torch.zeros(n, n, dtype=torch.float64, device=x.device)
     g = torch.zeros(n, n, dtype=buf.dtype, device=x.device)
     for c in range(0, p, cols):
