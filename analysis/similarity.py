@@ -37,7 +37,8 @@ def represent(t: torch.Tensor, how: str = "flatten", num_prefix_tokens: int = 1)
     if how == "cls":
         if num_prefix_tokens == 0:
             raise ValueError(
-                "representation 'cls' needs a class token; this model has none (GAP ViT or ResNet): use 'mean_spatial' or 'flatten'."
+                "representation 'cls' needs a class token; this model has none (GAP ViT or ResNet): "
+                "use 'mean_spatial' or 'flatten'."
             )
         return t[:, 0]
     if how == "mean_spatial":
@@ -52,19 +53,47 @@ def gram(x: torch.Tensor) -> torch.Tensor:
 
 
 # Elements per chunk in _centred_gram (4 MiB of float32; p is cut into equal chunks of at most this many n x cols
-# elements), so a chunk is centred, then multiplied while it sits in cache. Measured at n = 256, one thread: 1.05-1.08x
-# the time of the plain float32 X X^T at p = 75,648; centring all of X into a buffer first costs 1.4x (memory traffic).
-# Larger chunks spill the cache; smaller ones mean more small parallel regions, each a barrier when threads > 1.
+# elements), so a chunk is centred into a buffer that stays in cache while it is multiplied; centring all of X into
+# a buffer first costs 1.4x (memory traffic).
 _CHUNK_ELEMENTS = 1 << 20
 # Below this many features per example the whole Gram is cheap (about 0.3 ms at n = 256, p = 96 in float64, one
 # thread), so it stays float64 there, exact as before; float32 products (~1e-9 relative on CKA) only where they pay.
 _FLOAT32_MIN_FEATURES = 256
-# K is symmetric, so only its upper block triangle is multiplied: rows cut into this many blocks, block row r times
-# rows r.. (the diagonal block and those right of it), (B + 1) / 2B of the full product's flops: 0.625 at 4. Measured
-# at n = 256, p ~ 4,100, one thread: 0.61-0.68x the time of the full float32 X X^T (8 blocks: no better; 2: 0.74x).
+# K is symmetric, so only one triangle needs forming: on CPU with one thread, a symmetric rank-k update (BLAS
+# ?syrk, through scipy's OpenBLAS) forms the upper triangle alone, n^2 p / 2 multiply-adds, about half the time of
+# X X^T. With more threads a second thread pool (OpenBLAS's beside torch's spinning OpenMP workers) oversubscribed
+# the cores: at 2 threads on a loaded 2-core host, 4-20x slower than one thread, so there, and on CUDA (torch
+# exposes no syrk), torch's own pool forms the products. On CUDA only the upper block triangle is multiplied: rows
+# cut into this many blocks, block row r times rows r.. (the diagonal block and those right of it), (B + 1) / 2B of
+# the full product's flops: 0.625 at 4. On CPU with several threads each chunk is one whole product: every block
+# product is a parallel region ending in a barrier, and on the loaded 2-core host the blocked form took 5-15x the
+# time of one X X^T at 2 threads (a descheduled thread stalls each barrier).
 # Below the minimum row count the product is too small for blocking to pay.
 _GRAM_ROW_BLOCKS = 4
 _GRAM_BLOCKED_MIN_ROWS = 64
+
+
+class _BlasThreads:
+    """scipy's BLAS (OpenBLAS) runs as many threads as torch does here (its pool is sized separately from torch's):
+    set on entry only when it differs, restored on exit. The threadpoolctl controller is made once (it scans the
+    loaded libraries)."""
+
+    _controller = None
+
+    def __enter__(self):
+        import scipy.linalg.blas  # noqa: F401  (loaded before the controller scans for BLAS libraries)
+        from threadpoolctl import ThreadpoolController
+
+        if _BlasThreads._controller is None:
+            _BlasThreads._controller = ThreadpoolController()
+        blas = _BlasThreads._controller.select(user_api="blas")
+        want = torch.get_num_threads()
+        self._limit = None if all(i["num_threads"] == want for i in blas.info()) else blas.limit(limits=want)
+        return self
+
+    def __exit__(self, *exc):
+        if self._limit is not None:
+            self._limit.restore_original_limits()
 
 
 @torch.no_grad()  # out= buffers; nothing here differentiates CKA
@@ -80,9 +109,10 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
     with m near the mean, X - m is exact where X and m are close (Sterbenz) and small elsewhere, so float32 products
     keep ~1e-7 relative precision on what CKA sees. The columns go through in chunks: each chunk is centred into a
     small float32 buffer, multiplied in float32 and added to a float64 sum, so no float64 (or full float32) copy
-    of X is ever made and float32 rounding accumulates over at most one chunk. Only the upper block triangle of
-    each chunk's product is formed (``_GRAM_ROW_BLOCKS``) and mirrored at the end. float64 inputs, and inputs with
-    fewer than ``_FLOAT32_MIN_FEATURES`` features, are computed in float64.
+    of X is ever made and float32 rounding accumulates over at most one chunk. Only the upper triangle of each
+    chunk's product is formed (BLAS syrk on CPU with one torch thread, ``_GRAM_ROW_BLOCKS`` otherwise) and mirrored
+    at the end. float64
+    inputs, and inputs with fewer than ``_FLOAT32_MIN_FEATURES`` features, are computed in float64.
     """
     n = x.shape[0]
     x = x.reshape(n, -1)
@@ -90,18 +120,47 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
     dt = torch.float64 if x.dtype == torch.float64 or p < _FLOAT32_MIN_FEATURES else torch.float32
     chunks = -(-p * n // _CHUNK_ELEMENTS)
     cols = -(-p // chunks)  # equal chunks
-    rows = -(-n // _GRAM_ROW_BLOCKS) if n >= _GRAM_BLOCKED_MIN_ROWS else n
-    k = torch.zeros(n, n, dtype=torch.float64, device=x.device)
-    buf, g = torch.empty(n, cols, dtype=dt, device=x.device), torch.zeros(n, n, dtype=dt, device=x.device)
+    buf = torch.empty(n * cols, dtype=dt, device=x.device)
     m = x.mean(0, dtype=dt)  # once: a mean over a column chunk (a strided slice) is slow with 2 threads
+    upper = _upper_gram_syrk if x.device.type == "cpu" and torch.get_num_threads() == 1 else _upper_gram_blocked
+    k = upper(x, m, buf, cols)
+    return k.triu() + k.triu(1).T  # the upper triangle (all computed) mirrored: K exactly symmetric
+
+
+def _upper_gram_syrk(x: torch.Tensor, m: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Tensor:
+    """The upper triangle of the centred Gram by BLAS ?syrk, chunk by chunk (the lower triangle is left 0). The
+    buffer [n, w] row-major is the column-major [w, n] matrix A, and syrk with trans=1 forms A^T A: no copy."""
+    from scipy.linalg.blas import dsyrk, ssyrk
+
+    n, p = x.shape
+    syrk = ssyrk if buf.dtype == torch.float32 else dsyrk
+    k = torch.zeros(n, n, dtype=torch.float64)
+    g = torch.zeros(n, n, dtype=buf.dtype).numpy().T  # column-major, overwritten in place by each syrk
+    with _BlasThreads():
+        for c in range(0, p, cols):
+            xc = x[:, c : c + cols]
+            b = buf[: xc.numel()].view(n, xc.shape[1])  # contiguous, also for a shorter last chunk
+            torch.sub(xc, m[c : c + cols], out=b)
+            g = syrk(1.0, b.numpy().T, beta=0.0, c=g, trans=1, overwrite_c=1)
+            k += torch.from_numpy(g)  # syrk's upper triangle (lower=0): K[i, j] for i <= j
+    return k
+
+
+def _upper_gram_blocked(x: torch.Tensor, m: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Tensor:
+    """The upper block triangle of the centred Gram by torch.mm (any device), chunk by chunk."""
+    n, p = x.shape
+    blocked = n >= _GRAM_BLOCKED_MIN_ROWS and x.device.type != "cpu"
+    rows = -(-n // _GRAM_ROW_BLOCKS) if blocked else n  # CPU, several threads: one product per chunk (see above)
+    k = torch.zeros(n, n, dtype=torch.float64, device=x.device)
+    g = torch.zeros(n, n, dtype=buf.dtype, device=x.device)
     for c in range(0, p, cols):
         xc = x[:, c : c + cols]
-        b = buf[:, : xc.shape[1]]
+        b = buf[: xc.numel()].view(n, xc.shape[1])
         torch.sub(xc, m[c : c + cols], out=b)
         for r in range(0, n, rows):  # block row r: its diagonal block and everything right of it
             torch.mm(b[r : r + rows], b[r:].T, out=g[r : r + rows, r:])
         k += g
-    return k.triu() + k.triu(1).T  # the upper triangle (all computed) mirrored: K exactly symmetric
+    return k
 
 
 def center_unbiased(k: torch.Tensor) -> torch.Tensor:

@@ -223,7 +223,8 @@ class Taps:
                     f"{', '.join(block_kinds(model, blk))} (see analysis/taps.py)."
                 )
             raise TapError(
-                f"unknown tap '{bad[0]}' for {type(model).__name__}: taps look like {sorted(known)[:3]} ... (see analysis/taps.py)."
+                f"unknown tap '{bad[0]}' for {type(model).__name__}: taps look like {sorted(known)[:3]} ... "
+                "(see analysis/taps.py)."
             )
         self.captures: dict = {}
         self._handles: list = []
@@ -265,7 +266,6 @@ class Taps:
             blk, kind = n.rsplit(".", 1)
             want.setdefault(blk, set()).add(kind)
         modules = dict(self.model.named_modules())
-        reg = self._handles.append
         mixer = arch_of(self.model) == "mixer"
         for blk_name, kinds in want.items():
             blk = modules[blk_name]
@@ -274,44 +274,42 @@ class Taps:
                 self._hook_mixer_block(blk, p, kinds)
                 continue
             for kind in kinds:
-                name = p + kind
-                if kind == "in":
-                    reg(blk.register_forward_pre_hook(self._in(name)))
-                elif kind == "out":
-                    reg(blk.register_forward_hook(self._out(name)))
-                elif kind in ("norm1", "norm2"):
-                    reg(getattr(blk, kind).register_forward_hook(self._out(name)))
-                elif (
-                    kind in RESNET_INNER_KINDS
-                ):  # bn outputs are overwritten in place by the next ReLU or the shortcut add
-                    reg(getattr(blk, kind).register_forward_hook(self._out(name, clone=kind.startswith("bn"))))
-                elif kind == "attn_branch":
-                    reg(blk.drop_path1.register_forward_hook(self._out(name)))
-                elif kind == "attn_out":
-                    reg(blk.norm2.register_forward_pre_hook(self._in(name)))
-                elif kind == "mlp_hidden":
-                    reg(blk.mlp.act.register_forward_hook(self._out(name)))
-                elif kind == "mlp_branch":
-                    reg(blk.drop_path2.register_forward_hook(self._out(name)))
-                elif kind == "attn_probs":
-                    attn = blk.attn
-                    self._fused.append((attn, attn.fused_attn))
-                    attn.fused_attn = False
-                    reg(attn.attn_drop.register_forward_pre_hook(self._in(name)))
-                elif kind == "heads":
-                    attn = blk.attn
-                    target = attn.norm if isinstance(getattr(attn, "norm", None), nn.Module) else attn.proj
-                    reg(target.register_forward_pre_hook(self._in(name)))
-                elif kind == "proj_in":
-                    reg(blk.attn.proj.register_forward_pre_hook(self._in(name)))
-                elif kind == "branch":  # the branch's last module; cloned because the block adds the shortcut in place
-                    reg(resnet_branch_end(blk).register_forward_hook(self._out(name, clone=True)))
-                elif kind == "shortcut":
-                    if blk.downsample is not None:
-                        reg(blk.downsample.register_forward_hook(self._out(name)))
-                    else:
-                        reg(blk.register_forward_pre_hook(self._in(name)))
+                self._hook_kind(blk, p + kind, kind)
         return self
+
+    def _hook_kind(self, blk: nn.Module, name: str, kind: str) -> None:
+        """The hook of one tap of a ViT or ResNet block (the module docstring says which module it sits on)."""
+        reg = self._handles.append
+        if kind == "in":
+            reg(blk.register_forward_pre_hook(self._in(name)))
+        elif kind == "out":
+            reg(blk.register_forward_hook(self._out(name)))
+        elif kind in ("norm1", "norm2"):
+            reg(getattr(blk, kind).register_forward_hook(self._out(name)))
+        elif kind in RESNET_INNER_KINDS:  # bn outputs are overwritten in place by the next ReLU or the shortcut add
+            reg(getattr(blk, kind).register_forward_hook(self._out(name, clone=kind.startswith("bn"))))
+        elif kind in ("attn_branch", "mlp_branch", "mlp_hidden"):
+            mod = {"attn_branch": "drop_path1", "mlp_branch": "drop_path2", "mlp_hidden": "mlp.act"}[kind]
+            reg(blk.get_submodule(mod).register_forward_hook(self._out(name)))
+        elif kind == "attn_out":
+            reg(blk.norm2.register_forward_pre_hook(self._in(name)))
+        elif kind == "attn_probs":
+            attn = blk.attn
+            self._fused.append((attn, attn.fused_attn))
+            attn.fused_attn = False
+            reg(attn.attn_drop.register_forward_pre_hook(self._in(name)))
+        elif kind == "heads":
+            attn = blk.attn
+            target = attn.norm if isinstance(getattr(attn, "norm", None), nn.Module) else attn.proj
+            reg(target.register_forward_pre_hook(self._in(name)))
+        elif kind == "proj_in":
+            reg(blk.attn.proj.register_forward_pre_hook(self._in(name)))
+        elif kind == "branch":  # the branch's last module; cloned because the block adds the shortcut in place
+            reg(resnet_branch_end(blk).register_forward_hook(self._out(name, clone=True)))
+        elif kind == "shortcut" and blk.downsample is not None:
+            reg(blk.downsample.register_forward_hook(self._out(name)))
+        elif kind == "shortcut":
+            reg(blk.register_forward_pre_hook(self._in(name)))
 
     def _hook_mixer_block(self, blk: nn.Module, p: str, kinds: set) -> None:
         reg = self._handles.append

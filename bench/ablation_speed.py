@@ -18,30 +18,28 @@ machine noise hits all alike, with threads pinned:
 - ``all`` (``--all``): the ablation measure alone with every target (heads, branches, skip paths, token paths).
 
 Each figure is the CPU time of this process (``time.process_time``; one thread by default), the minimum over
-repeats: on a shared machine other jobs inflate wall time by up to 2x here, this process's CPU time much less. The last line starts with ``RATIO``: heads / suite, and the marginal cost
-of adding the head ablations to a suite run, ((suite+heads) - suite) / suite.
+repeats: on a shared machine other jobs inflate wall time by up to 2x here, this process's CPU time much less. The
+last line starts with ``RATIO``: heads / suite, and the marginal cost of adding the head ablations to a suite run,
+((suite+heads) - suite) / suite.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import SMOKE, default_model, pin_one_thread_env, rotated_minimum
+
 if __name__ == "__main__":
-    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(k, "1")
+    pin_one_thread_env()
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.suite import DEFAULT, run_suite, suite_options
-from train.data import build_data
-from train.models import build_model
-from train.recipe import load_recipe
 
 
 def main() -> None:
@@ -52,23 +50,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (seconds)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    over = (
-        [
-            "data.analysis_size=64",
-            "data.probe_train_size=200",
-            "data.train_size=512",
-            "data.eval_size=256",
-            "model.depth=2",
-            "model.embed_dim=32",
-            "model.num_heads=2",
-        ]
-        if a.smoke
-        else []
-    )
-    r = load_recipe("recipes/default.yaml", over)
-    data = build_data(r, quiet=True)
-    torch.manual_seed(0)
-    model = build_model(r, data.num_classes).eval()
+    data, model = default_model(SMOKE if a.smoke else [])
     bs = 32 if a.smoke else 256
     heads = {"ablation": {"targets": ["heads"]}}
     opts = {
@@ -86,15 +68,7 @@ def main() -> None:
             model(data.normalize(data.analysis.images[j : j + bs]))
 
     variants = {"forward": forward, **{k: (lambda o=o: run_suite(model, data, o)) for k, o in opts.items()}}
-    best = {k: float("inf") for k in variants}
-    names = list(variants)
-    for rep in range(1 if a.smoke else a.repeats):
-        for k in names[rep % len(names) :] + names[: rep % len(names)]:
-            t0, w0 = time.process_time(), time.perf_counter()
-            variants[k]()
-            cpu = time.process_time() - t0
-            best[k] = min(best[k], cpu)
-            print(f"  repeat {rep} {k:12s} {cpu:7.2f} s CPU ({time.perf_counter() - w0:7.2f} s wall)", flush=True)
+    best, _ = rotated_minimum(variants, 1 if a.smoke else a.repeats)
     for k, v in best.items():
         print(f"{k:12s} {v:7.2f} s CPU")
     f = best["forward"]

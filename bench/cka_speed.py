@@ -1,29 +1,39 @@
 """All-pairs minibatch CKA (12 layers, unbiased HSIC_1): vitlab's MinibatchCKA against the float64 algorithm it
-replaced, a numpee/CKA.pytorch-style computation and the float32 Gram floor, at two widths, with peak memory.
+replaced, a numpee/CKA.pytorch-style computation and two floors (the half and the full float32 Grams), at three
+widths, with peak memory and the host's CPU flags.
 
-    .venv/bin/python bench/cka_speed.py [--images 2048] [--batch 256] [--threads 1 2] [--repeats 3] [--smoke]
+    .venv/bin/python bench/cka_speed.py [--images 2048] [--vitb-images 512] [--batch 256] [--threads 1 2]
+        [--repeats 3] [--widths default vits vitb] [--smoke]
 
 Variants, each over the same stream of minibatches (only the CKA algebra is timed, never the features):
 
 - ``new``:    :class:`analysis.similarity.MinibatchCKA` (Grams of mean-centred features, float32 products summed in
-              float64, all pairs from one product of centred Grams);
+              float64, one triangle of each by BLAS ssyrk, all pairs from one product of centred Grams);
 - ``old``:    the float64 algorithm it replaced (each layer copied to float64, K = X X^T, same pair product);
 - ``numpee``: the method of numpee/CKA.pytorch (github.com/numpee/CKA.pytorch), reimplemented here: a float32
               Gram per layer per minibatch (its forward hooks), then HSIC_1 of every (i, j) pair from a batched
               product of the two zero-diagonal Grams (n^3 per pair), float32 throughout;
-- ``floor``:  X X^T in float32 for every layer, and nothing else: no method that forms the Grams beats it.
+- ``half``:   the floor: one triangle of X X^T in float32 for every layer by BLAS ssyrk (a symmetric rank-k
+              update, n^2 p / 2 multiply-adds), on the raw features, and nothing else: no method that forms the
+              Grams beats it;
+- ``full``:   the whole X X^T in float32 for every layer (torch.mm), the floor of methods that form all of it.
+
+``old`` runs once per width (at the first thread count, outside the rotation: at the ViT widths it takes minutes),
+for the agreement figures and its one timing.
 
 Widths: ``default`` = the default recipe's ViT (every block's attention and MLP outputs, 50 tokens x 96, all
-tokens flattened) on Fashion-MNIST analysis images; ``vits`` = a ViT-S/16-like width (197 tokens x 384),
-synthetic: low-rank token features shared between layers, noise and large per-channel means (a forward pass of
-a real ViT-S over 2,048 images takes minutes on CPU). Timings do not depend on the values; the agreement figures
-(``new`` and ``numpee`` vs ``old``) do. Two synthetic ``vits`` minibatches are cycled to make up the images.
+tokens flattened) on Fashion-MNIST analysis images; ``vits`` = a ViT-S/16-like width (197 tokens x 384) and
+``vitb`` = a ViT-B/16-like width (197 x 768), synthetic: low-rank token features shared between layers, noise and
+large per-channel means (a forward pass of a real ViT over 2,048 images takes minutes on CPU). Timings do not
+depend on the values; the agreement figures (``new`` and ``numpee`` vs ``old``) do. Two synthetic ``vits``
+minibatches (one ``vitb``: 1.9 GB each) are cycled to make up the images; ``vitb`` runs over ``--vitb-images``.
 
 Threads are pinned (torch.set_num_threads and the OpenMP / MKL environment) and the settings are interleaved:
 for each repeat, each thread count, each width, the variants run in an order rotated by one at every repeat, so
 that machine noise (this is a shared machine) hits all alike; each figure is the minimum over repeats. Peak
 memory (VmHWM of a fresh process streaming minibatches through ``new`` or ``old``) must stay flat in the
-number of images. The last lines, one per width and thread count, start with ``RATIO``.
+number of images. The CPU model and its SIMD flags (AVX2, AVX-512, BF16, AMX change the figures) come first;
+the last lines, one per width and thread count, start with ``RATIO``.
 """
 
 from __future__ import annotations
@@ -49,6 +59,8 @@ def _pin_threads_env() -> None:
 if __name__ == "__main__":
     _pin_threads_env()
 
+import platform  # noqa: E402
+import re  # noqa: E402
 import resource  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -58,11 +70,25 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.similarity import MinibatchCKA, represent  # noqa: E402
+from analysis.similarity import MinibatchCKA, _BlasThreads, represent  # noqa: E402
 
-VARIANTS = ("new", "old", "numpee", "floor")
-WIDTHS = {"default": (50, 96), "vits": (197, 384)}
-SMOKE_WIDTHS = {"default": (10, 32), "vits": (20, 64)}
+VARIANTS = ("new", "numpee", "half", "full")  # rotated every repeat; "old" runs once per width
+WIDTHS = {"default": (50, 96), "vits": (197, 384), "vitb": (197, 768)}
+SMOKE_WIDTHS = {"default": (10, 32), "vits": (20, 64), "vitb": (20, 128)}
+DISTINCT = {"default": 2, "vits": 2, "vitb": 1}  # synthetic minibatches cycled (memory)
+
+
+def cpu_flags() -> str:
+    """'model name; flags: avx2 avx512f ...' from /proc/cpuinfo (the SIMD flags that change these figures)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.processor() or platform.machine()}; flags: unknown (no /proc/cpuinfo)"
+    model = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    flags = re.search(r"^flags\s*:\s*(.+)$", info, re.M)
+    simd = sorted(f for f in (flags.group(1).split() if flags else []) if re.match(r"(avx2|avx512|amx|fma$|.*bf16)", f))
+    name = model.group(1).strip() if model else platform.machine()
+    return f"{name}; flags: {' '.join(simd) or 'none of avx2, avx512*, amx*, *bf16'}"
 
 
 # ---------------------------------------------------------------- features
@@ -191,8 +217,8 @@ class NumpeeStyleCKA:
         return (self.xy.reshape(L, L) / torch.sqrt(self.xx[None, :] * self.xx[:, None])).double()
 
 
-class Floor:
-    """The float32 Grams alone."""
+class FullFloor:
+    """The whole float32 Grams alone."""
 
     def update(self, reps):
         for r in reps:
@@ -202,8 +228,28 @@ class Floor:
         return None
 
 
+class HalfFloor:
+    """One triangle of each float32 Gram alone (BLAS ssyrk on the raw features, as many threads as torch)."""
+
+    def update(self, reps):
+        from scipy.linalg.blas import ssyrk
+
+        with _BlasThreads():
+            for r in reps:
+                ssyrk(1.0, r.numpy().T, trans=1)  # row-major [n, p] = column-major [p, n]: A^T A, no copy
+
+    def compute(self):
+        return None
+
+
 def make(variant: str):
-    return {"new": MinibatchCKA, "old": OldMinibatchCKA, "numpee": NumpeeStyleCKA, "floor": Floor}[variant]()
+    return {
+        "new": MinibatchCKA,
+        "old": OldMinibatchCKA,
+        "numpee": NumpeeStyleCKA,
+        "half": HalfFloor,
+        "full": FullFloor,
+    }[variant]()
 
 
 def run_variant(variant: str, batches) -> tuple[float, torch.Tensor | None]:
@@ -235,11 +281,12 @@ def peak_rss(width: str, variant: str, images: int, batch: int, smoke: bool) -> 
 # ---------------------------------------------------------------- main
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--images", type=int, default=2048)
+    p.add_argument("--vitb-images", type=int, default=512, help="images at the vitb width (default 512: time)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=3)
@@ -255,42 +302,79 @@ def main() -> None:
     p.add_argument("--peak-only", nargs=3, metavar=("WIDTH", "VARIANT", "IMAGES"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.smoke:
-        a.images, a.batch, a.threads, a.repeats, a.memory = 64, 32, [1], 1, [64]
-    if a.batch < 4 or a.images < a.batch:
+        a.images, a.vitb_images, a.batch, a.threads, a.repeats, a.memory = 64, 64, 32, [1], 1, [64]
+    if a.batch < 4 or min(a.images, a.vitb_images) < a.batch:
         p.error(
-            f"--batch {a.batch} with --images {a.images}: use a batch of at least 4 and at least one batch of images."
+            f"--batch {a.batch} with --images {a.images} / --vitb-images {a.vitb_images}: use a batch of at least 4 "
+            "and at least one batch of images at every width."
         )
-    if a.peak_only:
-        torch.set_num_threads(1)
-        print(peak_rss(a.peak_only[0], a.peak_only[1], int(a.peak_only[2]), a.batch, a.smoke))
-        return
+    return a
 
-    streams = {w: list(feature_stream(w, a.images, a.batch, a.smoke)) for w in a.widths}
-    times = {(w, t, v): [] for w in a.widths for t in a.threads for v in VARIANTS}
+
+def time_all(a: argparse.Namespace, streams: dict) -> tuple[dict, dict]:
+    """Every variant at every thread count and width, rotated per repeat; ``old`` once per width."""
+    times = {(w, t, v): [] for w in a.widths for t in a.threads for v in (*VARIANTS, "old")}
     results = {}
+    for w in a.widths:
+        torch.set_num_threads(a.threads[0])
+        s, results[w, "old"] = run_variant("old", streams[w])
+        times[w, a.threads[0], "old"].append(s)
+        print(f"# threads {a.threads[0]} {w}: old={s:.3f}s (once)", flush=True)
     for rep in range(a.repeats):
         for t in a.threads:
             torch.set_num_threads(t)
             for w in a.widths:
                 order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
                 for v in order:
-                    s, m = run_variant(v, streams[w])
+                    s, results[w, v] = run_variant(v, streams[w])
                     times[w, t, v].append(s)
-                    results[w, v] = m
                 print(
                     f"# repeat {rep} threads {t} {w}: " + " ".join(f"{v}={times[w, t, v][-1]:.3f}s" for v in order),
                     flush=True,
                 )
+    return times, results
 
+
+def peak_memory(a: argparse.Namespace) -> dict:
+    """VmHWM of fresh processes streaming minibatches through new and old (the widths up to vits)."""
+    out = {}
+    widths = [w for w in a.widths if w != "vitb"]
+    for w in widths[:1] if a.smoke else widths:
+        for v in ("new",) if a.smoke else ("new", "old"):
+            for n in a.memory:
+                cmd = [sys.executable, __file__, "--peak-only", w, v, str(n), "--batch", str(min(a.batch, n))]
+                res = subprocess.run(
+                    cmd + (["--smoke"] if a.smoke else []),
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
+                )
+                out[f"{w}/{v}/{n}"] = round(float(res.stdout.strip().splitlines()[-1]), 1)
+    return out
+
+
+def main() -> None:
+    a = parse_args()
+    if a.peak_only:
+        torch.set_num_threads(1)
+        print(peak_rss(a.peak_only[0], a.peak_only[1], int(a.peak_only[2]), a.batch, a.smoke))
+        return
+    print(f"# cpu: {cpu_flags()}", flush=True)
+    with _BlasThreads():  # its one-time library scan (0.1-0.4 s) outside the timings
+        pass
+    images = {w: a.vitb_images if w == "vitb" else a.images for w in a.widths}
+    streams = {w: list(feature_stream(w, images[w], a.batch, a.smoke, DISTINCT[w])) for w in a.widths}
+    times, results = time_all(a, streams)
     out = {
-        "images": a.images,
+        "cpu": cpu_flags(),
+        "images": images,
         "batch": a.batch,
         "repeats": a.repeats,
         "layers": len(streams[a.widths[0]][0]),
         "load_avg_1min": round(os.getloadavg()[0], 2),
         "seconds_min": {},
         "agreement_vs_old": {},
-        "peak_rss_mib": {},
     }
     for w in a.widths:
         ref = results[w, "old"]
@@ -302,29 +386,20 @@ def main() -> None:
                 "max_rel_where_abs_ge_0.1": float((d[big] / ref.abs()[big]).max()),
             }
         for t in a.threads:
-            out["seconds_min"][f"{w}/{t}thr"] = {v: round(min(times[w, t, v]), 4) for v in VARIANTS}
+            out["seconds_min"][f"{w}/{t}thr"] = {
+                v: round(min(times[w, t, v]), 4) for v in (*VARIANTS, "old") if times[w, t, v]
+            }
     del streams
-    for w in a.widths[:1] if a.smoke else a.widths:
-        for v in ("new",) if a.smoke else ("new", "old"):
-            for n in a.memory:
-                cmd = [sys.executable, __file__, "--peak-only", w, v, str(n), "--batch", str(min(a.batch, n))] + (
-                    ["--smoke"] if a.smoke else []
-                )
-                res = subprocess.run(
-                    cmd,
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                    env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-                )
-                out["peak_rss_mib"][f"{w}/{v}/{n}"] = round(float(res.stdout.strip().splitlines()[-1]), 1)
+    out["peak_rss_mib"] = peak_memory(a)
     print(json.dumps(out, indent=1))
+    old = {w: out["seconds_min"][f"{w}/{a.threads[0]}thr"]["old"] for w in a.widths}
     for w in a.widths:
         for t in a.threads:
             s = out["seconds_min"][f"{w}/{t}thr"]
             print(
-                f"RATIO cka {w} threads={t}: new/floor={s['new'] / s['floor']:.3f} old/new={s['old'] / s['new']:.2f} "
-                f"numpee/new={s['numpee'] / s['new']:.2f} new={s['new']:.3f}s max_abs_vs_old={out['agreement_vs_old'][f'{w}/new']['max_abs']:.1e}"
+                f"RATIO cka {w} threads={t}: new/half={s['new'] / s['half']:.3f} new/full={s['new'] / s['full']:.3f} "
+                f"numpee/new={s['numpee'] / s['new']:.2f} old/new={old[w] / s['new']:.2f} new={s['new']:.3f}s "
+                f"max_abs_vs_old={out['agreement_vs_old'][f'{w}/new']['max_abs']:.1e}"
             )
 
 

@@ -1,10 +1,12 @@
 """The analysis suite's cost at a checkpoint against one plain forward pass over the same images.
 
-    .venv/bin/python bench/suite_speed.py [--repeats 3] [--threads 1] [--smoke]
+    .venv/bin/python bench/suite_speed.py [--repeats 3] [--threads 1] [--model default|vits] [--images N] [--smoke]
 
 On the default recipe's model (random weights: the cost does not depend on them) and its data (1,024 analysis
-and 2,000 probe-train images), each repeat times, in an order rotated by one at every repeat so machine noise
-hits all alike, with threads pinned:
+and 2,000 probe-train images), or with ``--model vits`` a ViT-S/16-shaped model at 224 (12 blocks x 384, 6 heads,
+197 tokens; Fashion-MNIST upsampled) over ``--images`` analysis and as many probe-train images (default 512),
+each repeat times, in an order rotated by one at every repeat so machine noise hits all alike, with threads
+pinned:
 
 - ``forward``: one plain forward pass over the analysis and probe-train images in the suite's minibatches, no
   hooks (what any analysis must pay at least);
@@ -13,7 +15,8 @@ hits all alike, with threads pinned:
 - ``figures``: drawing the suite's figures once and writing them as PNG and to a TensorBoard writer (the
   training-time callback does this in a background thread, off the training path: analysis/callbacks.py).
 
-Each figure is the minimum over repeats. The last line starts with ``RATIO``.
+Each figure is the minimum over repeats of this process's CPU time (on a shared machine other jobs inflate wall
+time far more; wall times are printed too). The last line starts with ``RATIO``.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import SMOKE, VITS, default_model, pin_one_thread_env, rotated_minimum
+
 if __name__ == "__main__":
-    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(k, "1")
+    pin_one_thread_env()
 
 import torch
 
@@ -35,35 +39,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis import storage
 from analysis.suite import run_suite, suite_options
-from train.data import build_data
-from train.models import build_model
-from train.recipe import load_recipe
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", choices=("default", "vits"), default="default")
+    p.add_argument("--images", type=int, default=512, help="analysis and probe-train images of --model vits")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (seconds)")
     a = p.parse_args()
+    if a.images < 4:
+        p.error(f"--images {a.images}: the suite needs at least 4 analysis images.")
     torch.set_num_threads(a.threads)
-    over = (
-        [
-            "data.analysis_size=64",
-            "data.probe_train_size=200",
-            "data.train_size=512",
-            "data.eval_size=256",
-            "model.depth=2",
-            "model.embed_dim=32",
-            "model.num_heads=2",
-        ]
-        if a.smoke
-        else []
-    )
-    r = load_recipe("recipes/default.yaml", over)
-    data = build_data(r, quiet=True)
-    torch.manual_seed(0)
-    model = build_model(r, data.num_classes).eval()
+    over = SMOKE if a.smoke else []
+    if a.model == "vits" and not a.smoke:
+        over = [*VITS, f"data.analysis_size={a.images}", f"data.probe_train_size={a.images}"]
+    data, model = default_model(over)
     opts = suite_options(None, 32 if a.smoke else 256)
     bs = opts.batch_size
 
@@ -83,16 +75,14 @@ def main() -> None:
         storage.publish(res, tmp / "a", writer, 0, figures=True, figure_dir=tmp / "f")
 
     variants = {"forward": forward, "suite": lambda: run_suite(model, data, opts), "figures": figures}
-    best = {k: float("inf") for k in variants}
-    names = list(variants)
-    for rep in range(1 if a.smoke else a.repeats):
-        for k in names[rep % len(names) :] + names[: rep % len(names)]:
-            t0 = time.perf_counter()
-            variants[k]()
-            best[k] = min(best[k], time.perf_counter() - t0)
+    best, wall = rotated_minimum(variants, 1 if a.smoke else a.repeats)
     writer.close()
     for k, v in best.items():
-        print(f"{k:8s} {v:7.3f} s")
+        print(f"{k:8s} {v:7.3f} s CPU ({wall[k]:7.3f} s wall)")
+    print(
+        f"# model {a.model}, {len(data.analysis)} analysis + {len(data.probe_train)} probe-train images, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     print(
         f"RATIO suite threads={a.threads}: suite/forward={best['suite'] / best['forward']:.2f} "
         f"(suite+figures)/forward={(best['suite'] + best['figures']) / best['forward']:.2f}"

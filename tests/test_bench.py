@@ -9,10 +9,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py"))
+SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))  # _common: shared
 RATIO = {  # what each script's RATIO line must hold
-    "ablation_speed.py": r"^RATIO ablation threads=1: heads/suite=[\d.]+ \(\(suite\+heads\)-suite\)/suite=-?[\d.]+ heads_nocka/suite=[\d.]+$",
-    "cka_speed.py": r"^RATIO cka (default|vits) threads=1: new/floor=[\d.]+ old/new=[\d.]+ numpee/new=[\d.]+ .*max_abs_vs_old=",
+    "ablation_speed.py": (
+        r"^RATIO ablation threads=1: heads/suite=[\d.]+ \(\(suite\+heads\)-suite\)/suite=-?[\d.]+ "
+        r"heads_nocka/suite=[\d.]+$"
+    ),
+    "cka_speed.py": (
+        r"^RATIO cka (default|vits|vitb) threads=1: new/half=[\d.]+ new/full=[\d.]+ numpee/new=[\d.]+ "
+        r"old/new=[\d.]+ .*max_abs_vs_old="
+    ),
+    "input_speed.py": (
+        r"^RATIO input size=224: lazy=\d+/s timm=\d+/s lazy/timm=[\d.]+( tv=\d+/s lazy/tv=[\d.]+)? "
+        r"workers_for_3000/s=\d+$"
+    ),
     "suite_speed.py": r"^RATIO suite threads=1: suite/forward=[\d.]+ \(suite\+figures\)/forward=[\d.]+$",
     "train_speed.py": r"^RATIO train threads=1: harness/bare fp32=[\d.]+ bf16=[\d.]+; bf16/fp32 harness=[\d.]+$",
 }
@@ -32,5 +42,6 @@ def test_bench_smoke(script):
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RATIO")]
     assert lines and all(re.match(RATIO[script], ln) for ln in lines), r.stdout[-2000:]
     if script == "cka_speed.py":
-        assert len(lines) == 2  # both widths
+        assert len(lines) == 3  # every width
+        assert re.search(r"^# cpu: .+; flags: ", r.stdout, re.M)  # the host's SIMD flags are named
         assert all(float(re.search(r"max_abs_vs_old=(\S+)", ln).group(1)) < 1e-6 for ln in lines)

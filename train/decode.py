@@ -9,6 +9,8 @@ bicubic filter, optionally from a crop box (random-resized crop of a lazy split)
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -78,14 +80,33 @@ def decode_rows(ds, rows, cfg, boxes_from=None) -> torch.Tensor:
         return x
     out = torch.empty((len(rows), c, s, s), dtype=torch.uint8)
     for start in range(0, len(rows), PIL_CHUNK):
-        for i, im in enumerate(ds[rows[start : start + PIL_CHUNK].tolist()][img_col], start):
+        for i, im in enumerate(_images(ds, img_col, feat, rows[start : start + PIL_CHUNK]), start):
             box = None
             if boxes_from is not None:
                 size = (
                     im.size if hasattr(im, "size") and not isinstance(im, np.ndarray) else np.asarray(im).shape[1::-1]
                 )
                 box = boxes_from(i, *size)
-            out[i] = _pil_chw(im, c, s, box)
+            _pil_chw(im, c, s, box, out[i])
+    return out
+
+
+def _images(ds, col: str, feat, rows: np.ndarray) -> list:
+    """PIL images of these rows. Stored bytes are opened but not decoded (so that :func:`_pil_chw` can decode a
+    JPEG at a reduced scale), unless the image needs what ``datasets`` does on decoding (an EXIF orientation to
+    apply, a feature mode to convert to): those, and images stored as paths, are decoded by ``datasets``."""
+    import PIL.Image
+
+    if feat.mode is not None:
+        return ds[rows.tolist()][col]
+    table_rows = rows if ds._indices is None else ds._indices.column(0).to_numpy()[rows]
+    stored = ds.data.table.column(col).take(pa.array(table_rows)).combine_chunks()
+    out = []
+    for i, b in enumerate(stored.field("bytes").to_pylist()):
+        im = PIL.Image.open(io.BytesIO(b)) if b is not None else None
+        if im is None or im.getexif().get(PIL.Image.ExifTags.Base.Orientation) is not None:
+            im = ds[int(rows[i])][col]
+        out.append(im)
     return out
 
 
@@ -112,18 +133,36 @@ def _fit(x: torch.Tensor, c: int, s: int) -> torch.Tensor:
     return x
 
 
-def _pil_chw(im, c: int, s: int, box=None) -> torch.Tensor:
+def _pil_chw(im, c: int, s: int, box=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One image (PIL or array) -> uint8 [c, s, s]: converted to c channels, the crop ``box`` (left, top, right,
-    bottom; None: the whole image) resized to s x s with PIL's bicubic filter (no resize when already s x s)."""
+    bottom; None: the whole image) resized to s x s with PIL's bicubic filter (no resize when already s x s).
+    Written into ``out`` when given (one copy from PIL's buffer).
+
+    A JPEG not yet decoded whose crop is at least twice s on both sides is decoded at 1/2, 1/4 or 1/8 scale
+    (``draft``: libjpeg's DCT scaling, the crop still at least s on both sides), the box scaled to match."""
     if not isinstance(im, Image.Image):
         im = Image.fromarray(np.asarray(im, dtype=np.uint8))
-    im = im.convert({1: "L", 3: "RGB", 4: "RGBA"}.get(c, "RGB"))
+    mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(c, "RGB")
+    if box is not None and getattr(im, "format", None) == "JPEG" and im.tile:  # tiles left: not decoded yet
+        w, h = im.size
+        scale = min(box[2] - box[0], box[3] - box[1]) / s
+        if scale >= 2:
+            r = min(8, 1 << (int(scale).bit_length() - 1))  # 2, 4 or 8, crop / r >= s
+            im.draft(mode if mode in ("L", "RGB") else None, (-(-w // r), -(-h // r)))
+            fx, fy = im.size[0] / w, im.size[1] / h
+            box = (box[0] * fx, box[1] * fy, box[2] * fx, box[3] * fy)
+    if im.mode != mode:
+        im = im.convert(mode)
     if box is not None:
         im = im.resize((s, s), Image.BICUBIC, box=box)
     elif im.size != (s, s):
         im = im.resize((s, s), Image.BICUBIC)
-    a = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy())
-    return a[None] if a.ndim == 2 else a.permute(2, 0, 1)[:c]
+    a = np.asarray(im, dtype=np.uint8)  # read-only, over PIL's bytes
+    a = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)[:c]
+    if out is None:
+        return torch.from_numpy(np.array(a))  # a writable copy
+    out.numpy()[:] = a  # one copy, HWC -> CHW (numpy's strided copy: faster than torch's on uint8)
+    return out
 
 
 def _chw_pil(x: torch.Tensor) -> Image.Image:
