@@ -11,6 +11,7 @@ the same numbers. Results are written and read by analysis/storage.py.
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -177,11 +178,14 @@ def retain_freed_memory() -> None:
     fresh zeroed pages: 215,000 page faults per pass over the default model's 1,024 analysis images against
     5,000-12,000 for the plain forward, and about a third of the suite's cost beyond the forward. With freed
     memory retained, both take ~0 faults. The process's resident size stays at its high-water mark (it would
-    reach it at every analysis anyway). Elsewhere (macOS, musl) nothing changes."""
+    reach it at every analysis anyway). Elsewhere (macOS, musl) nothing changes. ``VITLAB_KEEP_FREED_MEMORY=0`` leaves
+    glibc's defaults (a process that must shrink after an analysis, at the cost of the faults)."""
     global _MALLOC_SET
     if _MALLOC_SET:
         return
     _MALLOC_SET = True
+    if os.environ.get("VITLAB_KEEP_FREED_MEMORY", "1") == "0":  # the user's choice: memory handed back as glibc likes
+        return
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return
     try:
