@@ -205,7 +205,7 @@ def offset_local_heads(
     region attended to is offset from the query; a head spread over the 3x3 around its query is not). Also
     ``map_peak`` [..., 2] (the maximum cell of the map itself, anywhere) and ``mass_centre`` [..., 2].
     (Taking the window around the map's maximum instead misses a head that spreads evenly over its neighbourhood
-    with a slight corner maximum: the positive control in tests/test_positive_control.py has one.)"""
+    with a slight corner maximum: the positive control in tests/interventions/test_positive_control.py has one.)"""
     mass_maps = np.asarray(mass_maps, dtype=np.float64)
     rows, cols = mass_maps.shape[-2:]
     dr = np.arange(rows) - (rows - 1) // 2

@@ -353,7 +353,7 @@ def control_section(ctx) -> dict | None:
     if not runs:
         doc.add(
             f"This study has no {CONTROL} configuration (recipes/positive_control.yaml), so the locality verdicts rest "
-            "on the detectors' tests on a tiny model (tests/test_positive_control.py) alone.",
+            "on the detectors' tests on a tiny model (tests/interventions/test_positive_control.py) alone.",
             "",
         )
         return None

@@ -71,7 +71,8 @@ paired, 3 pairs, seeds independent (2)          29% / 8%             51% / 26%
 ==============================================  ===================  ===================
 
 The pooled rows agree with the exact power of the t test, P(T'_{df, delta / sqrt(2/3)} > t_{0.975, df}) with T'
-noncentral t: 0.463, 0.576, 0.633 at 2 sigma and 0.783, 0.894, 0.931 at 3 sigma (tests/test_stats.py checks df 8).
+noncentral t: 0.463, 0.576, 0.633 at 2 sigma and 0.783, 0.894, 0.931 at 3 sigma (tests/studies/test_stats.py checks df
+8).
 Welch is conservative with 3 seeds (its df falls towards 2 when one sample happens to vary less). For comparison, the
 rule this replaces (an effect counts beyond 2x the largest seed-to-seed difference, analysis/reports/claims.py), in
 the same simulation (200,000 claims): with 2 seeds a true null is held 3.5% and did not hold 3.5%, power 29% at

@@ -42,7 +42,8 @@ MIN_BLOCKS_PER_HALF = 4  # the CLS/spatial phase transition is judged on at leas
 DEMO_POSITIVE_CONTROL = (
     'A "not testable" or "did not hold" here rests on detectors with a positive control: heads forced local / offset '
     "by interventions.local_attention are found by attention distance, aligned attention and head subsets "
-    "(tests/test_positive_control.py, recipes/positive_control.yaml), and the same detectors find local heads in the "
+    "(tests/interventions/test_positive_control.py, recipes/positive_control.yaml), and the same detectors find local "
+    "heads in the "
     "lower blocks of a real pretrained ViT-S/14 and none in its last blocks (docs/real-vit.md)."
 )
 

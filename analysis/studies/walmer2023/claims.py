@@ -41,7 +41,8 @@ CLAIMS = Claims("walmer2023")
 SOURCE = "Walmer et al. 2023"
 REGIME = 0.8  # a self-supervised model must reach this share of its paper's k-NN share of supervised (Table 1)
 POSITIVE_CONTROL = (
-    'A "not testable" or "did not hold" rests on a detector with a positive control (tests/test_positive_control.py), '
+    'A "not testable" or "did not hold" rests on a detector with a positive control '
+    "(tests/interventions/test_positive_control.py), "
     "which also finds offset local heads in the first half of a real pretrained DINOv2-style ViT-S/14 and none in "
     "its last blocks (docs/real-vit.md)."
 )

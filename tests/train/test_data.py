@@ -319,7 +319,7 @@ def test_size_above_a_split_is_one_sentence_exit_2_before_the_run_folder(tmp_pat
     assert (
         main(
             [
-                str(Path(__file__).resolve().parents[1] / "recipes/tiny.yaml"),
+                str(Path(__file__).resolve().parents[2] / "recipes/tiny.yaml"),
                 "--set",
                 f"run.root={root}",
                 "data.eval_size=20000",

@@ -11,7 +11,7 @@ from conftest import shipped_recipes
 from train.cli import main
 from train.recipe import Recipe, RecipeError, load_recipe, run_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_shipped_recipe_validates():

@@ -303,7 +303,7 @@ def test_every_passage_is_quoted_from_its_paper():
     def flat(t: str) -> str:  # whitespace collapsed, hyphens dropped (line-end hyphenation splits words both ways)
         return re.sub(r"(\w)- (\w)", r"\1\2", " ".join(t.split())).replace("-", "")
 
-    for c in PAPER.claims:  # Walmer's own plug-in checks its passages (tests/test_claims_walmer.py)
+    for c in PAPER.claims:  # Walmer's own plug-in checks its passages (tests/studies/test_claims_walmer.py)
         text = flat(texts[c.source.split()[0]])
         at = 0
         for piece in c.passage.split(" […] "):  # a figure the layout put inside the sentence
@@ -312,6 +312,6 @@ def test_every_passage_is_quoted_from_its_paper():
 
 
 def test_no_committed_document_has_an_unformatted_placeholder():
-    docs = Path(__file__).resolve().parents[1] / "docs"
+    docs = Path(__file__).resolve().parents[2] / "docs"
     for f in sorted(docs.glob("*.md")):
         assert unformatted(f.read_text()) == [], f.name

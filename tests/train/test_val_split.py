@@ -12,7 +12,7 @@ from conftest import ROOT, read_scalars
 from safetensors.torch import load_file
 from test_train import Crash  # noqa: F401  (registers the test_crash_at callback)
 
-from analysis.reports.claims import select_checkpoint
+from analysis.studies.raghu2021.numbers import select_checkpoint
 from train.checkpoint import list_checkpoints
 from train.cli import main
 from train.data import VAL_SEED, DataError, balanced_indices, build_data

@@ -14,7 +14,7 @@ pytest.importorskip("skimage", reason="the dev extra's scikit-image ships the ph
 
 from analysis import images as I
 from analysis import pretrained as P
-from analysis.reports.claims import LOCAL_FRACTION, uniform_distance
+from analysis.reports.pilots import LOCAL_FRACTION, uniform_distance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

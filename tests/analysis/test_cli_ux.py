@@ -110,7 +110,7 @@ def test_a_mistyped_flag_gets_the_closest_flag(capsys):
 
 # ---------------------------------------------------------------- launch.sh: paths and the shared virtualenv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_venv(path: Path) -> Path:

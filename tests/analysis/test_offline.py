@@ -274,11 +274,11 @@ def test_a_truncated_cached_result_is_recomputed(runs, tmp_path, monkeypatch):
 
 
 def test_launch_sh_analyze_is_wired():
-    text = (Path(__file__).resolve().parents[1] / "launch.sh").read_text()
+    text = (Path(__file__).resolve().parents[2] / "launch.sh").read_text()
     assert (
         "analyze)" in text
         and "-m analysis" in text
-        and os.access(Path(__file__).resolve().parents[1] / "launch.sh", os.X_OK)
+        and os.access(Path(__file__).resolve().parents[2] / "launch.sh", os.X_OK)
     )
 
 
