@@ -19,6 +19,7 @@ import numpy as np
 
 from analysis import storage
 from analysis.figures import attention_distance_panels, save
+from analysis.reports.stats import Precondition
 from analysis.reports.study_runs import last, progress
 from train.checkpoint import STEP_RE, read_meta
 
@@ -418,3 +419,25 @@ def locality_section(ctx) -> dict:
         ctx.notes.append(loc["why"])
     ctx.shared["locality"] = loc
     return loc
+
+
+def locality_precondition(smallest: float, uniform: float, where: str) -> Precondition:
+    """Some head of ``where`` attends below LOCALITY_PRECONDITION x uniform attention's distance (pixels)."""
+    thr = LOCALITY_PRECONDITION * uniform
+    numbers = {"smallest_px": smallest, "uniform_px": uniform, "threshold_px": thr}
+    if smallest < thr:
+        return Precondition(
+            "locality",
+            True,
+            f"the most local head of {where} attends at {smallest:.2f} px = {smallest / uniform:.2f} x uniform, below "
+            f"{LOCALITY_PRECONDITION:g} x",
+            numbers,
+        )
+    return Precondition(
+        "locality",
+        False,
+        f"no head of {where} has left uniform attention: the most local head attends at {smallest:.2f} px = "
+        f"{smallest / uniform:.2f} x uniform attention's {uniform:.2f} px, and a locality claim is judged only when "
+        f"some head is below {LOCALITY_PRECONDITION:g} x (with every head near uniform, nothing can be local)",
+        numbers,
+    )

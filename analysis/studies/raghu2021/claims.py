@@ -30,7 +30,13 @@ from analysis.reports.claims import (
     slope_part,
 )
 from analysis.reports.compare import compare
-from analysis.reports.pilots import LOCAL_FRACTION, LOCALITY, LOCALITY_PRECONDITION, uniform_of
+from analysis.reports.pilots import (
+    LOCAL_FRACTION,
+    LOCALITY,
+    LOCALITY_PRECONDITION,
+    locality_precondition,
+    uniform_of,
+)
 from analysis.reports.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition
 from analysis.studies.raghu2021 import numbers as N
 from analysis.studies.raghu2021.floors import floors_section, identity_mask, resnet_blocks
@@ -62,25 +68,7 @@ def _locality_runs(ctx) -> tuple[str, list]:
 
 
 def _local_precondition(name: str, smallest: float, uniform: float) -> Precondition:
-    thr = LOCALITY_PRECONDITION * uniform
-    numbers = {"smallest_px": smallest, "uniform_px": uniform, "threshold_px": thr}
-    if smallest < thr:
-        return Precondition(
-            "locality",
-            True,
-            f"{name}: the most local head attends at {smallest:.2f} px = {smallest / uniform:.2f} x uniform, below "
-            f"{LOCALITY_PRECONDITION:g} x",
-            numbers,
-        )
-    return Precondition(
-        "locality",
-        False,
-        f"no head of {name} has left uniform attention: the most local head attends at {smallest:.2f} px = "
-        f"{smallest / uniform:.2f} x uniform attention's {uniform:.2f} px, and a locality claim is judged only when "
-        f"some head is below {LOCALITY_PRECONDITION:g} x (a model without a local head is not the kind of model "
-        "the paper describes)",
-        numbers,
-    )
+    return locality_precondition(smallest, uniform, name)
 
 
 # ------------------------------------------------------------------------------------------------ Fig. 1, 2

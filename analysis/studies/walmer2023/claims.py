@@ -32,7 +32,7 @@ import numpy as np
 from analysis import offline as O
 from analysis import storage
 from analysis.reports.claims import Claims, Result, compare_part, converged, judge, one_part, seeds, slope_part
-from analysis.reports.pilots import LOCALITY_PRECONDITION, uniform_of
+from analysis.reports.pilots import LOCALITY_PRECONDITION, locality_precondition, uniform_of
 from analysis.reports.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition
 from analysis.studies.walmer2023 import numbers as N
 from analysis.studies.walmer2023 import reads as R
@@ -115,28 +115,6 @@ def knn_shares(ctx, objectives) -> dict:
 
 def regime(ctx, objectives) -> list[Precondition]:
     return regime_precondition(knn_shares(ctx, objectives))
-
-
-def locality_precondition(smallest: float, uniform: float, where: str) -> Precondition:
-    """Some head of ``where`` attends below LOCALITY_PRECONDITION x uniform attention's distance (pixels)."""
-    thr = LOCALITY_PRECONDITION * uniform
-    numbers = {"smallest_px": smallest, "uniform_px": uniform, "threshold_px": thr}
-    if smallest < thr:
-        return Precondition(
-            "locality",
-            True,
-            f"the most local head of {where} attends at {smallest:.2f} px = {smallest / uniform:.2f} x uniform, below "
-            f"{LOCALITY_PRECONDITION:g} x",
-            numbers,
-        )
-    return Precondition(
-        "locality",
-        False,
-        f"no head of {where} has left uniform attention: the most local head attends at {smallest:.2f} px = "
-        f"{smallest / uniform:.2f} x uniform attention's {uniform:.2f} px, and a locality claim is judged only when "
-        f"some head is below {LOCALITY_PRECONDITION:g} x (with every head near uniform, nothing can be local)",
-        numbers,
-    )
 
 
 def locality(ctx, objectives) -> Precondition:
