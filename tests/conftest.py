@@ -131,8 +131,9 @@ def two_process_launch(recipe_path, port: int) -> tuple[list[str], dict]:
 # ---------------------------------------------------------------- tiny models and labelled images for measure tests
 
 
-def tiny_vit(class_token: bool = True, num_heads: int = 2):
-    """A 2-block, 32-wide timm ViT on 28x28x1 (7x7 tokens) with ``num_heads`` heads, seeded, in eval mode."""
+def tiny_vit(class_token: bool = True, num_heads: int = 2, depth: int = 2, embed_dim: int = 32):
+    """A ``depth``-block (2), ``embed_dim``-wide (32) timm ViT on 28x28x1 (7x7 tokens) with ``num_heads`` heads, seeded,
+    in eval mode: the one tiny model of the measure tests."""
     import torch
     from timm.models.vision_transformer import VisionTransformer
 
@@ -143,8 +144,8 @@ def tiny_vit(class_token: bool = True, num_heads: int = 2):
         patch_size=4,
         in_chans=1,
         num_classes=10,
-        embed_dim=32,
-        depth=2,
+        embed_dim=embed_dim,
+        depth=depth,
         num_heads=num_heads,
         mlp_ratio=2.0,
         **kw,

@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_vit
 
 from analysis.measure import Context, load_result, save_result
 from analysis.measures.aligned_attention import (
@@ -269,21 +270,7 @@ def test_cls_maps_against_loops_with_registers():
 
 
 def _tiny_vit(class_token=True):
-    from timm.models.vision_transformer import VisionTransformer
-
-    torch.manual_seed(0)
-    return VisionTransformer(
-        img_size=28,
-        patch_size=4,
-        in_chans=1,
-        num_classes=10,
-        embed_dim=32,
-        depth=2,
-        num_heads=2,
-        mlp_ratio=2.0,
-        class_token=class_token,
-        global_pool="token" if class_token else "avg",
-    ).eval()
+    return tiny_vit(class_token)
 
 
 def _ctx(model, accelerator=None):

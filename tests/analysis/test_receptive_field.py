@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TwoProcessReplay
+from conftest import TwoProcessReplay, tiny_vit
 from timm.models.resnet import BasicBlock, ResNet
-from timm.models.vision_transformer import VisionTransformer
 
 from analysis.measure import REGISTRY, Context, load_result, save_result
 from analysis.measures.erf import (
@@ -31,19 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _vit(class_token=True, depth=2):
-    torch.manual_seed(0)
-    return VisionTransformer(
-        img_size=28,
-        patch_size=4,
-        in_chans=1,
-        num_classes=10,
-        embed_dim=32,
-        depth=depth,
-        num_heads=2,
-        mlp_ratio=2.0,
-        class_token=class_token,
-        global_pool="token" if class_token else "avg",
-    ).eval()
+    return tiny_vit(class_token, depth=depth)
 
 
 def _resnet():

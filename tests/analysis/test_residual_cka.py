@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TwoProcessReplay
+from conftest import TwoProcessReplay, tiny_vit
 from timm.models.resnet import BasicBlock, ResNet
-from timm.models.vision_transformer import VisionTransformer
 
 from analysis.measure import REGISTRY, Context, load_result, save_result
 from analysis.measures.residual_cka import ResidualCKA, ResidualCKAOptions, residual_cka
@@ -160,10 +159,7 @@ def _run(model, ctx, measure=None, batches=((0, 8), (8, 16))):
 
 
 def _vit():
-    torch.manual_seed(0)
-    return VisionTransformer(
-        img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0
-    ).eval()
+    return tiny_vit()
 
 
 def _resnet():

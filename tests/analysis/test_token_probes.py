@@ -11,6 +11,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_vit
 
 from analysis.features import final_channels, patchify, pool_features, resnet_patch_side, spatial_tokens
 from analysis.measure import REGISTRY, Context, load_result, save_result
@@ -23,21 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _vit(class_token=True):
-    from timm.models.vision_transformer import VisionTransformer
-
-    torch.manual_seed(0)
-    return VisionTransformer(
-        img_size=28,
-        patch_size=4,
-        in_chans=1,
-        num_classes=10,
-        embed_dim=32,
-        depth=2,
-        num_heads=2,
-        mlp_ratio=2.0,
-        class_token=class_token,
-        global_pool="token" if class_token else "avg",
-    ).eval()
+    return tiny_vit(class_token)
 
 
 def _resnet():
