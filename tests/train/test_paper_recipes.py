@@ -25,6 +25,7 @@ def test_default_recipe_hash_is_unchanged_by_the_new_fields():
             "model.mixer_token_ratio=0.5",
             "train.objective=supervised",
             "data.val_size=0",
+            "model.reg_tokens=0",
         ],
     )
     assert spelled.hash() == r.hash()  # written out at their defaults: still the old hash
@@ -34,6 +35,8 @@ def test_default_recipe_hash_is_unchanged_by_the_new_fields():
         "model.resnet_block=bottleneck",
         "model.dropout=0.1",
         "model.mixer_token_ratio=0.25",
+        "model.reg_tokens=4",
+        "model.init_seed=7",
     ):
         assert load_recipe(ROOT / "recipes/default.yaml", [o]).hash() != r.hash(), o
     assert {k[-1] for k in ADDED_FIELDS} == {
@@ -54,6 +57,8 @@ def test_default_recipe_hash_is_unchanged_by_the_new_fields():
         "init_from",
         "init_part",
         "freeze_backbone",
+        "reg_tokens",
+        "init_seed",
     }
 
 
@@ -114,7 +119,7 @@ def test_resnet50_bottleneck_has_25_6m_parameters_and_runs_at_224():
 
 BAD = [
     ("data.in_memory=maybe", ["data.in_memory", "'auto'", "'true'", "'false'"]),
-    ("data.augment.random_resized_crop=3", ["data.augment.random_resized_crop", "bool"]),
+    ("data.augment.random_resized_crop=3", ["data.augment.random_resized_crop", "true or false"]),
     ("model.resnet_block=wide", ["model.resnet_block", "'basic'", "'bottleneck'"]),
     ("model.dropout=1.5", ["model.dropout", "out of range", "<= 1.0"]),
     ("model.arch=resnet model.dropout=0.1", ["model.dropout", "vit and mixer"]),
