@@ -62,6 +62,7 @@ from train.errors import UserError
 from train.models import build_model
 from train.objectives import uses_labels
 from train.recipe import RecipeError, load_recipe
+from train.run_folder import events_dir
 
 DEFAULT_PART = storage.DEFAULT_PART
 
@@ -401,7 +402,7 @@ class _Writer:
         if self.enabled and self.w is None:
             from torch.utils.tensorboard import SummaryWriter  # deferred: importing tensorboard costs ~1 s
 
-            self.w = SummaryWriter(str(self.run.path / "tb"), flush_secs=10)
+            self.w = SummaryWriter(str(events_dir(self.run.path)), flush_secs=10)
         return self.w
 
     def close(self):

@@ -96,7 +96,7 @@ def harness_loop(recipe_path: str, steps: int, warmup: int, bf16: bool, root: st
     GradientState._reset_state()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(Path(out["run_dir"]) / "tb"), size_guidance={"scalars": 0})
+    ea = EventAccumulator(out["run_dir"], size_guidance={"scalars": 0})
     ea.Reload()
     vals = [e.value for e in ea.Scalars("train/throughput_img_s") if e.step > warmup]
     return statistics.mean(vals)

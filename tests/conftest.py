@@ -82,7 +82,7 @@ def read_scalars(run_dir: Path) -> dict:
     """{tag: [(step, value), ...]} from a run's TensorBoard events (nothing sampled away)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(Path(run_dir) / "tb"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    ea = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     ea.Reload()
     return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
 

@@ -258,9 +258,10 @@ def commit(acc, lock: RunLock, held: bool, recipe: Recipe, overrides, resume, ru
     lock.committed = True
     if acc.is_main_process:
         try:
-            if step == 0 and (run_dir / "tb").exists():
-                # an earlier attempt that died before its first checkpoint: its curve is not this run's
-                shutil.rmtree(run_dir / "tb")
+            if step == 0:  # an earlier attempt that died before its first checkpoint: its curve is not this run's
+                shutil.rmtree(run_dir / "tb", ignore_errors=True)
+                for f in run_dir.glob("events.out.tfevents.*"):
+                    f.unlink()
             (run_dir / "recipe.yaml").write_text(dump(recipe))
         except OSError as e:
             raise RunFolderError(
@@ -270,6 +271,15 @@ def commit(acc, lock: RunLock, held: bool, recipe: Recipe, overrides, resume, ru
 
 
 # ---------------------------------------------------------------- TensorBoard's events files
+
+
+def events_dir(run_dir: Path) -> Path:
+    """Where a run's TensorBoard events files are: the run folder itself, so that TensorBoard, which names a run by
+    the folder of its events files, lists ``tensorboard --logdir runs`` as ``tiny``, not ``tiny/tb``. Runs trained
+    before this layout keep theirs in ``<run>/tb`` (training resumed and analyses added there too)."""
+    legacy = Path(run_dir) / "tb"
+    return legacy if legacy.is_dir() else Path(run_dir)
+
 
 
 def wait_past_event_files(tb_dir: Path, limit_s: float = 2.0) -> None:
@@ -329,15 +339,16 @@ def write_hparams(writer, recipe: Recipe, extra: dict) -> None:
 
 
 def open_tensorboard(acc, run_dir: Path, step: int, recipe: Recipe, run_info: dict):
-    """Start the run's TensorBoard tracker under ``<run>/tb``; returns its SummaryWriter (None off the main process).
+    """Start the run's TensorBoard tracker in the run folder (:func:`events_dir`); returns its SummaryWriter (None off the main process).
 
     Events are flushed every 10 s and at every checkpoint (so a kill loses nothing before it); on resume, the events
     logged after the checkpoint are purged; a fresh run records the flattened recipe as hparams."""
     main = acc.is_main_process
     tb_kwargs = {"flush_secs": 10, **({"purge_step": step + 1} if step else {})}
     if main and step:
-        wait_past_event_files(run_dir / "tb")
-    acc.init_trackers("tb", init_kwargs={"tensorboard": tb_kwargs})
+        wait_past_event_files(events_dir(run_dir))
+    # the tracker's folder is <project dir>/<name>: "." is the run folder itself, "tb" an older run's
+    acc.init_trackers(events_dir(run_dir).relative_to(run_dir).as_posix(), init_kwargs={"tensorboard": tb_kwargs})
     writer = acc.get_tracker("tensorboard", unwrap=True) if main else None
     if main and step == 0:
         write_hparams(writer, recipe, {"run": {k: v for k, v in run_info.items() if k != "interventions"}})

@@ -91,7 +91,7 @@ def _todo(plan: list[tuple], dry_run: bool) -> tuple[list[tuple], int]:
             continue
         if dry_run:
             resumable = bool(list_checkpoints(run_dir / "checkpoints", warn=False))  # --resume refuses to start one
-            print(f"{label}: {'resuming' if resumable else 'starting'}", flush=True)
+            print(f"{label}: would {'resume' if resumable else 'start'}", flush=True)
             continue
         root = f"run.root={run_dir.resolve().parent}"
         cmd = [*launcher, str(recipe), "--set", *overrides, root, f"run.name={run_dir.name}"]

@@ -355,6 +355,7 @@ class Loop:
     ctx: TrainContext | None = None
     run_info: dict = field(default_factory=dict)  # what every checkpoint's meta.json records of the run
     bar: tqdm | None = None
+    shown: dict = field(default_factory=dict)  # the bar's last logged loss, lr and throughput
     stop: StopSignals | None = None
     stop_after: int | None = None
     t_start: float = 0.0
@@ -488,11 +489,23 @@ def log_train(loop: Loop, lr: float, grad_norm: torch.Tensor) -> None:
         step,
     )
     if loop.bar is not None:
-        shown = {"loss": f"{float(mean_loss):.3f}", "lr": f"{lr:.2e}", "img_s": f"{ips:.0f}"}
-        if "top1" in loop.last_eval:  # nothing before the first evaluation (not nan)
-            shown["top1"] = f"{loop.last_eval['top1']:.4f}"
-        loop.bar.set_postfix(shown)
+        loop.shown = {"loss": f"{float(mean_loss):.3f}", "lr": f"{lr:.2e}", "img_s": f"{ips:.0f}"}
+        show(loop)
     loop.window = LogWindow()
+
+
+def show(loop: Loop, now: str | None = None) -> None:
+    """The progress bar's postfix: the last logged loss, lr and throughput, the last evaluation's top-1 (nothing
+    before the first evaluation, not nan), and ``now=`` what the run is doing between steps (evaluating, writing a
+    checkpoint, callbacks), so a bar at 100% during the final evaluation and analyses says why it waits."""
+    if loop.bar is None:
+        return
+    shown = dict(loop.shown)
+    if "top1" in loop.last_eval:
+        shown["knn_top1" if not loop.labelled else "top1"] = f"{loop.last_eval['top1']:.4f}"
+    if now:
+        shown["now"] = now
+    loop.bar.set_postfix(shown, refresh=True)
 
 
 # ---------------------------------------------------------------- evaluation
@@ -502,6 +515,7 @@ def run_eval(loop: Loop) -> None:
     """Top-1 and loss of the eval split (and of the val split, when there is one); k-NN top-1 of the backbone's
     features for objectives without labels (DINO's monitor)."""
     acc, data, t0 = loop.acc, loop.data, time.perf_counter()
+    show(loop, "evaluating")
     if loop.labelled:
         loop.last_eval = evaluate(acc, loop.model, loop.eval_loader, data, data.num_classes)
         logged = {"eval/top1": loop.last_eval["top1"], "eval/loss": loop.last_eval["loss"]}
@@ -516,6 +530,7 @@ def run_eval(loop: Loop) -> None:
             loop.last_val = knn_monitor(acc, backbone, bank, loop.val_loader, data.normalize, data.num_classes)
             logged["val/knn_top1"] = loop.last_val["top1"]
     loop.log({**logged, "time/eval_s": time.perf_counter() - t0}, loop.step)  # both splits' time
+    show(loop)  # the new top-1: the bar ends on the number the run reports
 
 
 # ---------------------------------------------------------------- checkpointing
@@ -525,6 +540,7 @@ def checkpoint(loop: Loop, final: bool) -> float:
     """Collective: save the step (weights, optimizer, RNG, meta.json with the unfinished log window), then run the
     checkpoint callbacks; returns the seconds spent in callbacks."""
     t0, step = time.perf_counter(), loop.step
+    show(loop, "checkpoint")
     meta = {
         **loop.run_info,
         "epoch": loop.epoch_index(step),
@@ -539,7 +555,10 @@ def checkpoint(loop: Loop, final: bool) -> float:
     loop.last_saved = step
     loop.log({"time/checkpoint_s": time.perf_counter() - t0}, step)
     loop.ctx.step, loop.ctx.checkpoint_dir = step, path
-    return loop.callbacks.on_checkpoint(loop.ctx)
+    show(loop, "checkpoint callbacks")
+    dt = loop.callbacks.on_checkpoint(loop.ctx)
+    show(loop)
+    return dt
 
 
 def after_step(loop: Loop) -> None:
@@ -646,7 +665,9 @@ def finish(loop: Loop) -> dict:
     """The end callbacks, the summary, ``result.json`` (written last: it marks the run finished)."""
     acc, ctx = loop.acc, loop.ctx
     ctx.step = loop.step
+    show(loop, "end callbacks")
     dt = loop.callbacks.on_train_end(ctx)
+    show(loop)
     if dt:
         loop.log({"time/callbacks_s": dt}, loop.step)
     if loop.bar is not None:

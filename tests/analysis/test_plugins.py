@@ -207,6 +207,6 @@ def test_sample_images_at_every_checkpoint_by_default(write_recipe):
 
     p = write_recipe("samples", callbacks=["sample_images"])
     run = Path(train(load_recipe(p), progress=False)["run_dir"])
-    ea = EventAccumulator(str(run / "tb"), size_guidance={"images": 0})
+    ea = EventAccumulator(str(run), size_guidance={"images": 0})
     ea.Reload()
     assert [e.step for e in ea.Images("data/train_samples")] == [0, 4, 8]

@@ -108,7 +108,7 @@ def test_suite_in_training_writes_arrays_figures_and_tensorboard(write_recipe, t
     assert cb[4] > 0 and {4, 8} <= set(cb)  # the suite ran there (its figures are drawn in the background)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(run / "tb"), size_guidance={"images": 0})
+    ea = EventAccumulator(str(run), size_guidance={"images": 0})
     ea.Reload()
     images = {"cka/self", "norm_ratio/lines", "attn_dist/heads", "probe/10shot"}  # beside the scalars, in analysis/
     assert {"analysis/" + t for t in images} <= set(ea.Tags()["images"])
@@ -154,7 +154,7 @@ def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_ea
     )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(run / "tb"), size_guidance={"images": 0})
+    ea = EventAccumulator(str(run), size_guidance={"images": 0})
     ea.Reload()
     assert [e.step for e in ea.Images("analysis/cka/self")] == [4]
 

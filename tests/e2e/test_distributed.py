@@ -37,7 +37,7 @@ def test_two_process_eval_top1_equals_one_process(write_recipe, tmp_path):
     assert meta["torch_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
     assert meta["eval"]["n"] == 250, "every eval image counted exactly once"
     two_proc_top1 = meta["eval"]["top1"]
-    assert len(list((run / "tb").rglob("events.out.tfevents*"))) == 1, "only the main process writes TensorBoard"
+    assert len(list(run.rglob("events.out.tfevents*"))) == 1, "only the main process writes TensorBoard"
 
     # the same weights, one process
     recipe = load_recipe(p)

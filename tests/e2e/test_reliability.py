@@ -118,7 +118,7 @@ def test_second_trainer_is_refused_and_a_killed_one_holds_no_lock(driver, write_
     finally:
         a.kill()
         a.wait()
-    assert (run / ".lock").is_file() and list((run / "tb").rglob("events*")), "A had logged steps 1-2"
+    assert (run / ".lock").is_file() and list(run.glob("events*")), "A had logged steps 1-2"
     rc, out = finish(start(train_cmd(driver, p, "--name", "run", "--resume"), tmp_path, "c"))
     assert rc == 2 and "nothing to resume" in one_error_line(out)
     r = load_recipe(p, ["run.name=run"])

@@ -153,7 +153,7 @@ def test_study_only_and_jobs_are_checked(tmp_path, capsys):
     p = _study(tmp_path, {"a": {"recipe": "tiny.yaml"}, "b": {"recipe": "tiny.yaml"}}, seeds=[0, 1])
     assert main([p, "--only", "b", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "b_s0: starting" in out and "b_s1: starting" in out and "a_s0" not in out
+    assert "b_s0: would start" in out and "b_s1: would start" in out and "a_s0" not in out
     assert main([p, "--only", "c"]) == 2
     assert "--only names c, which the study does not have: choose from a, b." in capsys.readouterr().err
     assert main([p, "--jobs", "0"]) == 2
@@ -173,7 +173,7 @@ def test_the_gpu_study_validates_and_lists_its_runs(capsys):
     assert 50 <= r.train.steps * r.train.batch_size / 60000 <= 100  # epochs of Fashion-MNIST's 60,000 train images
     assert main([str(p), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "19 runs, 0 already finished, 19 to start, 0 failed" in out and "vit_cls_s2: starting" in out
+    assert "19 runs, 0 already finished, 19 to start, 0 failed" in out and "vit_cls_s2: would start" in out
 
 
 def test_the_study_resnet_has_identity_shortcuts():

@@ -177,6 +177,6 @@ def test_resume_is_exact_with_a_lazy_cropped_split(write_recipe):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(Path(straight["run_dir"]) / "tb"), size_guidance={"images": 0})
+    ea = EventAccumulator(straight["run_dir"], size_guidance={"images": 0})
     ea.Reload()
     assert [e.step for e in ea.Images("data/train_samples")] == [0, 2, 4]

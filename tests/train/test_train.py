@@ -121,12 +121,16 @@ def test_smoke_run_through_launch_sh(write_recipe, tmp_path):
     assert all(v > 0 for _, v in scalars["train/throughput_img_s"])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(run / "tb"), size_guidance={"tensors": 0, "images": 0})
+    ea = EventAccumulator(str(run), size_guidance={"tensors": 0, "images": 0})
     ea.Reload()
     assert "data/train_samples" in ea.Tags()["images"]
     hp = ea.PluginTagToContent("hparams")
     assert hp and b"train.lr" in b"".join(hp.values())
-    assert len(list((run / "tb").rglob("events.out.tfevents*"))) == 1  # one writer, no stray hparams folder
+    assert len(list(run.rglob("events.out.tfevents*"))) == 1  # one writer, no stray hparams folder
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    # TensorBoard names a run by its events' folder: `tensorboard --logdir runs` lists the run's own name
+    assert list(EventMultiplexer().AddRunsFromDirectory(str(run.parent)).Runs()) == [run.name]
     result = json.loads((run / "result.json").read_text())
     assert result["step"] == 8 and 0.0 <= result["top1"] <= 1.0
 
@@ -315,3 +319,36 @@ def test_on_close_runs_once_however_the_run_ends(how, write_recipe):
     assert len(closes) == 1, Record.calls
     if how != "diverged":
         assert closes[0][1] == {"finished": 8, "crash": 4}[how], closes
+
+
+def test_progress_bar_ends_on_the_reported_top1_and_names_the_final_stages(write_recipe, capsys):
+    """The bar's last top-1 is the final evaluation's (the one the run reports), not the evaluation before it, and
+    between steps it says what the run is doing (evaluating, the checkpoint and its callbacks)."""
+    import re
+
+    summary = train(load_recipe(write_recipe(train={"eval_every": 3}, callbacks=[])), progress=True)
+    err = capsys.readouterr().err
+    frames = [f for f in re.split(r"[\r\n]", err) if "top1=" in f]
+    assert frames, err[-2000:]
+    last = re.search(r"top1=([0-9.]+)", frames[-1]).group(1)
+    assert last == f"{summary['top1']:.4f}", (frames[-1], summary["top1"])
+    for stage in ("now=evaluating", "now=checkpoint"):
+        assert stage in err, stage
+
+
+def test_a_run_trained_with_a_tb_folder_resumes_into_it(write_recipe):
+    """Runs trained before the events moved into the run folder keep them in <run>/tb: a resumed run (and an
+    offline analysis) writes there, so its curves stay one TensorBoard run."""
+    from train.trainer import TrainingStopped
+
+    p = write_recipe(callbacks=[])
+    with pytest.raises(TrainingStopped, match="stopped after step 4"):
+        train(load_recipe(p), stop_after=4, progress=False)
+    run = Path(load_recipe(p).run.root) / "tiny"
+    (run / "tb").mkdir()
+    for f in run.glob("events.out.tfevents.*"):
+        f.rename(run / "tb" / f.name)
+    train(load_recipe(p), resume=True, progress=False)
+    assert not list(run.glob("events.out.tfevents.*"))
+    scalars = read_scalars(run / "tb")
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 9))

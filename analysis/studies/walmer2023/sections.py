@@ -18,6 +18,7 @@ from analysis.studies.walmer2023 import reads as R
 from analysis.studies.walmer2023.claims import REGIME
 from train.checkpoint import read_meta
 from train.objectives import REGISTRY, Objective
+from train.run_folder import events_dir
 
 COLORS = {"supervised": "C0", "dino": "C1", "mae": "C2"}
 
@@ -67,8 +68,8 @@ def _result_json(run) -> dict:
 def throughput(run) -> tuple[float, str]:
     """Training images per second: the median of the trainer's ``train/throughput_img_s`` windows in the run's
     TensorBoard (time in callbacks, evaluation and checkpoints excluded), else steps x batch / the run's wall time."""
-    tb = run.path / "tb"
-    if tb.is_dir():
+    tb = events_dir(run.path)
+    if any(tb.glob("events.out.tfevents.*")):
         ea = EventAccumulator(str(tb), size_guidance={"scalars": 0})
         ea.Reload()
         if "train/throughput_img_s" in ea.Tags()["scalars"]:
