@@ -281,7 +281,6 @@ def events_dir(run_dir: Path) -> Path:
     return legacy if legacy.is_dir() else Path(run_dir)
 
 
-
 def wait_past_event_files(tb_dir: Path, limit_s: float = 2.0) -> None:
     """Wait (at most ``limit_s``) until the clock's second is past the newest events file's in ``tb_dir``.
 
@@ -339,7 +338,8 @@ def write_hparams(writer, recipe: Recipe, extra: dict) -> None:
 
 
 def open_tensorboard(acc, run_dir: Path, step: int, recipe: Recipe, run_info: dict):
-    """Start the run's TensorBoard tracker in the run folder (:func:`events_dir`); returns its SummaryWriter (None off the main process).
+    """Start the run's TensorBoard tracker in the run folder (:func:`events_dir`); returns its SummaryWriter (None
+    off the main process).
 
     Events are flushed every 10 s and at every checkpoint (so a kill loses nothing before it); on resume, the events
     logged after the checkpoint are purged; a fresh run records the flattened recipe as hparams."""
