@@ -119,18 +119,20 @@ def die_with_launcher() -> bool:
 def preflight(recipe, overrides: list, resume) -> None:
     """What ``--check`` verifies beyond the recipe, with the trainer's and the data layer's own rules and messages, in
     the trainer's order, without training or writing (it reads, and takes the run folder's lock while it reads, as the
-    trainer does): the callbacks' options (and against the recipe's model); the run folder (not in use by a live
-    trainer; no checkpoints unless
-    --resume; with --resume, a complete checkpoint whose files match their checksums, trained with this recipe:
+    trainer does): the callbacks' options (and against the recipe's model); with train.compile, that torch.compile's
+    backend can compile here (inductor: a C++ compiler); the run folder (not in use by a live trainer; no checkpoints
+    unless --resume; with --resume, a complete checkpoint whose files match their checksums, trained with this recipe:
     :func:`train.trainer.prepare_run`); that the data source opens (:func:`train.sources.check_source`, which reads no
     images). Left to the trainer: whether the checkpoint's tensors load into the model, and the number of processes
     (the launcher decides it). Raises RecipeError, RunFolderError, CheckpointError or DataError."""
     # deferred, as in main(): importing the trainer (torch, accelerate, timm) takes seconds
+    from train import compiling
     from train.callbacks import build_callbacks
     from train.run_folder import RunLock, prepare_run, run_dir_for
     from train.sources import check_source
 
     build_callbacks(recipe.callbacks).check_recipe(recipe)
+    compiling.check(recipe)  # train.compile: a C++ compiler for inductor
     run_dir = run_dir_for(recipe, overrides)
     lock = RunLock(run_dir)
     try:

@@ -148,6 +148,9 @@ class TrainConfig:
     init_from: str | None = None
     init_part: str = "student"  # the network of init_from's checkpoint: student (the backbone) or e.g. teacher (DINO)
     freeze_backbone: bool = False  # linear evaluation: only the classifier head trains, the backbone stays in eval mode
+    # torch.compile (inductor) of the module the update step calls (train/compiling.py): evaluation, callbacks and
+    # checkpoints see the original module; same weights as eager up to float rounding, so --resume may toggle it
+    compile: bool = False
 
 
 @dataclass
@@ -199,17 +202,20 @@ ADDED_FIELDS: dict[tuple[str, ...], Any] = {
     ("train", "freeze_backbone"): False,
     ("model", "reg_tokens"): 0,
     ("model", "init_seed"): None,
+    ("train", "compile"): False,
 }
 # The interventions that existed when the hash was defined: hashed even when absent (None / []), as they always
 # were. Any other intervention is left out of the hash while absent, so adding one keeps every hash.
 _HASHED_WHEN_ABSENT = ("no_skip", "data_subset", "head_mask")
 
 # Keys that may change when a run is resumed (--resume): they are left out of Recipe.resume_hash(). Cadences and
-# folders do not change the weights; train.steps (extend a run), train.lr, train.warmup_steps and train.grad_clip
+# folders do not change the weights, nor does train.compile (the same computation compiled; it stays in hash(), as
+# compiled kernels round differently); train.steps (extend a run), train.lr, train.warmup_steps and train.grad_clip
 # (the advice after a divergence) change the schedule of the steps still to come: lr_at(step) is a function of the
 # recipe in force, so a resumed run with new values is exactly "old values up to the checkpoint, new ones after".
 RESUMABLE: tuple[str, ...] = (
     "train.steps",
+    "train.compile",
     "train.lr",
     "train.warmup_steps",
     "train.grad_clip",

@@ -36,7 +36,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from tqdm.auto import tqdm
 
 from interventions import describe
-from train import init_from
+from train import compiling, init_from
 from train.callbacks import CallbackList, TrainContext, build_callbacks
 from train.checkpoint import list_checkpoints, save_checkpoint
 from train.collective import any_process, gather_floats
@@ -198,6 +198,7 @@ def _set_up(recipe: Recipe, overrides, resume, progress, allow_process_change, r
     """Every check that can refuse the run, then the run folder, data, model, optimizer and TensorBoard: the
     :class:`Loop` at its first step (or the summary of a run that had already finished)."""
     callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
+    compiling.check(recipe)  # train.compile without a C++ compiler for inductor: one sentence, nothing written
     acc = make_accelerator(recipe, run_dir)
     held = claim(acc, lock, create=False)  # an existing folder is locked before its checkpoints are read
     run_dir, start_ckpt, start_meta = prepare_run(recipe, overrides, resume, run_dir)
@@ -266,6 +267,11 @@ def _input_pipeline_and_model(
     # the k-NN monitor's memory bank (objectives without labels): the probe-train split, unaugmented
     bank_loader = None if labelled else acc.prepare(eval_loader(data.probe_train, t.eval_batch_size, workers))
     model, opt, ev_loader = acc.prepare(model, opt, ev_loader)
+    # train.compile: a torch.compile wrapper of the prepared module, called by the update step alone. The module
+    # itself stays as it was: objective.network (what callbacks and analysis taps hook, by timm's module names),
+    # evaluation (no recompiles for eval mode and its batch sizes) and accelerate's save_state / load_state (checkpoint
+    # keys without '_orig_mod.') all use it; the wrapper shares its parameters, so the optimizer trains them.
+    step_model = compiling.compile_module(model) if t.compile else model
     # data.val_size > 0: the held-out validation split, evaluated at every evaluation exactly as the eval split
     val_loader = acc.prepare(eval_loader(data.val, t.eval_batch_size, workers)) if data.val is not None else None
     return Loop(
@@ -274,6 +280,7 @@ def _input_pipeline_and_model(
         data=data,
         objective=objective,
         model=model,
+        step_model=step_model,
         opt=opt,
         sampler=sampler,
         train_loader=train_loader,
@@ -350,6 +357,7 @@ class Loop:
     val_loader: DataLoader | None
     bank_loader: DataLoader | None  # the k-NN monitor's memory bank (objectives without labels)
     labelled: bool
+    step_model: torch.nn.Module | None = None  # what the update step calls: ``model``, or its torch.compile wrapper
     run_dir: Path = Path()
     callbacks: CallbackList = field(default_factory=lambda: CallbackList([]))
     ctx: TrainContext | None = None
@@ -360,12 +368,19 @@ class Loop:
     stop_after: int | None = None
     t_start: float = 0.0
     wall_before: float = 0.0  # seconds trained before the checkpoint resumed from
+    compile_before: float = 0.0  # seconds torch.compile took in the run's segments before the checkpoint resumed from
+    compile_s: float | None = None  # seconds it took in this segment so far (None: nothing compiled yet)
+    compile_start: float | None = None  # torch.compile's process-wide seconds before this segment's first step
 
     step: int = 0
     last_saved: int = -1
     last_eval: dict = field(default_factory=dict)
     last_val: dict = field(default_factory=dict)
     window: LogWindow = field(default_factory=LogWindow)
+
+    def __post_init__(self):
+        if self.step_model is None:
+            self.step_model = self.model
 
     @property
     def global_batch(self) -> int:
@@ -383,6 +398,7 @@ class Loop:
     def resume_from(self, meta: dict, resumed: bool) -> None:
         """The position and measurements recorded by the checkpoint resumed from (``meta``; {} for a fresh run)."""
         self.wall_before = float(meta.get("wall_s", 0.0))
+        self.compile_before = float(meta.get("compile_s", 0.0))
         self.last_eval = meta.get("eval") or {}
         self.last_val = meta.get("val") or {}
         self.window = LogWindow.from_meta(meta.get("log_window"), self.acc)
@@ -394,6 +410,16 @@ class Loop:
 
     def wall_s(self) -> float:
         return self.wall_before + time.perf_counter() - self.t_start
+
+    @property
+    def compiled(self) -> bool:
+        return self.step_model is not self.model
+
+    def compile_total(self) -> dict:
+        """``{"compile_s": seconds}`` over every segment of the run that compiled (meta.json, result.json), or {}."""
+        if self.compile_s is None and not self.compile_before:
+            return {}
+        return {"compile_s": self.compile_before + (self.compile_s or 0.0)}
 
 
 # ---------------------------------------------------------------- input pipeline of the loop
@@ -443,7 +469,7 @@ def update_step(loop: Loop, batches: EpochBatches) -> tuple[float, torch.Tensor]
             augment(x, aug.shift, aug.hflip, batch_rrc, aug.randaugment_ops, aug.randaugment_magnitude)
         )
         with contextlib.nullcontext() if k == G - 1 else acc.no_sync(loop.model):
-            loss, terms = loop.objective.loss(loop.model, x, y, loop.step)
+            loss, terms = loop.objective.loss(loop.step_model, x, y, loop.step)
             acc.backward(loss / G)
         loss_acc += loss.detach()
         for name, v in terms.items():
@@ -464,6 +490,29 @@ def update_step(loop: Loop, batches: EpochBatches) -> tuple[float, torch.Tensor]
 
 
 # ---------------------------------------------------------------- logging
+
+
+def note_compile(loop: Loop, step_s: float) -> None:
+    """train.compile, after an update step that took ``step_s``: the seconds torch.compile spent in this segment
+    (dynamo's own account, backward and recompiles included; the first step's wall time where torch keeps none),
+    logged as ``time/compile_s`` whenever they grow, with one line on the main process after the first step."""
+    first, now = loop.compile_s is None, compiling.seconds()
+    if now is None or loop.compile_start is None:
+        if not first:
+            return
+        spent = step_s
+    else:
+        spent = now - loop.compile_start
+        if not first and spent <= loop.compile_s:
+            return
+    loop.compile_s = spent
+    loop.log({"time/compile_s": spent}, loop.step)
+    if first and loop.acc.is_main_process:
+        line = (
+            f"torch.compile ({compiling.backend()}): {spent:.1f} s compiling the first step (the step took "
+            f"{step_s:.1f} s)"
+        )
+        (tqdm.write if loop.bar is not None else print)(line, file=sys.stderr)
 
 
 def log_train(loop: Loop, lr: float, grad_norm: torch.Tensor) -> None:
@@ -549,6 +598,7 @@ def checkpoint(loop: Loop, final: bool) -> float:
         "time": time.time(),
         "wall_s": loop.wall_s(),
         "log_window": loop.window.to_meta(loop.acc),
+        **loop.compile_total(),
         **({"val": loop.last_val} if loop.val_loader is not None else {}),  # what checkpoint selection reads
     }
     path = save_checkpoint(loop.acc, loop.run_dir / "checkpoints", step, meta, loop.recipe.train.keep_last)
@@ -652,10 +702,14 @@ def train_loop(loop: Loop) -> dict:
     loop.model.train()
     stop_if_asked(loop)
     stop_if_reached(loop)
+    loop.compile_start = compiling.seconds() if loop.compiled else None
     while loop.step < steps:
         batches = EpochBatches(loop)
         while loop.step < steps and not batches.crossed:
+            t0 = time.perf_counter()
             lr, grad_norm = update_step(loop, batches)
+            if loop.compiled:
+                note_compile(loop, time.perf_counter() - t0)
             log_train(loop, lr, grad_norm)
             after_step(loop)
     return finish(loop)
@@ -679,6 +733,7 @@ def finish(loop: Loop) -> dict:
         "eval_loss": loop.last_eval.get("loss"),
         "wall_s": loop.wall_s(),
         "num_processes": acc.num_processes,
+        **loop.compile_total(),
     }
     own = loop.objective.summary()
     if own:
