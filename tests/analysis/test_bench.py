@@ -19,6 +19,10 @@ RATIO = {  # what each script's RATIO line must hold
         r"^RATIO cka (default|vits|vitb) threads=1: new/half=[\d.]+ new/full=[\d.]+ numpee/new=[\d.]+ "
         r"old/new=[\d.]+ .*max_abs_vs_old="
     ),
+    "compile_speed.py": (
+        r"^RATIO compile threads=1 backend=\w+: compiled/eager=[\d.]+ eager=[\d.]+/s compiled=[\d.]+/s "
+        r"compile_s=-?[\d.]+$"
+    ),
     "input_speed.py": (
         r"^RATIO input size=224: lazy=\d+/s timm=\d+/s lazy/timm=[\d.]+( tv=\d+/s lazy/tv=[\d.]+)? "
         r"workers_for_3000/s=\d+$"

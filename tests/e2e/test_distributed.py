@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, two_process_launch
+from conftest import ROOT, read_scalars, two_process_launch
+from safetensors.torch import load_file
 
 from train.checkpoint import list_checkpoints, load_weights
+from train.compiling import BACKEND_ENV
 from train.data import build_data
 from train.models import build_model
 from train.recipe import load_recipe
@@ -56,6 +58,31 @@ def test_two_process_eval_top1_equals_one_process(write_recipe, tmp_path):
     assert (pred == data.eval.labels).sum().item() / 250 == pytest.approx(
         two_proc_top1, rel=1e-6
     )  # torchmetrics computes in float32
+
+
+@pytest.mark.slow  # two 2-process launches: about 70 s
+@pytest.mark.multiprocess
+def test_two_processes_train_compiled_as_they_train_eager(write_recipe, tmp_path):
+    """train.compile with 2 processes (the DDP-wrapped module compiled; aot_eager, the same graph capture as inductor
+    without its C++ compile): the losses and weights of the eager 2-process run, so gradients are averaged across
+    the processes as in eager DDP; checkpoint keys are the model's own."""
+    runs = {}
+    for port, (name, compiled) in enumerate((("eager", False), ("compiled", True))):
+        train = {"mixed_precision": "no", "steps": 4, "checkpoint_every": 4, "eval_every": 4, "compile": compiled}
+        cmd, env = two_process_launch(write_recipe(name, train=train), 29541 + port)
+        env[BACKEND_ENV] = "aot_eager"
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        runs[name] = tmp_path / "runs" / name
+        ckpts = list_checkpoints(runs[name] / "checkpoints")
+        assert ckpts and ckpts[-1].name == "step_0000004", out.stderr[-3000:]
+    a, b = read_scalars(runs["eager"]), read_scalars(runs["compiled"])
+    assert [v for _, v in b["train/loss"]] == pytest.approx([v for _, v in a["train/loss"]], rel=1e-4)
+    assert "time/compile_s" in b and "time/compile_s" not in a
+    wa, wb = (load_file(str(list_checkpoints(r / "checkpoints")[-1] / "model.safetensors")) for r in runs.values())
+    assert wa.keys() == wb.keys() and not any("_orig_mod" in k for k in wb)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+    meta = json.loads((list_checkpoints(runs["compiled"] / "checkpoints")[-1] / "meta.json").read_text())
+    assert meta["num_processes"] == 2 and meta["compile_s"] > 0 and meta["eval"]["n"] == 250
 
 
 def _alive(pid: int) -> bool:

@@ -26,6 +26,7 @@ def test_default_recipe_hash_is_unchanged_by_the_new_fields():
             "train.objective=supervised",
             "data.val_size=0",
             "model.reg_tokens=0",
+            "train.compile=false",
         ],
     )
     assert spelled.hash() == r.hash()  # written out at their defaults: still the old hash
@@ -37,6 +38,7 @@ def test_default_recipe_hash_is_unchanged_by_the_new_fields():
         "model.mixer_token_ratio=0.25",
         "model.reg_tokens=4",
         "model.init_seed=7",
+        "train.compile=true",
     ):
         assert load_recipe(ROOT / "recipes/default.yaml", [o]).hash() != r.hash(), o
     assert {k[-1] for k in ADDED_FIELDS} == {
@@ -59,6 +61,7 @@ def test_default_recipe_hash_is_unchanged_by_the_new_fields():
         "freeze_backbone",
         "reg_tokens",
         "init_seed",
+        "compile",
     }
 
 
