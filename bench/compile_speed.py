@@ -177,6 +177,7 @@ def main() -> None:
         "steps_s": {k: round(v, 2) for k, v in med.items()},
         "img_s": {k: round(v * b, 1) for k, v in med.items()},
         "compiled_over_eager": round(ratio, 3),
+        "compiled_over_eager_per_repeat": [round(c / e, 3) for c, e in zip(res["compiled"], res["eager"])],
         "compile_s_first_step_extra": round(first_extra, 1),
         "compile_s_dynamo": round(compile_dynamo, 1),
         "first_loss": {k: v[0] for k, v in first.items()},

@@ -64,11 +64,12 @@ def test_two_process_eval_top1_equals_one_process(write_recipe, tmp_path):
 @pytest.mark.multiprocess
 def test_two_processes_train_compiled_as_they_train_eager(write_recipe, tmp_path):
     """train.compile with 2 processes (the DDP-wrapped module compiled; aot_eager, the same graph capture as inductor
-    without its C++ compile): the losses and weights of the eager 2-process run, so gradients are averaged across
-    the processes as in eager DDP; checkpoint keys are the model's own."""
+    without its C++ compile), accumulating over 2 micro-batches: the losses and weights of the eager 2-process run,
+    so gradients are averaged across the processes as in eager DDP; checkpoint keys are the model's own."""
     runs = {}
     for port, (name, compiled) in enumerate((("eager", False), ("compiled", True))):
         train = {"mixed_precision": "no", "steps": 4, "checkpoint_every": 4, "eval_every": 4, "compile": compiled}
+        train["grad_accum"] = 2  # accelerate's no_sync on the DDP module under the compiled wrapper, too
         cmd, env = two_process_launch(write_recipe(name, train=train), 29541 + port)
         env[BACKEND_ENV] = "aot_eager"
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
