@@ -175,7 +175,7 @@ def test_a_resumed_attempt_in_the_same_second_still_purges_the_killed_attempts_s
     for s in range(4, 9):
         resumed.add_scalar("train/loss", 100.0 + s, s)
     resumed.close()
-    got = read_scalars(tmp_path)["train/loss"]
+    got = read_scalars(tb)["train/loss"]
     assert got == [(1, 1.0), (2, 2.0), (3, 3.0)] + [(s, 100.0 + s) for s in range(4, 9)]
 
 

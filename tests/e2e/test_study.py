@@ -191,6 +191,7 @@ def test_the_study_resnet_has_identity_shortcuts():
     assert sum(b.downsample is None for b in blocks) == 5 and len(blocks) == 8
 
 
+@pytest.mark.slow  # about 40 s: the go / no-go rule is tested on its own (tests/studies/test_claims.py)
 def test_go_no_go_trains_a_pilot_to_its_check_and_on_only_after_a_go(tmp_path, capsys):
     from train.checkpoint import list_checkpoints, read_meta
 

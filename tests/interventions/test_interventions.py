@@ -200,6 +200,7 @@ def test_every_recipe_trains_a_few_steps(path, tmp_path):
     assert out["step"] == 2 and 0.0 <= out["top1"] <= 1.0
 
 
+@pytest.mark.slow  # about 45 s: the sweep's planning and one-sentence errors are tested on their own
 def test_sweep_runs_each_point_once_and_rerun_starts_nothing(write_recipe, tmp_path):
     p = write_recipe(train={"steps": 2, "checkpoint_every": 0, "eval_every": 0})
     cmd = [
