@@ -100,32 +100,16 @@ def shipped_recipes(include_paper: bool = True) -> list[Path]:
     return out
 
 
-def two_process_launch(recipe_path, port: int) -> tuple[list[str], dict]:
+def two_process_launch(recipe_path, port: int, script: str | None = None) -> tuple[list[str], dict]:
     """(command, environment) that trains ``recipe_path`` on 2 CPU processes (gloo) through accelerate launch, as
-    ``VITLAB_NPROC=2 ./launch.sh`` does; ``port`` keeps concurrent tests apart."""
+    ``VITLAB_NPROC=2 ./launch.sh`` does (``-m train --recipe``; or ``script RECIPE``, a driver of the test's own);
+    ``port`` keeps concurrent tests apart."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["ACCELERATE_USE_CPU"] = "true"
-    cmd = [
-        str(Path(sys.executable).parent / "accelerate"),
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(port),
-        "-m",
-        "train",
-        "--recipe",
-        str(recipe_path),
-        "--no-progress",
-    ]
-    return cmd, env
+    launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    target = ["-m", "train", "--recipe"] if script is None else [str(script)]
+    return [*launch, "--main_process_port", str(port), *target, str(recipe_path), "--no-progress"], env
 
 
 # ---------------------------------------------------------------- tiny models and labelled images for measure tests

@@ -107,26 +107,8 @@ def test_sigkill_of_the_two_process_launcher_leaves_no_trainer(write_recipe, tmp
         callbacks=[pause(tmp_path, 3)],
         train={"mixed_precision": "no", "eval_every": 0, "steps": 100000, "checkpoint_every": 1000},
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(ACCELERATE_USE_CPU="true", PYTHONPATH=str(ROOT))
-    cmd = [
-        str(Path(sys.executable).parent / "accelerate"),
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "29534",
-        str(driver),
-        str(p),
-        "--no-progress",
-    ]
+    cmd, env = two_process_launch(p, 29534, script=driver)
+    env["PYTHONPATH"] = str(ROOT)
     log = open(tmp_path / "launcher.log", "w")  # noqa: SIM115
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     markers = [tmp_path / f"paused3.{r}" for r in (0, 1)]
