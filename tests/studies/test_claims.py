@@ -26,11 +26,11 @@ PAPERS = Path(os.environ.get("VITLAB_PAPERS") or "/nonexistent")
 
 
 class FakeRun:
-    def __init__(self, name, tmp, depth=6, patch=4, img=28):
+    def __init__(self, name, tmp, depth=6, patch=4, img=28, width=96):
         self.name, self.path = name, Path(tmp) / name
         self.checkpoints = {100: self.path / "c100", 200: self.path / "c200"}
         self.recipe = types.SimpleNamespace(
-            model=types.SimpleNamespace(depth=depth, patch_size=patch),
+            model=types.SimpleNamespace(depth=depth, patch_size=patch, embed_dim=width),
             data=types.SimpleNamespace(img_size=img),
         )
 

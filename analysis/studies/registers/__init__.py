@@ -2,9 +2,11 @@
 that remove them, at small scale -- the study plug-in of recipes/studies/registers.yaml (the default ViT with 0 and
 with 4 registers, three seeds each, token_norms at every checkpoint).
 
-Darcet et al. report the outliers in large, long-trained ViTs; a 6-block ViT after 4 epochs may show none. The first
-claim is therefore also the regime precondition of the others: without outliers in the register-free model there is
-nothing for registers to remove, and those claims are "not testable at this budget" with the numbers.
+Darcet et al. report the outliers in large, long-trained ViTs (ViT-L and larger, after about a third of training); a
+6-block ViT after 4 epochs may show none. "Outliers appear" is therefore judged only on a ViT-L-sized model; smaller
+ones get the measurement (share of images with an outlier, norm ratios, first step) without a verdict. The register
+claims need outliers in the register-free runs, whatever the size: without them there is nothing for registers to
+remove, and those claims are "not testable at this budget" with the numbers.
 """
 
 from analysis.reports.claims import Paper
