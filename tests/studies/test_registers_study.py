@@ -81,3 +81,31 @@ def test_no_outliers_at_this_budget_is_said_with_the_numbers(tmp_path):
     assert removed.outcome == C.NOT_TESTABLE and "No outliers at this budget" in removed.why and "1.50" in removed.why
     assert out["outliers_lose_position"].outcome == C.NOT_TESTABLE
     assert out["registers_cost_nothing"].outcome == C.NOT_HELD  # 10 points lost: beyond the margin
+
+
+def test_positive_control_finds_a_token_planted_in_a_trained_model(tmp_path, monkeypatch):
+    """The detector's positive control (control.py) on a trained tiny ViT: the centre token of the middle block,
+    rescaled to 5x and 10x its image's median norm, is found in every image at its place; the untouched model has no
+    outlier there; a second report reads the numbers from the study folder's cache."""
+    import types
+
+    import yaml
+    from conftest import TINY, _merge
+
+    from analysis import offline as O
+    from analysis import suite as S
+    from analysis.studies.registers import control as K
+    from train.recipe import load_recipe
+    from train.trainer import train
+
+    p = tmp_path / "tiny.yaml"
+    p.write_text(yaml.safe_dump(_merge(TINY, {"callbacks": [], "run": {"root": str(tmp_path / "runs")}})))
+    run = O.open_run(train(load_recipe(p), progress=False)["run_dir"])
+    study = types.SimpleNamespace(root=tmp_path, suite_options=lambda ms: S.suite_options(ms, 32))
+    e = K.planted(run, study)
+    assert e["block"] == 1 and e["position"] == [3, 3] and e["grid"] == [7, 7]  # depth 2; the 7x7 grid's centre
+    assert e["clean"]["share_images"] == 0.0
+    for f in ("10", "5"):
+        assert K.passed(e[f]) and e[f]["count"] == 1.0, e[f]
+    monkeypatch.setattr(S, "run_suite", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
+    assert K.planted(run, study) == e

@@ -11,12 +11,13 @@ remove, and those claims are "not testable at this budget" with the numbers.
 
 from analysis.reports.claims import Paper
 from analysis.studies.registers.claims import CLAIMS, outliers_section
+from analysis.studies.registers.control import control_section
 
 PAPER = Paper(
     name="registers",
     title="Registers and high-norm tokens",
     claims=CLAIMS,
-    sections=(outliers_section,),
+    sections=(outliers_section, control_section),
     applies=lambda configs: {"vit_reg0", "vit_reg4"} <= set(configs),
     defaults={"seeds": [0, 1, 2]},
     source="analysis/studies/registers/",

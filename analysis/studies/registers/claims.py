@@ -54,9 +54,20 @@ def _outliers_precondition(ctx) -> Precondition:
         + ", ".join(f"{s:.3f}" for s in shares)
         + "; largest token norm over its image's median "
         + ", ".join(f"{x:.2f}" for x in ratio)
-        + "), so there is nothing for registers to remove",
-        numbers,
+        + "), so there is nothing for registers to remove"
+        + _control_words(ctx),
+        {**numbers, "control_passed": ctx.shared.get("control_passed") if hasattr(ctx, "shared") else None},
     )
+
+
+def _control_words(ctx) -> str:
+    """What the positive control (control.py) says of the detector, when the report ran it."""
+    ok = ctx.shared.get("control_passed") if hasattr(ctx, "shared") else None
+    if ok is None:
+        return ""
+    if ok:
+        return " (the detector's positive control passed: a token planted at 5x or 10x is found in every image)"
+    return " (but the detector's positive control failed: see its section, so 'none' may be the detector's miss)"
 
 
 def _regime_precondition(ctx, shares: list[float], ratio: list[float]) -> Precondition:
