@@ -33,9 +33,9 @@ def _cache(root):
 
 def planted(run, study) -> dict:
     """token_norms of ``run``'s last checkpoint with the middle block's centre token rescaled to each of
-    :data:`FACTORS` times its image's median spatial-token norm: ``{"block": b, "position": [row, col], "grid": [gh, gw], "clean": {...}, "10": {...}, ...}``
-    where each entry holds, at block b, the share of images with an outlier, the outliers per image and the share of
-    images whose outlier is at the planted position."""
+    :data:`FACTORS` times its image's median spatial-token norm: ``{"block": b, "position": [row, col], "grid":
+    [gh, gw], "clean": {...}, "10": {...}, ...}`` where each entry holds, at block b, the share of images with an
+    outlier, the outliers per image and the share of images whose outlier is at the planted position."""
     step = max(run.checkpoints)
     base = study.suite_options(["token_norms"])
     tn = {**options_dict(base.of("token_norms")), "probe_images": 0}
@@ -115,10 +115,15 @@ def control_section(ctx) -> None:
     )
     ok = True
     for name, e in rows.items():
-        cells = [f"{e[f'{x:g}']['share_images']:.3f} / {e[f'{x:g}']['count']:.2f} / {e[f'{x:g}']['at_position']:.3f}" for x in FACTORS]
-        good = all(passed(e[f"{x:g}"]) for x in FACTORS)
+        planted_ = [e[f"{x:g}"] for x in FACTORS]
+        cells = [f"{p['share_images']:.3f} / {p['count']:.2f} / {p['at_position']:.3f}" for p in planted_]
+        good = all(passed(p) for p in planted_)
         ok &= good
-        ctx.doc.add(f"| {name} | {e['block']} | {e['clean']['share_images']:.3f} | " + " | ".join(cells) + f" | {'yes' if good else 'no'} |")
+        ctx.doc.add(
+            f"| {name} | {e['block']} | {e['clean']['share_images']:.3f} | "
+            + " | ".join(cells)
+            + f" | {'yes' if good else 'no'} |"
+        )
     ctx.doc.add("")
     ctx.doc.data["positive_control"] = {"passed": ok, "runs": rows}
     ctx.shared["control_passed"] = ok
