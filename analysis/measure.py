@@ -17,6 +17,11 @@ and a second pass over the probe-train split only when some measure asks for it.
 - accumulates per minibatch (:meth:`Measure.update` on the analysis split, :meth:`Measure.update_probe` on
   probe-train); ``j`` is the minibatch index, identical on 1 and N processes, so gathered parts can be put in
   order with :func:`analysis.reduce.collect`; a process that gets no minibatch contributes zeros,
+- may say which probe-train images it reads (:meth:`Measure.probe_rows`, from the probe-train labels alone): when
+  every measure with probe taps names its rows, the suite forwards only their union ``U`` (sorted; minibatch j
+  holds images ``U[j*bs:(j+1)*bs]``) and sets ``probe_index = U`` on these measures, which map their own rows into
+  the gathered features in :meth:`Measure.finish` (:func:`analysis.probing.expand_rows`); ``probe_index`` None:
+  every probe-train image, in order,
 - reduces over processes and returns its result in :meth:`Measure.finish` (sums through
   :func:`analysis.reduce.all_reduce_sum`; per-image features through :func:`analysis.reduce.collect`); it may
   also run its own passes there (e.g. gradients), on ``ctx.model`` and ``ctx.data``,
@@ -151,7 +156,18 @@ class Measure:
         return set()
 
     def update_probe(self, j: int, cap: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> None:
-        """One probe-train minibatch (only called when :meth:`probe_taps` is not empty)."""
+        """One probe-train minibatch (only called when :meth:`probe_taps` is not empty): the images
+        ``probe_index[j*bs:(j+1)*bs]`` when the suite forwards a subset (:meth:`probe_rows`), else ``j*bs:(j+1)*bs``."""
+
+    # set by the suite before the probe-train pass: the sorted probe-train rows it forwards, None when all of them
+    probe_index: np.ndarray | None = None
+
+    def probe_rows(self, labels: torch.Tensor) -> np.ndarray | None:
+        """The sorted indices of the probe-train images whose features this measure reads, from ``labels`` (those of
+        the whole probe-train split, known before any forward); None (default): all of them. When every measure with
+        probe taps gives indices, the suite forwards only their union and sets :attr:`probe_index`; the measure's
+        result must not depend on whether it did (analysis/measures/fewshot_probe.py)."""
+        return None
 
     def finish(self) -> dict[str, Any]:
         """Reduce over processes and return the result (a flat dict, see the module docstring)."""

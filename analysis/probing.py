@@ -415,3 +415,33 @@ def probe_split_problem(data, shots: int, option: str = "shots") -> str | None:
         f"{2 * shots * data.num_classes} "
         f"or lower the option {option}."
     )
+
+
+def probe_rows_read(labels: Tensor, shots: int, seeds: Sequence[int], l2: float | None) -> np.ndarray:
+    """The probe-train rows (sorted) whose features a few-shot probe over :func:`probe_split` reads: for every seed
+    the shots :func:`sample_shots` draws from the shot half (as :func:`probe_layers` does), and the whole held-out
+    half when ``l2`` is None (picked there); a fixed ``l2`` never reads the held-out half (:func:`select_l2`)."""
+    labels = labels.long().cpu()
+    shot_idx, val_idx = probe_split(labels)
+    parts = [shot_idx[sample_shots(labels[shot_idx], shots, s)] for s in seeds]
+    if l2 is None:
+        parts.append(val_idx)
+    return np.unique(torch.cat(parts).numpy())
+
+
+def expand_rows(
+    feats: Mapping[str, Tensor], labels: Tensor, index: np.ndarray, all_labels: Tensor
+) -> tuple[dict, Tensor]:
+    """Features gathered over the probe-train rows ``index`` only (in that order) -> full-size ``[N, ...]`` features
+    (rows not in ``index`` are zero, for code that reads only ``index``'s rows) and the whole split's labels, so
+    that indices drawn from the labels (shots, halves) and shapes (random-feature baselines) are those of a pass over
+    every image."""
+    rows = torch.as_tensor(np.asarray(index), dtype=torch.long)
+    if not torch.equal(labels.cpu(), all_labels.cpu()[rows]):
+        raise RuntimeError("the probe-train features gathered are not those of the rows the suite said it forwarded.")
+    out = {}
+    for k, v in feats.items():
+        full = v.new_zeros((len(all_labels), *v.shape[1:]))
+        full[rows.to(v.device)] = v
+        out[k] = full
+    return out, all_labels

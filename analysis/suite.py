@@ -1,5 +1,7 @@
 """The analysis suite: every requested measurement (analysis/measure.py) in ONE pass over the analysis split,
-plus one pass over the probe-train split when a measure needs training features (probes, k-NN).
+plus one pass over the probe-train split when a measure needs training features (probes, k-NN): over only the
+probe-train images the measures read when each of them names its rows (:func:`probe_rows`; few-shot probes read
+their shots and held-out half, k-NN the whole bank), with the same results.
 
 The same function serves the training-time callback (analysis/callbacks.py), offline analysis of saved
 checkpoints (``python -m analysis``) and the notebook API (analysis/api.py). Minibatch j of the analysis split
@@ -16,6 +18,7 @@ import platform
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import yaml
 
@@ -197,16 +200,33 @@ def retain_freed_memory() -> None:
 
 
 @torch.no_grad()
-def _pass(ctx: Context, split, taps: list[str], on_batch) -> None:
-    """Run ``split`` through the model in fixed minibatches (sharded over processes), calling
-    ``on_batch(j, captures, normalised inputs, labels)`` for each."""
+def _pass(ctx: Context, split, taps: list[str], on_batch, rows: np.ndarray | None = None) -> None:
+    """Run ``split`` (only its images ``rows`` when given, in that order) through the model in fixed minibatches
+    (sharded over processes), calling ``on_batch(j, captures, normalised inputs, labels)`` for each."""
     bs = ctx.batch_size
-    for j in shard((len(split) + bs - 1) // bs, ctx.accelerator):
-        x = ctx.data.normalize(split.images[j * bs : (j + 1) * bs].to(ctx.device))
-        y = split.labels[j * bs : (j + 1) * bs]
+    n = len(split) if rows is None else len(rows)
+    for j in shard((n + bs - 1) // bs, ctx.accelerator):
+        sel = slice(j * bs, (j + 1) * bs) if rows is None else torch.as_tensor(rows[j * bs : (j + 1) * bs])
+        x = ctx.data.normalize(split.images[sel].to(ctx.device))
+        y = split.labels[sel]
         with Taps(ctx.model, taps) as cap:
             ctx.model(x)
         on_batch(j, cap.captures, x, y)
+
+
+def probe_rows(ms, split) -> np.ndarray | None:
+    """The probe-train images the measures ``ms`` (those with probe taps) read: the sorted union of their
+    :meth:`~analysis.measure.Measure.probe_rows`, or None (every image) when one of them reads all, when the union
+    is every image, or when the split's images are not a tensor that rows can be taken from."""
+    if not isinstance(getattr(split, "images", None), torch.Tensor):
+        return None
+    parts = [m.probe_rows(split.labels) for m in ms]
+    if not parts or any(p is None for p in parts):
+        return None
+    u = np.unique(np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]))
+    if len(u) and (u[0] < 0 or u[-1] >= len(split)):
+        raise ValueError(f"a measure's probe_rows names rows outside the {len(split)} probe-train images.")
+    return None if len(u) == len(split) else u
 
 
 @contextmanager
@@ -251,14 +271,16 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
             if taps:
                 on_stage(f"pass over the analysis images ({', '.join(m.name for m in ms)})")
                 _pass(ctx, data.analysis, taps, lambda j, cap, x, y: [m.update(j, cap, x, y) for m in ms])
-            ptaps = sorted(set().union(*(m.probe_taps() for m in ms))) if ms else []
+            pms = [m for m in ms if m.probe_taps()]
+            ptaps = sorted(set().union(*(m.probe_taps() for m in pms)))
             if ptaps:
-                on_stage("pass over the probe-train images")
+                rows = probe_rows(pms, data.probe_train)  # only the images some measure reads
+                for m in pms:
+                    m.probe_index = rows
+                n = len(data.probe_train) if rows is None else len(rows)
+                on_stage(f"pass over the probe-train images ({n} of {len(data.probe_train)})")
                 _pass(
-                    ctx,
-                    data.probe_train,
-                    ptaps,
-                    lambda j, cap, x, y: [m.update_probe(j, cap, x, y) for m in ms if m.probe_taps()],
+                    ctx, data.probe_train, ptaps, lambda j, cap, x, y: [m.update_probe(j, cap, x, y) for m in pms], rows
                 )
             out: dict = {
                 "meta": {

@@ -36,7 +36,15 @@ from analysis.baselines import DEFAULT_BASELINE, noise_like
 from analysis.features import final_channels, has_class_token, resnet_patch_side
 from analysis.figures import probe_plot
 from analysis.measure import Measure, as_list, labels_problem, register
-from analysis.probing import DEFAULT_METHOD, pool_features, probe_layers, probe_split, probe_split_problem
+from analysis.probing import (
+    DEFAULT_METHOD,
+    expand_rows,
+    pool_features,
+    probe_layers,
+    probe_rows_read,
+    probe_split,
+    probe_split_problem,
+)
 from analysis.reduce import collect
 
 
@@ -137,10 +145,16 @@ class FewShotProbeMeasure(Measure):
     def update_probe(self, j, cap, x, y):
         self.train.append((j, self._feats(cap), y))
 
+    def probe_rows(self, labels):
+        """The shots of every seed and, with l2 picked on it (null), the held-out half: all that finish reads."""
+        return probe_rows_read(labels, self.opts.shots, self.opts.seeds, self.opts.l2)
+
     def finish(self):
         o = self.opts
         test_x, test_y = collect(self.test, self.ctx.accelerator)
         pool_x, pool_y = collect(self.train, self.ctx.accelerator)
+        if self.probe_index is not None:  # only probe_rows were forwarded: full-size features, unread rows zero
+            pool_x, pool_y = expand_rows(pool_x, pool_y, self.probe_index, self.ctx.data.probe_train.labels)
         shot_idx, val_idx = probe_split(pool_y)
         mean, std, base = [], [], []
         for p in self.pools:

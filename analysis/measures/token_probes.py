@@ -54,7 +54,14 @@ from analysis.features import (
 )
 from analysis.figures import subplots
 from analysis.measure import Context, Measure, as_list, labels_problem, register
-from analysis.probing import DEFAULT_METHOD, probe_layers, probe_split, probe_split_problem
+from analysis.probing import (
+    DEFAULT_METHOD,
+    expand_rows,
+    probe_layers,
+    probe_rows_read,
+    probe_split,
+    probe_split_problem,
+)
 from analysis.reduce import collect
 
 
@@ -192,10 +199,16 @@ class TokenProbes(Measure):
     def update_probe(self, j, cap, x, y) -> None:
         self.train_parts.append((j, self._features(cap), y.cpu()))
 
+    def probe_rows(self, labels):
+        """The shots of every seed and, with l2 picked on it (null), the held-out half: all that finish reads."""
+        return probe_rows_read(labels, self.shots, self.seeds, self.opts.l2)
+
     def finish(self) -> dict:
         acc = self.ctx.accelerator
         test_x, test_y = collect(self.test_parts, acc)
         pool_x, pool_y = collect(self.train_parts, acc)
+        if self.probe_index is not None:  # only probe_rows were forwarded: full-size features, unread rows zero
+            pool_x, pool_y = expand_rows(pool_x, pool_y, self.probe_index, self.ctx.data.probe_train.labels)
         k = int(self.ctx.data.num_classes)
         shot_idx, val_idx = probe_split(pool_y)
         tr_y, va_y = pool_y[shot_idx], pool_y[val_idx]
