@@ -9,9 +9,13 @@ each repeat times, in an order rotated by one at every repeat so machine noise h
 pinned:
 
 - ``forward``: one plain forward pass over the analysis and probe-train images in the suite's minibatches, no
-  hooks (what any analysis must pay at least);
+  hooks (the whole probe-train split: what an analysis reading every image must pay at least);
+- ``forward_read``: the same over the analysis images and only the probe-train images the suite reads
+  (:func:`analysis.suite.probe_rows`: the few-shot probes' shots and held-out half), the floor of ``suite``;
 - ``suite``:   :func:`analysis.suite.run_suite` with the default measures (CKA, norm ratios, attention
   distances, few-shot probes), no figures -- what the training-time callback computes;
+- ``suite_all_rows``: the same with its probe-train pass over every image (:func:`analysis.suite.probe_rows`
+  replaced by "all of them"), as the suite did before it forwarded only what it reads; the same results;
 - ``figures``: drawing the suite's figures once and writing them as PNG and to a TensorBoard writer (the
   training-time callback does this in a background thread, off the training path: analysis/callbacks.py).
 
@@ -38,6 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis import storage
+from analysis import suite as S
+from analysis.measure import registry
 from analysis.suite import run_suite, suite_options
 
 
@@ -59,11 +65,24 @@ def main() -> None:
     opts = suite_options(None, 32 if a.smoke else 256)
     bs = opts.batch_size
 
+    ctx = S.make_context(model, data, bs)
+    ms = [registry()[n](ctx, opts.of(n)) for n in opts.measures if registry()[n].applies(ctx)]
+    read = S.probe_rows([m for m in ms if m.probe_taps()], data.probe_train)
+    read_images = data.probe_train.images if read is None else data.probe_train.images[torch.as_tensor(read)]
+
     @torch.no_grad()
-    def forward():
-        for split in (data.analysis, data.probe_train):
-            for j in range(0, len(split), bs):
-                model(data.normalize(split.images[j : j + bs]))
+    def forward(probe_images=data.probe_train.images):
+        for images in (data.analysis.images, probe_images):
+            for j in range(0, len(images), bs):
+                model(data.normalize(images[j : j + bs]))
+
+    def suite_all_rows():
+        rows = S.probe_rows
+        S.probe_rows = lambda ms, split: None
+        try:
+            run_suite(model, data, opts)
+        finally:
+            S.probe_rows = rows
 
     res = run_suite(model, data, opts)
     tmp = Path(tempfile.mkdtemp())
@@ -74,17 +93,25 @@ def main() -> None:
     def figures():
         storage.publish(res, tmp / "a", writer, 0, figures=True, figure_dir=tmp / "f")
 
-    variants = {"forward": forward, "suite": lambda: run_suite(model, data, opts), "figures": figures}
+    variants = {
+        "forward": forward,
+        "forward_read": lambda: forward(read_images),
+        "suite": lambda: run_suite(model, data, opts),
+        "suite_all_rows": suite_all_rows,
+        "figures": figures,
+    }
     best, wall = rotated_minimum(variants, 1 if a.smoke else a.repeats)
     writer.close()
     for k, v in best.items():
-        print(f"{k:8s} {v:7.3f} s CPU ({wall[k]:7.3f} s wall)")
+        print(f"{k:14s} {v:7.3f} s CPU ({wall[k]:7.3f} s wall)")
     print(
-        f"# model {a.model}, {len(data.analysis)} analysis + {len(data.probe_train)} probe-train images, "
-        f"load average {os.getloadavg()[0]:.2f}"
+        f"# model {a.model}, {len(data.analysis)} analysis + {len(data.probe_train)} probe-train images, of which "
+        f"the suite reads {len(read_images)}; load average {os.getloadavg()[0]:.2f}"
     )
     print(
         f"RATIO suite threads={a.threads}: suite/forward={best['suite'] / best['forward']:.2f} "
+        f"suite/forward_read={best['suite'] / best['forward_read']:.2f} "
+        f"suite/suite_all_rows={best['suite'] / best['suite_all_rows']:.2f} "
         f"(suite+figures)/forward={(best['suite'] + best['figures']) / best['forward']:.2f}"
     )
 

@@ -27,7 +27,10 @@ RATIO = {  # what each script's RATIO line must hold
         r"^RATIO input size=224: lazy=\d+/s timm=\d+/s lazy/timm=[\d.]+( tv=\d+/s lazy/tv=[\d.]+)? "
         r"workers_for_3000/s=\d+$"
     ),
-    "suite_speed.py": r"^RATIO suite threads=1: suite/forward=[\d.]+ \(suite\+figures\)/forward=[\d.]+$",
+    "suite_speed.py": (
+        r"^RATIO suite threads=1: suite/forward=[\d.]+ suite/forward_read=[\d.]+ suite/suite_all_rows=[\d.]+ "
+        r"\(suite\+figures\)/forward=[\d.]+$"
+    ),
     "train_speed.py": r"^RATIO train threads=1: harness/bare fp32=[\d.]+ bf16=[\d.]+; bf16/fp32 harness=[\d.]+$",
 }
 

@@ -6,9 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import read_scalars
+from conftest import class_split, read_scalars, tiny_vit
 
-from analysis.suite import run_suite, suite_options
+from analysis.measures.fewshot_probe import FewShotProbeMeasure
+from analysis.probing import probe_split, sample_shots
+from analysis.suite import DEFAULT, run_suite, suite_options
 from train.data import build_data
 from train.models import build_model
 from train.recipe import from_dict, load_recipe
@@ -167,3 +169,119 @@ def test_probe_split_too_small_is_a_recipe_error_before_the_run_folder(write_rec
     err = capsys.readouterr().err
     assert "data.probe_train_size to at least 200" in err and err.count("\n") == 1
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- the probe-train pass over the images read only
+
+
+def _labelled(n_analysis=64, n_probe=400):
+    from analysis.api import Data
+    from train.splits import TensorBatches
+
+    a, p = class_split(n_analysis, 1), class_split(n_probe, 2)
+    return Data(TensorBatches(a.images, a.labels), TensorBatches(p.images, p.labels), 10)
+
+
+def _forward_inputs(model):
+    """The inputs of every forward of ``model`` (a list filled by a hook) and the hook's handle."""
+    seen = []
+    return seen, model.register_forward_hook(lambda mod, args, out: seen.append(args[0].clone()))
+
+
+def _read_by_fewshot(labels, shots, seeds, l2):
+    """Independently of analysis.probing.probe_rows_read: the shot-half rows probe_layers draws for each seed (it
+    samples from the labels of the shot half), and the held-out half when l2 is picked there."""
+    shot, val = probe_split(labels)
+    rows = {int(shot[i]) for s in seeds for i in sample_shots(labels[shot], shots, s)}
+    return sorted(rows | (set(val.tolist()) if l2 is None else set()))
+
+
+def _assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for m in a:
+        assert a[m].keys() == b[m].keys(), m
+        for k in a[m]:
+            x, y = np.asarray(a[m][k]), np.asarray(b[m][k])
+            assert x.dtype == y.dtype and np.array_equal(x, y), (m, k)
+
+
+@pytest.mark.parametrize("l2", [None, 64.0])
+def test_probe_pass_forwards_only_the_fewshot_rows_and_the_results_are_identical(l2, monkeypatch):
+    model, data = tiny_vit(), _labelled()
+    opts = suite_options(None, 32, {"fewshot_probe": {"shots": 5, "l2": l2}})
+    seen, hook = _forward_inputs(model)
+    sub = run_suite(model, data, opts)
+    sub_inputs = list(seen)
+    seen.clear()
+    monkeypatch.setattr(FewShotProbeMeasure, "probe_rows", lambda self, labels: None)  # the pass over every image
+    full = run_suite(model, data, opts)
+    hook.remove()
+    _assert_identical(sub, full)
+    want = _read_by_fewshot(data.probe_train.labels, 5, (0, 1, 2), l2)
+    assert 0 < len(want) < (350 if l2 is None else 200)  # a real subset: ~316 with l2 picked, ~116 fixed
+    # the analysis pass (64 images), then the probe pass over exactly the rows read, in order, in minibatches of 32
+    assert [len(x) for x in seen] == [32, 32] + [32] * 12 + [16]
+    assert [len(x) for x in sub_inputs[2:]] == [32] * (len(want) // 32) + ([len(want) % 32] if len(want) % 32 else [])
+    probe_in = torch.cat(sub_inputs[2:])
+    assert torch.equal(probe_in, data.normalize(data.probe_train.images[torch.tensor(want)]))
+
+
+def test_token_probes_read_the_same_rows_with_identical_results(monkeypatch):
+    from analysis.measures.token_probes import TokenProbes
+
+    model, data = tiny_vit(), _labelled(n_probe=200)
+    opts = suite_options(None, 32, {"token_probes": {"shots": 3, "seeds": [0, 1], "stride": 3, "l2": 64.0}})
+    seen, hook = _forward_inputs(model)
+    sub = run_suite(model, data, opts, measures=["token_probes"])
+    n_sub = sum(len(x) for x in seen)
+    monkeypatch.setattr(TokenProbes, "probe_rows", lambda self, labels: None)
+    full = run_suite(model, data, opts, measures=["token_probes"])
+    hook.remove()
+    _assert_identical(sub, full)
+    assert n_sub == 64 + len(_read_by_fewshot(data.probe_train.labels, 3, (0, 1), 64.0)) < 64 + 200
+
+
+def test_knn_in_the_suite_forwards_every_probe_train_image():
+    model, data = tiny_vit(), _labelled()
+    seen, hook = _forward_inputs(model)
+    res = run_suite(model, data, suite_options([*DEFAULT, "knn"], 32, {"fewshot_probe": {"shots": 5}}))
+    hook.remove()
+    assert sum(len(x) for x in seen) == 64 + 400 and int(res["knn"]["n_bank"]) == 400
+
+
+def test_subset_probe_pass_on_two_processes_equals_one(monkeypatch):
+    """Two processes played one after the other (rank 1 first): each forwards its share of the compacted probe-train
+    minibatches, the gathered features are put back in order, and rank 0's result equals one process's."""
+    import analysis.reduce as R
+
+    model, data = tiny_vit(), _labelled()
+    opts = suite_options(None, 32, {"fewshot_probe": {"shots": 5}})
+    one = run_suite(model, data, opts, measures=["fewshot_probe"])
+    log: list = []
+
+    class Rank:
+        num_processes, device = 2, "cpu"
+
+        def __init__(self, rank):
+            self.process_index = rank
+
+    def gather(items):  # rank 1 records its parts; rank 0 gets them added to its own
+        if rank == 1:
+            log.append(list(items))
+            return items
+        return log.pop(0) + list(items)
+
+    monkeypatch.setattr(R, "gather_object", gather)
+    seen, hook = _forward_inputs(model)
+    rank = 1  # its finish gathers only its own parts in this replay: the check of the rows gathered refuses them
+    with pytest.raises(RuntimeError, match="not those of the rows"):
+        run_suite(model, data, opts, accelerator=Rank(1), measures=["fewshot_probe"])
+    counts = [sum(len(x) for x in seen)]
+    seen.clear()
+    rank = 0
+    out = run_suite(model, data, opts, accelerator=Rank(0), measures=["fewshot_probe"])
+    counts.append(sum(len(x) for x in seen))
+    hook.remove()
+    n_read = len(_read_by_fewshot(data.probe_train.labels, 5, (0, 1, 2), None))
+    assert sum(counts) == 64 + n_read and min(counts) > 0
+    _assert_identical({"f": out["fewshot_probe"]}, {"f": one["fewshot_probe"]})
