@@ -1,7 +1,9 @@
 """The analysis suite: every requested measurement (analysis/measure.py) in ONE pass over the analysis split,
 plus one pass over the probe-train split when a measure needs training features (probes, k-NN): over only the
 probe-train images the measures read when each of them names its rows (:func:`probe_rows`; few-shot probes read
-their shots and held-out half, k-NN the whole bank), with the same results.
+their shots and held-out half, k-NN the whole bank), with the same results: bit for bit where an image's features do
+not depend on the other images of its minibatch (checked on CPU); a GPU may pick other kernels for another
+minibatch size, so a full pass's features could differ from these in their rounding.
 
 The same function serves the training-time callback (analysis/callbacks.py), offline analysis of saved
 checkpoints (``python -m analysis``) and the notebook API (analysis/api.py). Minibatch j of the analysis split
