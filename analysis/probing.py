@@ -424,7 +424,7 @@ def probe_rows_read(labels: Tensor, shots: int, seeds: Sequence[int], l2: float 
     labels = labels.long().cpu()
     shot_idx, val_idx = probe_split(labels)
     parts = [shot_idx[sample_shots(labels[shot_idx], shots, s)] for s in seeds]
-    if l2 is None:
+    if not (isinstance(l2, (int, float)) and not isinstance(l2, bool)):  # anything but one number: picked on V
         parts.append(val_idx)
     return np.unique(torch.cat(parts).numpy())
 
