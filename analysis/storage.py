@@ -147,6 +147,18 @@ def atomic_text(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def json_cached(path: Path, key: str, compute):
+    """A value a study's report stage computes once: read from the JSON file ``path`` under ``key``, else
+    ``compute()``d, stored there (written atomically, the folder made) and returned. JSON-serialisable values only."""
+    path = Path(path)
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    if key not in cache:
+        cache[key] = compute()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_text(path, json.dumps(cache, indent=1))
+    return cache[key]
+
+
 @contextlib.contextmanager
 def folder_lock(folder: Path):
     """``fcntl.flock`` on the folder itself, for a read-merge-write of its summary.json / cache.json: two analyses

@@ -216,6 +216,12 @@ def _pass(ctx: Context, split, taps: list[str], on_batch, rows: np.ndarray | Non
         on_batch(j, cap.captures, x, y)
 
 
+def make_measures(ctx: Context, opts: SuiteOptions, names=None) -> list:
+    """The measures ``names`` (default ``opts.measures``) that apply to ``ctx``'s model, built with their options."""
+    reg, names = registry(), resolve_all(opts.measures if names is None else names)
+    return [reg[n](ctx, opts.of(n)) for n in names if reg[n].applies(ctx)]
+
+
 def probe_rows(ms, split) -> np.ndarray | None:
     """The probe-train images the measures ``ms`` (those with probe taps) read: the sorted union of their
     :meth:`~analysis.measure.Measure.probe_rows`, or None (every image) when one of them reads all, when the union
@@ -262,13 +268,12 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
     p = model_problem(ctx, opts, names)
     if p:
         raise MeasureError(p)
-    reg = registry()
     retain_freed_memory()
     was_training = model.training
     model.eval()
     try:
         with float32_forward(model):
-            ms = [reg[n](ctx, opts.of(n)) for n in names if reg[n].applies(ctx)]
+            ms = make_measures(ctx, opts, names)
             taps = sorted(set().union(*(m.taps() for m in ms))) if ms else []
             if taps:
                 on_stage(f"pass over the analysis images ({', '.join(m.name for m in ms)})")

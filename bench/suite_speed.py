@@ -43,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis import storage
 from analysis import suite as S
-from analysis.measure import registry
 from analysis.suite import run_suite, suite_options
 
 
@@ -66,7 +65,7 @@ def main() -> None:
     bs = opts.batch_size
 
     ctx = S.make_context(model, data, bs)
-    ms = [registry()[n](ctx, opts.of(n)) for n in opts.measures if registry()[n].applies(ctx)]
+    ms = S.make_measures(ctx, opts)
     read = S.probe_rows([m for m in ms if m.probe_taps()], data.probe_train)
     read_images = data.probe_train.images if read is None else data.probe_train.images[torch.as_tensor(read)]
 

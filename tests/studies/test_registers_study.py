@@ -30,7 +30,7 @@ def _knn(top1: float) -> dict:
 
 class Ctx:
     def __init__(self, tmp, reg0: list, reg4: list, knn0=None, knn4=None, size=(6, 96)):
-        self.configs, self.results = {}, {}
+        self.configs, self.results, self.shared = {}, {}, {}  # shared: as the report's Context
         for c, tns, kn in (("vit_reg0", reg0, knn0), ("vit_reg4", reg4, knn4)):
             self.configs[c] = []
             for i, t in enumerate(tns):

@@ -37,37 +37,43 @@ def _share(r) -> float:
     return float(np.max(np.asarray(r["share_images"], dtype=float)))
 
 
-def _outliers_precondition(ctx) -> Precondition:
-    """The register claims need outliers in the register-free model (Darcet's regime)."""
-    runs = ctx.configs["vit_reg0"]
-    shares = [_share(ctx.last(r, "token_norms")) for r in runs]
-    ratio = [float(np.max(np.asarray(ctx.last(r, "token_norms")["max_over_median"]))) for r in runs]
-    have = sum(s >= MIN_SHARE for s in shares)
-    numbers = {"share_images": shares, "max_over_median": ratio, "min_share": MIN_SHARE}
-    if have >= MIN_RUNS_WITH_OUTLIERS:
-        return Precondition("outliers", True, f"{have} of {len(runs)} register-free runs have outliers", numbers)
-    return Precondition(
-        "outliers",
-        False,
-        f"no outliers at this budget: {have} of {len(runs)} register-free runs have a block with an outlier in at "
-        f"least {100 * MIN_SHARE:.0f}% of the images (largest share per run "
+def _register_free(ctx) -> tuple[list[float], list[float]]:
+    """Per register-free run at its last checkpoint: the largest share over blocks of images with an outlier, and the
+    largest max / median token norm over blocks."""
+    tns = [ctx.last(r, "token_norms") for r in ctx.configs["vit_reg0"]]
+    return [_share(t) for t in tns], [float(np.max(np.asarray(t["max_over_median"]))) for t in tns]
+
+
+def _measured(shares: list[float], ratio: list[float]) -> str:
+    return (
+        "largest share over blocks of images with an outlier per run "
         + ", ".join(f"{s:.3f}" for s in shares)
         + "; largest token norm over its image's median "
         + ", ".join(f"{x:.2f}" for x in ratio)
-        + "), so there is nothing for registers to remove"
-        + _control_words(ctx),
-        {**numbers, "control_passed": ctx.shared.get("control_passed") if hasattr(ctx, "shared") else None},
     )
 
 
-def _control_words(ctx) -> str:
-    """What the positive control (control.py) says of the detector, when the report ran it."""
-    ok = ctx.shared.get("control_passed") if hasattr(ctx, "shared") else None
-    if ok is None:
-        return ""
-    if ok:
-        return " (the detector's positive control passed: a token planted at 5x or 10x is found in every image)"
-    return " (but the detector's positive control failed: see its section, so 'none' may be the detector's miss)"
+def _outliers_precondition(ctx) -> Precondition:
+    """The register claims need outliers in the register-free model (Darcet's regime)."""
+    shares, ratio = _register_free(ctx)
+    have, n = sum(s >= MIN_SHARE for s in shares), len(shares)
+    ok = ctx.shared.get("control_passed")  # the detector's positive control (control.py), when the report ran it
+    numbers = {"share_images": shares, "max_over_median": ratio, "min_share": MIN_SHARE, "control_passed": ok}
+    if have >= MIN_RUNS_WITH_OUTLIERS:
+        return Precondition("outliers", True, f"{have} of {n} register-free runs have outliers", numbers)
+    control = {
+        None: "",
+        True: " (the detector's positive control passed: a token planted at 5x and at 10x is found in every image)",
+        False: " (but the detector's positive control failed: see its section, so 'none' may be the detector's miss)",
+    }[ok]
+    return Precondition(
+        "outliers",
+        False,
+        f"no outliers at this budget: {have} of {n} register-free runs have a block with an outlier in at least "
+        f"{100 * MIN_SHARE:.0f}% of the images ({_measured(shares, ratio)}), so there is nothing for registers to "
+        "remove" + control,
+        numbers,
+    )
 
 
 def _regime_precondition(ctx, shares: list[float], ratio: list[float]) -> Precondition:
@@ -88,10 +94,7 @@ def _regime_precondition(ctx, shares: list[float], ratio: list[float]) -> Precon
         False,
         f"not Darcet's regime: the register-free model is {size}, and Darcet et al. find the outliers in ViT-L and "
         f"larger ({REGIME_DEPTH} blocks x {REGIME_WIDTH} and up, Sec. 2.1, Fig. 4) after about a third of a long "
-        "training; measured here, the largest share over blocks of images with an outlier per seed is "
-        + ", ".join(f"{s:.3f}" for s in shares)
-        + " and the largest token norm over its image's median "
-        + ", ".join(f"{x:.2f}" for x in ratio),
+        f"training; measured here: {_measured(shares, ratio)}",
         numbers,
     )
 
@@ -135,9 +138,7 @@ def outliers_section(ctx) -> None:
     needs=("vit_reg0",),
 )
 def outliers_appear(ctx) -> Result:
-    tns = [ctx.last(r, "token_norms") for r in ctx.configs["vit_reg0"]]
-    shares = [_share(t) for t in tns]
-    ratio = [float(np.max(np.asarray(t["max_over_median"]))) for t in tns]
+    shares, ratio = _register_free(ctx)
     d = judge(
         [one_part("largest share of images with an outlier - 0.1", shares, MIN_SHARE)],
         [_regime_precondition(ctx, shares, ratio), seeds({"r": shares})],

@@ -13,10 +13,7 @@ The numbers are cached in the study folder like the other report-stage analyses.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
-import torch
 
 from analysis import offline as O
 from analysis import storage
@@ -24,11 +21,6 @@ from analysis import suite as S
 from analysis.measure import options_dict
 
 FACTORS = (10.0, 5.0)  # Darcet's outliers are ~10x the other tokens; 5x sits just above token_norms' k = 4
-
-
-def _cache(root):
-    f = root / "registers_control.json"
-    return f, (json.loads(f.read_text()) if f.is_file() else {})
 
 
 def planted(run, study) -> dict:
@@ -46,9 +38,11 @@ def planted(run, study) -> dict:
         opts.settings("token_norms"),
         "registers_control",
     )
-    f, cache = _cache(study.root)
-    if key in cache:
-        return cache[key]
+    return storage.json_cached(study.root / "registers_control.json", key, lambda: _plant(run, step, opts))
+
+
+def _plant(run, step: int, opts) -> dict:
+    """What :func:`planted` caches: the untouched and the planted token_norms at the middle block."""
     data = O.load_data(run)
     model = O.load_model(run, step, data).eval()
     gh, gw = model.patch_embed.grid_size
@@ -79,8 +73,6 @@ def planted(run, study) -> dict:
             out[f"{factor:g}"] = at(S.run_suite(model, data, opts))
         finally:
             h.remove()
-    cache[key] = out
-    f.write_text(json.dumps(cache, indent=1))
     return out
 
 
@@ -94,8 +86,7 @@ def control_section(ctx) -> None:
     runs = ctx.configs.get("vit_reg0") or []
     if not runs:
         return
-    with torch.no_grad():
-        rows = {r.name: planted(r, ctx.study) for r in runs}
+    rows = {r.name: planted(r, ctx.study) for r in runs}
     first = next(iter(rows.values()))
     gh, gw = first["grid"]
     ctx.doc.add(

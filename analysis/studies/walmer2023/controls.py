@@ -18,8 +18,6 @@ analysis, in the run's ``analysis/teacher/``).
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import torch
 
@@ -35,14 +33,9 @@ from train.objectives import uses_labels
 TEACHER = "teacher"  # the part of a DINO checkpoint that DINO evaluates
 
 
-def _cache(root):
-    f = root / "walmer" / "controls.json"
-    return f, (json.loads(f.read_text()) if f.is_file() else {})
-
-
-def _store(f, cache: dict) -> None:
-    f.parent.mkdir(parents=True, exist_ok=True)
-    storage.atomic_text(f, json.dumps(cache, indent=1))
+def _controls_file(root):
+    """The file of this module's numbers in the study folder (:func:`analysis.storage.json_cached`)."""
+    return root / "walmer" / "controls.json"
 
 
 def _cls_curve(result: dict, key: str) -> list[float] | None:
@@ -60,16 +53,16 @@ def random_init(run, study) -> dict:
         {m: opts.settings(m) for m in ("knn", "clustering")},
         "random_init",
     )
-    f, cache = _cache(study.root)
-    if key not in cache:
+
+    def compute() -> dict:
         data = O.load_data(run)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(run.recipe.seed)
             model = build_model(run.recipe, data.num_classes if uses_labels(run.recipe) else 0).eval()
         res = S.run_suite(model, data, opts)
-        cache[key] = {"knn": _cls_curve(res["knn"], "acc"), "purity": _cls_curve(res["clustering"], "purity")}
-        _store(f, cache)
-    return cache[key]
+        return {"knn": _cls_curve(res["knn"], "acc"), "purity": _cls_curve(res["clustering"], "purity")}
+
+    return storage.json_cached(_controls_file(study.root), key, compute)
 
 
 def raw_pixels(run, study) -> dict:
@@ -80,17 +73,17 @@ def raw_pixels(run, study) -> dict:
     key = storage.cache_key(
         "raw-pixels", O.fingerprint(run), {m: opts.settings(m) for m in ("knn", "clustering")}, "raw_pixels"
     )
-    f, cache = _cache(study.root)
-    if key not in cache:
+
+    def compute() -> dict:
         data = O.load_data(run)
         q = data.normalize(data.analysis.images).flatten(1).double()
         b = data.normalize(data.probe_train.images).flatten(1).double()
         qy, by = data.analysis.labels, data.probe_train.labels
         acc = knn_accuracy(b, by, q, qy, min(ko.k, len(by)), ko.temperature, data.num_classes)
         assign, _, _ = kmeans(q, data.num_classes, co.seed, co.restarts, co.max_iter)
-        cache[key] = {"knn": float(acc), "purity": float(purity(assign, qy))}
-        _store(f, cache)
-    return cache[key]
+        return {"knn": float(acc), "purity": float(purity(assign, qy))}
+
+    return storage.json_cached(_controls_file(study.root), key, compute)
 
 
 def has_teacher(run) -> bool:

@@ -3,8 +3,6 @@ two runs (computed and cached on the runs' shared analysis images)."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 from analysis import offline as O
@@ -92,9 +90,8 @@ def cls_cka(a, b, study) -> float:
             str(co.unbiased),
         ]
     )
-    f = study.root / "walmer" / "cls_cka.json"
-    cache = json.loads(f.read_text()) if f.is_file() else {}
-    if key not in cache:
+
+    def compute() -> float:
         data, bdata = O.check_same_images(a, b)
         cls = S.suite_options(
             ["cka"], opts.batch_size, {"cka": {"repr": "cls", "layers": "blocks", "unbiased": co.unbiased}}
@@ -102,7 +99,6 @@ def cls_cka(a, b, study) -> float:
         res = O.cross_cka(
             O.load_model(a, max(a.checkpoints), data), O.load_model(b, max(b.checkpoints), bdata), data, cls
         )
-        cache[key] = float(np.asarray(res["matrix"])[-1, -1])
-        f.parent.mkdir(parents=True, exist_ok=True)
-        storage.atomic_text(f, json.dumps(cache, indent=1))
-    return cache[key]
+        return float(np.asarray(res["matrix"])[-1, -1])
+
+    return storage.json_cached(study.root / "walmer" / "cls_cka.json", key, compute)
