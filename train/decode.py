@@ -19,6 +19,7 @@ from PIL import Image
 
 from train.sources import DataError
 
+FIT_CHUNK = 1024  # array features are resized this many images at a time (see _fit)
 PIL_CHUNK = 1000  # image features are decoded this many rows at a time (never a whole split's PIL images at once)
 
 
@@ -117,20 +118,26 @@ def to_tensors(ds, cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fit(x: torch.Tensor, c: int, s: int) -> torch.Tensor:
-    """A uint8 batch converted to ``c`` channels (grey <-> colour) and resized to s x s (bilinear, antialiased)."""
-    if x.shape[1] != c:
-        if x.shape[1] == 1:
-            x = x.expand(-1, c, -1, -1).contiguous()
-        elif c == 1:
-            x = (x[:, :3].float().mean(1, keepdim=True)).round().to(torch.uint8)
-        else:
-            raise DataError(
-                f"images have {x.shape[1]} channels and data.in_chans is {c}: set data.in_chans to {x.shape[1]}."
-            )
-    if x.shape[-1] != s or x.shape[-2] != s:
-        x = F.interpolate(x.float(), size=(s, s), mode="bilinear", antialias=True, align_corners=False)
-        x = x.round().clamp(0, 255).to(torch.uint8)
-    return x
+    """A uint8 batch converted to ``c`` channels (grey <-> colour) and resized to s x s (bilinear, antialiased),
+    ``FIT_CHUNK`` images at a time into the uint8 result: the float intermediates of a whole split at once (28 -> 224
+    on Fashion-MNIST's 60,000: 12 GB a copy, three copies) would take several times the result's memory. A grey
+    batch is resized before it is copied to ``c`` channels (the copies are equal: one resize, not ``c``)."""
+    n, have = x.shape[:2]
+    if have != c and have != 1 and c != 1:
+        raise DataError(f"images have {have} channels and data.in_chans is {c}: set data.in_chans to {have}.")
+    resize = x.shape[-1] != s or x.shape[-2] != s
+    if have == c and not resize:
+        return x
+    out = torch.empty((n, c, s, s), dtype=torch.uint8)
+    for i in range(0, n, FIT_CHUNK):
+        part = x[i : i + FIT_CHUNK]
+        if have != c and c == 1:
+            part = part[:, :3].float().mean(1, keepdim=True).round()
+        if resize:
+            part = F.interpolate(part.float(), size=(s, s), mode="bilinear", antialias=True, align_corners=False)
+            part = part.round_().clamp_(0, 255)
+        out[i : i + FIT_CHUNK] = part  # a grey part broadcasts over c channels; float -> uint8 exact (integral)
+    return out
 
 
 def _pil_chw(im, c: int, s: int, box=None, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -329,3 +329,20 @@ def test_size_above_a_split_is_one_sentence_exit_2_before_the_run_folder(tmp_pat
     )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: data.eval_size is 20000") and "\n" not in err and not root.exists()
+
+
+def test_channel_stats_in_chunks_equal_the_one_shot_float64_statistics(monkeypatch):
+    """The normalisation statistics, computed a few images at a time (no float64 copy of all 10,000), are those of
+    the whole batch in float64 at once, to float32 rounding."""
+    from train import data as D
+
+    monkeypatch.setattr(D, "STATS_CHUNK", 3)  # 10 images: 4 chunks, the last one short
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (10, 3, 9, 9), dtype=torch.uint8, generator=g)
+    x[:, 2] //= 8  # channels of different spread
+    mean, std = D.channel_stats(x)
+    ref = x.double() / 255.0
+    assert mean.dtype == std.dtype == torch.float32
+    torch.testing.assert_close(mean, ref.mean(dim=(0, 2, 3)).float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(std, ref.std(dim=(0, 2, 3)).float(), rtol=1e-6, atol=0)
+    assert D.channel_stats(torch.full((4, 1, 5, 5), 7, dtype=torch.uint8))[1].item() == pytest.approx(1e-3)  # floor
