@@ -176,7 +176,9 @@ class Result:
 
 def judge(parts: Sequence[Callable[[], Part]], preconditions: Sequence[Precondition] = ()) -> Decision:
     """:func:`~analysis.reports.stats.decide` on parts built lazily: a part that cannot be computed (too few seeds, a
-    missing value) makes the claim not testable with that sentence, and the parts that could be computed are shown."""
+    missing value) makes the claim not testable with that sentence, and the parts that could be computed are shown.
+    Where a given precondition failed, that sentence is left out: the precondition is the reason (e.g. no outlier
+    tokens, hence no values to test), and a report line asking for more seeds would mislead."""
     built, problems = [], []
     for make in parts:
         try:
@@ -184,7 +186,7 @@ def judge(parts: Sequence[Callable[[], Part]], preconditions: Sequence[Precondit
         except ValueError as e:
             problems.append(str(e))
     conds = list(preconditions)
-    if problems:
+    if problems and all(c.passed for c in conds):  # a failed precondition already says why (no outliers: no values)
         conds.append(Precondition("data", False, "; ".join(problems)))
     if not built:
         failed = [c.sentence for c in conds if not c.passed] or ["no part could be computed"]

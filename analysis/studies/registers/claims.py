@@ -76,6 +76,13 @@ def _outliers_precondition(ctx) -> Precondition:
     )
 
 
+def _outlier_run_checks(ctx, kept: list[float]) -> list[Precondition]:
+    """Preconditions of a claim read on the register-free runs' outliers: outliers at all, then (only then) at least
+    two runs with a value."""
+    pre = _outliers_precondition(ctx)
+    return [pre, seeds({"register-free runs with outliers": kept})] if pre.passed else [pre]
+
+
 def _regime_precondition(ctx, shares: list[float], ratio: list[float]) -> Precondition:
     """The register-free model is the kind in which Darcet et al. find the outliers: ViT-L-sized or larger."""
     sizes = sorted({(int(r.recipe.model.depth), int(r.recipe.model.embed_dim)) for r in ctx.configs["vit_reg0"]})
@@ -141,7 +148,7 @@ def outliers_appear(ctx) -> Result:
     shares, ratio = _register_free(ctx)
     d = judge(
         [one_part("largest share of images with an outlier - 0.1", shares, MIN_SHARE)],
-        [_regime_precondition(ctx, shares, ratio), seeds({"r": shares})],
+        [_regime_precondition(ctx, shares, ratio), seeds({"vit_reg0": shares})],
     )
     return Result(
         d,
@@ -193,9 +200,8 @@ def outliers_absorb_attention(ctx) -> Result:
         b = int(np.argmax(np.asarray(t["share_images"], dtype=float)))
         cls, uni = float(np.asarray(t["attn_cls_on_outliers"])[b]), float(np.asarray(t["attn_uniform_on_outliers"])[b])
         logs.append(np.log(cls / uni) if cls > 0 and uni > 0 else float("nan"))
-    pre = _outliers_precondition(ctx)
     kept = [x for x in logs if np.isfinite(x)]
-    d = judge([one_part("log(CLS attention on outliers / uniform's)", kept)], [pre, seeds({"r": kept})])
+    d = judge([one_part("log(CLS attention on outliers / uniform's)", kept)], _outlier_run_checks(ctx, kept))
     return Result(d, measured={"log_ratio": logs})
 
 
@@ -218,9 +224,7 @@ def outliers_lose_position(ctx) -> Result:
         b = int(np.argmax(np.asarray(t["share_images"], dtype=float)))
         diffs.append(float(np.asarray(t["probe_acc_normal"])[b] - np.asarray(t["probe_acc_outlier"])[b]))
     kept = [x for x in diffs if np.isfinite(x)]
-    d = judge(
-        [one_part("position probe, normal - outlier tokens", kept)], [_outliers_precondition(ctx), seeds({"r": kept})]
-    )
+    d = judge([one_part("position probe, normal - outlier tokens", kept)], _outlier_run_checks(ctx, kept))
     return Result(d, measured={"difference": diffs})
 
 
