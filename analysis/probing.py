@@ -221,6 +221,12 @@ def _num_classes(*label_sets: Tensor | None) -> int:
     return int(max(int(y.max().item()) for y in label_sets if y is not None and y.numel() > 0)) + 1
 
 
+def l2_is_fixed(l2_grid) -> bool:
+    """One value (a number or a one-element grid) is used as is and reads no held-out data; None or several values
+    are picked on the held-out half (:func:`select_l2`, :func:`probe_rows_read`)."""
+    return l2_grid is not None and torch.as_tensor(l2_grid).numel() == 1
+
+
 def _as_grid(l2_grid: Sequence[float] | Tensor | float | None, train_x: Tensor, method: str) -> Tensor:
     if l2_grid is None:
         return l2_grid_for(train_x, method)
@@ -246,9 +252,9 @@ def select_l2(
     1/5 of each training class (:func:`holdout_split`, fit on the rest). If nothing can be held out (every class
     has a single example) the median of the sorted grid is used. Ties go to the largest l2.
     """
+    if l2_is_fixed(l2_grid):
+        return _as_grid(l2_grid, train_x, method).item()
     grid = _as_grid(l2_grid, train_x, method)
-    if grid.numel() == 1:
-        return grid.item()
     k = num_classes or _num_classes(train_y, val_y)
     if (val_x is None) != (val_y is None):
         raise ValueError("give both val_x and val_y, or neither")
@@ -417,14 +423,14 @@ def probe_split_problem(data, shots: int, option: str = "shots") -> str | None:
     )
 
 
-def probe_rows_read(labels: Tensor, shots: int, seeds: Sequence[int], l2: float | None) -> np.ndarray:
+def probe_rows_read(labels: Tensor, shots: int, seeds: Sequence[int], l2) -> np.ndarray:
     """The probe-train rows (sorted) whose features a few-shot probe over :func:`probe_split` reads: for every seed
     the shots :func:`sample_shots` draws from the shot half (as :func:`probe_layers` does), and the whole held-out
-    half when ``l2`` is None (picked there); a fixed ``l2`` never reads the held-out half (:func:`select_l2`)."""
+    half unless ``l2`` is fixed (:func:`l2_is_fixed`: then :func:`select_l2` never reads it)."""
     labels = labels.long().cpu()
     shot_idx, val_idx = probe_split(labels)
     parts = [shot_idx[sample_shots(labels[shot_idx], shots, s)] for s in seeds]
-    if not (isinstance(l2, (int, float)) and not isinstance(l2, bool)):  # anything but one number: picked on V
+    if not l2_is_fixed(l2):  # picked on the held-out half
         parts.append(val_idx)
     return np.unique(torch.cat(parts).numpy())
 

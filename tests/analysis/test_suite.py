@@ -285,3 +285,17 @@ def test_subset_probe_pass_on_two_processes_equals_one(monkeypatch):
     n_read = len(_read_by_fewshot(data.probe_train.labels, 5, (0, 1, 2), None))
     assert sum(counts) == 64 + n_read and min(counts) > 0
     _assert_identical({"f": out["fewshot_probe"]}, {"f": one["fewshot_probe"]})
+
+
+def test_probe_rows_read_treats_a_one_element_grid_as_fixed_like_select_l2():
+    """select_l2 uses one value as is (a number or a one-element grid) and reads the held-out half only to pick among
+    several: the rows the suite forwards follow the same rule."""
+    from analysis.probing import probe_rows_read
+
+    labels = _labelled().probe_train.labels
+    fixed = _read_by_fewshot(labels, 5, (0, 1), 64.0)
+    picked = _read_by_fewshot(labels, 5, (0, 1), None)
+    assert probe_rows_read(labels, 5, (0, 1), 64.0).tolist() == fixed
+    assert probe_rows_read(labels, 5, (0, 1), [64.0]).tolist() == fixed
+    assert probe_rows_read(labels, 5, (0, 1), [16.0, 64.0]).tolist() == picked
+    assert probe_rows_read(labels, 5, (0, 1), None).tolist() == picked and len(picked) > len(fixed)
