@@ -206,7 +206,9 @@ def convert(onnx_path: str | Path, img_size: int = IMG_SIZE) -> tuple[str, dict[
         sd[b + "ls2.gamma"] = arr(p + "layer_scale2.lambda1")
         sd[b + "mlp.fc1.weight"], sd[b + "mlp.fc1.bias"] = weight(f"{n}mlp/fc1/MatMul"), arr(p + "mlp.fc1.bias")
         sd[b + "mlp.fc2.weight"], sd[b + "mlp.fc2.bias"] = weight(f"{n}mlp/fc2/MatMul"), arr(p + "mlp.fc2.bias")
-    state = {k: torch.from_numpy(np.array(v, dtype=np.float32, copy=True)) for k, v in sd.items()}
+    # C order: np.array keeps a transposed view's layout (order="K"), and safetensors (0.8 on) refuses to save
+    # a non-contiguous tensor
+    state = {k: torch.from_numpy(np.array(v, dtype=np.float32, copy=True, order="C")) for k, v in sd.items()}
     _check_fits(arch, state, depth, img_size, path)
     return arch, state
 

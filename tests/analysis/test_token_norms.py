@@ -67,9 +67,11 @@ def test_planted_outlier_found_once_at_its_place(class_token):
     a = attn.double().mean(1)  # [B, T, T]
     assert r["attn_uniform_on_outliers"][1] == pytest.approx(1 / a.shape[-1])
     spatial_q = [t for t in range(p, a.shape[-1]) if t != index]
-    assert r["attn_patch_on_outliers"][1] == pytest.approx(float(a[:, spatial_q, index].mean()), rel=1e-9)
+    # float32 attention from two forwards (the measure's minibatch, the activations API's): the same entries, but the
+    # kernels' blocking, and so their rounding, depends on the host's SIMD width (2e-9 relative on an AVX-512 host)
+    assert r["attn_patch_on_outliers"][1] == pytest.approx(float(a[:, spatial_q, index].mean()), rel=1e-6)
     if class_token:
-        assert r["attn_cls_on_outliers"][1] == pytest.approx(float(a[:, 0, index].mean()), rel=1e-9)
+        assert r["attn_cls_on_outliers"][1] == pytest.approx(float(a[:, 0, index].mean()), rel=1e-6)
     else:
         assert math.isnan(r["attn_cls_on_outliers"][1])
 
