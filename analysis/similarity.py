@@ -121,13 +121,22 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
     chunks = -(-p * n // _CHUNK_ELEMENTS)
     cols = -(-p // chunks)  # equal chunks
     buf = torch.empty(n * cols, dtype=dt, device=x.device)
-    m = x.mean(0, dtype=dt)  # once: a mean over a column chunk (a strided slice) is slow with 2 threads
     upper = _upper_gram_syrk if x.device.type == "cpu" and torch.get_num_threads() == 1 else _upper_gram_blocked
-    k = upper(x, m, buf, cols)
+    k = upper(x, buf, cols)
     return k.triu() + k.triu(1).T  # the upper triangle (all computed) mirrored: K exactly symmetric
 
 
-def _upper_gram_syrk(x: torch.Tensor, m: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Tensor:
+def _centred_chunk(x: torch.Tensor, buf: torch.Tensor, c: int, cols: int) -> torch.Tensor:
+    """Columns c:c + cols of ``x`` [n, p] minus their means, in ``buf`` (contiguous [n, w]). The means are taken
+    from the copy in the buffer, which is in cache, instead of in a pass of their own over X (a strided mean over a
+    chunk of X is slow, and a whole-X mean reads X from memory once more: ~8% of a ViT-S/16 Gram)."""
+    xc = x[:, c : c + cols]
+    b = buf[: xc.numel()].view(x.shape[0], xc.shape[1])  # contiguous, also for a shorter last chunk
+    b.copy_(xc)
+    return b.sub_(b.mean(0))
+
+
+def _upper_gram_syrk(x: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Tensor:
     """The upper triangle of the centred Gram by BLAS ?syrk, chunk by chunk (the lower triangle is left 0). The
     buffer [n, w] row-major is the column-major [w, n] matrix A, and syrk with trans=1 forms A^T A: no copy."""
     from scipy.linalg.blas import dsyrk, ssyrk
@@ -138,15 +147,15 @@ def _upper_gram_syrk(x: torch.Tensor, m: torch.Tensor, buf: torch.Tensor, cols: 
     g = torch.zeros(n, n, dtype=buf.dtype).numpy().T  # column-major, overwritten in place by each syrk
     with _BlasThreads():
         for c in range(0, p, cols):
-            xc = x[:, c : c + cols]
-            b = buf[: xc.numel()].view(n, xc.shape[1])  # contiguous, also for a shorter last chunk
-            torch.sub(xc, m[c : c + cols], out=b)
+            b = _centred_chunk(x, buf, c, cols)
             g = syrk(1.0, b.numpy().T, beta=0.0, c=g, trans=1, overwrite_c=1)
-            k += torch.from_numpy(g)  # syrk's upper triangle (lower=0): K[i, j] for i <= j
-    return k
+            # syrk's upper triangle (lower = 0) in column-major memory, read as the row-major lower triangle: a
+            # contiguous add (adding the column-major view itself was a strided read, ~5% of a ViT-S/16 Gram)
+            k += torch.from_numpy(g.T)
+    return k.T  # K[i, j] for i <= j
 
 
-def _upper_gram_blocked(x: torch.Tensor, m: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Tensor:
+def _upper_gram_blocked(x: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Tensor:
     """The upper block triangle of the centred Gram by torch.mm (any device), chunk by chunk."""
     n, p = x.shape
     blocked = n >= _GRAM_BLOCKED_MIN_ROWS and x.device.type != "cpu"
@@ -154,9 +163,7 @@ def _upper_gram_blocked(x: torch.Tensor, m: torch.Tensor, buf: torch.Tensor, col
     k = torch.zeros(n, n, dtype=torch.float64, device=x.device)
     g = torch.zeros(n, n, dtype=buf.dtype, device=x.device)
     for c in range(0, p, cols):
-        xc = x[:, c : c + cols]
-        b = buf[: xc.numel()].view(n, xc.shape[1])
-        torch.sub(xc, m[c : c + cols], out=b)
+        b = _centred_chunk(x, buf, c, cols)
         for r in range(0, n, rows):  # block row r: its diagonal block and everything right of it
             torch.mm(b[r : r + rows], b[r:].T, out=g[r : r + rows, r:])
         k += g
