@@ -52,10 +52,15 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     return x @ x.T
 
 
-# Elements per chunk in _centred_gram (4 MiB of float32; p is cut into equal chunks of at most this many n x cols
-# elements), so a chunk is centred into a buffer that stays in cache while it is multiplied; centring all of X into
-# a buffer first costs 1.4x (memory traffic).
-_CHUNK_ELEMENTS = 1 << 20
+# Elements per chunk in _centred_gram (8 MiB of float32; p is cut into equal chunks of at most this many n x cols
+# elements), so a chunk is centred into a buffer that is still in cache when it is multiplied; centring all of X
+# into a buffer first costs 1.4x (memory traffic). Against 4 MiB (1 thread, Intel Xeon, minibatches of 256): 1.21x
+# instead of 1.31x the half-Gram floor at a ViT-S/16 width, 1.55x instead of 1.68x at the default model's width
+# (one chunk per layer there instead of two); 1 MiB chunks were slower still.
+_CHUNK_ELEMENTS = 1 << 21
+# Rows whose mean is the shift subtracted before the float32 products (:func:`_centred_gram`): about 1/16 of the
+# centred energy added on average (rows in random order), for a read of 16 rows instead of a pass over X.
+_SHIFT_ROWS = 16
 # Below this many features per example the whole Gram is cheap (about 0.3 ms at n = 256, p = 96 in float64, one
 # thread), so it stays float64 there, exact as before; float32 products (~1e-9 relative on CKA) only where they pay.
 _FLOAT32_MIN_FEATURES = 256
@@ -97,7 +102,7 @@ class _BlasThreads:
 
 
 @torch.no_grad()  # out= buffers; nothing here differentiates CKA
-def _centred_gram(x: torch.Tensor) -> torch.Tensor:
+def _centred_gram(x: torch.Tensor, exact: bool = True) -> torch.Tensor:
     """K_c = (X - 1 m^T)(X - 1 m^T)^T, float64 [n, n], with m the column means of this minibatch's X [n, p].
 
     Centring does not change CKA: K_c = K - a 1^T - 1 a^T + c 11^T (a = X m, c = m^T m), and both centrings kill
@@ -107,12 +112,17 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
 
     Why centre: a float32 Gram of raw features with large means loses the small centred part to rounding, while
     with m near the mean, X - m is exact where X and m are close (Sterbenz) and small elsewhere, so float32 products
-    keep ~1e-7 relative precision on what CKA sees. The columns go through in chunks: each chunk is centred into a
-    small float32 buffer, multiplied in float32 and added to a float64 sum, so no float64 (or full float32) copy
-    of X is ever made and float32 rounding accumulates over at most one chunk. Only the upper triangle of each
-    chunk's product is formed (BLAS syrk on CPU with one torch thread, ``_GRAM_ROW_BLOCKS`` otherwise) and mirrored
-    at the end. float64
-    inputs, and inputs with fewer than ``_FLOAT32_MIN_FEATURES`` features, are computed in float64.
+    keep ~1e-7 relative precision on what CKA sees. The shift is the mean of the first ``_SHIFT_ROWS`` rows (a
+    read of 16 rows instead of a pass over X), subtracted from each chunk as it is copied into a small float32
+    buffer (one fused pass: copying, taking the chunk's mean and subtracting it in place made three, and at a
+    minibatch of 256 a pass over X costs ~15% of the Gram itself); the Gram of X - 1 s^T is then double-centred in
+    float64, H K_s H = K_c exactly (the rows' residual mean is read from K_s's row sums), so the result is the
+    mean-centred Gram (``exact=False`` skips that step for callers that centre the Gram themselves: U and H K H
+    remove the shift's terms exactly, as above). The chunks are multiplied in float32 and added to a float64 sum,
+    so no float64 (or full float32) copy of X is ever made and float32 rounding accumulates over at most one chunk.
+    Only the upper triangle of each chunk's product is formed (BLAS syrk on CPU with one torch thread,
+    ``_GRAM_ROW_BLOCKS`` otherwise) and mirrored at the end. float64 inputs, and inputs with fewer than
+    ``_FLOAT32_MIN_FEATURES`` features, are computed in float64.
     """
     n = x.shape[0]
     x = x.reshape(n, -1)
@@ -121,22 +131,27 @@ def _centred_gram(x: torch.Tensor) -> torch.Tensor:
     chunks = -(-p * n // _CHUNK_ELEMENTS)
     cols = -(-p // chunks)  # equal chunks
     buf = torch.empty(n * cols, dtype=dt, device=x.device)
+    shift = x[:_SHIFT_ROWS].to(dt).mean(0)  # near the column means: the Gram of X - shift keeps float32 precision
     upper = _upper_gram_syrk if x.device.type == "cpu" and torch.get_num_threads() == 1 else _upper_gram_blocked
-    k = upper(x, buf, cols)
-    return k.triu() + k.triu(1).T  # the upper triangle (all computed) mirrored: K exactly symmetric
+    k = upper(x, buf, cols, shift)
+    k = k.triu() + k.triu(1).T  # the upper triangle (all computed) mirrored: K exactly symmetric
+    if not exact:
+        return k
+    r = k.mean(1)  # (X - 1 s^T) d with d the residual column mean; H K H = K - r 1^T - 1 r^T + mean(r) 11^T
+    return k - ((r[:, None] + r[None, :]) - r.mean())  # the correction is symmetric term by term: K stays so
 
 
-def _centred_chunk(x: torch.Tensor, buf: torch.Tensor, c: int, cols: int) -> torch.Tensor:
-    """Columns c:c + cols of ``x`` [n, p] minus their means, in ``buf`` (contiguous [n, w]). The means are taken
-    from the copy in the buffer, which is in cache, instead of in a pass of their own over X (a strided mean over a
-    chunk of X is slow, and a whole-X mean reads X from memory once more: ~8% of a ViT-S/16 Gram)."""
+def _centred_chunk(x: torch.Tensor, buf: torch.Tensor, c: int, cols: int, shift: torch.Tensor) -> torch.Tensor:
+    """Columns c:c + cols of ``x`` [n, p] minus ``shift``'s, in ``buf`` (contiguous [n, w]), in one pass over the
+    chunk (float64 buffers copy first, so that the subtraction is float64 as well)."""
     xc = x[:, c : c + cols]
     b = buf[: xc.numel()].view(x.shape[0], xc.shape[1])  # contiguous, also for a shorter last chunk
-    b.copy_(xc)
-    return b.sub_(b.mean(0))
+    if b.dtype == torch.float64 and xc.dtype != torch.float64:
+        return b.copy_(xc).sub_(shift[c : c + cols])
+    return torch.sub(xc, shift[c : c + cols], out=b)
 
 
-def _upper_gram_syrk(x: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Tensor:
+def _upper_gram_syrk(x: torch.Tensor, buf: torch.Tensor, cols: int, shift: torch.Tensor) -> torch.Tensor:
     """The upper triangle of the centred Gram by BLAS ?syrk, chunk by chunk (the lower triangle is left 0). The
     buffer [n, w] row-major is the column-major [w, n] matrix A, and syrk with trans=1 forms A^T A: no copy."""
     from scipy.linalg.blas import dsyrk, ssyrk
@@ -147,7 +162,7 @@ def _upper_gram_syrk(x: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Ten
     g = torch.zeros(n, n, dtype=buf.dtype).numpy().T  # column-major, overwritten in place by each syrk
     with _BlasThreads():
         for c in range(0, p, cols):
-            b = _centred_chunk(x, buf, c, cols)
+            b = _centred_chunk(x, buf, c, cols, shift)
             g = syrk(1.0, b.numpy().T, beta=0.0, c=g, trans=1, overwrite_c=1)
             # syrk's upper triangle (lower = 0) in column-major memory, read as the row-major lower triangle: a
             # contiguous add (adding the column-major view itself was a strided read, ~5% of a ViT-S/16 Gram)
@@ -155,7 +170,7 @@ def _upper_gram_syrk(x: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Ten
     return k.T  # K[i, j] for i <= j
 
 
-def _upper_gram_blocked(x: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.Tensor:
+def _upper_gram_blocked(x: torch.Tensor, buf: torch.Tensor, cols: int, shift: torch.Tensor) -> torch.Tensor:
     """The upper block triangle of the centred Gram by torch.mm (any device), chunk by chunk."""
     n, p = x.shape
     blocked = n >= _GRAM_BLOCKED_MIN_ROWS and x.device.type != "cpu"
@@ -163,7 +178,7 @@ def _upper_gram_blocked(x: torch.Tensor, buf: torch.Tensor, cols: int) -> torch.
     k = torch.zeros(n, n, dtype=torch.float64, device=x.device)
     g = torch.zeros(n, n, dtype=buf.dtype, device=x.device)
     for c in range(0, p, cols):
-        b = _centred_chunk(x, buf, c, cols)
+        b = _centred_chunk(x, buf, c, cols, shift)
         for r in range(0, n, rows):  # block row r: its diagonal block and everything right of it
             torch.mm(b[r : r + rows], b[r:].T, out=g[r : r + rows, r:])
         k += g
@@ -200,7 +215,7 @@ def hsic_gram(x: torch.Tensor, unbiased: bool = True) -> tuple[torch.Tensor, flo
     HSIC(K, L) = s * <G_x, G_y>. CKA over minibatches is sum s<G_x, G_y> / sqrt(sum s<G_x, G_x> * sum s<G_y, G_y>)."""
     n = x.shape[0]
     c = center_unbiased if unbiased else center_biased
-    return c(_centred_gram(x.reshape(n, -1))), _hsic_scale(n, unbiased)
+    return c(_centred_gram(x.reshape(n, -1), exact=False)), _hsic_scale(n, unbiased)
 
 
 def cka(x: torch.Tensor, y: torch.Tensor, unbiased: bool = True) -> float:
@@ -208,7 +223,7 @@ def cka(x: torch.Tensor, y: torch.Tensor, unbiased: bool = True) -> float:
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"cka needs the same examples in both: {x.shape[0]} vs {y.shape[0]} rows.")
     c = center_unbiased if unbiased else center_biased
-    kx, ky = c(_centred_gram(x)), c(_centred_gram(y))
+    kx, ky = c(_centred_gram(x, exact=False)), c(_centred_gram(y, exact=False))
     return float((kx * ky).sum() / torch.sqrt((kx * kx).sum() * (ky * ky).sum()))
 
 

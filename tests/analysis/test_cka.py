@@ -289,10 +289,11 @@ def test_blocked_gram_multiplies_only_the_upper_block_triangle(monkeypatch):
     monkeypatch.setattr(C, "_CHUNK_ELEMENTS", 64 * 100)
     buf = torch.empty(64 * 100)
     monkeypatch.setattr(torch, "zeros", lambda *a, device=None, **kw: torch.empty(*a, **kw).zero_())
-    k = C._upper_gram_blocked(OnCuda(x), buf, 100)
+    m = x.mean(0)  # the exact mean as the shift: no double centring needed to compare with the centred Gram
+    k = C._upper_gram_blocked(OnCuda(x), buf, 100, m)
     assert seen == [(torch.float32, (16, 100))] * 12  # 3 chunks x 4 block rows (the upper block triangle)
     seen.clear()
-    C._upper_gram_blocked(x, buf, 100)  # CPU: one product per chunk
+    C._upper_gram_blocked(x, buf, 100, m)  # CPU: one product per chunk
     assert seen == [(torch.float32, (64, 100))] * 3
     k = k.triu() + k.triu(1).T
     assert (k - ref).abs().max() < 1e-5 * ref.abs().max()
@@ -340,3 +341,20 @@ def test_both_centrings_ignore_a_shift_of_the_features(unbiased):
     c = center_unbiased if unbiased else center_biased
     assert torch.allclose(c(gram(x - m)), c(gram(x)), rtol=0, atol=1e-12)
     assert not torch.allclose(gram(x - m), gram(x), rtol=0, atol=1e-3)
+
+
+def test_centred_gram_is_mean_centred_whatever_the_first_rows_shift():
+    """The shift comes from the first rows only; the double centring in float64 must still give the Gram of the
+    mean-centred features when those rows are far from the mean (a sorted minibatch), and CKA must not move."""
+    from analysis import similarity as C
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 900, generator=g) + 5
+    x[:16] += 40  # the first 16 rows (the shift's) sit far from the column means
+    xc = x.double() - x.double().mean(0)
+    ref = xc @ xc.T
+    k = C._centred_gram(x)
+    assert torch.equal(k, k.T)
+    assert (k - ref).abs().max() < 1e-5 * ref.abs().max()
+    y = torch.randn(64, 900, generator=g) + x
+    assert abs(C.cka(x, y) - C.cka(x.double(), y.double())) < 1e-6
