@@ -183,6 +183,15 @@ def unformatted(text: str) -> list[str]:
     return sorted(set(m.group(0) for m in _PLACEHOLDER.finditer(text)))
 
 
+def effective_overrides(overrides) -> str:
+    """The overrides a run's recipe ends up with, for a reader: the study's own and then the configuration's are
+    applied in order, so a key set twice (``data.val_size=5000 ... data.val_size=0``) shows its last value only."""
+    last = {}
+    for o in overrides:
+        last[o.split("=", 1)[0] if "=" in o else o] = o
+    return " ".join(last.values()) or "-"
+
+
 def _runs_table(study, runs: dict, absent: dict, doc: Doc) -> None:
     train_wall = {n: R.train_wall(r) for n, r in runs.items()}
     doc.add(
@@ -192,7 +201,7 @@ def _runs_table(study, runs: dict, absent: dict, doc: Doc) -> None:
         "| --- | --- | --- | --- | --- | --- |",
     )
     for n, sr in study.runs.items():
-        seed, ov = "-" if sr.seed is None else sr.seed, " ".join(sr.overrides) or "-"
+        seed, ov = "-" if sr.seed is None else sr.seed, effective_overrides(sr.overrides)
         if n not in runs:
             doc.add(f"| {n} | {sr.config} | {seed} | {ov} | {absent.get(n, 'not trained')} | - |")
             continue

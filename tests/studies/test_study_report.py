@@ -331,3 +331,11 @@ def test_analyze_and_report_stages_go_on_without_the_pilot_runs(tmp_path, capsys
     assert "| vit_local_nomix_s0 | vit_local_nomix | 0 |" in text and text.count("not started (no run folder)") == 6
     back = json.loads(s.report.with_suffix(".json").read_text())  # every claim, not testable without a ResNet
     assert {c["id"]: c["verdict"] for c in back["claims"]}["uniformity"] == "not testable"
+
+
+def test_runs_table_shows_each_override_key_once_with_its_last_value():
+    """The study's overrides come first and a configuration's after; the recipe applies them in order, so the
+    table shows what the run got: val_size 0, not both 5000 and 0."""
+    ov = ["callbacks=[]", "data.val_size=5000", "callbacks=[attention_distance]", "data.val_size=0", "seed=0"]
+    assert R.effective_overrides(ov) == "callbacks=[attention_distance] data.val_size=0 seed=0"
+    assert R.effective_overrides([]) == "-"
