@@ -639,14 +639,28 @@ def against(
     opts: S.SuiteOptions | None = None,
     force: bool = False,
     progress: bool = True,
+    on_other_images: bool = False,
 ) -> dict:
     """Cross-run CKA of ``run``'s checkpoints (default: the last) against ``other`` at ``other_step``; cached like
-    :func:`analyze_run`. Returns {"results": {step: result}, "computed": [...], "reused": [...]}."""
+    :func:`analyze_run`. Returns {"results": {step: result}, "computed": [...], "reused": [...]}.
+
+    Both runs must analyse the same images. Runs of different seeds draw different analysis images (the split is
+    seeded by the recipe's seed); ``on_other_images=True`` then reads both models on ``other``'s analysis images,
+    provided the two recipes' data sections are the same (a cross-seed comparison of one configuration)."""
     opts = opts or S.SuiteOptions()
     steps = sorted(run.step(s) for s in (steps or [None]))
     check_writable(run)
-    data, odata = check_same_images(run, other)
-    fp = fingerprint(run)
+    if on_other_images:
+        if run.recipe.data != other.recipe.data:
+            raise AnalysisError(
+                f"runs {run.path} and {other.path} have different data sections: reading one on the other's "
+                "analysis images needs the same data settings (only the seed may differ)."
+            )
+        data = odata = load_data(other)
+        fp = fingerprint(other)
+    else:
+        data, odata = check_same_images(run, other)
+        fp = fingerprint(run)
     stats: dict = {"results": {}, "computed": [], "reused": []}
     omodel = None
     for step in tqdm(steps, desc=f"{run.name} vs {other.name}", disable=not progress, unit="ckpt"):

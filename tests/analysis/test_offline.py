@@ -472,3 +472,24 @@ def test_what_used_to_pass_silently_is_said(runs, tmp_path, capsys):
     r["model"]["depth"] = 3
     (run / "recipe.yaml").write_text(yaml.safe_dump(r))
     _bad(capsys, [str(run)], "do not fit this model", run)  # every result is cached
+
+
+def test_against_a_run_of_another_seed_reads_both_on_its_images(runs, tmp_path):
+    """Seeds draw different analysis images, so cross-run CKA refuses them, unless both models are read on the
+    reference run's images (the cross-seed ceiling): same weights there give a diagonal of one. A run with other
+    data settings is still refused."""
+    run = tmp_path / "vit_s1"
+    shutil.copytree(runs["vit"], run)
+    r = yaml.safe_load((run / "recipe.yaml").read_text())
+    (run / "recipe.yaml").write_text(yaml.safe_dump({**r, "seed": r["seed"] + 1}))
+    a, ref = O.open_run(run), O.open_run(runs["vit"])
+    with pytest.raises(O.AnalysisError, match="analyse different images"):
+        O.against(a, ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False)
+    res = O.against(a, ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False, on_other_images=True)
+    assert np.allclose(res["results"][8]["same_index"], 1.0, atol=1e-6)
+    other = tmp_path / "vit_other_data"
+    shutil.copytree(runs["vit"], other)
+    r["data"]["analysis_size"] = r["data"]["analysis_size"] // 2
+    (other / "recipe.yaml").write_text(yaml.safe_dump(r))
+    with pytest.raises(O.AnalysisError, match="different data sections"):
+        O.against(O.open_run(other), ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False, on_other_images=True)

@@ -753,8 +753,14 @@ def data_drift(ctx) -> Result:
         )
     ceiling = None
     if len(full) >= 2:
-        a = O.against(
-            full[1], full[0], max(full[0].checkpoints), [max(full[1].checkpoints)], opts=ctx.opts, progress=False
+        a = O.against(  # the seeds' analysis images differ: both read on full[0]'s
+            full[1],
+            full[0],
+            max(full[0].checkpoints),
+            [max(full[1].checkpoints)],
+            opts=ctx.opts,
+            progress=False,
+            on_other_images=True,
         )
         ceiling = np.asarray(a["results"][max(full[1].checkpoints)]["same_index"], dtype=float)
     table = [
