@@ -72,7 +72,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.similarity import MinibatchCKA, _BlasThreads, represent  # noqa: E402
+from analysis.similarity import MinibatchCKA, _BlasThreads, center_unbiased, represent  # noqa: E402
 
 VARIANTS = ("new", "numpee", "half", "full")  # rotated every repeat; "old" runs once per width
 WIDTHS = {"default": (50, 96), "vits": (197, 384), "vitb": (197, 768)}
@@ -244,23 +244,16 @@ class HalfFloor:
         return None
 
 
-def floor_grams_cka(batches) -> torch.Tensor:
-    """CKA from the half floor's own Grams (raw float32 ssyrk, no centring), U-centred and summed in float64: for the
-    agreement figure only (untimed), showing what the floor would give as a CKA method."""
-    from scipy.linalg.blas import ssyrk
+class FloorGramsCKA(MinibatchCKA):
+    """MinibatchCKA with the half floor's own Grams (raw float32 ssyrk, no centring) in place of its centred ones,
+    U-centred and summed in float64 as usual: for the agreement figure only (untimed), what the floor would give as
+    a CKA method."""
 
-    from analysis.similarity import center_unbiased
+    def _centred(self, reps):
+        from scipy.linalg.blas import ssyrk
 
-    xy = None
-    for reps in batches:
-        us = []
-        for r in reps:
-            k = torch.from_numpy(ssyrk(1.0, r.numpy().T, trans=1)).double()
-            us.append(center_unbiased(k.triu() + k.triu(1).T).reshape(-1))
-        g = torch.stack(us)
-        xy = g @ g.T if xy is None else xy + g @ g.T
-    d = torch.diagonal(xy)
-    return xy / torch.sqrt(d[:, None] * d[None, :])
+        grams = [torch.from_numpy(ssyrk(1.0, r.numpy().T, trans=1)).double() for r in reps]
+        return torch.stack([center_unbiased(k.triu() + k.triu(1).T).reshape(-1) for k in grams])
 
 
 def make(variant: str):
@@ -270,6 +263,7 @@ def make(variant: str):
         "numpee": NumpeeStyleCKA,
         "half": HalfFloor,
         "full": FullFloor,
+        "half_grams": FloorGramsCKA,
     }[variant]()
 
 
@@ -400,7 +394,7 @@ def main() -> None:
     for w in a.widths:
         ref = results[w, "old"]
         big = ref.abs() >= 0.1
-        results[w, "half"] = floor_grams_cka(streams[w])
+        results[w, "half"] = run_variant("half_grams", streams[w])[1]
         for v in ("new", "numpee", "half"):
             d = (results[w, v] - ref).abs()
             out["agreement_vs_old"][f"{w}/{v}"] = {

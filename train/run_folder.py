@@ -42,7 +42,8 @@ FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 # ---------------------------------------------------------------- naming
 
 
-def _override_key(o: str) -> str:
+def override_key(o: str) -> str:
+    """The key of a ``--set`` override ``KEY=VALUE`` (the whole text when it has no ``=``)."""
     return o.split("=", 1)[0].strip()
 
 
@@ -55,7 +56,7 @@ def run_dir_for(recipe: Recipe, overrides=()) -> Path:
     if recipe.run.name:
         return root / recipe.run.name
     named = [o for o in overrides if not o.startswith("run.")]
-    canonical = root / run_name(recipe, sorted(named, key=_override_key))
+    canonical = root / run_name(recipe, sorted(named, key=override_key))
     if canonical.exists() or len(named) < 2:
         return canonical
     orders = itertools.permutations(named) if len(named) <= 7 else [named]  # 7! = 5040 names; beyond, the typed order

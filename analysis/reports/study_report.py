@@ -32,6 +32,7 @@ from analysis.reports.pilots import NO_GO, is_pilot, pilot_check
 from analysis.reports.run_report import write_run_report
 from analysis.reports.stats import ALPHA
 from analysis.studies import Paper, paper_for
+from train.run_folder import override_key
 
 
 def open_runs(study) -> tuple[dict, dict]:
@@ -188,7 +189,7 @@ def effective_overrides(overrides) -> str:
     applied in order, so a key set twice (``data.val_size=5000 ... data.val_size=0``) shows its last value only."""
     last = {}
     for o in overrides:
-        last[o.split("=", 1)[0] if "=" in o else o] = o
+        last[override_key(o)] = o
     return " ".join(last.values()) or "-"
 
 
