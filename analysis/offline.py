@@ -619,6 +619,13 @@ def check_same_images(run: Run, other: Run) -> tuple:
     """Both runs' data; raise AnalysisError unless they analyse the same images."""
     data, odata = load_data(run), load_data(other)
     if fingerprint(run) != fingerprint(other):
+        if run.recipe.data == other.recipe.data:  # the same settings: the seeds drew different analysis images
+            raise AnalysisError(
+                f"runs {run.path} and {other.path} analyse different images (same data settings, but the analysis "
+                f"images are drawn with each recipe's seed: {run.recipe.seed} vs {other.recipe.seed}): cross-run CKA "
+                "needs the same images, so compare runs of one seed, or call analysis.offline.against(..., "
+                "on_other_images=True) to read both models on the second run's images."
+            )
         raise AnalysisError(
             f"runs {run.path} and {other.path} analyse different images (their data sections differ): "
             "cross-run CKA needs the same analysis images, so compare runs made with the same data settings."

@@ -483,7 +483,7 @@ def test_against_a_run_of_another_seed_reads_both_on_its_images(runs, tmp_path):
     r = yaml.safe_load((run / "recipe.yaml").read_text())
     (run / "recipe.yaml").write_text(yaml.safe_dump({**r, "seed": r["seed"] + 1}))
     a, ref = O.open_run(run), O.open_run(runs["vit"])
-    with pytest.raises(O.AnalysisError, match="analyse different images"):
+    with pytest.raises(O.AnalysisError, match="analyse different images .same data settings.*seed: 1 vs 0"):
         O.against(a, ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False)
     res = O.against(a, ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False, on_other_images=True)
     assert np.allclose(res["results"][8]["same_index"], 1.0, atol=1e-6)
