@@ -21,6 +21,11 @@ result); every other sum is float64. A layer's representation of one image is, b
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+from pathlib import Path
+
 import torch
 
 from analysis.reduce import all_reduce_tree
@@ -64,18 +69,78 @@ _SHIFT_ROWS = 16
 # Below this many features per example the whole Gram is cheap (about 0.3 ms at n = 256, p = 96 in float64, one
 # thread), so it stays float64 there, exact as before; float32 products (~1e-9 relative on CKA) only where they pay.
 _FLOAT32_MIN_FEATURES = 256
-# K is symmetric, so only one triangle needs forming: on CPU with one thread, a symmetric rank-k update (BLAS
-# ?syrk, through scipy's OpenBLAS) forms the upper triangle alone, n^2 p / 2 multiply-adds, about half the time of
-# X X^T. With more threads a second thread pool (OpenBLAS's beside torch's spinning OpenMP workers) oversubscribed
-# the cores: at 2 threads on a loaded 2-core host, 4-20x slower than one thread, so there, and on CUDA (torch
-# exposes no syrk), torch's own pool forms the products. On CUDA only the upper block triangle is multiplied: rows
-# cut into this many blocks, block row r times rows r.. (the diagonal block and those right of it), (B + 1) / 2B of
-# the full product's flops: 0.625 at 4. On CPU with several threads each chunk is one whole product: every block
-# product is a parallel region ending in a barrier, and on the loaded 2-core host the blocked form took 5-15x the
-# time of one X X^T at 2 threads (a descheduled thread stalls each barrier).
+# K is symmetric, so only one triangle needs forming: on CPU a symmetric rank-k update (BLAS ?syrk) forms the upper
+# triangle alone, n^2 p / 2 multiply-adds, about half the time of X X^T. The syrk is the MKL that torch's x86 wheels
+# link (:func:`_torch_mkl_syrk`), threaded by torch's own OpenMP pool at any thread count: on the Intel host, alone,
+# 1.6x faster than torch.mm's whole X X^T at 2 threads and 1.1x faster than scipy's OpenBLAS ssyrk at 1. Without it
+# (no MKL in torch: ARM, macOS) scipy's OpenBLAS ssyrk serves one thread; with more, a second thread pool
+# (OpenBLAS's beside torch's spinning OpenMP workers) oversubscribed the cores (at 2 threads on a loaded 2-core host,
+# 4-20x slower than one thread), so there, and on CUDA (torch exposes no syrk), torch's own products form it. On
+# CUDA only the upper block triangle is multiplied: rows cut into this many blocks, block row r times rows r.. (the
+# diagonal block and those right of it), (B + 1) / 2B of the full product's flops: 0.625 at 4. On CPU each chunk is
+# one whole product: every block product is a parallel region ending in a barrier, and on the loaded 2-core host
+# the blocked form took 5-15x the time of one X X^T at 2 threads (a descheduled thread stalls each barrier).
 # Below the minimum row count the product is too small for blocking to pay.
 _GRAM_ROW_BLOCKS = 4
 _GRAM_BLOCKED_MIN_ROWS = 64
+
+
+@functools.cache
+def _torch_mkl_syrk() -> dict | None:
+    """``{torch.float32: ssyrk, torch.float64: dsyrk}`` from the MKL linked into torch, or None where there is none.
+
+    torch's x86 Linux wheels link MKL statically and export its BLAS layer (``mkl_blas_ssyrk``, the routine behind
+    the Fortran ``ssyrk``: uplo, trans, n, k, alpha, a, lda, beta, c, ldc, all by reference, 32-bit integers); torch
+    exposes no syrk itself. It runs in torch's OpenMP pool with torch's thread count (``torch.set_num_threads``
+    sets MKL's too), so no second pool competes for the cores. Each found routine must reproduce a small integer
+    Gram exactly before it is used (a changed calling convention is refused, not trusted);
+    ``VITLAB_MKL_SYRK=0`` turns it off."""
+    if os.environ.get("VITLAB_MKL_SYRK", "1") == "0" or not torch.backends.mkl.is_available():
+        return None
+    lib_dir = Path(torch.__file__).parent / "lib"
+    found = {}
+    for dtype, name, c_real in ((torch.float32, "ssyrk", ctypes.c_float), (torch.float64, "dsyrk", ctypes.c_double)):
+        for lib in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll"):
+            try:
+                fn = getattr(ctypes.CDLL(str(lib_dir / lib)), "mkl_blas_" + name)
+            except (OSError, AttributeError):
+                continue
+            fn.restype = None
+            syrk = functools.partial(_call_syrk, fn, c_real)
+            if _syrk_works(syrk, dtype):
+                found[dtype] = syrk
+            break
+    return found if len(found) == 2 else None
+
+
+def _syrk_works(syrk, dtype: torch.dtype) -> bool:
+    """Whether ``syrk(a, c)`` puts the upper triangle of a a^T, and nothing else, into column-major ``c``: on small
+    integers, where every product and sum is exact."""
+    a = torch.arange(15, dtype=dtype).reshape(3, 5) - 7
+    c = torch.zeros(3, 3, dtype=dtype)
+    syrk(a, c)
+    return torch.equal(c.T.triu(), (a @ a.T).triu()) and not c.T.tril(-1).any()
+
+
+def _call_syrk(fn, c_real, a: torch.Tensor, c: torch.Tensor) -> None:
+    """C <- A A^T for a contiguous row-major ``a`` [n, k]: that memory is the column-major [k, n] matrix B, and syrk
+    with uplo='U', trans='T' forms the upper triangle of B^T B = A A^T in column-major ``c`` [n, n], i.e. the lower
+    triangle of row-major ``c`` (its strict upper part untouched: zero it once)."""
+    n, k = a.shape
+    ref = ctypes.byref
+    ints = [ctypes.c_int(v) for v in (n, k, k, n)]
+    fn(
+        ctypes.c_char_p(b"U"),
+        ctypes.c_char_p(b"T"),
+        ref(ints[0]),
+        ref(ints[1]),
+        ref(c_real(1.0)),
+        ctypes.c_void_p(a.data_ptr()),
+        ref(ints[2]),
+        ref(c_real(0.0)),
+        ctypes.c_void_p(c.data_ptr()),
+        ref(ints[3]),
+    )
 
 
 class _BlasThreads:
@@ -132,7 +197,8 @@ def _centred_gram(x: torch.Tensor, exact: bool = True) -> torch.Tensor:
     cols = -(-p // chunks)  # equal chunks
     buf = torch.empty(n * cols, dtype=dt, device=x.device)
     shift = x[:_SHIFT_ROWS].to(dt).mean(0)  # near the column means: the Gram of X - shift keeps float32 precision
-    upper = _upper_gram_syrk if x.device.type == "cpu" and torch.get_num_threads() == 1 else _upper_gram_blocked
+    cpu_syrk = _torch_mkl_syrk() is not None or torch.get_num_threads() == 1  # comment at _GRAM_ROW_BLOCKS
+    upper = _upper_gram_syrk if x.device.type == "cpu" and cpu_syrk else _upper_gram_blocked
     k = upper(x, buf, cols, shift)
     k = k.triu() + k.triu(1).T  # the upper triangle (all computed) mirrored: K exactly symmetric
     if not exact:
@@ -152,13 +218,22 @@ def _centred_chunk(x: torch.Tensor, buf: torch.Tensor, c: int, cols: int, shift:
 
 
 def _upper_gram_syrk(x: torch.Tensor, buf: torch.Tensor, cols: int, shift: torch.Tensor) -> torch.Tensor:
-    """The upper triangle of the centred Gram by BLAS ?syrk, chunk by chunk (the lower triangle is left 0). The
-    buffer [n, w] row-major is the column-major [w, n] matrix A, and syrk with trans=1 forms A^T A: no copy."""
+    """The upper triangle of the centred Gram by BLAS ?syrk, chunk by chunk (the lower triangle is left 0): torch's
+    MKL where it has one, else scipy's OpenBLAS (one thread). The buffer [n, w] row-major is the column-major
+    [w, n] matrix A, and syrk with trans=1 forms A^T A: no copy."""
+    n, p = x.shape
+    k = torch.zeros(n, n, dtype=torch.float64)
+    mkl = _torch_mkl_syrk()
+    if mkl is not None:
+        syrk = mkl[buf.dtype]
+        g = torch.zeros(n, n, dtype=buf.dtype)  # row-major; each syrk overwrites its lower triangle
+        for c in range(0, p, cols):
+            syrk(_centred_chunk(x, buf, c, cols, shift), g)
+            k += g
+        return k.T  # K[i, j] for i <= j
     from scipy.linalg.blas import dsyrk, ssyrk
 
-    n, p = x.shape
     syrk = ssyrk if buf.dtype == torch.float32 else dsyrk
-    k = torch.zeros(n, n, dtype=torch.float64)
     g = torch.zeros(n, n, dtype=buf.dtype).numpy().T  # column-major, overwritten in place by each syrk
     with _BlasThreads():
         for c in range(0, p, cols):

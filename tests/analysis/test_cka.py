@@ -228,8 +228,8 @@ def test_float32_centred_grams_agree_with_float64(kind, unbiased):
 
 
 def test_centred_gram_uses_float32_syrk_without_a_float64_copy(monkeypatch):
-    """On CPU, float32 features of >= 256 columns go through BLAS ssyrk (one triangle, float32), one chunk at a
-    time; small or float64 inputs through dsyrk."""
+    """Without torch's MKL (ARM, macOS) on CPU, float32 features of >= 256 columns go through scipy's ssyrk (one
+    triangle, float32), one chunk at a time, with one thread; small or float64 inputs through dsyrk."""
     import scipy.linalg.blas as B
 
     from analysis import similarity as C
@@ -245,24 +245,87 @@ def test_centred_gram_uses_float32_syrk_without_a_float64_copy(monkeypatch):
 
         return f
 
+    monkeypatch.setattr(C, "_torch_mkl_syrk", lambda: None)
     monkeypatch.setattr(B, "ssyrk", spy("ssyrk"))
     monkeypatch.setattr(B, "dsyrk", spy("dsyrk"))
     monkeypatch.setattr(C, "_CHUNK_ELEMENTS", 64 * 100)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        C._centred_gram(torch.randn(64, 300))
+        x = torch.randn(64, 300) + 3
+        k = C._centred_gram(x)
         assert seen == [("ssyrk", "float32", (100, 64))] * 3  # 3 chunks, each [cols, n] column-major
+        xc = x.double() - x.double().mean(0)
+        assert (k - xc @ xc.T).abs().max() < 1e-5 * (xc @ xc.T).abs().max()
         seen.clear()
         C._centred_gram(torch.randn(64, 300, dtype=torch.float64))
         C._centred_gram(torch.randn(64, 50))
         assert {(name, d) for name, d, _ in seen} == {("dsyrk", "float64")}
         seen.clear()
-        torch.set_num_threads(2)  # torch's own pool (blocked products), no second BLAS pool beside it
+        torch.set_num_threads(2)  # torch's own pool (whole products), no second BLAS pool beside it
         C._centred_gram(torch.randn(64, 300))
         assert seen == []
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(
+    __import__("analysis.similarity", fromlist=["x"])._torch_mkl_syrk() is None, reason="torch links no MKL here"
+)
+def test_centred_gram_uses_torchs_mkl_syrk_at_every_thread_count(monkeypatch):
+    """Where torch links MKL, its ssyrk forms each chunk's upper triangle in torch's own thread pool at 1 and 2
+    threads (dsyrk for small or float64 inputs), and the Gram is the centred X X^T; scipy's BLAS is not called."""
+    import scipy.linalg.blas as B
+
+    from analysis import similarity as C
+
+    real, seen = C._torch_mkl_syrk(), []
+
+    def spy(dtype):
+        def f(a, c):
+            seen.append((str(dtype), tuple(a.shape), a.is_contiguous()))
+            real[dtype](a, c)
+
+        return f
+
+    monkeypatch.setattr(C, "_torch_mkl_syrk", lambda: {d: spy(d) for d in real})
+    monkeypatch.setattr(B, "ssyrk", None)  # would raise if called
+    monkeypatch.setattr(C, "_CHUNK_ELEMENTS", 64 * 100)
+    threads = torch.get_num_threads()
+    x = torch.randn(64, 300) + 3
+    xc = x.double() - x.double().mean(0)
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            k = C._centred_gram(x)
+            assert seen == [("torch.float32", (64, 100), True)] * 3
+            assert torch.equal(k, k.T) and (k - xc @ xc.T).abs().max() < 1e-5 * (xc @ xc.T).abs().max()
+            seen.clear()
+        k = C._centred_gram(x.double())
+        assert {s[0] for s in seen} == {"torch.float64"}
+        assert (k - xc @ xc.T).abs().max() < 1e-9 * (xc @ xc.T).abs().max()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_syrk_that_does_not_form_exactly_the_upper_triangle_is_refused(monkeypatch):
+    """The self-check that guards the MKL routine's calling convention: one that writes nothing, or the whole
+    Gram, is refused; a correct one passes; VITLAB_MKL_SYRK=0 turns MKL off."""
+    from analysis import similarity as C
+
+    def upper(a, c):
+        c.copy_((a @ a.T).triu().T)  # column-major upper = row-major lower
+
+    assert C._syrk_works(upper, torch.float32) and C._syrk_works(upper, torch.float64)
+    assert not C._syrk_works(lambda a, c: None, torch.float32)
+    assert not C._syrk_works(lambda a, c: c.copy_(a @ a.T), torch.float32)
+    C._torch_mkl_syrk.cache_clear()
+    monkeypatch.setenv("VITLAB_MKL_SYRK", "0")
+    try:
+        assert C._torch_mkl_syrk() is None
+    finally:
+        monkeypatch.delenv("VITLAB_MKL_SYRK")
+        C._torch_mkl_syrk.cache_clear()
 
 
 def test_blocked_gram_multiplies_only_the_upper_block_triangle(monkeypatch):
