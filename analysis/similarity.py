@@ -57,12 +57,13 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     return x @ x.T
 
 
-# Elements per chunk in _centred_gram (8 MiB of float32; p is cut into equal chunks of at most this many n x cols
+# Elements per chunk in _centred_gram (16 MiB of float32; p is cut into equal chunks of at most this many n x cols
 # elements), so a chunk is centred into a buffer that is still in cache when it is multiplied; centring all of X
-# into a buffer first costs 1.4x (memory traffic). Against 4 MiB (1 thread, Intel Xeon beside a training run,
-# minibatches of 256): 1.21x instead of 1.31x the half-Gram floor at a ViT-S/16 width, 1.55x instead of 1.68x at
-# the default model's width (one chunk per layer there instead of two); 1 MiB chunks were slower still.
-_CHUNK_ELEMENTS = 1 << 21
+# into a buffer first costs 1.4x (memory traffic). With MKL's syrk on the Intel host, alone, minibatches of 256, as
+# multiples of the raw syrk at 1 / 2 threads: 4 MiB 1.29 / 1.46x, 8 MiB 1.24 / 1.33x, 16 MiB 1.25 / 1.29x, 32 MiB
+# 1.27 / 1.28x at a ViT-S/16 width; 1.18 / 1.25x (8 MiB) against 1.18 / 1.21x (16 MiB) at ViT-B/16. (With OpenBLAS
+# beside a training run, 8 MiB had beaten 4 MiB: 1.21x against 1.31x at ViT-S/16.)
+_CHUNK_ELEMENTS = 1 << 22
 # Rows whose mean is the shift subtracted before the float32 products (:func:`_centred_gram`): about 1/16 of the
 # centred energy added on average (rows in random order), for a read of 16 rows instead of a pass over X.
 _SHIFT_ROWS = 16
