@@ -218,8 +218,9 @@ def test_accumulator_over_batches_equals_function_on_concatenation():
 @pytest.mark.parametrize("prefix", [0, 1])
 def test_float32_attention_is_within_1e7_of_float64_and_half_types_are_computed_in_float32(prefix):
     """Models give float32 (or bf16) attention: its key sums are float32 (the map's own precision), the rest
-    float64, and each head's mean is within 1e-7 relative of the float64 computation on the same map (about 1e-8
-    measured); an all-CLS query stays uncounted."""
+    float64, and each head's mean over softmax rows is within 1e-7 relative of the float64 computation on the same
+    map (about 1e-8 measured: the roundings average out over queries; a uniform head, where they do not, is in
+    tests/interventions/test_positive_control.py); an all-CLS query stays uncounted."""
     grid, patch = (7, 7), 16
     a64 = _softmax_attention(8, 4, prefix + 49, seed=8)
     a64[0, 1, prefix + 3, prefix:] = 0  # a query with no spatial mass
