@@ -179,21 +179,36 @@ def _grid_accuracies(
 ) -> Tensor:
     """Top-1 on (eval_x, eval_y) of the fit on (fit_x, fit_y) for every l2 in ``grid``, sharing one eigh (as
     big_vision's cache): with ``Z Z^T = U diag(s) U^T``, ``(Z Z^T + l2 I)^-1 = U diag(1 / (s + l2)) U^T``."""
+    return _grid_accuracies_on(fit_x, fit_y, [(eval_x, eval_y)], grid, num_classes, method)[0]
+
+
+def _grid_accuracies_on(
+    fit_x: Tensor,
+    fit_y: Tensor,
+    evals: Sequence[tuple[Tensor, Tensor]],
+    grid: Tensor,
+    num_classes: int,
+    method: str = DEFAULT_METHOD,
+) -> list[Tensor]:
+    """:func:`_grid_accuracies` on several evaluation sets ``[(x, y), ...]`` from one fit and one eigh."""
     mean, std, z, t, offset = _prepare(fit_x, fit_y, num_classes, method)
-    evals, evecs = torch.linalg.eigh(z @ z.T)
-    evals = evals.clamp_min(0)
+    evals_, evecs = torch.linalg.eigh(z @ z.T)
+    evals_ = evals_.clamp_min(0)
     proj = evecs.T @ t  # [n, K]
-    coef = proj[:, None] / (evals[:, None, None] + grid.to(evals)[None, :, None])  # [n, G, K]: every l2 at once
-    coef = coef.reshape(len(evals), -1)  # [n, G*K]
-    ev = _design(eval_x.to(z.device), mean, std)  # [m, d]
+    coef = proj[:, None] / (evals_[:, None, None] + grid.to(evals_)[None, :, None])  # [n, G, K]: every l2 at once
+    coef = coef.reshape(len(evals_), -1)  # [n, G*K]
     (n, gk), d = coef.shape, z.shape[1]
-    if d * gk < d * n + n * (n + gk):  # noqa: SIM108 -- few features: the weights Z^T U coef [d, G*K] of every l2, then one product
-        scores = ev @ ((z.T @ evecs) @ coef)
-    else:  # many features: the kernel to the shots [m, n] first
-        scores = ((ev @ z.T) @ evecs) @ coef
-    scores = scores.reshape(len(ev), len(grid), -1) + offset  # [m, G, K]
-    hits = scores.argmax(-1) == eval_y.to(ev.device).long()[:, None]  # [m, G]
-    return hits.double().mean(0).cpu()
+    # few features: the weights Z^T U coef [d, G*K] of every l2 (made once for every set), then one product per
+    # set; many features: the kernel to the shots [m, n] first
+    weights = (z.T @ evecs) @ coef if d * gk < d * n + n * (n + gk) else None
+    out = []
+    for eval_x, eval_y in evals:
+        ev = _design(eval_x.to(z.device), mean, std)  # [m, d]
+        scores = ev @ weights if weights is not None else ((ev @ z.T) @ evecs) @ coef
+        scores = scores.reshape(len(ev), len(grid), -1) + offset  # [m, G, K]
+        hits = scores.argmax(-1) == eval_y.to(ev.device).long()[:, None]  # [m, G]
+        out.append(hits.double().mean(0).cpu())
+    return out
 
 
 def _best_l2(grid: Tensor, accs: Tensor) -> float:
@@ -293,6 +308,14 @@ def fewshot_probe_with_l2(
     if test_x.shape[0] == 0:
         raise ValueError("empty test set")
     k = num_classes or _num_classes(train_y, test_y, val_y)
+    if val_x is not None and val_y is not None and not l2_is_fixed(l2_grid):
+        # l2 picked on (val_x, val_y) from a fit on all of train: the same eigendecomposition scores the test
+        # images at every l2 (the fit at the chosen l2 is that ridge solution; :func:`fit_probe` reaches it by a
+        # solve instead, and the two agree to float64 rounding)
+        grid = _as_grid(l2_grid, train_x, method)
+        val_acc, test_acc = _grid_accuracies_on(train_x, train_y, [(val_x, val_y), (test_x, test_y)], grid, k, method)
+        i = int(torch.nonzero(grid == _best_l2(grid, val_acc))[0, 0])
+        return test_acc[i].item(), grid[i].item()
     l2 = select_l2(train_x, train_y, l2_grid, val_x, val_y, num_classes=k, method=method)
     probe = fit_probe(train_x, train_y, l2, k, method)
     return _accuracy(probe.scores(test_x.to(probe.w.device)), test_y), l2
