@@ -52,9 +52,10 @@ def default_model(overrides: list[str]):
     return data, build_model(r, data.num_classes).eval()
 
 
-def rotated_minimum(variants: dict, repeats: int) -> tuple[dict, dict]:
+def rotated_minimum(variants: dict, repeats: int, per_repeat: dict | None = None) -> tuple[dict, dict]:
     """Run every variant ``repeats`` times, in an order rotated by one at every repeat so that machine noise hits
-    all alike; returns the minimum CPU time of this process and the minimum wall time of each."""
+    all alike; returns the minimum CPU time of this process and the minimum wall time of each. ``per_repeat``, if
+    given, receives every repeat's CPU time of each variant (``{name: [s, ...]}``), for ratios within a repeat."""
     cpu = {k: float("inf") for k in variants}
     wall = dict(cpu)
     names = list(variants)
@@ -64,5 +65,7 @@ def rotated_minimum(variants: dict, repeats: int) -> tuple[dict, dict]:
             variants[k]()
             c, w = time.process_time() - t0, time.perf_counter() - w0
             cpu[k], wall[k] = min(cpu[k], c), min(wall[k], w)
+            if per_repeat is not None:
+                per_repeat.setdefault(k, []).append(c)
             print(f"  repeat {rep} {k:12s} {c:7.2f} s CPU ({w:7.2f} s wall)", flush=True)
     return cpu, wall

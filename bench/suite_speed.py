@@ -20,7 +20,8 @@ pinned:
   training-time callback does this in a background thread, off the training path: analysis/callbacks.py).
 
 Each figure is the minimum over repeats of this process's CPU time (on a shared machine other jobs inflate wall
-time far more; wall times are printed too). The last line starts with ``RATIO``.
+time far more; wall times are printed too); the median and range of suite/forward within each repeat come
+before it, since a single lucky repeat moves a ratio of minima. The last line starts with ``RATIO``.
 """
 
 from __future__ import annotations
@@ -99,13 +100,19 @@ def main() -> None:
         "suite_all_rows": suite_all_rows,
         "figures": figures,
     }
-    best, wall = rotated_minimum(variants, 1 if a.smoke else a.repeats)
+    runs: dict = {}
+    best, wall = rotated_minimum(variants, 1 if a.smoke else a.repeats, runs)
     writer.close()
     for k, v in best.items():
         print(f"{k:14s} {v:7.3f} s CPU ({wall[k]:7.3f} s wall)")
     print(
         f"# model {a.model}, {len(data.analysis)} analysis + {len(data.probe_train)} probe-train images, of which "
         f"the suite reads {len(read_images)}; load average {os.getloadavg()[0]:.2f}"
+    )
+    paired = sorted(s / f for s, f in zip(runs["suite"], runs["forward"]))  # within a repeat: the same machine state
+    print(
+        f"# suite/forward within each repeat: median {paired[len(paired) // 2]:.2f} "
+        f"(range {paired[0]:.2f}-{paired[-1]:.2f}, {len(paired)} repeats)"
     )
     print(
         f"RATIO suite threads={a.threads}: suite/forward={best['suite'] / best['forward']:.2f} "
