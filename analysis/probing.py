@@ -123,22 +123,25 @@ class LinearProbe:
 
 
 def _design(x: Tensor, mean: Tensor, std: Tensor | None) -> Tensor:
-    z = x.double() - mean
+    """The design of ``x`` [..., m, d] from the shots' ``mean`` (and ``std``) [..., d] (a leading layer dimension
+    or none)."""
+    z = x.double() - mean.unsqueeze(-2)
     if std is None:
         return z
-    return torch.nn.functional.pad(z / std, (0, 1), value=BIG_VISION_BIAS)
+    return torch.nn.functional.pad(z / std.unsqueeze(-2), (0, 1), value=BIG_VISION_BIAS)
 
 
 def _prepare(
     x: Tensor, labels: Tensor, num_classes: int, method: str
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor]:
-    """(mean, std, Z, T, offset): the design of the training features, the regression targets and the score offset."""
+    """(mean, std, Z, T, offset): the design of the training features [..., n, d] (a leading layer dimension or
+    none; the labels are the same for every layer), the regression targets and the score offset."""
     _check_method(method)
     x = x.double()
     y = signed_one_hot(labels.to(x.device), num_classes)
-    mean = x.mean(0)
+    mean = x.mean(-2)
     if method == "big_vision":
-        std = x.std(0, correction=0) + BIG_VISION_STD_EPS
+        std = x.std(-2, correction=0) + BIG_VISION_STD_EPS
         offset = torch.zeros(num_classes, dtype=torch.float64, device=x.device)
     else:
         std, offset = None, y.mean(0)
@@ -190,25 +193,36 @@ def _grid_accuracies_on(
     num_classes: int,
     method: str = DEFAULT_METHOD,
 ) -> list[Tensor]:
-    """:func:`_grid_accuracies` on several evaluation sets ``[(x, y), ...]`` from one fit and one eigh."""
+    """:func:`_grid_accuracies` on several evaluation sets ``[(x, y), ...]`` from one fit and one eigh. Features may
+    carry a leading layer dimension ([L, n, d], the same labels for every layer; ``grid`` [G] or one per layer
+    [L, G]): every layer is then fitted and scored in the same batched products, and each result is [L, G]."""
     mean, std, z, t, offset = _prepare(fit_x, fit_y, num_classes, method)
-    evals_, evecs = torch.linalg.eigh(z @ z.T)
+    evals_, evecs = torch.linalg.eigh(z @ z.mT)
     evals_ = evals_.clamp_min(0)
-    proj = evecs.T @ t  # [n, K]
-    coef = proj[:, None] / (evals_[:, None, None] + grid.to(evals_)[None, :, None])  # [n, G, K]: every l2 at once
-    coef = coef.reshape(len(evals_), -1)  # [n, G*K]
-    (n, gk), d = coef.shape, z.shape[1]
+    proj = evecs.mT @ t  # [..., n, K]
+    grid = grid.to(evals_)
+    coef = proj.unsqueeze(-2) / (evals_[..., None, None] + grid[..., None, :, None])  # [..., n, G, K]: every l2
+    coef = coef.flatten(-2)  # [..., n, G*K]
+    (n, gk), d = coef.shape[-2:], z.shape[-1]
     # few features: the weights Z^T U coef [d, G*K] of every l2 (made once for every set), then one product per
     # set; many features: the kernel to the shots [m, n] first
-    weights = (z.T @ evecs) @ coef if d * gk < d * n + n * (n + gk) else None
+    weights = (z.mT @ evecs) @ coef if d * gk < d * n + n * (n + gk) else None
     out = []
     for eval_x, eval_y in evals:
-        ev = _design(eval_x.to(z.device), mean, std)  # [m, d]
-        scores = ev @ weights if weights is not None else ((ev @ z.T) @ evecs) @ coef
-        scores = scores.reshape(len(ev), len(grid), -1) + offset  # [m, G, K]
-        hits = scores.argmax(-1) == eval_y.to(ev.device).long()[:, None]  # [m, G]
-        out.append(hits.double().mean(0).cpu())
+        ev = _design(eval_x.to(z.device), mean, std)  # [..., m, d]
+        scores = ev @ weights if weights is not None else ((ev @ z.mT) @ evecs) @ coef
+        scores = scores.unflatten(-1, (grid.shape[-1], -1))  # [..., m, G, K]
+        if method != "big_vision":  # big_vision's offset is 0
+            scores = scores + offset
+        hits = scores.argmax(-1) == eval_y.to(ev.device).long()[:, None]  # [..., m, G]
+        out.append(hits.double().mean(-2).cpu())
     return out
+
+
+def _pick(grid: Tensor, val_acc: Tensor, test_acc: Tensor) -> tuple[float, float]:
+    """(test top-1, l2) at the l2 that :func:`_best_l2` picks on the validation accuracies."""
+    i = int(torch.nonzero(grid == _best_l2(grid, val_acc))[0, 0])
+    return test_acc[i].item(), grid[i].item()
 
 
 def _best_l2(grid: Tensor, accs: Tensor) -> float:
@@ -314,8 +328,7 @@ def fewshot_probe_with_l2(
         # solve instead, and the two agree to float64 rounding)
         grid = _as_grid(l2_grid, train_x, method)
         val_acc, test_acc = _grid_accuracies_on(train_x, train_y, [(val_x, val_y), (test_x, test_y)], grid, k, method)
-        i = int(torch.nonzero(grid == _best_l2(grid, val_acc))[0, 0])
-        return test_acc[i].item(), grid[i].item()
+        return _pick(grid, val_acc, test_acc)
     l2 = select_l2(train_x, train_y, l2_grid, val_x, val_y, num_classes=k, method=method)
     probe = fit_probe(train_x, train_y, l2, k, method)
     return _accuracy(probe.scores(test_x.to(probe.w.device)), test_y), l2
@@ -366,6 +379,28 @@ def sample_shots(labels: Tensor, shots: int, seed: int) -> Tensor:
     return torch.cat(out).sort().values
 
 
+def _one_shape(names: list, *feats: Mapping[str, Tensor]) -> bool:
+    """Whether there are several layers and, in each of ``feats``, all of them have one shape and device."""
+    return len(names) > 1 and all(len({(tuple(d[n].shape), d[n].device) for n in names}) == 1 for d in feats)
+
+
+def _probe_layers_batched(
+    names, train_feats, val_feats, test_feats, train_y, val_y, test_y, accs, shots, seeds, l2_grid, k, method
+) -> None:
+    """:func:`probe_layers` with l2 picked on validation features, every layer's features of one shape: per seed,
+    all layers are fitted and scored at once (batched products and one batched eigh), each as
+    :func:`fewshot_probe` fits it (its own grid, :func:`_pick`); at few-shot sizes the per-layer calls cost mostly
+    their dispatch. Appends each layer's top-1 to ``accs``."""
+    tr, va, te = (torch.stack([d[n] for n in names]) for d in (train_feats, val_feats, test_feats))
+    for seed in seeds:
+        idx = sample_shots(train_y, shots, seed)
+        fit = tr[:, idx.to(tr.device)]
+        grids = torch.stack([_as_grid(l2_grid, fit[i], method) for i in range(len(names))])
+        val_acc, test_acc = _grid_accuracies_on(fit, train_y[idx], [(va, val_y), (te, test_y)], grids, k, method)
+        for i, name in enumerate(names):
+            accs[name].append(_pick(grids[i], val_acc[i], test_acc[i])[0])
+
+
 def probe_layers(
     train_feats: Mapping[str, Tensor],
     train_y: Tensor,
@@ -396,23 +431,46 @@ def probe_layers(
     k = num_classes or _num_classes(train_y, test_y, val_y)
     train_y_cpu = train_y.cpu()
     accs: dict[str, list[float]] = {name: [] for name in train_feats}
-    for seed in seeds:
-        idx = sample_shots(train_y_cpu, shots, seed)
-        for name, feats in train_feats.items():
-            val_x = None if val_feats is None else val_feats[name]
-            accs[name].append(
-                fewshot_probe(
-                    feats[idx.to(feats.device)],
-                    train_y_cpu[idx],
-                    test_feats[name],
-                    test_y,
-                    l2_grid,
-                    val_x,
-                    val_y,
-                    num_classes=k,
-                    method=method,
+    names = list(train_feats)
+    if (
+        val_feats is not None
+        and val_y is not None
+        and not l2_is_fixed(l2_grid)
+        and _one_shape(names, train_feats, val_feats, test_feats)
+    ):
+        _probe_layers_batched(
+            names,
+            train_feats,
+            val_feats,
+            test_feats,
+            train_y_cpu,
+            val_y,
+            test_y,
+            accs,
+            shots,
+            seeds,
+            l2_grid,
+            k,
+            method,
+        )
+    else:
+        for seed in seeds:
+            idx = sample_shots(train_y_cpu, shots, seed)
+            for name, feats in train_feats.items():
+                val_x = None if val_feats is None else val_feats[name]
+                accs[name].append(
+                    fewshot_probe(
+                        feats[idx.to(feats.device)],
+                        train_y_cpu[idx],
+                        test_feats[name],
+                        test_y,
+                        l2_grid,
+                        val_x,
+                        val_y,
+                        num_classes=k,
+                        method=method,
+                    )
                 )
-            )
     out = {}
     for name, values in accs.items():
         v = torch.tensor(values, dtype=torch.float64)

@@ -282,3 +282,43 @@ def test_probe_layers_mean_and_std_over_seeds():
     assert mean == pytest.approx(float(np.mean(accs))) and std == pytest.approx(float(np.std(accs, ddof=1)))
     val = probe_layers(train, tr_y, test, te_y, shots=5, seeds=(0,), val_feats=test, val_y=te_y)
     assert val["sep"] == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("method", ["big_vision", "centred"])
+def test_layers_of_one_shape_are_probed_at_once_as_each_alone(method, monkeypatch):
+    """With l2 picked on validation features and every layer's features of one shape, probe_layers fits all layers
+    per seed in batched products: each layer's top-1 is the one its own fewshot_probe gives (the centred method
+    with each layer's own feature-scaled grid), on layers whose picks and accuracies differ."""
+    from analysis import probing as P
+
+    means = 3.0 * torch.randn(10, 40, generator=torch.Generator().manual_seed(1234))
+    g = torch.Generator().manual_seed(8)
+    feats = {}
+    for name, noise, scale in (("a", 1.0, 1.0), ("b", 4.0, 30.0), ("c", 8.0, 0.01)):
+        tr, tr_y = _gaussians(per_class=20, dim=40, means=means, noise=noise, seed=0)
+        va, va_y = _gaussians(per_class=15, dim=40, means=means, noise=noise, seed=1)
+        te, te_y = _gaussians(per_class=25, dim=40, means=means, noise=noise, seed=2)
+        feats[name] = [scale * (x + 0.1 * torch.randn(x.shape, generator=g)) for x in (tr, va, te)]
+    train, val, test = ({n: f[i] for n, f in feats.items()} for i in range(3))
+    kw = dict(shots=5, seeds=(0, 1, 2), val_feats=val, val_y=va_y, method=method)
+    calls = []
+    real, one_shape = P._grid_accuracies_on, P._one_shape
+    monkeypatch.setattr(P, "_grid_accuracies_on", lambda fit, *a: calls.append(fit.ndim) or real(fit, *a))
+    batched = probe_layers(train, tr_y, test, te_y, **kw)
+    assert calls == [3, 3, 3]  # one batched fit per seed
+    monkeypatch.setattr(P, "_one_shape", lambda *a: False)
+    alone = probe_layers(train, tr_y, test, te_y, **kw)
+    assert batched == alone
+    assert len({v[0] for v in alone.values()}) == 3  # the layers differ: not one result copied to all
+    for name in train:  # and each is the per-seed fewshot_probe_with_l2, averaged
+        accs = [
+            fewshot_probe_with_l2(train[name][i], tr_y[i], test[name], te_y, None, val[name], va_y, method=method)[0]
+            for i in (sample_shots(tr_y, 5, s) for s in (0, 1, 2))
+        ]
+        assert batched[name][0] == pytest.approx(float(np.mean(accs)), abs=1e-15)
+    train["c"] = train["c"][:, :20]  # another shape: layer by layer
+    val["c"], test["c"] = val["c"][:, :20], test["c"][:, :20]
+    calls.clear()
+    monkeypatch.setattr(P, "_one_shape", one_shape)
+    probe_layers(train, tr_y, test, te_y, **kw)
+    assert calls and set(calls) == {2}
