@@ -188,10 +188,11 @@ def retain_freed_memory() -> None:
     are 238 MB per block, its MLP activations 310 MB) a suite pass over 256 + 256 images at 2 threads took 11.4
     million page faults and a plain forward 8.4 million: 48 s and 24 s of wall. With nothing mmapped and nothing
     trimmed, from the second pass on (torch's aligned allocations need a few bytes more than a freed block of the
-    same size gives back, so the heap grows over the first passes): 0.15 million and none, 24 s and 19 s. The process's resident size stays at
-    its high-water mark (the analysis's own peak: on CPU, about the taps of one minibatch); on GPU these tensors
-    are not in host memory at all. Elsewhere (macOS, musl) nothing changes. ``VITLAB_KEEP_FREED_MEMORY=0`` leaves
-    glibc's defaults (a process that must shrink after an analysis, at the cost of the faults)."""
+    same size gives back, so the heap grows over the first passes): 0.15 million and none, 24 s and 19 s. The
+    process's resident size stays at its high-water mark (the analysis's own peak: on CPU, about the taps of one
+    minibatch); on GPU these tensors are not in host memory at all. Elsewhere (macOS, musl) nothing changes.
+    ``VITLAB_KEEP_FREED_MEMORY=0`` leaves glibc's defaults (a process that must shrink after an analysis, at the
+    cost of the faults)."""
     global _MALLOC_SET
     if _MALLOC_SET:
         return
