@@ -225,6 +225,21 @@ def _pick(grid: Tensor, val_acc: Tensor, test_acc: Tensor) -> tuple[float, float
     return test_acc[i].item(), grid[i].item()
 
 
+def _picked_on_val(fit_x, fit_y, val_x, val_y, test_x, test_y, l2_grid, num_classes, method) -> list:
+    """``[(test top-1, l2), ...]``, one per layer, of the fit on (fit_x, fit_y) with l2 picked on (val_x, val_y):
+    one eigendecomposition scores both sets at every l2 of the layer's grid (:func:`_as_grid`). Features [n, d]
+    (one layer) or [L, n, d] (layers of one shape, fitted in the same batched products). The fit at the chosen l2
+    is :func:`fit_probe`'s ridge solution, reached through the eigendecomposition instead of a solve (the two
+    agree to float64 rounding)."""
+    layers = fit_x if fit_x.ndim == 3 else fit_x[None]
+    grids = torch.stack([_as_grid(l2_grid, f, method) for f in layers])
+    g = grids if fit_x.ndim == 3 else grids[0]
+    val_acc, test_acc = _grid_accuracies_on(fit_x, fit_y, [(val_x, val_y), (test_x, test_y)], g, num_classes, method)
+    if fit_x.ndim == 2:
+        val_acc, test_acc = val_acc[None], test_acc[None]
+    return [_pick(*a) for a in zip(grids, val_acc, test_acc)]
+
+
 def _best_l2(grid: Tensor, accs: Tensor) -> float:
     """The l2 with the highest accuracy; ties go to the largest l2 (the smoothest fit)."""
     best = accs.max()
@@ -322,13 +337,8 @@ def fewshot_probe_with_l2(
     if test_x.shape[0] == 0:
         raise ValueError("empty test set")
     k = num_classes or _num_classes(train_y, test_y, val_y)
-    if val_x is not None and val_y is not None and not l2_is_fixed(l2_grid):
-        # l2 picked on (val_x, val_y) from a fit on all of train: the same eigendecomposition scores the test
-        # images at every l2 (the fit at the chosen l2 is that ridge solution; :func:`fit_probe` reaches it by a
-        # solve instead, and the two agree to float64 rounding)
-        grid = _as_grid(l2_grid, train_x, method)
-        val_acc, test_acc = _grid_accuracies_on(train_x, train_y, [(val_x, val_y), (test_x, test_y)], grid, k, method)
-        return _pick(grid, val_acc, test_acc)
+    if val_x is not None and val_y is not None and not l2_is_fixed(l2_grid):  # l2 picked on val, fit on all of train
+        return _picked_on_val(train_x, train_y, val_x, val_y, test_x, test_y, l2_grid, k, method)[0]
     l2 = select_l2(train_x, train_y, l2_grid, val_x, val_y, num_classes=k, method=method)
     probe = fit_probe(train_x, train_y, l2, k, method)
     return _accuracy(probe.scores(test_x.to(probe.w.device)), test_y), l2
@@ -384,23 +394,6 @@ def _one_shape(names: list, *feats: Mapping[str, Tensor]) -> bool:
     return len(names) > 1 and all(len({(tuple(d[n].shape), d[n].device) for n in names}) == 1 for d in feats)
 
 
-def _probe_layers_batched(
-    names, train_feats, val_feats, test_feats, train_y, val_y, test_y, accs, shots, seeds, l2_grid, k, method
-) -> None:
-    """:func:`probe_layers` with l2 picked on validation features, every layer's features of one shape: per seed,
-    all layers are fitted and scored at once (batched products and one batched eigh), each as
-    :func:`fewshot_probe` fits it (its own grid, :func:`_pick`); at few-shot sizes the per-layer calls cost mostly
-    their dispatch. Appends each layer's top-1 to ``accs``."""
-    tr, va, te = (torch.stack([d[n] for n in names]) for d in (train_feats, val_feats, test_feats))
-    for seed in seeds:
-        idx = sample_shots(train_y, shots, seed)
-        fit = tr[:, idx.to(tr.device)]
-        grids = torch.stack([_as_grid(l2_grid, fit[i], method) for i in range(len(names))])
-        val_acc, test_acc = _grid_accuracies_on(fit, train_y[idx], [(va, val_y), (te, test_y)], grids, k, method)
-        for i, name in enumerate(names):
-            accs[name].append(_pick(grids[i], val_acc[i], test_acc[i])[0])
-
-
 def probe_layers(
     train_feats: Mapping[str, Tensor],
     train_y: Tensor,
@@ -437,22 +430,16 @@ def probe_layers(
         and val_y is not None
         and not l2_is_fixed(l2_grid)
         and _one_shape(names, train_feats, val_feats, test_feats)
-    ):
-        _probe_layers_batched(
-            names,
-            train_feats,
-            val_feats,
-            test_feats,
-            train_y_cpu,
-            val_y,
-            test_y,
-            accs,
-            shots,
-            seeds,
-            l2_grid,
-            k,
-            method,
-        )
+    ):  # all layers fitted at once per seed, each as fewshot_probe fits it: at few-shot sizes the per-layer calls
+        # cost mostly their dispatch
+        tr, va, te = (torch.stack([d[n] for n in names]) for d in (train_feats, val_feats, test_feats))
+        for seed in seeds:
+            idx = sample_shots(train_y_cpu, shots, seed)
+            picks = _picked_on_val(
+                tr[:, idx.to(tr.device)], train_y_cpu[idx], va, val_y, te, test_y, l2_grid, k, method
+            )
+            for name, (top1, _l2) in zip(names, picks):
+                accs[name].append(top1)
     else:
         for seed in seeds:
             idx = sample_shots(train_y_cpu, shots, seed)

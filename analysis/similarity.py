@@ -21,6 +21,7 @@ result); every other sum is float64. A layer's representation of one image is, b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -220,30 +221,29 @@ def _centred_chunk(x: torch.Tensor, buf: torch.Tensor, c: int, cols: int, shift:
 
 def _upper_gram_syrk(x: torch.Tensor, buf: torch.Tensor, cols: int, shift: torch.Tensor) -> torch.Tensor:
     """The upper triangle of the centred Gram by BLAS ?syrk, chunk by chunk (the lower triangle is left 0): torch's
-    MKL where it has one, else scipy's OpenBLAS (one thread). The buffer [n, w] row-major is the column-major
-    [w, n] matrix A, and syrk with trans=1 forms A^T A: no copy."""
+    MKL where it has one, else scipy's OpenBLAS (one thread). Each syrk writes the row-major lower triangle of
+    ``g`` (:func:`_call_syrk`), added contiguously to the float64 sum, whose transpose is the upper triangle."""
     n, p = x.shape
-    k = torch.zeros(n, n, dtype=torch.float64)
     mkl = _torch_mkl_syrk()
-    if mkl is not None:
-        syrk = mkl[buf.dtype]
-        g = torch.zeros(n, n, dtype=buf.dtype)  # row-major; each syrk overwrites its lower triangle
+    syrk = mkl[buf.dtype] if mkl is not None else functools.partial(_openblas_syrk, buf.dtype)
+    k = torch.zeros(n, n, dtype=torch.float64)
+    g = torch.zeros(n, n, dtype=buf.dtype)
+    with contextlib.nullcontext() if mkl is not None else _BlasThreads():
         for c in range(0, p, cols):
             syrk(_centred_chunk(x, buf, c, cols, shift), g)
             k += g
-        return k.T  # K[i, j] for i <= j
+    return k.T  # K[i, j] for i <= j
+
+
+def _openblas_syrk(dtype: torch.dtype, a: torch.Tensor, c: torch.Tensor) -> None:
+    """:func:`_call_syrk`'s contract by scipy's OpenBLAS ?syrk: row-major ``a`` [n, k] is the column-major [k, n]
+    matrix A (no copy), and trans=1 forms A^T A into the column-major view of ``c``."""
     from scipy.linalg.blas import dsyrk, ssyrk
 
-    syrk = ssyrk if buf.dtype == torch.float32 else dsyrk
-    g = torch.zeros(n, n, dtype=buf.dtype).numpy().T  # column-major, overwritten in place by each syrk
-    with _BlasThreads():
-        for c in range(0, p, cols):
-            b = _centred_chunk(x, buf, c, cols, shift)
-            g = syrk(1.0, b.numpy().T, beta=0.0, c=g, trans=1, overwrite_c=1)
-            # syrk's upper triangle (lower = 0) in column-major memory, read as the row-major lower triangle: a
-            # contiguous add (adding the column-major view itself was a strided read, ~5% of a ViT-S/16 Gram)
-            k += torch.from_numpy(g.T)
-    return k.T  # K[i, j] for i <= j
+    cn = c.numpy().T  # column-major [n, n]
+    out = (ssyrk if dtype == torch.float32 else dsyrk)(1.0, a.numpy().T, beta=0.0, c=cn, trans=1, overwrite_c=1)
+    if out is not cn:  # scipy writes in place into a Fortran-ordered c of the right type; if not, copy back
+        cn[...] = out
 
 
 def _upper_gram_blocked(x: torch.Tensor, buf: torch.Tensor, cols: int, shift: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """CKA against a plain reference (full Gram matrices, explicit centring matrix H)."""
 
+import functools
 import os
 import tempfile
 
@@ -317,6 +318,8 @@ def test_a_syrk_that_does_not_form_exactly_the_upper_triangle_is_refused(monkeyp
         c.copy_((a @ a.T).triu().T)  # column-major upper = row-major lower
 
     assert C._syrk_works(upper, torch.float32) and C._syrk_works(upper, torch.float64)
+    for dt in (torch.float32, torch.float64):  # the OpenBLAS fallback keeps the same contract
+        assert C._syrk_works(functools.partial(C._openblas_syrk, dt), dt)
     assert not C._syrk_works(lambda a, c: None, torch.float32)
     assert not C._syrk_works(lambda a, c: c.copy_(a @ a.T), torch.float32)
     C._torch_mkl_syrk.cache_clear()
