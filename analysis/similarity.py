@@ -285,21 +285,49 @@ def _hsic_scale(n: int, unbiased: bool) -> float:
     return 1.0 / (n * (n - 3)) if unbiased else 1.0 / (n - 1) ** 2
 
 
+# A representation whose examples differ by less than this fraction of their size (root-mean-square deviation from
+# the minibatch mean over root-mean-square norm) is constant at float32 resolution: rows computed from identical
+# inputs differ by a few roundings (~1e-7 each, compounded through the layers) depending on where a BLAS kernel puts
+# them, which depends on the host, the thread count and the batch's split over processes. Its HSIC is taken as
+# exactly 0 (so its CKA is NaN, "no representation to compare") instead of the CKA of that rounding noise, which on
+# one host was NaN and on another any number in [-1, 1].
+CONSTANT_SPREAD = 1e-5
+
+
+def _constant(k: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the examples x [n, p] are one vector up to float32 rounding (:data:`CONSTANT_SPREAD`), read from
+    their shift-centred Gram ``k`` (:func:`_centred_gram`, any shift): tr(H K H) / n is the mean squared deviation
+    from the mean, compared with the mean squared norm of the first ``_SHIFT_ROWS`` rows (a constant representation's
+    rows all have that norm)."""
+    n = k.shape[0]
+    spread = float(k.diagonal().sum() - k.sum() / n) / n
+    size = float(x[:_SHIFT_ROWS].double().square().sum(1).mean())
+    return spread <= CONSTANT_SPREAD**2 * size
+
+
+def _hsic_ready(x: torch.Tensor, unbiased: bool) -> torch.Tensor:
+    """The centred Gram U(K) or H K H of x [n, ...] (flattened per example), float64, exactly 0 for a constant x."""
+    x = x.reshape(x.shape[0], -1)
+    k = _centred_gram(x, exact=False)
+    g = (center_unbiased if unbiased else center_biased)(k)
+    return g.zero_() if _constant(k, x) else g
+
+
 def hsic_gram(x: torch.Tensor, unbiased: bool = True) -> tuple[torch.Tensor, float]:
     """(G, s) for one minibatch x [n, ...] (flattened per example): G the centred linear Gram U(K) (unbiased) or
     H K H (biased), float64 [n, n], and s the scale with which Frobenius products give HSIC:
-    HSIC(K, L) = s * <G_x, G_y>. CKA over minibatches is sum s<G_x, G_y> / sqrt(sum s<G_x, G_x> * sum s<G_y, G_y>)."""
-    n = x.shape[0]
-    c = center_unbiased if unbiased else center_biased
-    return c(_centred_gram(x.reshape(n, -1), exact=False)), _hsic_scale(n, unbiased)
+    HSIC(K, L) = s * <G_x, G_y>. CKA over minibatches is sum s<G_x, G_y> / sqrt(sum s<G_x, G_x> * sum s<G_y, G_y>).
+    G is exactly 0 for a representation that is constant over the minibatch up to float32 rounding
+    (:data:`CONSTANT_SPREAD`): a layer constant in every minibatch has CKA NaN, on every host and process count."""
+    return _hsic_ready(x, unbiased), _hsic_scale(x.shape[0], unbiased)
 
 
 def cka(x: torch.Tensor, y: torch.Tensor, unbiased: bool = True) -> float:
-    """Linear CKA of one pair of full matrices x [n, p], y [n, q] (one minibatch holding every example)."""
+    """Linear CKA of one pair of full matrices x [n, p], y [n, q] (one minibatch holding every example); NaN when
+    either is constant over the examples (:data:`CONSTANT_SPREAD`)."""
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"cka needs the same examples in both: {x.shape[0]} vs {y.shape[0]} rows.")
-    c = center_unbiased if unbiased else center_biased
-    kx, ky = c(_centred_gram(x, exact=False)), c(_centred_gram(y, exact=False))
+    kx, ky = _hsic_ready(x, unbiased), _hsic_ready(y, unbiased)
     return float((kx * ky).sum() / torch.sqrt((kx * kx).sum() * (ky * ky).sum()))
 
 

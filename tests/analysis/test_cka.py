@@ -424,3 +424,27 @@ def test_centred_gram_is_mean_centred_whatever_the_first_rows_shift():
     assert (k - ref).abs().max() < 1e-5 * ref.abs().max()
     y = torch.randn(64, 900, generator=g) + x
     assert abs(C.cka(x, y) - C.cka(x.double(), y.double())) < 1e-6
+
+
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_a_representation_constant_up_to_rounding_has_no_cka_on_any_host(unbiased):
+    """Rows computed from one input differ by a few float32 roundings depending on where a BLAS kernel puts them
+    (host, threads, processes); CKA of that noise was NaN on one host and ~1 on another. Below CONSTANT_SPREAD of
+    its size a representation is constant: HSIC exactly 0, CKA NaN, in every path; a small real spread is kept."""
+    from analysis.similarity import CONSTANT_SPREAD, hsic_gram
+
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(32, 300, generator=g)
+    row = torch.randn(300, generator=g) * 5
+    for rel in (0.0, 6e-8, 1e-6):  # exact copies, one ulp, a few roundings compounded
+        const = row + rel * 5 * torch.randn(32, 300, generator=g)
+        assert not hsic_gram(const, unbiased)[0].any()
+        assert torch.isnan(torch.tensor(cka(const, y, unbiased)))
+        m = MinibatchCKA(unbiased)
+        m.update([const, y])
+        out = m.compute()
+        assert torch.isnan(out[0]).all() and out[1, 1] == pytest.approx(1.0)
+    small = row + 100 * CONSTANT_SPREAD * 5 * torch.randn(32, 300, generator=g)  # 1e-3 of its size: real
+    assert hsic_gram(small, unbiased)[0].abs().sum() > 0
+    centred = small.double() - small.double().mean(0)  # the textbook formula loses the spread to the mean otherwise
+    assert cka(small, y, unbiased) == pytest.approx(ref_cka(centred, y.double(), unbiased), abs=1e-6)
