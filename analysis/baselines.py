@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from analysis.reduce import ORDER_SEED, Minibatches
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps
 
@@ -108,15 +109,17 @@ def cka_floors(
     how: str = "flatten",
     batch_size: int = 256,
     unbiased: bool = True,
+    order_seed: int | None = ORDER_SEED,
 ) -> dict:
     """The CKA floors of a trained ``model`` (module docstring): ``init_model`` is the same architecture at random
     initialisation, ``layers`` (tap name, label) pairs as :func:`analysis.measures.cka.cka_layers` gives them (the same
     taps exist in both models), ``how`` the layer representation (``flatten``, ``cls``, ``mean_spatial``; the pixels
     are always the flattened normalised image). ``images`` [N, C, H, W] go through ``normalize`` in minibatches of
-    ``batch_size`` (each >= 4 images). One self-CKA over [pixels, trained layers, init layers]; returns ``labels`` [L],
-    ``taps`` [L],
-    ``pixels`` [L] (trained layer vs pixels), ``init_pixels`` [L] (init layer vs pixels), ``init_same`` [L] (trained
-    layer vs the same layer at init), ``matrix`` [L, L] (the trained model's map, for the same images) and
+    ``batch_size`` (each >= 4 images; runs of a permutation drawn from ``order_seed``, as the suite's
+    minibatches, :class:`analysis.reduce.Minibatches`). One self-CKA over [pixels, trained layers, init layers];
+    returns ``labels`` [L], ``taps`` [L], ``pixels`` [L] (trained layer vs pixels), ``init_pixels`` [L] (init layer
+    vs pixels), ``init_same`` [L] (trained layer vs the same layer at init), ``matrix`` [L, L] (the trained model's
+    map, for the same images) and
     ``init_matrix`` [L, L] (the random-init model's map)."""
     n = len(images)
     if n < 4 or 0 < n % batch_size < 4:
@@ -130,8 +133,9 @@ def cka_floors(
     dev, idev = next(model.parameters()).device, next(init_model.parameters()).device
     acc = MinibatchCKA(unbiased=unbiased)
     try:
-        for j in range((n + batch_size - 1) // batch_size):
-            x = normalize(images[j * batch_size : (j + 1) * batch_size])
+        mb = Minibatches(n, batch_size, order_seed)
+        for j in range(len(mb)):
+            x = normalize(mb.take(images, j))
             with Taps(model, taps) as cap:
                 model(x.to(dev))
             with Taps(init_model, taps) as icap:

@@ -36,6 +36,7 @@ A result is a FLAT dict ``{key: numpy array | int | float | str | list[str]}``: 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from analysis.reduce import ORDER_SEED, Minibatches
 from interventions import Registry
 from train.coerce import coerce
 from train.errors import UserError
@@ -77,7 +79,9 @@ class Context:
     """What a measure may use. ``data`` is a train data bundle (``data.analysis``, ``data.probe_train``:
     TensorBatches with ``.images`` uint8-or-float [N, C, H, W] and ``.labels`` [N]; ``data.normalize(x)``;
     ``data.num_classes``). ``prefix`` is the number of prefix (CLS) tokens, 0 for GAP ViTs, ResNets, Mixers.
-    ``batch_size`` is the suite's analysis minibatch (also the CKA minibatch)."""
+    ``batch_size`` is the suite's analysis minibatch (also the CKA minibatch); minibatch j of the analysis images
+    holds the images ``minibatches.rows(j)``, a seeded permutation's j-th run (``order_seed``; None: stored order;
+    :class:`analysis.reduce.Minibatches`)."""
 
     model: torch.nn.Module
     data: AnalysisData
@@ -89,6 +93,12 @@ class Context:
     grid: tuple | None = None  # token grid (gh, gw) for token models
     patch_size: int | None = None  # input pixels per token side for token models
     batch_size: int = 256
+    order_seed: int | None = ORDER_SEED
+
+    @functools.cached_property
+    def minibatches(self) -> Minibatches:
+        """How the analysis images are cut into minibatches (the same for every measure and process count)."""
+        return Minibatches(len(self.data.analysis), self.batch_size, self.order_seed)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from analysis.figures import cka_heatmap, save, subplots
 from analysis.measure import MeasureError, as_list, load_result, save_result
 from analysis.measures.cka import cka_layers
 from analysis.measures.head_subsets import head_subset_cka, head_subset_figure
+from analysis.reduce import Minibatches
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, arch_of
 from train.checkpoint import (
@@ -596,10 +597,10 @@ def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
     ca, cb = S.make_context(model_a, data, opts.batch_size), S.make_context(model_b, data, opts.batch_size)
     la, lb = cka_layers(ca, co.layers), cka_layers(cb, co.layers)
     acc = MinibatchCKA(unbiased=co.unbiased)
-    bs = opts.batch_size
     split = data.analysis
-    for j in range((len(split) + bs - 1) // bs):
-        x = data.normalize(split.images[j * bs : (j + 1) * bs])
+    mb = Minibatches(len(split), opts.batch_size, opts.order_seed)  # the suite's minibatches
+    for j in range(len(mb)):
+        x = data.normalize(mb.take(split.images, j))
         with Taps(model_a, [t for t, _ in la]) as capa:
             model_a(x.to(ca.device))
         with Taps(model_b, [t for t, _ in lb]) as capb:
@@ -694,6 +695,7 @@ def against(
                 data.normalize,
                 batch_size=opts.batch_size,
                 unbiased=opts.of("cka").unbiased,
+                order_seed=opts.order_seed,
             )
         out.mkdir(parents=True, exist_ok=True)
         save_result(res, out / "cross_cka.npz")

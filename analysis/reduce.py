@@ -3,6 +3,7 @@ GPUs)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from accelerate.utils import gather_object
 
@@ -36,6 +37,49 @@ def collect(parts: list, accelerator=None) -> tuple[dict, torch.Tensor]:
     parts = sorted(gather_objects(parts, accelerator), key=lambda p: p[0])
     keys = parts[0][1].keys()
     return {k: torch.cat([p[1][k] for p in parts]) for k in keys}, torch.cat([p[2] for p in parts])
+
+
+# The seed of the analysis images' minibatch order (:class:`Minibatches`); part of every cached result's key.
+ORDER_SEED = 0
+
+
+class Minibatches:
+    """The minibatches an analysis cuts ``n`` images into: minibatch j holds the images ``rows(j)``, the j-th run of
+    ``size`` in a permutation of ``range(n)`` drawn from ``seed`` (numpy's PCG64: the same on every host, process
+    count and torch version), or in stored order with ``seed=None``.
+
+    Why a permutation: the minibatch CKA estimator (Nguyen et al. 2021: unbiased HSIC summed over minibatches)
+    assumes random minibatches. Images stored grouped -- 16 views of one photo in a row, class folders one after
+    another -- put one photo or one class in a minibatch, and CKA measures similarity within it: on 304 views of
+    19 photos, a real ViT-S/14's mean off-diagonal CKA read 0.883 in stored order and 0.666 +- 0.012 in random
+    orders (one minibatch of all 304: 0.665). Every minibatch estimator over the analysis images cuts them here, so
+    every measure and 1 or N processes (:meth:`mine`) see the same minibatches."""
+
+    def __init__(self, n: int, size: int, seed: int | None = ORDER_SEED):
+        self.n, self.size, self.seed = int(n), int(size), seed
+        self.order = (
+            None
+            if seed is None
+            else torch.from_numpy(np.random.default_rng(int(seed)).permutation(self.n).astype(np.int64))
+        )
+
+    def __len__(self) -> int:
+        return (self.n + self.size - 1) // self.size
+
+    def rows(self, j: int) -> torch.Tensor:
+        """The indices of the images of minibatch j (int64)."""
+        lo, hi = j * self.size, min((j + 1) * self.size, self.n)
+        return torch.arange(lo, hi) if self.order is None else self.order[lo:hi]
+
+    def take(self, t, j: int):
+        """Minibatch j of ``t`` (images or labels, indexed by image along the first dimension)."""
+        if self.order is None:
+            return t[j * self.size : (j + 1) * self.size]
+        return t[self.rows(j)]
+
+    def mine(self, accelerator=None) -> range:
+        """The minibatch indices this process takes (:func:`shard`)."""
+        return shard(len(self), accelerator)
 
 
 def shard(n_batches: int, accelerator=None) -> range:

@@ -9,7 +9,9 @@ The same function serves the training-time callback (analysis/callbacks.py), off
 checkpoints (``python -m analysis``) and the notebook API (analysis/api.py). Minibatch j of the analysis split
 always holds the same images; with several processes, process r takes the minibatches j = r (mod world)
 (:func:`analysis.reduce.shard`) and every measure reduces its state over processes, so 1 and N processes give
-the same numbers. Results are written and read by analysis/storage.py.
+the same numbers. The analysis minibatches are runs of a seeded permutation of the images
+(:class:`analysis.reduce.Minibatches`, ``SuiteOptions.order_seed``), not of their stored order: the minibatch
+estimators (CKA and those built on it) assume random minibatches. Results are written and read by analysis/storage.py.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from analysis.measure import (
     resolve,
     resolve_all,
 )
-from analysis.reduce import shard
+from analysis.reduce import ORDER_SEED, shard
 from analysis.taps import Taps, arch_of, block_names, grid_of, num_prefix_tokens
 
 DEFAULT = ("cka", "norm_ratio", "attention_distance", "fewshot_probe")  # what the training-time suite runs
@@ -43,11 +45,15 @@ DEFAULT = ("cka", "norm_ratio", "attention_distance", "fewshot_probe")  # what t
 @dataclass
 class SuiteOptions:
     """What the suite measures and how: the measures, the analysis minibatch, and each measure's own Options
-    (those not given hold their defaults). A result's cache key covers the batch size and its own options only."""
+    (those not given hold their defaults). A result's cache key covers the batch size, the minibatch order and its own
+    options only."""
 
     measures: tuple = DEFAULT
     batch_size: int = 256  # analysis minibatch = the CKA minibatch (>= 4)
     options: dict = field(default_factory=dict)  # {measure name: its Options instance}
+    # the analysis images' minibatches are runs of a permutation drawn from this seed (None: stored order), the same
+    # for every measure and process count (analysis.reduce.Minibatches)
+    order_seed: int | None = ORDER_SEED
 
     def of(self, name: str):
         """The Options of measure ``name``."""
@@ -57,6 +63,7 @@ class SuiteOptions:
         """What a result of measure ``name`` depends on besides the weights and the images."""
         return {
             "batch_size": self.batch_size,
+            "order_seed": self.order_seed,
             "options": options_dict(self.of(name)),
             "version": registry()[name].version,
         }
@@ -149,7 +156,7 @@ def model_problem(ctx: Context, opts: SuiteOptions, measures=None) -> str | None
     return None
 
 
-def make_context(model, data, batch_size: int = 256, accelerator=None) -> Context:
+def make_context(model, data, batch_size: int = 256, accelerator=None, order_seed: int | None = ORDER_SEED) -> Context:
     arch = arch_of(model)
     tokens = arch in ("vit", "mixer")
     patch = None
@@ -167,6 +174,7 @@ def make_context(model, data, batch_size: int = 256, accelerator=None) -> Contex
         grid=tuple(grid_of(model)) if tokens else None,
         patch_size=patch,
         batch_size=batch_size,
+        order_seed=order_seed,
     )
 
 
@@ -211,12 +219,21 @@ def retain_freed_memory() -> None:
 
 @torch.no_grad()
 def _pass(ctx: Context, split, taps: list[str], on_batch, rows: np.ndarray | None = None) -> None:
-    """Run ``split`` (only its images ``rows`` when given, in that order) through the model in fixed minibatches
-    (sharded over processes), calling ``on_batch(j, captures, normalised inputs, labels)`` for each."""
+    """Run ``split`` through the model in fixed minibatches (sharded over processes), calling ``on_batch(j, captures,
+    normalised inputs, labels)`` for each: the analysis images in ``ctx.minibatches`` (a seeded permutation's runs:
+    the minibatch estimators assume random minibatches); another split in stored order, only its images ``rows``
+    when given (features of single images, in any order)."""
     bs = ctx.batch_size
-    n = len(split) if rows is None else len(rows)
-    for j in shard((n + bs - 1) // bs, ctx.accelerator):
-        sel = slice(j * bs, (j + 1) * bs) if rows is None else torch.as_tensor(rows[j * bs : (j + 1) * bs])
+    if split is ctx.data.analysis and rows is None:
+        mb = ctx.minibatches
+        parts = ((j, mb.rows(j)) for j in mb.mine(ctx.accelerator))
+    else:
+        n = len(split) if rows is None else len(rows)
+        parts = (
+            (j, slice(j * bs, (j + 1) * bs) if rows is None else torch.as_tensor(rows[j * bs : (j + 1) * bs]))
+            for j in shard((n + bs - 1) // bs, ctx.accelerator)
+        )
+    for j, sel in parts:
         x = ctx.data.normalize(split.images[sel].to(ctx.device))
         y = split.labels[sel]
         with Taps(ctx.model, taps) as cap:
@@ -272,7 +289,7 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
     p = problem(data, SuiteOptions(names, opts.batch_size, opts.options))
     if p:
         raise MeasureError(p)
-    ctx = make_context(model, data, opts.batch_size, accelerator)
+    ctx = make_context(model, data, opts.batch_size, accelerator, opts.order_seed)
     p = model_problem(ctx, opts, names)
     if p:
         raise MeasureError(p)

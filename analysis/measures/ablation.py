@@ -95,7 +95,7 @@ from analysis.features import block_tag
 from analysis.figures import finish_block_axes, subplots
 from analysis.measure import Context, Measure, MeasureError, as_list, register
 from analysis.measures.erf import unwrap
-from analysis.reduce import all_reduce_tree, collect, shard
+from analysis.reduce import all_reduce_tree, collect
 from analysis.similarity import hsic_gram
 from analysis.taps import Taps, resnet_branch_end
 from train.knn import TEMPERATURE, K, knn_predict
@@ -372,7 +372,6 @@ class Ablation(Measure):
             feats, bank_y = collect(self.bank_parts, acc)
             bank = (feats["f"].to(ctx.device), bank_y.to(ctx.device))
         split = ctx.data.analysis
-        bs, n_all = ctx.batch_size, len(split)
         labels = split.labels
         nc = int(getattr(ctx.data, "num_classes", 0) or (int(labels.max()) + 1 if len(labels) else 1))
         self.logit_readout = (
@@ -392,14 +391,15 @@ class Ablation(Measure):
             "yy": z(n_t, n_l),
             "clean": z(4),
         }  # clean: correct, loss, knn correct, images
-        mine = list(shard((n_all + bs - 1) // bs, acc))
+        mb = ctx.minibatches  # the suite's minibatches: the CKA read-out is a minibatch estimator
+        mine = list(mb.mine(acc))
         main = acc is None or bool(getattr(acc, "is_main_process", getattr(acc, "process_index", 0) == 0))
-        plans = [self._plan(min(bs, n_all - j * bs)) for j in mine]
+        plans = [self._plan(len(mb.rows(j))) for j in mine]
         bar = tqdm(total=sum(len(p) for p in plans), desc="ablation", unit="forward", disable=not main, leave=False)
         try:
             for j, plan in zip(mine, plans):
-                x = ctx.data.normalize(split.images[j * bs : (j + 1) * bs].to(ctx.device))
-                y = labels[j * bs : (j + 1) * bs].to(ctx.device)
+                x = ctx.data.normalize(mb.take(split.images, j).to(ctx.device))
+                y = mb.take(labels, j).to(ctx.device)
                 self._minibatch(j, x, y, plan, st, bar)
         finally:
             bar.close()

@@ -49,7 +49,7 @@ from torch import Tensor
 from analysis.figures import subplots
 from analysis.measure import as_list
 from analysis.measures.attention_distance import UNITS, AttentionDistance
-from analysis.reduce import shard
+from analysis.reduce import ORDER_SEED, Minibatches
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, grid_of, is_vit, resnet_blocks
 
@@ -83,6 +83,7 @@ def head_subset_cka(
     unit: str = "pixels",
     unbiased: bool = True,
     accelerator=None,
+    order_seed: int | None = ORDER_SEED,
 ) -> dict:
     """Raghu et al. 2021 Fig. 5: CKA between single ViT attention heads (sorted local -> global) / windows of ``k``
     consecutive heads sliding from the most local to the most global, and the ResNet's lower layers (module docstring).
@@ -123,8 +124,9 @@ def head_subset_cka(
         # pass 1: attention distances of the block's heads over all images
         ad = AttentionDistance(grid, vit.patch_embed.patch_size[0], prefix)
         tap = f"blocks.{block}.attn_probs"
-        for j in shard((n + batch_size - 1) // batch_size, accelerator):
-            x = images[j * batch_size : (j + 1) * batch_size]
+        mb = Minibatches(n, batch_size, order_seed)  # the suite's minibatches (random: CKA's estimator assumes so)
+        for j in mb.mine(accelerator):
+            x = mb.take(images, j)
             with Taps(vit, [tap]) as cap:
                 vit(normalize(x.to(vdev)))
             ad.update(block, cap[tap])
@@ -136,8 +138,8 @@ def head_subset_cka(
         # pass 2: head outputs and ResNet features, minibatch CKA
         cka = MinibatchCKA(unbiased=unbiased)
         sel = [torch.as_tensor(s, dtype=torch.long) for s in subsets]
-        for j in shard((n + batch_size - 1) // batch_size, accelerator):
-            x = images[j * batch_size : (j + 1) * batch_size]
+        for j in mb.mine(accelerator):
+            x = mb.take(images, j)
             with Taps(vit, [f"blocks.{block}.heads"]) as hcap:
                 vit(normalize(x.to(vdev)))
             hs = split_heads(hcap[f"blocks.{block}.heads"], heads, prefix)  # [b, H, N, dh]

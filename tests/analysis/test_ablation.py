@@ -14,6 +14,7 @@ from conftest import class_split, tiny_vit
 from analysis.api import analyze
 from analysis.measure import load_result, save_result
 from analysis.measures.ablation import Ablation, resample_permutation
+from analysis.reduce import Minibatches
 from analysis.similarity import MinibatchCKA
 from interventions import head_mask
 from interventions.no_skip import block_classes
@@ -91,9 +92,11 @@ def reference(model, blocks, intervene=None, changed=None):
         return logits, got["f"], outs
 
     bank = torch.cat([run(model, _x(p.images[j : j + BS]))[1] for j in range(0, len(p.images), BS)])
-    correct, loss, feats, ckas = 0, 0.0, [], [MinibatchCKA() for _ in blocks]
-    for j in range(len(a.images) // BS):
-        x, y = _x(a.images[j * BS : (j + 1) * BS]), a.labels[j * BS : (j + 1) * BS]
+    correct, loss, feats, ys, ckas = 0, 0.0, [], [], [MinibatchCKA() for _ in blocks]
+    mb = Minibatches(len(a.images), BS)  # the suite's minibatches: runs of a seeded permutation
+    for j in range(len(mb)):
+        x, y = _x(mb.take(a.images, j)), mb.take(a.labels, j)
+        ys.append(y)
         _, _, plain = run(model, x)
         net = changed if changed is not None else model
         logits, f, outs = run(net, x, intervene(net, j, x) if intervene else ())
@@ -103,7 +106,7 @@ def reference(model, blocks, intervene=None, changed=None):
         for i, c in enumerate(ckas):
             c.update([outs[i].reshape(BS, -1)], [plain[i].reshape(BS, -1)])
     n = len(a.images)
-    knn = knn_accuracy(bank, p.labels, torch.cat(feats), a.labels, 20, 0.07, 10)
+    knn = knn_accuracy(bank, p.labels, torch.cat(feats), torch.cat(ys), 20, 0.07, 10)
     return {
         "top1": correct / n,
         "loss": loss / n,
@@ -247,7 +250,8 @@ def test_resample_takes_another_images_activation_with_a_seeded_cyclic_permutati
     z0 = _clean_activation(model, lambda m: m.blocks[0], output=False)
 
     def other(full):
-        return lambda j, out: full[j * BS : (j + 1) * BS][resample_permutation(BS, 3, j)].clone()
+        mb = Minibatches(len(full), BS)  # the suite's minibatch j: runs of a seeded permutation of the images
+        return lambda j, out: mb.take(full, j)[resample_permutation(BS, 3, j)].clone()
 
     check(
         r, idx["blocks.0.mlp"], reference(model, BLOCKS, _replacing(lambda m: m.blocks[0].drop_path2, other(branch))), 0

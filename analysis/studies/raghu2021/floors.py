@@ -54,6 +54,7 @@ def _cka_floors(run, opts) -> dict:
         co.repr,
         opts.batch_size,
         co.unbiased,
+        opts.order_seed,
     )
     out.mkdir(parents=True, exist_ok=True)
     save_result(res, out / "cka_floors.npz")
