@@ -114,7 +114,7 @@ accelerate_launch() {
         "$VENV/bin/python" -m "${@:2}" --check || exit $?
     fi
     if [ "$nproc" -gt 1 ] && ! command -v nvidia-smi >/dev/null 2>&1; then
-        # CPU, several processes: the combination that really starts N ranks (see README)
+        # CPU, several processes: the combination that really starts N ranks (see docs/training.md)
         ACCELERATE_USE_CPU=true run_accelerate --multi_gpu --num_processes "$nproc" --num_machines 1 \
             --mixed_precision no --dynamo_backend no "$@"
     elif [ -f "$cfg" ] || [ -n "${ACCELERATE_CONFIG_FILE:-}" ]; then

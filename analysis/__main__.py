@@ -127,7 +127,8 @@ def describe(name: str, cls, width: int) -> str:
     """One measure for --list: its name, the first paragraph of its docstring whole, and every option with its default,
     the values it takes and its explanation."""
     doc = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].replace("``", "")
-    lines = [name, textwrap.fill(" ".join(doc.split()), width, initial_indent="    ", subsequent_indent="    ")]
+    text = " ".join(doc.split())  # never broken at a hyphen: "pixel-to-pixel" stays one word
+    lines = [name, textwrap.fill(text, width, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False)]
     hints = typing.get_type_hints(cls.Options)
     comments = _option_comments(cls.Options)
     defaults = options_dict(cls.Options())

@@ -116,7 +116,7 @@ def make_accelerator(recipe: Recipe, run_dir: Path | None = None, log: bool = Tr
     if acc.num_processes != world:
         raise RuntimeError(
             f"accelerate sees {acc.num_processes} process(es) but WORLD_SIZE is {world}: on CPU launch with "
-            "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N (see README)."
+            "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N (see docs/training.md)."
         )
     return acc
 

@@ -261,7 +261,7 @@ def _replace_args(value):
 
 @register
 class Ablation(Measure):
-    """Ablations at analysis time: each head, branch, skip path and token path replaced; read-out changes.
+    """What each head, branch, skip path and token path is worth: replaced in turn at test time, read-outs compared.
 
     Every head, attention / MLP branch, skip path and token path of a ViT (ResNet: every block's branch and
     shortcut) replaced in turn by zero, its mean over the analysis images or another image's value; the change of

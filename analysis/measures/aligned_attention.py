@@ -244,7 +244,8 @@ def offset_local_heads(
 
 @register
 class AlignedAttention(BlockSums):
-    """Aligned Aggregated Attention Maps and offset local heads (Walmer et al. 2023 §4.2, Fig. 3, 14, 18), any ViT.
+    """Where each head attends relative to its query, and which heads are local around an offset.
+    Aligned Aggregated Attention Maps and offset local heads (Walmer et al. 2023 §4.2, Fig. 3, 14, 18), any ViT.
 
     Result: ``mass_maps`` [L, H, 2gh-1, 2gw-1] (Walmer's aligned aggregated attention maps: canvas sums over spatial
     queries and images divided by all (query, image) pairs; each sums to 1), ``maps`` [L, H, 2gh-1, 2gw-1] (the

@@ -296,10 +296,11 @@ class AttentionDistance:
 
 @register
 class AttentionDistanceMeasure(Measure):
-    """Raghu et al. 2021 Fig. 3 / ViT paper Fig. 7 right, Fig. 10 / Walmer §4.3, Fig. 4: mean attention distance per
-    head and block, three definitions (module docstring). Result, each [L, H] float64: ``pixels`` (patch-centre
-    distance in pixels, Raghu), ``unit_square`` (patch centres on Walmer's unit square, as his code),
-    ``pixel_level`` (pixel-to-pixel distance in pixels, ViT paper App. D.6); ``blocks`` [L]; ``patch_size``."""
+    """How far each head attends: mean attention distance per head and block, in three definitions.
+    Raghu et al. 2021 Fig. 3 / ViT paper Fig. 7 right, Fig. 10 / Walmer §4.3, Fig. 4; definitions in the module
+    docstring. Result, each [L, H] float64: ``pixels`` (patch-centre distance in pixels, Raghu), ``unit_square`` (patch
+    centres on Walmer's unit square, as his code), ``pixel_level`` (pixel-to-pixel distance in pixels, ViT paper App.
+    D.6); ``blocks`` [L]; ``patch_size``."""
 
     name = "attention_distance"
 

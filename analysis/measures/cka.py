@@ -103,8 +103,8 @@ def cka_layers(ctx, layers: str = "sublayers") -> list[tuple[str, str]]:
 
 @register
 class CKAMeasure(Measure):
-    """Raghu et al. 2021 Fig. 1 (and Fig. 8 for no-skip models): linear CKA between every pair of the model's
-    layers on the analysis images.
+    """How alike the model's layers represent the images: linear CKA between every pair of layers.
+    Raghu et al. 2021 Fig. 1 (and Fig. 8 for no-skip models), on the analysis images.
 
     Formula (Raghu §3, eq. 1, with the minibatch estimator they cite: "we approximate the unbiased estimator of
     HSIC [Song et al.] using minibatches, as suggested in [Nguyen et al.]"): for minibatches b of n >= 4 images,

@@ -70,7 +70,8 @@ def _cls_finish(s: dict[str, Tensor], grid: tuple[int, int]) -> dict[str, Tensor
 
 @register
 class ClsAttention(BlockSums):
-    """Average CLS attention map of every head of every block (Walmer et al. 2023 §4.1, Fig. 2 and 17).
+    """Where the class token looks: the average CLS attention map of every head of every block.
+    Walmer et al. 2023 §4.1, Fig. 2 and 17.
 
     ``maps`` [L, H, gh, gw]: mean over images of the CLS query's attention over the spatial keys, prefix (CLS,
     register) columns dropped and the row renormalised to sum to 1 (Walmer does not renormalise: his version is

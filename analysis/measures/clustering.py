@@ -197,11 +197,11 @@ class ClusteringOptions:
 
 @register
 class ClusteringMeasure(Measure):
-    """k-means purity, NMI and ARI per layer and pool (Walmer et al. 2023 §5.2, Fig. 7; App. D.5, Fig. 24/25) with the
-    random-chance baseline (App. B.3; option ``baseline``, Gaussian by default). Definitions in the module docstring:
-    the analysis images' features of
-    every block output, pooled ``"cls"`` (CLS models) and ``"mean_spatial"``, K = number of classes; options
-    ``restarts`` (5), ``max_iter`` (100), ``seed`` (0), ``baseline`` (``gaussian`` | ``uniform``).
+    """How well each layer's features cluster by class: k-means purity, NMI and ARI per layer and pool.
+    Walmer et al. 2023 §5.2, Fig. 7; App. D.5, Fig. 24/25; with the random-chance baseline (App. B.3; option
+    ``baseline``, Gaussian by default). Definitions in the module docstring: the analysis images' features of every
+    block output, pooled ``"cls"`` (CLS models) and ``"mean_spatial"``, K = number of classes; options ``restarts`` (5),
+    ``max_iter`` (100), ``seed`` (0), ``baseline`` (``gaussian`` | ``uniform``).
 
     Result: ``purity``/``nmi``/``ari`` [P, L], ``baseline_purity``/``baseline_nmi``/``baseline_ari`` [P, L],
     ``inertia`` [P, L], ``pools`` [P], ``layers`` [L] (block names), ``num_classes``, ``n_images``, ``n_init``,

@@ -246,11 +246,11 @@ class ERFOptions:
 
 @register
 class EffectiveReceptiveField(Measure):
-    """Effective receptive fields per block, post- and pre-residual (Raghu et al. 2021 Fig. 6, C.1-C.4), as in
-    the module docstring. All work is in :meth:`finish`: the first ``images`` (32) analysis images in chunks
-    of ``batch`` (8), chunk k on process k mod world, ERF sums and the image count
-    summed over processes in ONE float64 all-reduce, so 1 and N processes agree. Option ``forward_images`` (128)
-    bounds the images per forward (copies x chunk, see :func:`erf_sums`): lower it for big models."""
+    """Which input pixels a block's centre token depends on: effective receptive fields, after and before the residual.
+    Raghu et al. 2021 Fig. 6, C.1-C.4, as in the module docstring. All work is in :meth:`finish`: the first ``images``
+    (32) analysis images in chunks of ``batch`` (8), chunk k on process k mod world, ERF sums and the image count summed
+    over processes in ONE float64 all-reduce, so 1 and N processes agree. Option ``forward_images`` (128) bounds the
+    images per forward (copies x chunk, see :func:`erf_sums`): lower it for big models."""
 
     name = "erf"
     Options = ERFOptions

@@ -95,13 +95,13 @@ def _baseline(tr, va, te, train_y, test_y, layers, kw, kind) -> dict:
 
 @register
 class FewShotProbeMeasure(Measure):
-    """ViT paper §4.1, Raghu et al. 2021 Fig. 11 right / 13: ``shots``-shot linear probes per block
-    output and pooling (CLS token / mean of all tokens / mean of spatial tokens; ResNet: spatial mean of the
-    patched map, Raghu App. A), shots from the first half of probe-train (per seed), by default big_vision's fit
-    with l2 chosen on the second half, top-1 on the analysis images (:func:`probe_layers`; definition in the module
-    docstring). ``baseline``: the same probes on random features of the same shapes (Walmer App. B.3; Gaussian by
-    default). Result: ``mean``/``std``/``baseline`` [P, L], ``pools``, ``layers``, ``shots``, ``seeds``,
-    ``chance``, ``method``, ``feature_dim`` [L]."""
+    """How much class information each block's output holds: few-shot linear probes (10 shots by default).
+    ViT paper §4.1, Raghu et al. 2021 Fig. 11 right / 13: ``shots``-shot linear probes per block output and pooling (CLS
+    token / mean of all tokens / mean of spatial tokens; ResNet: spatial mean of the patched map, Raghu App. A), shots
+    from the first half of probe-train (per seed), by default big_vision's fit with l2 chosen on the second half, top-1
+    on the analysis images (:func:`probe_layers`; definition in the module docstring). ``baseline``: the same probes on
+    random features of the same shapes (Walmer App. B.3; Gaussian by default). Result: ``mean``/``std``/``baseline`` [P,
+    L], ``pools``, ``layers``, ``shots``, ``seeds``, ``chance``, ``method``, ``feature_dim`` [L]."""
 
     name = "fewshot_probe"
     uses_labels = "probe"

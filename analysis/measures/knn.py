@@ -63,11 +63,11 @@ class KNNOptions:
 
 @register
 class KNNMeasure(Measure):
-    """k-NN top-1 per layer and pool (Walmer et al. 2023 §6.1, Fig. 9 left; protocol of DINO), with the
-    random-chance baseline (Walmer App. B.3). Definition in the module docstring: bank = probe-train features,
-    queries = analysis features, every block's output pooled by ``"cls"`` (CLS models) and ``"mean_spatial"``;
-    options ``k`` (default 20), ``temperature`` T (default 0.07), ``baseline`` (``gaussian``, Walmer's text, or
-    ``uniform``, Walmer's code).
+    """How semantic each layer's features are without training a read-out: weighted k-NN top-1 per layer and pool.
+    Walmer et al. 2023 §6.1, Fig. 9 left; protocol of DINO; with the random-chance baseline (Walmer App. B.3).
+    Definition in the module docstring: bank = probe-train features, queries = analysis features, every block's output
+    pooled by ``"cls"`` (CLS models) and ``"mean_spatial"``; options ``k`` (default 20), ``temperature`` T (default
+    0.07), ``baseline`` (``gaussian``, Walmer's text, or ``uniform``, Walmer's code).
 
     Result: ``acc`` [P, L], ``baseline`` [P, L] (float64 fractions), ``pools`` [P], ``layers`` [L] (block names),
     ``k`` (effective k = min(k, bank size)), ``temperature``, ``num_classes``, ``n_bank``, ``n_query``.

@@ -146,8 +146,9 @@ class LocalizationOptions:
 
 @register
 class Localization(Measure):
-    """CKA of every spatial token of a layer with every input patch, and per-layer localization scores
-    (Raghu et al. 2021 §7, Fig. 9 (ViT CLS vs ResNet), Fig. 10 (ViT GAP), Fig. D.1-D.3 (more layers)).
+    """Whether tokens keep their place: CKA of each spatial token with every input patch, and localization scores.
+    Raghu et al. 2021 §7, Fig. 9 (ViT CLS vs ResNet), Fig. 10 (ViT GAP), Fig. D.1-D.3 (more layers): CKA of every
+    spatial token of a layer with every input patch, and per-layer localization scores.
 
     ``cka[l, t, q] = CKA(token t of layer l, input patch q)`` over the analysis images (linear, unbiased minibatch
     CKA; tokens without CLS; ResNet tokens = channel vectors per position, maps larger than ``resnet_max_side``

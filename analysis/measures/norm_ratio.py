@@ -95,7 +95,8 @@ class NormRatio:
 
 @register
 class NormRatioMeasure(Measure):
-    """Raghu et al. 2021 Fig. 7 (left: per token and block; right: CLS vs spatial tokens) and E.2 (cosine).
+    """How much the skip path dominates: norm of the skip path over the branch's, per token, block and sublayer.
+    Raghu et al. 2021 Fig. 7 (left: per token and block; right: CLS vs spatial tokens) and E.2 (cosine).
     ViT: sublayers attn (z = block input, f = attention branch) and mlp (z = stream after attention, f = MLP
     branch); Mixer: token and channel mixing likewise; ResNet: one "block" sublayer (shortcut vs branch),
     positions averaged since stages differ in size. Result: ``ratio`` and ``cosine`` [S, L, T] (ResNet

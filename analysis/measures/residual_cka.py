@@ -65,9 +65,10 @@ class ResidualCKAOptions:
 
 @register
 class ResidualCKA(Measure):
-    """Per block and sublayer, CKA(skip z, branch f(z)) and CKA(z, z + f(z)) (Walmer et al. 2023 App. D.4 /
-    Fig. 23), as in the module docstring. One :class:`MinibatchCKA` per sublayer with xs = the L skips and
-    ys = the L branches then the L outputs; its float64 HSIC sums are added over processes in :meth:`finish`."""
+    """How much each branch changes the residual stream: CKA of the skip input with the branch and with their sum.
+    Per block and sublayer, CKA(skip z, branch f(z)) and CKA(z, z + f(z)) (Walmer et al. 2023 App. D.4 / Fig. 23), as in
+    the module docstring. One :class:`MinibatchCKA` per sublayer with xs = the L skips and ys = the L branches then the
+    L outputs; its float64 HSIC sums are added over processes in :meth:`finish`."""
 
     name = "residual_cka"
     Options = ResidualCKAOptions

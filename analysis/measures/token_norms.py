@@ -23,8 +23,8 @@ gh * gw spatial tokens in row-major grid order), the norm of token t of image b 
   histogram: the outliers are ~10x the rest, so k = 4 still finds outliers that are 2.5x weaker than theirs, while
   the bulk of a normal token distribution stays well below it (max / median over the 7x7 grid of the default ViT
   trained on Fashion-MNIST, and over the 16x16 grid of DINOv2 ViT-S/14 on photos, is reported as
-  ``max_over_median``: README, "Registers and high-norm tokens"). Prefix tokens (CLS, registers) are never outliers:
-  they are not patches.
+  ``max_over_median``: docs/studies.md, "Registers and high-norm tokens"). Prefix tokens (CLS, registers) are never
+  outliers: they are not patches.
 - Per block: ``share_images`` [L] (images with at least one outlier / images), ``count`` [L] (outliers per image,
   mean over all images), ``outlier_map`` [L, gh, gw] (share of images whose token at that grid position is an
   outlier), ``max_over_median`` [L] (mean over images of max_t n / median_t n over spatial tokens).
@@ -154,10 +154,11 @@ def _position_probe(feats: Tensor, masks: Tensor) -> tuple[float, float, int]:
 
 @register
 class TokenNorms(Measure):
-    """Token norms and high-norm outlier tokens per block (Darcet et al. 2024); definitions in the module docstring.
-    ViTs only. Result: ``quantiles`` [L, Q], ``hist`` / ``hist_edges``, ``prefix_norm`` [L, p], ``share_images``,
-    ``count``, ``outlier_map`` [L, gh, gw], ``max_over_median``, ``probe_acc_normal`` / ``probe_acc_outlier``,
-    ``attn_cls_on_outliers`` / ``attn_patch_on_outliers`` / ``attn_cls_on_registers`` / ``attn_patch_on_registers``."""
+    """Patch-token norms per block, and the high-norm outlier tokens that registers remove (Darcet et al. 2024).
+    Definitions in the module docstring. ViTs only. Result: ``quantiles`` [L, Q], ``hist`` / ``hist_edges``,
+    ``prefix_norm`` [L, p], ``share_images``, ``count``, ``outlier_map`` [L, gh, gw], ``max_over_median``,
+    ``probe_acc_normal`` / ``probe_acc_outlier``, ``attn_cls_on_outliers`` / ``attn_patch_on_outliers`` /
+    ``attn_cls_on_registers`` / ``attn_patch_on_registers``."""
 
     name = "token_norms"
     Options = TokenNormOptions

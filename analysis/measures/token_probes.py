@@ -145,11 +145,12 @@ def token_probe_accuracies(
 
 @register
 class TokenProbes(Measure):
-    """10-shot linear probe per layer and per token (Raghu et al. 2021 Fig. 11 left: mean over spatial tokens vs depth;
-    Fig. D.4: accuracy of every token). ``acc[l, t]`` = top-1 on the analysis images of a probe trained on token t of
-    block l alone; exact definition and the shot / regulariser splits (the suite's) in the module docstring.
-    Options: ``shots`` (10), ``seeds`` ((0, 1, 2)), ``stride`` (1), ``method`` (``big_vision``), ``l2`` (null:
-    held-out), ``resnet_tokens`` (``patch``, Raghu App. A), ``resnet_patch`` (0: auto), ``resnet_max_side`` (7)."""
+    """Where the class evidence sits: a 10-shot linear probe of every single token of every block.
+    Raghu et al. 2021 Fig. 11 left: mean over spatial tokens vs depth; Fig. D.4: accuracy of every token. ``acc[l, t]``
+    = top-1 on the analysis images of a probe trained on token t of block l alone; exact definition and the shot /
+    regulariser splits (the suite's) in the module docstring. Options: ``shots`` (10), ``seeds`` ((0, 1, 2)), ``stride``
+    (1), ``method`` (``big_vision``), ``l2`` (null: held-out), ``resnet_tokens`` (``patch``, Raghu App. A),
+    ``resnet_patch`` (0: auto), ``resnet_max_side`` (7)."""
 
     name = "token_probes"
     uses_labels = "probe"

@@ -1,5 +1,5 @@
-"""The notebook API: the README example runs as written, and a model object, a DataLoader and a run folder give
-the same numbers as the suite."""
+"""The notebook API: the example in docs/analysis.md runs as written, and a model object, a DataLoader and a run folder
+give the same numbers as the suite."""
 
 import re
 
@@ -13,11 +13,11 @@ from analysis.api import analyze
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_the_readme_example_runs(tmp_path, monkeypatch):
-    text = (ROOT / "README.md").read_text()
+def test_the_documented_example_runs(tmp_path, monkeypatch):
+    text = (ROOT / "docs" / "analysis.md").read_text()
     code = re.search(r"## Analyses from Python.*?```python\n(.*?)```", text, re.S).group(1)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/analysis.md", "exec"), {})
     assert (tmp_path / "cka.png").stat().st_size > 1000
 
 

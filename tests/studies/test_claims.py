@@ -311,7 +311,11 @@ def test_every_passage_is_quoted_from_its_paper():
             assert at >= 0, (c.id, piece)
 
 
-def test_no_committed_document_has_an_unformatted_placeholder():
+def test_no_committed_report_has_an_unformatted_placeholder():
+    # the generated reports (a .json beside each); the hand-written pages quote YAML such as {k: 10}, which reads as
+    # a format field
     docs = Path(__file__).resolve().parents[2] / "docs"
-    for f in sorted(docs.glob("*.md")):
+    reports = [f for f in sorted(docs.glob("*.md")) if f.with_suffix(".json").exists()]
+    assert len(reports) >= 4
+    for f in reports:
         assert unformatted(f.read_text()) == [], f.name
