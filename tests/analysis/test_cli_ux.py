@@ -151,6 +151,19 @@ def test_launch_sh_resolves_paths_against_the_callers_folder(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="launch.sh's setup wants the data")
+def test_launch_sh_pretrained_runs_the_converter_in_the_virtualenv(tmp_path):
+    """The README's offline real-ViT step: ./launch.sh pretrained is python -m analysis.pretrained in the venv (the
+    system Python has no torch), with paths relative to the caller's folder."""
+    venv = fake_venv(tmp_path / "venv")
+    (venv / ".vitlab-installed").write_text(stamp_of(ROOT))
+    r = launch(ROOT / "launch.sh", ["pretrained", "--onnx", "missing.onnx"], tmp_path, venv)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == "error: ONNX file 'missing.onnx' does not exist."
+    r = launch(ROOT / "launch.sh", ["pretrained", "--help"], tmp_path, venv)
+    assert r.returncode == 0 and "usage: python -m analysis.pretrained" in r.stdout
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="launch.sh's setup wants the data")
 def test_a_second_checkout_sharing_the_virtualenv_does_not_reinstall_itself(tmp_path):
     venv = fake_venv(tmp_path / "venv")
     a, b = tmp_path / "a", tmp_path / "b"
