@@ -274,6 +274,20 @@ def test_attention_distance_figure_has_head_legend_uniform_line_and_whole_labels
     assert any(a.get_ylabel() == "head" for a in fig.axes[1:]) and _inside(fig, fig.axes[0].yaxis.label)
 
 
+def test_a_truncated_norm_ratio_heatmap_says_which_tokens_it_shows():
+    from analysis.measures.norm_ratio import NormRatioMeasure
+
+    blocks = [f"blocks.{i}" for i in range(3)]
+    r = {"ratio": np.ones((2, 3, 257)), "blocks": blocks, "sublayers": ["attn", "mlp"], "num_prefix_tokens": 1}
+    ax = NormRatioMeasure.figures(r, step=0)["norm_ratio/attn"].axes[0]
+    assert ax.get_ylabel() == "tokens 0-15 of 257 (0 = CLS)"
+    assert ax.get_title() == "norm ratio, attn (step 0), tokens 0-15 of 257"
+    assert ax.images[0].get_array().shape == (16, 3)
+    # every token drawn: nothing to say
+    ax = NormRatioMeasure.figures({**r, "ratio": np.ones((2, 3, 10)), "num_prefix_tokens": 0})["norm_ratio/mlp"].axes[0]
+    assert ax.get_ylabel() == "token" and ax.get_title() == "norm ratio, mlp"
+
+
 def test_cka_figures_have_colourbar_axis_labels_and_every_layer_named(tmp_path):
     from analysis.measures.cka import CKAMeasure
     from analysis.reports.compare import cka_grid

