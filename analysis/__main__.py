@@ -180,6 +180,26 @@ def without_unlabelled(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteO
     return dataclasses.replace(opts, measures=tuple(m for m in opts.measures if m not in missing))
 
 
+def runnable(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteOptions:
+    """``opts`` less what cannot run on the run's images. With ``--measures all`` what can run runs: each measure
+    that reads missing labels (:func:`without_unlabelled`) or whose precondition fails (too few probe-train images
+    for its shots, ...) is skipped with one line naming it and why. A measure named explicitly is refused instead,
+    with its sentence (AnalysisError), before anything is written."""
+    opts = without_unlabelled(run, opts, asked)
+    data = O.load_data(run)
+    if (asked or "").strip() == "all":
+        skipped = S.measure_problems(data, opts)
+        for name, why in skipped.items():
+            print(f"skipped {name}: {why}", file=sys.stderr)
+        opts = dataclasses.replace(opts, measures=tuple(m for m in opts.measures if m not in skipped))
+        if not opts.measures:
+            raise O.AnalysisError("no measure can run on these images (each one's reason is above).")
+    problem = S.problem(data, opts)
+    if problem:
+        raise O.AnalysisError(problem)
+    return opts
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser, with the closest option named for an unknown one (``--mesures``: did you mean --measures?)."""
 
@@ -323,10 +343,7 @@ def analyse(args) -> tuple:
     others = [O.parse_against(a) for a in args.against]
     for other, _ in others:
         O.check_same_images(run, other)
-    opts = without_unlabelled(run, opts, args.measures)
-    problem = S.problem(O.load_data(run), opts)
-    if problem:
-        raise O.AnalysisError(problem)
+    opts = runnable(run, opts, args.measures)
     if run.external:  # check that the weights fit before anything is written
         O.load_model(run, 0, O.load_data(run))
     progress = not args.no_progress

@@ -124,16 +124,21 @@ def missing_labels(data, opts: SuiteOptions) -> list[str]:
     ]
 
 
+def measure_problems(data, opts: SuiteOptions) -> dict[str, str]:
+    """{measure: one sentence} for each requested measure that cannot run on ``data`` with its options (its
+    :meth:`analysis.measure.Measure.problem`, e.g. too few probe-train images for its shots), in the order
+    requested."""
+    reg = registry()
+    return {name: p for name in opts.measures if (p := reg[name].problem(data, opts.of(name)))}
+
+
 def problem(data, opts: SuiteOptions) -> str | None:
     """One sentence if the suite cannot run ``opts`` on ``data`` (checked before anything is written)."""
     p = batch_problem(len(data.analysis), opts.batch_size)
     if p:
         return p
-    reg = registry()
-    for name in opts.measures:
-        p = reg[name].problem(data, opts.of(name))
-        if p:
-            return f"measure {name}: {p}"
+    for name, p in measure_problems(data, opts).items():
+        return f"measure {name}: {p}"
     return None
 
 

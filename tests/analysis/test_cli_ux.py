@@ -400,3 +400,47 @@ def test_the_custom_scalars_layout_puts_training_first(tmp_path):
     assert [c.title for c in layout.category] == ["training", "time (s)", "analysis (key numbers)"]
     first = layout.category[0].chart[0]
     assert first.title.startswith("loss") and "^train/loss$" in first.multiline.tag
+
+
+# ---------------------------------------------------------------- --measures all on a run too small for some
+
+
+def test_measures_all_skips_each_measure_whose_precondition_fails_with_a_line(tiny_run, tmp_path, capsys):
+    """100 probe-train images are too few for 10 shots per class: with --measures all the probes are skipped with a
+    line each saying why and the rest is kept; named, such a measure stops the run before anything is computed."""
+    from analysis import offline as O
+    from analysis import suite as S
+    from analysis.__main__ import runnable
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    base = [str(run), "--steps", "8", "--batch-size", "32", "--no-progress", "--no-tensorboard"]
+    assert main([*base, "--measures", "cka,fewshot_probe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: measure fewshot_probe: ") and "probe-train" in err and "\n" not in err
+    assert not (run / "analysis").exists()  # nothing computed
+    kept = runnable(O.open_run(run), S.suite_options("all"), "all")
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.partition(":")[0] for ln in lines] == ["skipped fewshot_probe", "skipped token_probes"], lines
+    assert all("probe-train" in ln for ln in lines)
+    assert set(kept.measures) == set(M.registry()) - {"fewshot_probe", "token_probes"}
+
+
+@pytest.mark.slow
+def test_measures_all_runs_what_can_run_and_names_each_skipped_measure(tiny_run, tmp_path, capsys):
+    """100 probe-train images are too few for 10 shots per class: with --measures all the probes are skipped with a
+    line each saying why, and everything else is computed; named, such a measure still stops the run (exit 2)."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    base = [str(run), "--steps", "8", "--batch-size", "32", "--no-progress", "--no-tensorboard"]
+    assert main([*base, "--measures", "fewshot_probe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: measure fewshot_probe: ") and "\n" not in err
+    assert not (run / "analysis").exists()  # nothing computed
+    assert main([*base, "--measures", "all", "--opt", "ablation.targets=[branches]", "--opt", "erf.images=4"]) == 0
+    err = capsys.readouterr().err
+    skipped = {line.split(":")[0].removeprefix("skipped ") for line in err.splitlines() if line.startswith("skipped ")}
+    assert skipped == {"fewshot_probe", "token_probes"}, err
+    assert "skipped fewshot_probe: " in err and "probe-train" in err
+    summary = yaml.safe_load((run / "analysis" / "step_0000008" / "summary.json").read_text())
+    assert set(summary) >= set(M.registry()) - skipped - {"meta"} and not skipped & set(summary)
