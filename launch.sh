@@ -4,6 +4,7 @@
 #   ./launch.sh test [pytest args]                                set up, then run the tests
 #   ./launch.sh sweep RECIPE --grid key=v1,v2 [--grid ...]        one run per combination (resumable)
 #   ./launch.sh analyze RUN_DIR [--against OTHER[:STEP]] [...]    offline analysis of saved checkpoints (cached)
+#   ./launch.sh pretrained [--onnx F.onnx] [--out F] [--force]      a real ViT-S/14 as timm weights (analysis.pretrained)
 #   ./launch.sh study recipes/studies/raghu2021.yaml              train + analyse a study, write its report
 # Set-up (every command): create .venv if missing, install the project (pip install -e '.[dev]') when this
 # checkout's pyproject.toml changed since it installed itself (the stamp .venv/.vitlab-installed records the checkout
@@ -156,6 +157,11 @@ case "$cmd" in
         shift
         setup
         exec "$VENV/bin/python" -m analysis "$@"
+        ;;
+    pretrained)
+        shift
+        setup
+        exec "$VENV/bin/python" -m analysis.pretrained "$@"
         ;;
     *)
         setup

@@ -155,8 +155,33 @@ def list_measures(extra: str | None) -> str:
 
 
 def options(args) -> S.SuiteOptions:
-    """SuiteOptions from the command line (MeasureError, one sentence, for an unknown measure or option)."""
-    return measure_options(args.measures, args.batch_size, args.opt)
+    """SuiteOptions from the command line (MeasureError, one sentence, for an unknown measure or option); without
+    --batch-size the suite's default minibatch (a model from elsewhere then gets one sized to it:
+    :func:`sized_minibatch`)."""
+    return measure_options(args.measures, S.MAX_MINIBATCH if args.batch_size is None else args.batch_size, args.opt)
+
+
+def sized_minibatch(run, model) -> int:
+    """The analysis minibatch of a model from elsewhere when --batch-size is not given: what its taps keep of one
+    image and the memory available (:func:`analysis.suite.choose_minibatch`), said in one line. A vitlab run keeps
+    the default (its models are small; its cached results were made with it)."""
+    data = O.load_data(run)
+    per = S.tap_bytes_per_image(model, data.normalize(data.analysis.images[:1]))
+    avail = S.available_memory()
+    known = avail is not None
+    avail = avail if known else 4 * 2**30
+    bs = S.choose_minibatch(per, avail, len(data.analysis))
+    print(
+        f"{run.label}: minibatch {bs} (est. {_size(bs * per)} of {_size(avail)} "
+        f"{'available' if known else 'assumed available'}; --batch-size N to choose)",
+        file=sys.stderr,
+    )
+    return bs
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB to one decimal, or MiB below a tenth of a GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.0f} MiB"
 
 
 def without_unlabelled(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteOptions:
@@ -179,6 +204,26 @@ def without_unlabelled(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteO
         file=sys.stderr,
     )
     return dataclasses.replace(opts, measures=tuple(m for m in opts.measures if m not in missing))
+
+
+def runnable(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteOptions:
+    """``opts`` less what cannot run on the run's images. With ``--measures all`` what can run runs: each measure
+    that reads missing labels (:func:`without_unlabelled`) or whose precondition fails (too few probe-train images
+    for its shots, ...) is skipped with one line naming it and why. A measure named explicitly is refused instead,
+    with its sentence (AnalysisError), before anything is written."""
+    opts = without_unlabelled(run, opts, asked)
+    data = O.load_data(run)
+    if (asked or "").strip() == "all":
+        skipped = S.measure_problems(data, opts)
+        for name, why in skipped.items():
+            print(f"skipped {name}: {why}", file=sys.stderr)
+        opts = dataclasses.replace(opts, measures=tuple(m for m in opts.measures if m not in skipped))
+        if not opts.measures:
+            raise O.AnalysisError("no measure can run on these images (each one's reason is above).")
+    problem = S.problem(data, opts)
+    if problem:
+        raise O.AnalysisError(problem)
+    return opts
 
 
 class Parser(argparse.ArgumentParser):
@@ -253,7 +298,13 @@ def parser() -> argparse.ArgumentParser:
         "data's own (recipe: as a run trained here, to compare the two with --against)",
     )
     p.add_argument("--out", help="with --model: the output folder (default runs/external-<architecture>)")
-    p.add_argument("--batch-size", type=int, default=256, help="analysis minibatch (also the CKA minibatch, >= 4)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="analysis minibatch (also the CKA minibatch, >= 4; default 256, and for a --model one sized to the model "
+        "and the memory available, printed)",
+    )
     p.add_argument(
         "--opt",
         action="append",
@@ -324,21 +375,31 @@ def analyse(args) -> tuple:
     others = [O.parse_against(a) for a in args.against]
     for other, _ in others:
         O.check_same_images(run, other)
-    opts = without_unlabelled(run, opts, args.measures)
-    problem = S.problem(O.load_data(run), opts)
-    if problem:
-        raise O.AnalysisError(problem)
-    if run.external:  # check that the weights fit before anything is written
-        O.load_model(run, 0, O.load_data(run))
+    if run.external:  # check that the weights fit before anything is written; size the minibatch to the model
+        model = O.load_model(run, 0, O.load_data(run))
+        if args.batch_size is None:
+            opts = dataclasses.replace(opts, batch_size=sized_minibatch(run, model))
+        del model
+    opts = runnable(run, opts, args.measures)
     progress = not args.no_progress
-    stats = O.analyze_run(run, steps, opts, force=args.force, tensorboard=not args.no_tensorboard, progress=progress)
-    for other, ostep in others:
-        a = O.against(run, other, ostep, steps[-1:] if steps else None, opts, force=args.force, progress=progress)
-        for step, res in a["results"].items():
-            line = f"{run.label}@{step} vs {other.label}@{ostep}: mean CKA {res['matrix'].mean():.3f}"
-            if "same_index" in res:
-                line += ", same-index layers " + " ".join(f"{v:.2f}" for v in res["same_index"])
-            print(line)
+    try:
+        stats = O.analyze_run(
+            run, steps, opts, force=args.force, tensorboard=not args.no_tensorboard, progress=progress
+        )
+        for other, ostep in others:
+            a = O.against(run, other, ostep, steps[-1:] if steps else None, opts, force=args.force, progress=progress)
+            for step, res in a["results"].items():
+                line = f"{run.label}@{step} vs {other.label}@{ostep}: mean CKA {res['matrix'].mean():.3f}"
+                if "same_index" in res:
+                    line += ", same-index layers " + " ".join(f"{v:.2f}" for v in res["same_index"])
+                print(line)
+    except (MemoryError, RuntimeError) as e:
+        if not S.out_of_memory(e):
+            raise
+        raise O.AnalysisError(
+            f"not enough memory to analyse in minibatches of {opts.batch_size}: pass a smaller --batch-size, e.g. "
+            f"--batch-size {max(4, opts.batch_size // 2)}."
+        ) from None
     return run, stats
 
 

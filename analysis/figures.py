@@ -69,14 +69,19 @@ def cka_heatmap(
 
 
 def norm_ratio_heatmap(ratio: np.ndarray, blocks: list[str], title: str, max_tokens: int = 16, has_cls: bool = True):
-    """Raghu Fig. 7 left / E.1: ||z|| / ||f(z)|| per token (rows; token 0 = CLS) and block (columns), log colour."""
+    """Raghu Fig. 7 left / E.1: ||z|| / ||f(z)|| per token (rows; token 0 = CLS) and block (columns), log colour.
+    Only the first ``max_tokens`` tokens are drawn; when there are more, the title and the token axis say which
+    (``tokens 0-15 of 257``)."""
+    n = np.asarray(ratio).shape[1]
     r = np.asarray(ratio)[:, :max_tokens].T  # [tokens, blocks]
+    shown = f"tokens 0-{len(r) - 1} of {n}" if n > max_tokens else ""
+    title = f"{title}, {shown}" if shown else title
     fig, ax = subplots(figsize=(5, 4))
     im = ax.imshow(np.log10(np.maximum(r, 1e-6)), origin="upper", aspect="auto", cmap="viridis")
     cb = fig.colorbar(im, ax=ax, fraction=0.046)
     cb.set_label("log10 norm ratio")
     ax.set_xticks(range(len(blocks)), blocks, rotation=90, fontsize=6)
-    ax.set_ylabel("token (0 = CLS)" if has_cls else "token")
+    ax.set_ylabel(f"{shown or 'token'} (0 = CLS)" if has_cls else shown or "token")
     ax.set_xlabel("block")
     ax.set_title(title)
     fig.tight_layout()

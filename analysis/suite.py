@@ -21,6 +21,7 @@ import os
 import platform
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from analysis.measure import (
     resolve_all,
 )
 from analysis.reduce import ORDER_SEED, shard
-from analysis.taps import Taps, arch_of, block_names, grid_of, num_prefix_tokens
+from analysis.taps import Taps, arch_of, available_taps, block_names, grid_of, num_prefix_tokens
 
 DEFAULT = ("cka", "norm_ratio", "attention_distance", "fewshot_probe")  # what the training-time suite runs
 
@@ -122,6 +123,65 @@ def batch_problem(n_images: int, batch_size: int) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- the minibatch a model's analysis fits in
+
+MEMORY_SHARE = 0.5  # of the memory available, what one minibatch's taps may take (the rest: the model, the images,
+# the measures' accumulated features, other processes)
+MAX_MINIBATCH = 256  # the suite's default minibatch (a run trained here analyses in those)
+
+
+def tap_bytes_per_image(model, x1: torch.Tensor) -> int:
+    """What the suite's taps keep of one image during a pass, in bytes: every tap of every block (analysis/taps.py;
+    a ViT block's attention map heads x tokens x tokens, its nine tokens x width tensors and the MLP hidden
+    activations) captured in one forward of the one (normalised) image ``x1``, as float32."""
+    names = available_taps(model)
+    with torch.no_grad(), Taps(model, names) as cap:
+        model(x1[:1])
+    return 4 * sum(cap[n][:1].numel() for n in names)
+
+
+def available_memory() -> int | None:
+    """The memory the system can give this process without swapping, in bytes (psutil, else /proc/meminfo's
+    MemAvailable), or None when neither says."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except (ImportError, AttributeError, OSError):
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def choose_minibatch(
+    per_image: int, available: int, n_images: int, share: float = MEMORY_SHARE, cap: int = MAX_MINIBATCH
+) -> int:
+    """The analysis minibatch for a model whose taps keep ``per_image`` bytes of each image, with ``available`` bytes
+    of memory: all ``n_images`` in one minibatch when their taps fit in ``share`` of it and they are at most
+    ``cap``; else the largest power of two that fits (at least 4, minibatch CKA's least), lowered to the largest
+    size that leaves no last minibatch of 1-3 images (:func:`batch_problem`) when it would."""
+    limit = min(int(available * share) // max(per_image, 1), cap)
+    if 4 <= n_images <= limit:
+        return n_images
+    bs = 4
+    while bs * 2 <= limit:
+        bs *= 2
+    return next((b for b in range(bs, 3, -1) if batch_problem(n_images, b) is None), bs)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation that failed for lack of memory (torch on CPU or GPU, or Python's own)."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("not enough memory" in text or "DefaultCPUAllocator" in text)
+
+
 def missing_labels(data, opts: SuiteOptions) -> list[str]:
     """The requested measures that read labels the data does not have (:func:`analysis.measure.labels_problem`:
     unlabelled analysis images, label -1, or no labelled probe-train images), in the order requested."""
@@ -131,16 +191,21 @@ def missing_labels(data, opts: SuiteOptions) -> list[str]:
     ]
 
 
+def measure_problems(data, opts: SuiteOptions) -> dict[str, str]:
+    """{measure: one sentence} for each requested measure that cannot run on ``data`` with its options (its
+    :meth:`analysis.measure.Measure.problem`, e.g. too few probe-train images for its shots), in the order
+    requested."""
+    reg = registry()
+    return {name: p for name in opts.measures if (p := reg[name].problem(data, opts.of(name)))}
+
+
 def problem(data, opts: SuiteOptions) -> str | None:
     """One sentence if the suite cannot run ``opts`` on ``data`` (checked before anything is written)."""
     p = batch_problem(len(data.analysis), opts.batch_size)
     if p:
         return p
-    reg = registry()
-    for name in opts.measures:
-        p = reg[name].problem(data, opts.of(name))
-        if p:
-            return f"measure {name}: {p}"
+    for name, p in measure_problems(data, opts).items():
+        return f"measure {name}: {p}"
     return None
 
 

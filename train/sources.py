@@ -9,7 +9,8 @@ The Hub offline: huggingface_hub retries a refused or unresolvable connection 5 
 8 s) before datasets falls back to its cache, so a machine without network waited about 25 s for the error (or the
 cached copy). Unless HF_HUB_OFFLINE is set, one short request (:func:`hub_reachable`) first asks whether the Hub
 answers at all; when it does not, the data set is loaded in offline mode, from the cache at once or with one
-sentence saying what to do. A machine with network pays one HEAD request and nothing else changes.
+sentence saying what to do. A machine with network pays one HEAD request and nothing else changes. The same probe
+(:func:`hub_state`, :func:`hub_offline_mode`) guards timm's pretrained weights in analysis/offline.py.
 """
 
 from __future__ import annotations
@@ -184,10 +185,21 @@ def hub_reachable(endpoint: str | None = None, timeout: float | None = None) -> 
     return True
 
 
+def hub_state() -> str | None:
+    """Whether to ask the Hub, before a download that would otherwise retry for a long time: ``"set"`` when the user
+    set HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE), ``"unreachable"`` when one short request (:func:`hub_reachable`) gets
+    no answer, None when the Hub answers. With "unreachable", make the download inside :func:`hub_offline_mode`: it
+    reads the local cache at once, or fails at once."""
+    if _offline_set():
+        return "set"
+    return None if hub_reachable() else "unreachable"
+
+
 @contextlib.contextmanager
-def _hub_offline_mode():
+def hub_offline_mode():
     """huggingface_hub's and datasets' offline mode for the calls inside (what HF_HUB_OFFLINE=1 sets at import), then
-    as before: load_dataset reads the cache at once instead of retrying a Hub that does not answer."""
+    as before: load_dataset (or timm's pretrained weights) read the cache at once instead of retrying a Hub that does
+    not answer."""
     import datasets  # deferred: about 2 s to import, and only loading a source needs it
     from huggingface_hub import constants
 
@@ -207,10 +219,10 @@ def _from_hub(name: str, load):
     docstring); DataError with one sentence when it fails."""
     from huggingface_hub import constants
 
-    offline = _offline_set()
-    unreachable = not offline and not hub_reachable()
+    state = hub_state()
+    offline = state == "set"
     try:
-        with _hub_offline_mode() if unreachable else contextlib.nullcontext():
+        with hub_offline_mode() if state == "unreachable" else contextlib.nullcontext():
             return load(name)
     except Exception as e:
         text = f"{type(e).__name__}: {e}"

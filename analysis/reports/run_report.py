@@ -12,6 +12,7 @@ import numpy as np
 
 from analysis import storage
 from analysis.figures import save, subplots
+from analysis.images import BUNDLED
 from analysis.measure import as_list, load_result
 from train.checkpoint import CheckpointError, read_meta
 
@@ -89,6 +90,22 @@ def evolution(run_path: Path, steps: list[int], evals: dict) -> Path | None:
     return out
 
 
+def external_heading(run) -> str:
+    """What a model from elsewhere is, for the heading of its one result (its "step 0" is the weights it was given,
+    not a training step): architecture, where the weights came from, and the images."""
+    e = run.external
+    w = e["weights"]
+    weights = "timm's pretrained weights" if w == "pretrained" else f"weights {Path(w).name}"
+    images = e.get("images")
+    if images == BUNDLED:
+        on = "the bundled photos"
+    elif images:
+        on = f"the images in {images}"
+    else:
+        on = f"the {run.recipe.data.source} analysis images of its recipe"
+    return f"{e['arch']}, {weights}, on {on}"
+
+
 def write_run_report(run) -> Path:
     """runs/<name>/report.md from the run's saved analyses (every step with a summary.json)."""
     base = run.path
@@ -132,7 +149,7 @@ def write_run_report(run) -> Path:
     for s in reversed(steps):
         summ = storage.read_summary(storage.step_dir(base, s)) or {}
         lines += [
-            f"## Step {s}",
+            f"## {external_heading(run)}" if run.external else f"## Step {s}",
             "",
             *_summary_rows(summ),
             "",

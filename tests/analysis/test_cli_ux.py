@@ -151,6 +151,19 @@ def test_launch_sh_resolves_paths_against_the_callers_folder(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="launch.sh's setup wants the data")
+def test_launch_sh_pretrained_runs_the_converter_in_the_virtualenv(tmp_path):
+    """The README's offline real-ViT step: ./launch.sh pretrained is python -m analysis.pretrained in the venv (the
+    system Python has no torch), with paths relative to the caller's folder."""
+    venv = fake_venv(tmp_path / "venv")
+    (venv / ".vitlab-installed").write_text(stamp_of(ROOT))
+    r = launch(ROOT / "launch.sh", ["pretrained", "--onnx", "missing.onnx"], tmp_path, venv)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == "error: ONNX file 'missing.onnx' does not exist."
+    r = launch(ROOT / "launch.sh", ["pretrained", "--help"], tmp_path, venv)
+    assert r.returncode == 0 and "usage: python -m analysis.pretrained" in r.stdout
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="launch.sh's setup wants the data")
 def test_a_second_checkout_sharing_the_virtualenv_does_not_reinstall_itself(tmp_path):
     venv = fake_venv(tmp_path / "venv")
     a, b = tmp_path / "a", tmp_path / "b"
@@ -259,6 +272,20 @@ def test_attention_distance_figure_has_head_legend_uniform_line_and_whole_labels
 
     fig = attention_distance_plot(rng.uniform(1, 12, (4, 16)), uniform=10.0)
     assert any(a.get_ylabel() == "head" for a in fig.axes[1:]) and _inside(fig, fig.axes[0].yaxis.label)
+
+
+def test_a_truncated_norm_ratio_heatmap_says_which_tokens_it_shows():
+    from analysis.measures.norm_ratio import NormRatioMeasure
+
+    blocks = [f"blocks.{i}" for i in range(3)]
+    r = {"ratio": np.ones((2, 3, 257)), "blocks": blocks, "sublayers": ["attn", "mlp"], "num_prefix_tokens": 1}
+    ax = NormRatioMeasure.figures(r, step=0)["norm_ratio/attn"].axes[0]
+    assert ax.get_ylabel() == "tokens 0-15 of 257 (0 = CLS)"
+    assert ax.get_title() == "norm ratio, attn (step 0), tokens 0-15 of 257"
+    assert ax.images[0].get_array().shape == (16, 3)
+    # every token drawn: nothing to say
+    ax = NormRatioMeasure.figures({**r, "ratio": np.ones((2, 3, 10)), "num_prefix_tokens": 0})["norm_ratio/mlp"].axes[0]
+    assert ax.get_ylabel() == "token" and ax.get_title() == "norm ratio, mlp"
 
 
 def test_cka_figures_have_colourbar_axis_labels_and_every_layer_named(tmp_path):
@@ -373,3 +400,47 @@ def test_the_custom_scalars_layout_puts_training_first(tmp_path):
     assert [c.title for c in layout.category] == ["training", "time (s)", "analysis (key numbers)"]
     first = layout.category[0].chart[0]
     assert first.title.startswith("loss") and "^train/loss$" in first.multiline.tag
+
+
+# ---------------------------------------------------------------- --measures all on a run too small for some
+
+
+def test_measures_all_skips_each_measure_whose_precondition_fails_with_a_line(tiny_run, tmp_path, capsys):
+    """100 probe-train images are too few for 10 shots per class: with --measures all the probes are skipped with a
+    line each saying why and the rest is kept; named, such a measure stops the run before anything is computed."""
+    from analysis import offline as O
+    from analysis import suite as S
+    from analysis.__main__ import runnable
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    base = [str(run), "--steps", "8", "--batch-size", "32", "--no-progress", "--no-tensorboard"]
+    assert main([*base, "--measures", "cka,fewshot_probe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: measure fewshot_probe: ") and "probe-train" in err and "\n" not in err
+    assert not (run / "analysis").exists()  # nothing computed
+    kept = runnable(O.open_run(run), S.suite_options("all"), "all")
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.partition(":")[0] for ln in lines] == ["skipped fewshot_probe", "skipped token_probes"], lines
+    assert all("probe-train" in ln for ln in lines)
+    assert set(kept.measures) == set(M.registry()) - {"fewshot_probe", "token_probes"}
+
+
+@pytest.mark.slow
+def test_measures_all_runs_what_can_run_and_names_each_skipped_measure(tiny_run, tmp_path, capsys):
+    """100 probe-train images are too few for 10 shots per class: with --measures all the probes are skipped with a
+    line each saying why, and everything else is computed; named, such a measure still stops the run (exit 2)."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    base = [str(run), "--steps", "8", "--batch-size", "32", "--no-progress", "--no-tensorboard"]
+    assert main([*base, "--measures", "fewshot_probe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: measure fewshot_probe: ") and "\n" not in err
+    assert not (run / "analysis").exists()  # nothing computed
+    assert main([*base, "--measures", "all", "--opt", "ablation.targets=[branches]", "--opt", "erf.images=4"]) == 0
+    err = capsys.readouterr().err
+    skipped = {line.split(":")[0].removeprefix("skipped ") for line in err.splitlines() if line.startswith("skipped ")}
+    assert skipped == {"fewshot_probe", "token_probes"}, err
+    assert "skipped fewshot_probe: " in err and "probe-train" in err
+    summary = yaml.safe_load((run / "analysis" / "step_0000008" / "summary.json").read_text())
+    assert set(summary) >= set(M.registry()) - skipped - {"meta"} and not skipped & set(summary)

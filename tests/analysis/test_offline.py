@@ -246,7 +246,7 @@ def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path
     _bad(
         capsys,
         ["--model", "timm:resnet10t", "--weights", "pretrained", "--recipe", str(p), "--out", str(tmp_path / "ext")],
-        "could not download",
+        "HF_HUB_OFFLINE is set and timm's pretrained weights of 'resnet10t' are not in the local cache",
         tmp_path,
     )
     # a corrupted LATER checkpoint: nothing is written for the earlier one either
