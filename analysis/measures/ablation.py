@@ -606,8 +606,8 @@ class Ablation(Measure):
             loss = (
                 F.cross_entropy(lg.reshape(k * B, -1), y.repeat(k), reduction="none")
                 .reshape(k, B)
-                .sum(-1)
                 .double()
+                .sum(-1)
                 .cpu()
             )
         if self.bank is not None:

@@ -20,6 +20,15 @@ OPTS = {
 }
 
 
+def _atol(measure: str, key: str, saved) -> float:
+    """Two processes and one run the same arithmetic in other threads and kernels: float32 logits agree to ~1e-7 of
+    their size, so a loss agrees to ~1e-6 of the clean loss, and a loss increase (a difference of two losses near
+    2.3) to that too, not to 1e-6 of itself (2 float32 roundings were 7e-5 of a 0.007 increase on an AMD host)."""
+    if measure == "ablation" and key in ("loss", "loss_increase", "clean_loss"):
+        return 1e-6 * max(1.0, abs(float(saved["clean_loss"])))
+    return 1e-9
+
+
 @pytest.mark.multiprocess
 def test_every_measure_on_two_processes_with_one_minibatch(write_recipe, tmp_path):
     cb = {"name": "analysis_suite", "measures": "all", "batch_size": 64, "figures": False, **OPTS}
@@ -42,7 +51,9 @@ def test_every_measure_on_two_processes_with_one_minibatch(write_recipe, tmp_pat
         for k in saved.files:
             a, b = saved[k], np.asarray(one[name][k])
             if a.dtype.kind in "fc":
-                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9, equal_nan=True, err_msg=f"{name}.{k}")
+                np.testing.assert_allclose(
+                    a, b, rtol=1e-6, atol=_atol(name, k, saved), equal_nan=True, err_msg=f"{name}.{k}"
+                )
             else:
                 assert a.tolist() == b.tolist(), (name, k)
 
@@ -76,6 +87,6 @@ def test_ablation_on_two_processes_equals_one(write_recipe, tmp_path):
     for k in saved.files:
         a, b = saved[k], np.asarray(one[k])
         if a.dtype.kind in "fc":
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9, equal_nan=True, err_msg=k)
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=_atol("ablation", k, saved), equal_nan=True, err_msg=k)
         else:
             assert a.tolist() == b.tolist(), k
