@@ -23,7 +23,7 @@ import yaml
 from interventions import InterventionsConfig
 from interventions import check as check_interventions
 from train.callbacks import is_callback_name, known_callbacks
-from train.coerce import coerce
+from train.coerce import coerce, did_you_mean
 from train.errors import RecipeError
 from train.objectives import ObjectivesConfig
 from train.objectives import check as check_objective
@@ -464,7 +464,8 @@ def _build(cls, data: dict, prefix: str = ""):
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in fields:
-            raise RecipeError(f"unknown key '{key}': allowed keys here are {', '.join(sorted(fields))}.")
+            near = did_you_mean(str(k), fields, f"{prefix}." if prefix else "")
+            raise RecipeError(f"unknown key '{key}'{near}: allowed keys here are {', '.join(sorted(fields))}.")
         kwargs[k] = coerce(v, hints[k], key, RecipeError, build=_build)
         _check_range(kwargs[k], fields[k].metadata, key)
     for name, f in fields.items():

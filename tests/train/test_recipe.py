@@ -70,8 +70,10 @@ def test_callbacks_and_interventions_parse(tmp_path):
 
 MALFORMED = [
     # (yaml text or None for a missing file, overrides, words the sentence must contain)
-    ("trian: {steps: 3}\n", [], ["unknown key 'trian'", "train"]),
-    ("train: {stpes: 3}\n", [], ["unknown key 'train.stpes'", "steps"]),
+    ("trian: {steps: 3}\n", [], ["unknown key 'trian' (did you mean train?)"]),
+    ("train: {stpes: 3}\n", [], ["unknown key 'train.stpes' (did you mean train.steps?)", "warmup_steps"]),
+    ("{}\n", ["train.stpes=5"], ["unknown key 'train.stpes' (did you mean train.steps?)"]),
+    ("{}\n", ["train.zzzzz=5"], ["unknown key 'train.zzzzz': allowed keys here are"]),
     ("train: {steps: many}\n", [], ["train.steps", "int"]),
     ("train: {steps: true}\n", [], ["train.steps", "int"]),
     ("train: {lr: -0.1}\n", [], ["train.lr", "out of range", "> 0.0"]),
