@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from train.checkpoint import list_checkpoints, read_meta
+from train.errors import UserError
 from train.recipe import RecipeError, load_recipe, run_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,9 +224,13 @@ def main(argv=None) -> int:
         print("error: two grid points map to the same run folder: make the grid values distinct.", file=sys.stderr)
         return 2
 
-    failed, started, skipped = launch_runs(
-        [(args.recipe, list(args.overrides) + combo, d) for combo, d in plan], args.dry_run, args.jobs
-    )
+    try:
+        failed, started, skipped = launch_runs(
+            [(args.recipe, list(args.overrides) + combo, d) for combo, d in plan], args.dry_run, args.jobs
+        )
+    except UserError as e:  # a run folder the plan cannot read (a malformed meta.json): one sentence
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"sweep: {len(plan)} runs, {skipped} already finished, {started} started, {len(failed)} failed")
     return 1 if failed else 0
 

@@ -352,3 +352,36 @@ def test_a_run_trained_with_a_tb_folder_resumes_into_it(write_recipe):
     assert not list(run.glob("events.out.tfevents.*"))
     scalars = read_scalars(run / "tb")
     assert [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
+
+
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("[1, 2]", "it holds a JSON list, not an object"),
+        ('{"step": "abc", "files": {}}', "its 'step' is \"abc\", not an integer"),
+        ('{"step": 4, "final": "yes", "files": {}}', "its 'final' is \"yes\", not true or false"),
+    ],
+)
+def test_a_malformed_meta_json_is_one_sentence_naming_it_exit_2(tmp_path, capsys, text, why):
+    """meta.json edited into valid JSON that is not what vitlab writes: --resume, --check and a sweep's plan each say
+    so in one sentence naming the file (exit 2), and nothing in the run folder changes (but the lock file, which a
+    refused trainer leaves as it found it)."""
+    from train.cli import main
+    from train.sweep import main as sweep_main
+
+    root = tmp_path / "runs"
+    ck = root / "tiny" / "checkpoints" / "step_0000004"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text(text)
+    before = sorted((str(f), f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file())
+    recipe = str(ROOT / "recipes/tiny.yaml")
+    for args in ([recipe, "--resume"], [recipe, "--resume", "--check"]):
+        assert main([*args, "--set", f"run.root={root}", "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err, err
+        assert f"{ck / 'meta.json'} is malformed ({why})" in err, err
+    assert sweep_main([recipe, "--grid", "seed=0", "--set", f"run.root={root}", "run.name=tiny", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "meta.json is malformed" in err, err
+    after = sorted((str(f), f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file() and f.name != ".lock")
+    assert after == before
