@@ -23,6 +23,9 @@ from train.errors import CheckpointError
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
 META = "meta.json"
+# written into a checkpoint folder once the checkpoint's callbacks have finished (and TensorBoard is flushed): a
+# checkpoint whose meta.json says ``marks_callbacks`` and that lacks it gets its callbacks again on --resume
+CALLBACKS_DONE = "callbacks.done"
 
 
 def step_dir_name(step: int) -> str:
@@ -155,6 +158,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "eval": (dict, type(None)),
     "val": (dict, type(None)),
     "log_window": (dict, type(None)),
+    "marks_callbacks": (bool,),
     "recipe_hash": (str,),
     "resume_hash": (str,),
 }
@@ -221,6 +225,17 @@ def verify_checkpoint(path: Path) -> dict:
                 "resume from an earlier checkpoint."
             )
     return meta
+
+
+def mark_callbacks_done(path: Path) -> None:
+    """Main process, after every process has finished the checkpoint's callbacks: record it (:data:`CALLBACKS_DONE`)."""
+    (Path(path) / CALLBACKS_DONE).touch()
+
+
+def callbacks_done(path: Path, meta: dict) -> bool:
+    """Whether the callbacks of the checkpoint at ``path`` finished: its marker is there, or it was written before
+    checkpoints recorded it (no ``marks_callbacks`` in its meta.json: nothing to tell, so nothing is run again)."""
+    return not meta.get("marks_callbacks") or (Path(path) / CALLBACKS_DONE).is_file()
 
 
 def resolve_resume(ckpt_root: Path, explicit: str | None, run_dir: Path | None = None) -> Path | None:

@@ -25,14 +25,18 @@ class Crash(RuntimeError):
 
 @register_callback("test_crash_at")
 class CrashAt(Callback):
-    """Simulates the process dying right after the checkpoint of ``step``."""
+    """Simulates the process dying right after the checkpoint of ``step`` (before its callbacks have finished), once
+    per run folder: the resumed run runs the checkpoint's callbacks again, this one included, and goes on."""
+
+    crashed: ClassVar[set] = set()
 
     def __init__(self, every=None, step=4):
         super().__init__(every)
         self.step = step
 
     def on_checkpoint(self, ctx):
-        if ctx.step == self.step:
+        if ctx.step == self.step and (str(ctx.run_dir), ctx.step) not in CrashAt.crashed:
+            CrashAt.crashed.add((str(ctx.run_dir), ctx.step))
             raise Crash(f"simulated crash at step {ctx.step}")
 
 
@@ -385,3 +389,39 @@ def test_a_malformed_meta_json_is_one_sentence_naming_it_exit_2(tmp_path, capsys
     assert err.startswith("error: ") and "\n" not in err and "meta.json is malformed" in err, err
     after = sorted((str(f), f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file() and f.name != ".lock")
     assert after == before
+
+
+def test_a_checkpoint_whose_callbacks_did_not_finish_gets_them_on_resume(write_recipe, tmp_path):
+    """Killed while the checkpoint of step 4 ran its callbacks (the checkpoint itself complete): --resume runs that
+    checkpoint's callbacks first, so its analysis results and TensorBoard points exist after all; the final
+    checkpoint's too (then the end callbacks and result.json follow), and a checkpoint whose callbacks finished is
+    not analysed twice."""
+    from train.checkpoint import CALLBACKS_DONE
+
+    cbs = [{"name": "test_crash_at", "step": 4}, {"name": "cka"}, {"name": "test_record"}]  # the crash comes first
+    p = write_recipe(callbacks=cbs)
+    run = tmp_path / "runs/tiny"
+    with pytest.raises(Crash):
+        train(load_recipe(p), progress=False)
+    ck4 = run / "checkpoints/step_0000004"
+    assert verify_checkpoint(ck4)["marks_callbacks"] and not (ck4 / CALLBACKS_DONE).exists()
+    assert not (run / "analysis/step_0000004").exists() and ("ckpt", 4) not in Record.calls
+
+    out = train(load_recipe(p), resume=True, progress=False)
+    assert out["step"] == 8 and Record.calls[:2] == [("start", 4), ("ckpt", 4)], Record.calls
+    assert [c for c in Record.calls if c[0] == "ckpt"] == [("ckpt", 4), ("ckpt", 8)]
+    for step in (4, 8):
+        assert (run / f"analysis/step_{step:07d}/summary.json").is_file()
+        assert (run / f"checkpoints/step_{step:07d}" / CALLBACKS_DONE).is_file()
+    cka = [t for t in read_scalars(run) if t.startswith("analysis/") and "cka" in t]
+    assert cka and all(4 in [s for s, _ in read_scalars(run)[t]] for t in cka), cka
+
+    # the final checkpoint's callbacks interrupted: resuming the finished run runs them, the end callbacks, result.json
+    (run / "checkpoints/step_0000008" / CALLBACKS_DONE).unlink()
+    (run / "result.json").unlink()
+    again = train(load_recipe(p), resume=True, progress=False)
+    assert not again.get("already_finished") and again["step"] == 8
+    assert Record.calls == [("start", 8), ("ckpt", 8), ("end", 8), ("close", 8)], Record.calls
+    assert json.loads((run / "result.json").read_text())["step"] == 8
+    # and once they have finished, a resume does nothing
+    assert train(load_recipe(p), resume=True, progress=False).get("already_finished") and Record.calls == []
