@@ -10,7 +10,7 @@ torch's RNG is reseeded from (seed, step, rank) before every optimizer step (aug
 learning rate is a pure function of the step, so N steps + resume + N steps equals 2N steps bit for bit. The
 logged curve is too: ``train/loss`` at step k is the mean over steps (k - log_every, k] whatever the stops in
 between (a checkpoint keeps the sums of its unfinished window, :class:`LogWindow`), and TensorBoard events logged
-after the checkpoint a run resumes from are purged.
+after the checkpoint a run resumes from are purged. Only the timings (:data:`TIMING_TAGS`) differ.
 
 SIGTERM / SIGINT stop the run cleanly at the end of the current step, on every process at the same step, with a
 checkpoint of that step.
@@ -70,6 +70,19 @@ from train.run_folder import (  # noqa: F401  (prepare_run, wait_past_event_file
 from train.seeding import reseed_step, step_seed  # noqa: F401  (step_seed: re-exported for callers of train.trainer)
 
 # ---------------------------------------------------------------- the pieces the loop and its tests share
+
+# The TensorBoard tags that measure wall-clock time (a tag, or a prefix ending in '/'): their values differ from run to
+# run, and a stop (SIGTERM, Ctrl-C, --stop-after) adds points of its own at the stop step (``time/checkpoint_s`` of
+# the checkpoint it writes, ``time/callbacks_s`` of that checkpoint's callbacks). Every other tag the trainer logs
+# (``train/*`` but the throughput, ``eval/*``, ``val/*``) is a function of the steps it covers: a stopped and resumed
+# run logs the same values at the same steps as an uninterrupted one. Callbacks are not the trainer's: one that runs
+# at every checkpoint (no ``every``) also runs at a stop's checkpoint.
+TIMING_TAGS: tuple[str, ...] = ("time/", "train/throughput_img_s")
+
+
+def is_timing_tag(tag: str) -> bool:
+    """Whether TensorBoard tag ``tag`` measures wall-clock time (:data:`TIMING_TAGS`)."""
+    return any(tag.startswith(t) if t.endswith("/") else tag == t for t in TIMING_TAGS)
 
 
 def lr_at(step: int, t: TrainConfig) -> float:

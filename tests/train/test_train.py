@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from train.callbacks import Callback, register_callback
 from train.checkpoint import CheckpointError, list_checkpoints, read_meta, verify_checkpoint
 from train.recipe import load_recipe
-from train.trainer import RunExists, TrainingDiverged, lr_at, train
+from train.trainer import RunExists, TrainingDiverged, is_timing_tag, lr_at, train
 
 
 class Crash(RuntimeError):
@@ -180,7 +180,13 @@ def test_stop_after_checkpoints_there_and_resumes_exactly(write_recipe):
     resumed = train(load_recipe(p), resume=True, progress=False)
     wa, wb = _final_weights(Path(straight["run_dir"])), _final_weights(Path(resumed["run_dir"]))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert read_scalars(Path(straight["run_dir"]))["train/loss"] == read_scalars(Path(resumed["run_dir"]))["train/loss"]
+    # every logged curve is the straight run's, tag for tag, step for step, value for value, but the timings
+    a, b = read_scalars(Path(straight["run_dir"])), read_scalars(Path(resumed["run_dir"]))
+    assert {"train/loss", "train/lr", "train/grad_norm", "eval/top1", "eval/loss"} <= set(a)
+    assert {t: v for t, v in a.items() if not is_timing_tag(t)} == {t: v for t, v in b.items() if not is_timing_tag(t)}
+    # ... which differ: the stop's checkpoint at step 3 adds a point to time/checkpoint_s
+    assert [s for s, _ in a["time/checkpoint_s"]] == [4, 8] and [s for s, _ in b["time/checkpoint_s"]] == [3, 4, 8]
+    assert is_timing_tag("train/throughput_img_s") and not is_timing_tag("train/loss")
 
 
 def test_resume_is_exact_when_it_starts_an_epoch(write_recipe):
