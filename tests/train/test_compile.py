@@ -172,16 +172,24 @@ def test_no_compiler_or_an_unknown_backend_is_one_sentence(tmp_path, capsys, mon
     assert compiling.check(load_recipe(ROOT / "recipes/default.yaml")) is None
 
 
-def test_the_compiler_search_is_inductors_own(monkeypatch):
-    """What inductor finds (a program that exists here), and None when its search raises InvalidCxxCompiler."""
-    import torch._inductor.cpp_builder as cpp_builder
-    from torch._inductor.exc import InvalidCxxCompiler
-
-    found = compiling._cxx()
-    assert found is None or shutil.which(found) is not None
-
-    def none_found():
-        raise InvalidCxxCompiler
-
-    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", none_found)
-    assert compiling._cxx() is None
+def test_the_compiler_check_honours_cxx_and_compiles(tmp_path, capsys, monkeypatch):
+    """The compiler is $CXX's (else g++), and it must compile a C++ file: CXX naming no program, or a program that
+    compiles nothing (/bin/true, which passes inductor's own --version test), is one sentence naming CXX, exit 2,
+    before anything is written."""
+    monkeypatch.delenv(compiling.BACKEND_ENV, raising=False)
+    root = tmp_path / "runs"
+    args = [str(ROOT / "recipes/tiny.yaml"), "--set", f"run.root={root}", "train.compile=true"]
+    for cxx in ("/bin/true", str(tmp_path / "no-such-cxx")):
+        monkeypatch.setenv("CXX", cxx)
+        assert compiling._cxx() is None
+        for extra in ([], ["--check"]):
+            assert main([*args, *extra]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("error: ") and "\n" not in err, err
+            assert f"CXX={cxx!r} names no C++ compiler" in err and "train.compile=false" in err, err
+    assert not root.exists()
+    if shutil.which("g++"):  # a real compiler, named or found by default
+        monkeypatch.setenv("CXX", "g++")
+        assert compiling._cxx() == shutil.which("g++")
+        monkeypatch.delenv("CXX")
+        assert compiling._cxx() == shutil.which("g++")
