@@ -224,7 +224,7 @@ def _set_up(recipe: Recipe, overrides, resume, progress, allow_process_change, r
     check_processes(start_ckpt, start_meta, acc.num_processes, allow_process_change)
 
     set_seed(recipe.seed)
-    data = build_data(recipe)
+    data = build_data(recipe, colour_from_grey=False)  # a model of 3 channels is not trained on grey images
     callbacks.validate(recipe, data)
     labelled = uses_labels(recipe)
     # an objective without labels trains a backbone without classifier head: its output is the pooled features
