@@ -36,13 +36,14 @@ from torchmetrics.classification import MulticlassAccuracy
 from tqdm.auto import tqdm
 
 from interventions import describe
-from train import compiling, init_from
+from train import compiling, init_from, memory
 from train.callbacks import CallbackList, TrainContext, build_callbacks
 from train.checkpoint import callbacks_done, list_checkpoints, mark_callbacks_done, save_checkpoint
 from train.collective import any_process, broadcast, gather_floats
 from train.data import DataBundle, EpochBatchSampler, augment, batch_collate, build_data
 from train.errors import (  # noqa: F401  (RunExists, RunFolderError: re-exported for callers of train.trainer)
     CheckpointError,
+    RecipeError,
     RunExists,
     RunFolderError,
     TrainingDiverged,
@@ -124,6 +125,11 @@ def make_accelerator(recipe: Recipe, run_dir: Path | None = None, log: bool = Tr
             "project_config": ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir)),
         }
     acc = Accelerator(mixed_precision=recipe.train.mixed_precision, step_scheduler_with_optimizer=False, **kwargs)
+    if recipe.train.mixed_precision == "fp16" and acc.device.type == "cpu":  # accelerate would train in float32
+        raise RecipeError(
+            "key 'train.mixed_precision' is fp16, which needs a GPU (on a CPU the run would silently train in "
+            "float32): use bf16 or no on a CPU."
+        )
     _cpu_threads(acc)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if acc.num_processes != world:
@@ -213,6 +219,7 @@ def _set_up(recipe: Recipe, overrides, resume, progress, allow_process_change, r
     callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
     compiling.check(recipe)  # train.compile without a C++ compiler for inductor: one sentence, nothing written
     acc = make_accelerator(recipe, run_dir)
+    memory.check(recipe, acc.device)  # a model or batch that cannot fit: one sentence, before anything is allocated
     held = claim(acc, lock, create=False)  # an existing folder is locked before its checkpoints are read
     run_dir, start_ckpt, start_meta = prepare_run(recipe, overrides, resume, run_dir)
     # a checkpoint whose callbacks never finished (a kill -9 while they ran) gets them first; every process agrees

@@ -431,3 +431,37 @@ def test_a_checkpoint_whose_callbacks_did_not_finish_gets_them_on_resume(write_r
     assert json.loads((run / "result.json").read_text())["step"] == 8
     # and once they have finished, a resume does nothing
     assert train(load_recipe(p), resume=True, progress=False).get("already_finished") and Record.calls == []
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (
+            ["data.in_chans=3"],
+            ["data.in_chans is 3 but the images of this data set are greyscale", "set data.in_chans"],
+        ),
+        (["train.mixed_precision=fp16"], ["'train.mixed_precision' is fp16, which needs a GPU", "bf16 or no on a CPU"]),
+        (
+            ["data.img_size=1024", "model.patch_size=1"],
+            ["needs at least 32.5 GiB to train", "32.0 GiB of activations for a batch of 32", "8.0 GiB are free"],
+        ),
+    ],
+    ids=["grey-data-3-channels", "fp16-on-cpu", "a-million-tokens"],
+)
+def test_what_the_data_or_machine_cannot_serve_is_refused(tmp_path, capsys, monkeypatch, overrides, words):
+    """Greyscale data with data.in_chans 3, fp16 on a CPU (accelerate would train in float32), a model whose lower
+    bound of memory (a million tokens an image) exceeds what is free (here 8 GiB, whatever this host has): one
+    sentence, exit 2, no run folder."""
+    from train import memory
+    from train.cli import main
+
+    if "fp16" in overrides[0] and torch.cuda.is_available():
+        pytest.skip("fp16 is refused on a CPU only")
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 8 * memory.GiB)
+    root = tmp_path / "runs"
+    assert main([str(ROOT / "recipes/tiny.yaml"), "--set", f"run.root={root}", *overrides, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    assert not root.exists()
