@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from train.checkpoint import list_checkpoints, read_meta
+from train.checkpoint import callbacks_done, list_checkpoints, read_meta
 from train.errors import UserError
 from train.recipe import RecipeError, load_recipe, run_name
 
@@ -56,8 +56,13 @@ def combinations(grids: list[str]) -> list[list[str]]:
 
 
 def is_finished(run_dir: Path) -> bool:
+    """Whether the run's latest checkpoint is its final one and that checkpoint's callbacks finished (else a resume
+    runs them: see train.checkpoint.CALLBACKS_DONE)."""
     ckpts = list_checkpoints(Path(run_dir) / "checkpoints", warn=False)
-    return bool(ckpts) and bool(read_meta(ckpts[-1]).get("final"))
+    if not ckpts:
+        return False
+    meta = read_meta(ckpts[-1])
+    return bool(meta.get("final")) and callbacks_done(ckpts[-1], meta)
 
 
 def reached(run_dir: Path, step: int) -> bool:

@@ -26,18 +26,26 @@ class Crash(RuntimeError):
 @register_callback("test_crash_at")
 class CrashAt(Callback):
     """Simulates the process dying right after the checkpoint of ``step`` (before its callbacks have finished), once
-    per run folder: the resumed run runs the checkpoint's callbacks again, this one included, and goes on."""
+    per run folder: the resumed run runs the checkpoint's callbacks again, this one included, and goes on. With
+    ``where: end``, in the end callbacks of a run that finishes at ``step`` instead (its final checkpoint's callbacks
+    done, result.json not written yet)."""
 
     crashed: ClassVar[set] = set()
 
-    def __init__(self, every=None, step=4):
+    def __init__(self, every=None, step=4, where="checkpoint"):
         super().__init__(every)
-        self.step = step
+        self.step, self.where = step, where
 
-    def on_checkpoint(self, ctx):
-        if ctx.step == self.step and (str(ctx.run_dir), ctx.step) not in CrashAt.crashed:
+    def _crash(self, ctx, where):
+        if where == self.where and ctx.step == self.step and (str(ctx.run_dir), ctx.step) not in CrashAt.crashed:
             CrashAt.crashed.add((str(ctx.run_dir), ctx.step))
             raise Crash(f"simulated crash at step {ctx.step}")
+
+    def on_checkpoint(self, ctx):
+        self._crash(ctx, "checkpoint")
+
+    def on_train_end(self, ctx):
+        self._crash(ctx, "end")
 
 
 @register_callback("test_poison")
@@ -403,6 +411,7 @@ def test_a_checkpoint_whose_callbacks_did_not_finish_gets_them_on_resume(write_r
     checkpoint's too (then the end callbacks and result.json follow), and a checkpoint whose callbacks finished is
     not analysed twice."""
     from train.checkpoint import CALLBACKS_DONE
+    from train.sweep import is_finished
 
     cbs = [{"name": "test_crash_at", "step": 4}, {"name": "cka"}, {"name": "test_record"}]  # the crash comes first
     p = write_recipe(callbacks=cbs)
@@ -423,8 +432,10 @@ def test_a_checkpoint_whose_callbacks_did_not_finish_gets_them_on_resume(write_r
     assert cka and all(4 in [s for s, _ in read_scalars(run)[t]] for t in cka), cka
 
     # the final checkpoint's callbacks interrupted: resuming the finished run runs them, the end callbacks, result.json
+    assert is_finished(run)
     (run / "checkpoints/step_0000008" / CALLBACKS_DONE).unlink()
     (run / "result.json").unlink()
+    assert not is_finished(run)  # a sweep resumes it
     again = train(load_recipe(p), resume=True, progress=False)
     assert not again.get("already_finished") and again["step"] == 8
     assert Record.calls == [("start", 8), ("ckpt", 8), ("end", 8), ("close", 8)], Record.calls
