@@ -580,8 +580,9 @@ def _run_checks(r: Recipe) -> str | None:
     for i, cb in enumerate(r.callbacks):
         if not is_callback_name(cb.name):
             return (
-                f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback: choose one of "
-                f"{', '.join(sorted(known_callbacks()))}, or give package.module:Class."
+                f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback"
+                f"{did_you_mean(cb.name, known_callbacks())}: choose one of {', '.join(sorted(known_callbacks()))}, or "
+                "give package.module:Class."
             )
     for k, v in r.sweep.items():
         if not isinstance(v, list) or not v:

@@ -86,6 +86,7 @@ MALFORMED = [
     (None, [], ["does not exist"]),
     ("base: nowhere.yaml\n", [], ["nowhere.yaml", "does not exist"]),
     ("callbacks: [no_such_callback]\n", [], ["callbacks[0].name", "no_such_callback", "sample_images"]),
+    ("callbacks: [sample_imags]\n", [], ["'sample_imags', which is not a known callback (did you mean sample_images"]),
     ("interventions: {no_skip: {blocks: [9]}}\n", [], ["interventions.no_skip.blocks", "0..5"]),
     ("interventions: {head_mask: {block: 0, heads: [4]}}\n", [], ["head_mask[0].heads", "0..3"]),
     ("interventions: {data_subset: {fraction: 0.1, count: 5}}\n", [], ["exactly one of"]),
