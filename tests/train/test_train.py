@@ -406,40 +406,40 @@ def test_a_malformed_meta_json_is_one_sentence_naming_it_exit_2(tmp_path, capsys
 
 
 def test_a_checkpoint_whose_callbacks_did_not_finish_gets_them_on_resume(write_recipe, tmp_path):
-    """Killed while the checkpoint of step 4 ran its callbacks (the checkpoint itself complete): --resume runs that
+    """Killed while the checkpoint of step 2 ran its callbacks (the checkpoint itself complete): --resume runs that
     checkpoint's callbacks first, so its analysis results and TensorBoard points exist after all; the final
     checkpoint's too (then the end callbacks and result.json follow), and a checkpoint whose callbacks finished is
     not analysed twice."""
     from train.checkpoint import CALLBACKS_DONE
     from train.sweep import is_finished
 
-    cbs = [{"name": "test_crash_at", "step": 4}, {"name": "cka"}, {"name": "test_record"}]  # the crash comes first
-    p = write_recipe(callbacks=cbs)
+    cbs = [{"name": "test_crash_at", "step": 2}, {"name": "cka"}, {"name": "test_record"}]  # the crash comes first
+    p = write_recipe(callbacks=cbs, train={"steps": 4, "checkpoint_every": 2, "eval_every": 0})
     run = tmp_path / "runs/tiny"
     with pytest.raises(Crash):
         train(load_recipe(p), progress=False)
-    ck4 = run / "checkpoints/step_0000004"
-    assert verify_checkpoint(ck4)["marks_callbacks"] and not (ck4 / CALLBACKS_DONE).exists()
-    assert not (run / "analysis/step_0000004").exists() and ("ckpt", 4) not in Record.calls
+    ck2 = run / "checkpoints/step_0000002"
+    assert verify_checkpoint(ck2)["marks_callbacks"] and not (ck2 / CALLBACKS_DONE).exists()
+    assert not (run / "analysis/step_0000002").exists() and ("ckpt", 2) not in Record.calls
 
     out = train(load_recipe(p), resume=True, progress=False)
-    assert out["step"] == 8 and Record.calls[:2] == [("start", 4), ("ckpt", 4)], Record.calls
-    assert [c for c in Record.calls if c[0] == "ckpt"] == [("ckpt", 4), ("ckpt", 8)]
-    for step in (4, 8):
+    assert out["step"] == 4 and Record.calls[:2] == [("start", 2), ("ckpt", 2)], Record.calls
+    assert [c for c in Record.calls if c[0] == "ckpt"] == [("ckpt", 2), ("ckpt", 4)]
+    for step in (2, 4):
         assert (run / f"analysis/step_{step:07d}/summary.json").is_file()
         assert (run / f"checkpoints/step_{step:07d}" / CALLBACKS_DONE).is_file()
     cka = [t for t in read_scalars(run) if t.startswith("analysis/") and "cka" in t]
-    assert cka and all(4 in [s for s, _ in read_scalars(run)[t]] for t in cka), cka
+    assert cka and all(2 in [s for s, _ in read_scalars(run)[t]] for t in cka), cka
 
     # the final checkpoint's callbacks interrupted: resuming the finished run runs them, the end callbacks, result.json
     assert is_finished(run)
-    (run / "checkpoints/step_0000008" / CALLBACKS_DONE).unlink()
+    (run / "checkpoints/step_0000004" / CALLBACKS_DONE).unlink()
     (run / "result.json").unlink()
     assert not is_finished(run)  # a sweep resumes it
     again = train(load_recipe(p), resume=True, progress=False)
-    assert not again.get("already_finished") and again["step"] == 8
-    assert Record.calls == [("start", 8), ("ckpt", 8), ("end", 8), ("close", 8)], Record.calls
-    assert json.loads((run / "result.json").read_text())["step"] == 8
+    assert not again.get("already_finished") and again["step"] == 4
+    assert Record.calls == [("start", 4), ("ckpt", 4), ("end", 4), ("close", 4)], Record.calls
+    assert json.loads((run / "result.json").read_text())["step"] == 4
     # and once they have finished, a resume does nothing
     assert train(load_recipe(p), resume=True, progress=False).get("already_finished") and Record.calls == []
 
