@@ -82,20 +82,30 @@ def available_bytes(device) -> int | None:
     return min(free) // max(1, local)
 
 
-def check(recipe, device) -> None:
-    """RecipeError (one sentence: the estimate and what is available) when the lower bound of the module docstring
-    exceeds the memory available on ``device``."""
+def problem(recipe, device) -> str | None:
+    """The one sentence (the estimate and what is available) when the lower bound of the module docstring exceeds the
+    memory available on ``device``, else None."""
     avail = available_bytes(device)
     if avail is None:
-        return
+        return None
     state = 16 * model_parameters(recipe)
     act = activation_values(recipe) * (2 if recipe.train.mixed_precision in ("bf16", "fp16") else 4)
     if state + act <= avail:
-        return
+        return None
     where = "this GPU" if device.type == "cuda" else "this host, per process"
-    raise RecipeError(
+    return (
         f"this recipe needs at least {(state + act) / GiB:.1f} GiB to train ({state / GiB:.1f} GiB of weights, "
         f"gradients and AdamW state, {act / GiB:.1f} GiB of activations for a batch of {recipe.train.batch_size}) but "
         f"{avail / GiB:.1f} GiB are free on {where}: lower train.batch_size, data.img_size or the model's size, or "
         "raise model.patch_size."
     )
+
+
+def check(recipe, acc) -> None:
+    """Collective: RecipeError on every process when the main process finds a :func:`problem` on its device (the
+    processes agree, however their free memory differs by a few bytes)."""
+    from train.collective import broadcast
+
+    why = broadcast(acc, problem(recipe, acc.device) if acc.is_main_process else None)
+    if why:
+        raise RecipeError(why)

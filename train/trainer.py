@@ -219,7 +219,7 @@ def _set_up(recipe: Recipe, overrides, resume, progress, allow_process_change, r
     callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
     compiling.check(recipe)  # train.compile without a C++ compiler for inductor: one sentence, nothing written
     acc = make_accelerator(recipe, run_dir)
-    memory.check(recipe, acc.device)  # a model or batch that cannot fit: one sentence, before anything is allocated
+    memory.check(recipe, acc)  # a model or batch that cannot fit: one sentence, before anything is allocated
     held = claim(acc, lock, create=False)  # an existing folder is locked before its checkpoints are read
     run_dir, start_ckpt, start_meta = prepare_run(recipe, overrides, resume, run_dir)
     # a checkpoint whose callbacks never finished (a kill -9 while they ran) gets them first; every process agrees
