@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import inspect
 import re
 import shutil
@@ -37,12 +36,7 @@ from analysis import offline as O
 from analysis import suite as S
 from analysis.measure import MeasureError, options_dict, registry, resolve
 from analysis.reports.run_report import write_run_report
-
-
-def did_you_mean(word: str, choices, prefix: str = "") -> str:
-    """`` (did you mean PREFIX+X?)`` for the closest of ``choices`` to a mistyped ``word`` (difflib), or ``''``."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+from train.coerce import did_you_mean
 
 
 def check_names(names: list[str] | None, opt: dict) -> None:

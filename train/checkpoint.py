@@ -23,6 +23,9 @@ from train.errors import CheckpointError
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
 META = "meta.json"
+# written into a checkpoint folder once the checkpoint's callbacks have finished (and TensorBoard is flushed): a
+# checkpoint whose meta.json says ``marks_callbacks`` and that lacks it gets its callbacks again on --resume
+CALLBACKS_DONE = "callbacks.done"
 
 
 def step_dir_name(step: int) -> str:
@@ -142,14 +145,62 @@ def list_checkpoints(ckpt_root: Path, warn: bool = True) -> list[Path]:
     return sorted(out, key=lambda p: int(STEP_RE.match(p.name).group(1)))
 
 
+# The keys of meta.json that code reads without looking twice, and what each must be (step: required). Its checksums
+# guard every other file of a checkpoint; meta.json itself (which holds them) is checked against these types instead.
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "step": (int,),
+    "files": (dict,),
+    "final": (bool,),
+    "epoch": (int,),
+    "wall_s": (int, float),
+    "compile_s": (int, float),
+    "num_processes": (int,),
+    "eval": (dict, type(None)),
+    "val": (dict, type(None)),
+    "log_window": (dict, type(None)),
+    "marks_callbacks": (bool,),
+    "recipe_hash": (str,),
+    "resume_hash": (str,),
+}
+
+
+def _meta_problem(meta) -> str | None:
+    """What is wrong with a parsed meta.json (see :data:`_META_TYPES`), in a few words, or None."""
+    if not isinstance(meta, dict):
+        return f"it holds a JSON {type(meta).__name__}, not an object"
+    if "step" not in meta:
+        return "it has no 'step'"
+    for key, types in _META_TYPES.items():
+        v = meta.get(key)
+        if key in meta and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
+            return f"its '{key}' is {json.dumps(v)[:40]}, not {' or '.join(_JSON_NAMES[t] for t in types)}"
+    if meta["step"] < 0:
+        return f"its 'step' is {meta['step']}, below 0"
+    return None
+
+
+_JSON_NAMES = {int: "an integer", float: "a number", bool: "true or false", dict: "an object", str: "a string",
+               type(None): "null"}  # fmt: skip
+
+
 def read_meta(path: Path) -> dict:
+    """The checkpoint's meta.json; CheckpointError (one sentence naming the file) when it cannot be read or is not
+    what vitlab writes (a JSON list, a step that is not an integer, ...)."""
+    f = Path(path) / META
     try:
-        return json.loads((Path(path) / META).read_text())
+        meta = json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(
             f"checkpoint {path} has an unreadable {META} ({type(e).__name__}): delete the folder to resume from an "
             "earlier checkpoint."
         ) from None
+    why = _meta_problem(meta)
+    if why:
+        raise CheckpointError(
+            f"{f} is malformed ({why}): it was edited or not written by vitlab; restore it, or delete the folder to "
+            "resume from an earlier checkpoint."
+        )
+    return meta
 
 
 def verify_checkpoint(path: Path) -> dict:
@@ -174,6 +225,17 @@ def verify_checkpoint(path: Path) -> dict:
                 "resume from an earlier checkpoint."
             )
     return meta
+
+
+def mark_callbacks_done(path: Path) -> None:
+    """Main process, after every process has finished the checkpoint's callbacks: record it (:data:`CALLBACKS_DONE`)."""
+    (Path(path) / CALLBACKS_DONE).touch()
+
+
+def callbacks_done(path: Path, meta: dict) -> bool:
+    """Whether the callbacks of the checkpoint at ``path`` finished: its marker is there, or it was written before
+    checkpoints recorded it (no ``marks_callbacks`` in its meta.json: nothing to tell, so nothing is run again)."""
+    return not meta.get("marks_callbacks") or (Path(path) / CALLBACKS_DONE).is_file()
 
 
 def resolve_resume(ckpt_root: Path, explicit: str | None, run_dir: Path | None = None) -> Path | None:

@@ -21,6 +21,7 @@ schema (TypeError), not in the user's input.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -41,6 +42,13 @@ _YAML_BOOL_WORDS = {False: {"no", "off", "false"}, True: {"yes", "on", "true"}} 
 _NUMBER = re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?(?:[eE][-+]?\d+)?$")
 
 Build = Callable[[type, dict, str], Any]
+
+
+def did_you_mean(word: str, choices, prefix: str = "") -> str:
+    """`` (did you mean PREFIX+X?)`` for the closest of ``choices`` to a mistyped ``word`` (difflib), or ``''``: the
+    one hint for a mistyped recipe key, measure, option or flag."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def type_name(tp, plural: bool = False) -> str:

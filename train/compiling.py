@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 from train.errors import RecipeError
 
@@ -25,16 +29,31 @@ def backend() -> str:
     return os.environ.get(BACKEND_ENV) or "inductor"
 
 
-def _cxx() -> str | None:
-    """The C++ compiler inductor would use (its own search: ``$CXX``, else g++), or None."""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
+def _cxx_name() -> str:
+    """The C++ compiler inductor would run: ``$CXX``, else its default (clang++ on macOS, g++ elsewhere)."""
+    return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
 
-        return get_cpp_compiler()
-    except ImportError:  # inductor's private API moved: look for it as inductor does
-        return shutil.which(os.environ.get("CXX", "g++"))
-    except Exception:  # torch._inductor.exc.InvalidCxxCompiler: none found
+
+def _cxx() -> str | None:
+    """The path of the C++ compiler inductor would use (:func:`_cxx_name`) when it compiles a one-line C++ file here,
+    else None. Running ``--version`` is not enough (inductor's own test): ``CXX=/bin/true`` passes it and compiles
+    nothing, and the run would fail at its first step with inductor's traceback."""
+    path = shutil.which(_cxx_name())
+    if path is None:
         return None
+    with tempfile.TemporaryDirectory(prefix="vitlab-cxx-") as tmp:
+        out = Path(tmp) / "probe.o"
+        try:
+            subprocess.run(
+                [path, "-x", "c++", "-c", "-", "-o", str(out)],
+                input=b"int vitlab_probe(int x) { return x + 1; }\n",
+                capture_output=True,
+                timeout=120,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return path if out.is_file() and out.stat().st_size > 0 else None
 
 
 def check(recipe) -> None:
@@ -51,9 +70,16 @@ def check(recipe) -> None:
             f"{', '.join(known)}."
         )
     if name == "inductor" and _cxx() is None:
+        cxx = os.environ.get("CXX")
+        if cxx:
+            raise RecipeError(
+                f"key 'train.compile' is true, but CXX={cxx!r} names no C++ compiler that works here (torch.compile's "
+                "inductor backend runs it): point CXX at one (e.g. CXX=g++), unset it, or set train.compile=false."
+            )
         raise RecipeError(
-            "key 'train.compile' is true, but torch.compile's inductor backend needs a C++ compiler and none was "
-            "found (g++, or the one $CXX names): install one (e.g. apt-get install g++) or set train.compile=false."
+            f"key 'train.compile' is true, but torch.compile's inductor backend needs a C++ compiler and none was "
+            f"found ({_cxx_name()}, or the one $CXX names): install one (e.g. apt-get install g++) or set "
+            "train.compile=false."
         )
 
 

@@ -29,7 +29,7 @@ import torch
 
 import interventions
 from train.augment import augment, batch_rrc, crop_rng, rrc_box
-from train.decode import columns, decode_rows, labels, to_tensors
+from train.decode import columns, decode_rows, image_channels, labels, to_tensors
 from train.sources import FASHION_MNIST_DIR, DataError, check_splits, load_fashion_mnist, load_source
 from train.splits import (
     EpochBatch,
@@ -137,16 +137,24 @@ def _in_memory(ds, rows, cfg, lab_col: str, what: str) -> Split:
     return Split(decode_rows(ds, rows, cfg), labels(ds, lab_col, rows))
 
 
-def build_data(recipe, quiet: bool = False) -> DataBundle:
+def build_data(recipe, quiet: bool = False, colour_from_grey: bool = True) -> DataBundle:
     """Load the recipe's data set and cut it into the split roles (see the module docstring).
 
     The train split is decoded into memory, or (data.in_memory false, or auto and too big) kept as a
     :class:`LazySplit` decoded in the DataLoader workers; eval / probe_train / analysis are always in memory,
-    and only the rows they use are decoded when eval_size is set. A size above its split's is refused."""
+    and only the rows they use are decoded when eval_size is set. A size above its split's is refused, and, without
+    ``colour_from_grey`` (training: a model of data.in_chans > 1 would learn from copies of one channel),
+    data.in_chans > 1 on greyscale images. (Offline analysis of a model from elsewhere, trained on colour, shows it
+    greyscale images copied to its 3 channels.)"""
     cfg = recipe.data
     dsd = load_source(cfg)
     check_splits(cfg, list(dsd))
     train_ds, eval_ds = dsd[cfg.train_split], dsd[cfg.eval_split]
+    if not colour_from_grey and cfg.in_chans > 1 and image_channels(train_ds, cfg) == 1:
+        raise DataError(
+            f"data.in_chans is {cfg.in_chans} but the images of this data set are greyscale (1 channel): set "
+            "data.in_chans to 1 (a model would only see copies of the one channel)."
+        )
     _, lab_col = columns(train_ds, cfg)
     _, eval_lab_col = columns(eval_ds, cfg)
     if cfg.val_size >= len(train_ds):

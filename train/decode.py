@@ -19,6 +19,7 @@ from PIL import Image
 
 from train.sources import DataError
 
+GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})  # PIL modes of greyscale images (LA: with alpha)
 FIT_CHUNK = 1024  # array features are resized this many images at a time (see _fit)
 PIL_CHUNK = 1000  # image features are decoded this many rows at a time (never a whole split's PIL images at once)
 
@@ -53,6 +54,27 @@ def arrow_column(ds, col: str, rows=None) -> np.ndarray:
     while pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type):
         arr = arr.flatten()
     return arr.to_numpy(zero_copy_only=False)
+
+
+def image_channels(ds, cfg, sample: int = 8) -> int | None:
+    """The colour channels of a data set's images: an array feature's own (as :func:`decode_rows` reads its shape),
+    else 1 when its first ``sample`` images are all greyscale (:data:`GREY_MODES`) and 3 when one is in colour;
+    None for an empty data set."""
+    import datasets  # deferred: see columns()
+
+    img_col, _ = columns(ds, cfg)
+    feat = ds.features[img_col]
+    if isinstance(feat, (datasets.Array2D, datasets.Array3D)):
+        shape = feat.shape
+        if len(shape) == 2:
+            return 1
+        return shape[-1] if shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4) else shape[0]
+    rows = np.arange(min(sample, len(ds)))
+    if not len(rows):
+        return None
+    images = _images(ds, img_col, feat, rows)
+    grey = [im.mode in GREY_MODES if isinstance(im, Image.Image) else np.asarray(im).ndim == 2 for im in images]
+    return 1 if all(grey) else 3
 
 
 def labels(ds, col: str, rows=None) -> torch.Tensor:

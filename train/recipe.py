@@ -23,14 +23,24 @@ import yaml
 from interventions import InterventionsConfig
 from interventions import check as check_interventions
 from train.callbacks import is_callback_name, known_callbacks
-from train.coerce import coerce
+from train.coerce import coerce, did_you_mean, shown
 from train.errors import RecipeError
 from train.objectives import ObjectivesConfig
 from train.objectives import check as check_objective
 
 
-def _range(lo=None, hi=None, lo_open=False):
-    return {"lo": lo, "hi": hi, "lo_open": lo_open}
+def _range(lo=None, hi=None, lo_open=False, why=None):
+    """A numeric field's range (``why``: the reason for a bound, said when a value is out of it)."""
+    return {"lo": lo, "hi": hi, "lo_open": lo_open, "why": why}
+
+
+# Bounds that keep a run finishable: step counts and cadences fit torch's and TensorBoard's 32-bit step counters
+# (2^31 - 1 steps), and one batch holds at most 2^20 images (a million; the default model's activations for that many
+# would take ~100 GiB).
+MAX_STEPS = 2**31 - 1
+MAX_BATCH = 2**20
+_STEPS = {"hi": MAX_STEPS, "why": "step counts are below 2^31"}
+_BATCH = {"hi": MAX_BATCH, "why": "a batch holds at most 2^20 images"}
 
 
 @dataclass
@@ -123,23 +133,23 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = field(default=1000, metadata=_range(1))  # optimizer steps
-    batch_size: int = field(default=128, metadata=_range(1))  # per process, per micro-batch
+    steps: int = field(default=1000, metadata=_range(1, **_STEPS))  # optimizer steps
+    batch_size: int = field(default=128, metadata=_range(1, **_BATCH))  # per process, per micro-batch
     grad_accum: int = field(default=1, metadata=_range(1, 1024))
     lr: float = field(default=1e-3, metadata=_range(0.0, 10.0, lo_open=True))
     min_lr: float = field(default=0.0, metadata=_range(0.0))
     weight_decay: float = field(default=0.05, metadata=_range(0.0, 10.0))
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = field(default=100, metadata=_range(0))
+    warmup_steps: int = field(default=100, metadata=_range(0, **_STEPS))
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     grad_clip: float = field(default=1.0, metadata=_range(0.0))  # 0 disables clipping
     label_smoothing: float = field(default=0.1, metadata=_range(0.0, 1.0))
     mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
-    eval_every: int = field(default=500, metadata=_range(0))  # 0: only at the end
-    eval_batch_size: int = field(default=500, metadata=_range(1))
-    checkpoint_every: int = field(default=500, metadata=_range(0))  # 0: only at the end
+    eval_every: int = field(default=500, metadata=_range(0, **_STEPS))  # 0: only at the end
+    eval_batch_size: int = field(default=500, metadata=_range(1, **_BATCH))
+    checkpoint_every: int = field(default=500, metadata=_range(0, **_STEPS))  # 0: only at the end
     keep_last: int = field(default=3, metadata=_range(1))
-    log_every: int = field(default=10, metadata=_range(1))
+    log_every: int = field(default=10, metadata=_range(1, **_STEPS))
     # how the model is taught: supervised (cross-entropy on labels), dino, mae (train/objectives/<name>.py; options
     # in the recipe section objectives.<name>)
     objective: str = "supervised"
@@ -327,9 +337,25 @@ class _DuplicateKey(yaml.YAMLError):
         self.key, self.line = key, line
 
 
+class _Anchor(yaml.YAMLError):
+    def __init__(self, what: str, line: int):
+        super().__init__(f"YAML {what}")
+        self.what, self.line = what, line
+
+
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, plus: ``1e-3`` is a float (YAML 1.2; YAML 1.1 wants ``1.0e-3`` and reads ``1e-3``
-    as a string), and a key given twice in one mapping is an error (YAML keeps the last one silently)."""
+    as a string), a key given twice in one mapping is an error (YAML keeps the last one silently), and anchors
+    (``&a``) and aliases (``*a``) are refused as they are read: a few lines of aliases of aliases ("billion
+    laughs") expand to more values than any machine holds, and recipes share values through ``base:``."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise _Anchor(f"alias '*{event.anchor}'", event.start_mark.line + 1)
+        if getattr(event, "anchor", None) is not None:
+            raise _Anchor(f"anchor '&{event.anchor}'", event.start_mark.line + 1)
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -358,6 +384,11 @@ def _yaml(text: str, where: str):
         return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
     except _DuplicateKey as e:
         raise RecipeError(f"{where} gives the key '{e.key}' twice (line {e.line}): keep one of them.") from None
+    except _Anchor as e:
+        raise RecipeError(
+            f"{where} uses a YAML {e.what} (line {e.line}), which recipes do not take: write the value out, or "
+            "share keys through 'base: other.yaml'."
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
@@ -454,7 +485,10 @@ def _check_range(value, meta: dict, key: str) -> None:
         return
     lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
     hi_s = "" if hi is None else f"<= {hi}"
-    raise RecipeError(f"key '{key}' is {value}, out of range: it must be {' and '.join(s for s in (lo_s, hi_s) if s)}.")
+    why = f" ({meta['why']})" if meta.get("why") and hi is not None and value > hi else ""
+    raise RecipeError(
+        f"key '{key}' is {shown(value)}, out of range: it must be {' and '.join(s for s in (lo_s, hi_s) if s)}{why}."
+    )
 
 
 def _build(cls, data: dict, prefix: str = ""):
@@ -464,7 +498,8 @@ def _build(cls, data: dict, prefix: str = ""):
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in fields:
-            raise RecipeError(f"unknown key '{key}': allowed keys here are {', '.join(sorted(fields))}.")
+            near = did_you_mean(str(k), fields, f"{prefix}." if prefix else "")
+            raise RecipeError(f"unknown key '{key}'{near}: allowed keys here are {', '.join(sorted(fields))}.")
         kwargs[k] = coerce(v, hints[k], key, RecipeError, build=_build)
         _check_range(kwargs[k], fields[k].metadata, key)
     for name, f in fields.items():
@@ -515,6 +550,15 @@ def _data_checks(d: DataConfig, t: TrainConfig) -> str | None:
             f"key 'data.val_size' ({d.val_size}) holds out part of the train split, which is also the eval split "
             f"('{d.eval_split}') here: give data.eval_split another split, or set data.val_size to 0."
         )
+    for key, size, of, split in (
+        ("analysis_size", d.analysis_size, d.eval_size, "eval"),
+        ("probe_train_size", d.probe_train_size, d.train_size, "train"),
+    ):
+        if of is not None and size > of:
+            return (
+                f"key 'data.{key}' ({size}) is more than the {split} split holds ('data.{split}_size' ({of})): "
+                f"lower it to at most {of}."
+            )
     a = d.augment
     if (a.mixup_alpha > 0 or a.cutmix_alpha > 0) and t.batch_size % 2:
         return (
@@ -536,8 +580,9 @@ def _run_checks(r: Recipe) -> str | None:
     for i, cb in enumerate(r.callbacks):
         if not is_callback_name(cb.name):
             return (
-                f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback: choose one of "
-                f"{', '.join(sorted(known_callbacks()))}, or give package.module:Class."
+                f"key 'callbacks[{i}].name' is '{cb.name}', which is not a known callback"
+                f"{did_you_mean(cb.name, known_callbacks())}: choose one of {', '.join(sorted(known_callbacks()))}, or "
+                "give package.module:Class."
             )
     for k, v in r.sweep.items():
         if not isinstance(v, list) or not v:

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from train.checkpoint import list_checkpoints, read_meta
+from train.checkpoint import callbacks_done, list_checkpoints, read_meta
+from train.errors import UserError
 from train.recipe import RecipeError, load_recipe, run_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +56,13 @@ def combinations(grids: list[str]) -> list[list[str]]:
 
 
 def is_finished(run_dir: Path) -> bool:
+    """Whether the run's latest checkpoint is its final one and that checkpoint's callbacks finished (else a resume
+    runs them: see train.checkpoint.CALLBACKS_DONE)."""
     ckpts = list_checkpoints(Path(run_dir) / "checkpoints", warn=False)
-    return bool(ckpts) and bool(read_meta(ckpts[-1]).get("final"))
+    if not ckpts:
+        return False
+    meta = read_meta(ckpts[-1])
+    return bool(meta.get("final")) and callbacks_done(ckpts[-1], meta)
 
 
 def reached(run_dir: Path, step: int) -> bool:
@@ -223,9 +229,13 @@ def main(argv=None) -> int:
         print("error: two grid points map to the same run folder: make the grid values distinct.", file=sys.stderr)
         return 2
 
-    failed, started, skipped = launch_runs(
-        [(args.recipe, list(args.overrides) + combo, d) for combo, d in plan], args.dry_run, args.jobs
-    )
+    try:
+        failed, started, skipped = launch_runs(
+            [(args.recipe, list(args.overrides) + combo, d) for combo, d in plan], args.dry_run, args.jobs
+        )
+    except UserError as e:  # a run folder the plan cannot read (a malformed meta.json): one sentence
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"sweep: {len(plan)} runs, {skipped} already finished, {started} started, {len(failed)} failed")
     return 1 if failed else 0
 

@@ -10,7 +10,7 @@ torch's RNG is reseeded from (seed, step, rank) before every optimizer step (aug
 learning rate is a pure function of the step, so N steps + resume + N steps equals 2N steps bit for bit. The
 logged curve is too: ``train/loss`` at step k is the mean over steps (k - log_every, k] whatever the stops in
 between (a checkpoint keeps the sums of its unfinished window, :class:`LogWindow`), and TensorBoard events logged
-after the checkpoint a run resumes from are purged.
+after the checkpoint a run resumes from are purged. Only the timings (:data:`TIMING_TAGS`) differ.
 
 SIGTERM / SIGINT stop the run cleanly at the end of the current step, on every process at the same step, with a
 checkpoint of that step.
@@ -36,13 +36,14 @@ from torchmetrics.classification import MulticlassAccuracy
 from tqdm.auto import tqdm
 
 from interventions import describe
-from train import compiling, init_from
+from train import compiling, init_from, memory
 from train.callbacks import CallbackList, TrainContext, build_callbacks
-from train.checkpoint import list_checkpoints, save_checkpoint
-from train.collective import any_process, gather_floats
+from train.checkpoint import callbacks_done, list_checkpoints, mark_callbacks_done, save_checkpoint
+from train.collective import any_process, broadcast, gather_floats
 from train.data import DataBundle, EpochBatchSampler, augment, batch_collate, build_data
 from train.errors import (  # noqa: F401  (RunExists, RunFolderError: re-exported for callers of train.trainer)
     CheckpointError,
+    RecipeError,
     RunExists,
     RunFolderError,
     TrainingDiverged,
@@ -70,6 +71,19 @@ from train.run_folder import (  # noqa: F401  (prepare_run, wait_past_event_file
 from train.seeding import reseed_step, step_seed  # noqa: F401  (step_seed: re-exported for callers of train.trainer)
 
 # ---------------------------------------------------------------- the pieces the loop and its tests share
+
+# The TensorBoard tags that measure wall-clock time (a tag, or a prefix ending in '/'): their values differ from run to
+# run, and a stop (SIGTERM, Ctrl-C, --stop-after) adds points of its own at the stop step (``time/checkpoint_s`` of
+# the checkpoint it writes, ``time/callbacks_s`` of that checkpoint's callbacks). Every other tag the trainer logs
+# (``train/*`` but the throughput, ``eval/*``, ``val/*``) is a function of the steps it covers: a stopped and resumed
+# run logs the same values at the same steps as an uninterrupted one. Callbacks are not the trainer's: one that runs
+# at every checkpoint (no ``every``) also runs at a stop's checkpoint.
+TIMING_TAGS: tuple[str, ...] = ("time/", "train/throughput_img_s")
+
+
+def is_timing_tag(tag: str) -> bool:
+    """Whether TensorBoard tag ``tag`` measures wall-clock time (:data:`TIMING_TAGS`)."""
+    return any(tag.startswith(t) if t.endswith("/") else tag == t for t in TIMING_TAGS)
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -111,6 +125,11 @@ def make_accelerator(recipe: Recipe, run_dir: Path | None = None, log: bool = Tr
             "project_config": ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir)),
         }
     acc = Accelerator(mixed_precision=recipe.train.mixed_precision, step_scheduler_with_optimizer=False, **kwargs)
+    if recipe.train.mixed_precision == "fp16" and acc.device.type == "cpu":  # accelerate would train in float32
+        raise RecipeError(
+            "key 'train.mixed_precision' is fp16, which needs a GPU (on a CPU the run would silently train in "
+            "float32): use bf16 or no on a CPU."
+        )
     _cpu_threads(acc)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if acc.num_processes != world:
@@ -200,15 +219,19 @@ def _set_up(recipe: Recipe, overrides, resume, progress, allow_process_change, r
     callbacks = build_callbacks(recipe.callbacks)  # option errors before anything is written
     compiling.check(recipe)  # train.compile without a C++ compiler for inductor: one sentence, nothing written
     acc = make_accelerator(recipe, run_dir)
+    memory.check(recipe, acc)  # a model or batch that cannot fit: one sentence, before anything is allocated
     held = claim(acc, lock, create=False)  # an existing folder is locked before its checkpoints are read
     run_dir, start_ckpt, start_meta = prepare_run(recipe, overrides, resume, run_dir)
-    done = finished_summary(run_dir, recipe, start_meta, acc.is_main_process)
+    # a checkpoint whose callbacks never finished (a kill -9 while they ran) gets them first; every process agrees
+    # on what the main process finds in the run folder
+    redo = start_ckpt is not None and broadcast(acc, not callbacks_done(start_ckpt, start_meta))
+    done = None if redo else finished_summary(run_dir, recipe, start_meta, acc.is_main_process)
     if done is not None:
         return done
     check_processes(start_ckpt, start_meta, acc.num_processes, allow_process_change)
 
     set_seed(recipe.seed)
-    data = build_data(recipe)
+    data = build_data(recipe, colour_from_grey=False)  # a model of 3 channels is not trained on grey images
     callbacks.validate(recipe, data)
     labelled = uses_labels(recipe)
     # an objective without labels trains a backbone without classifier head: its output is the pooled features
@@ -218,6 +241,7 @@ def _set_up(recipe: Recipe, overrides, resume, progress, allow_process_change, r
     init_record = init_from.apply(recipe, objective, start_meta if start_ckpt is not None else None)
     loop = _input_pipeline_and_model(recipe, acc, data, objective, labelled)
     loop.run_dir, loop.callbacks = run_dir, callbacks
+    loop.redo_callbacks = start_ckpt if redo else None
     loop.step = _load_start(acc, start_ckpt, start_meta)
     commit(acc, lock, held, recipe, overrides, resume, run_dir, loop.step)
 
@@ -371,6 +395,7 @@ class Loop:
     compile_before: float = 0.0  # seconds torch.compile took in the run's segments before the checkpoint resumed from
     compile_s: float | None = None  # seconds it took in this segment so far (None: nothing compiled yet)
     compile_start: float | None = None  # torch.compile's process-wide seconds before this segment's first step
+    redo_callbacks: Path | None = None  # the checkpoint resumed from, when its callbacks did not finish
 
     step: int = 0
     last_saved: int = -1
@@ -585,9 +610,10 @@ def run_eval(loop: Loop) -> None:
 # ---------------------------------------------------------------- checkpointing
 
 
-def checkpoint(loop: Loop, final: bool) -> float:
-    """Collective: save the step (weights, optimizer, RNG, meta.json with the unfinished log window), then run the
-    checkpoint callbacks; returns the seconds spent in callbacks."""
+def checkpoint(loop: Loop, final: bool, cb_dt: float = 0.0) -> None:
+    """Collective: save the step (weights, optimizer, RNG, meta.json with the unfinished log window), flush what was
+    logged up to it, then run the checkpoint callbacks (:func:`checkpoint_callbacks`; ``cb_dt``: seconds the step's
+    own callbacks took, logged with theirs)."""
     t0, step = time.perf_counter(), loop.step
     show(loop, "checkpoint")
     meta = {
@@ -600,20 +626,37 @@ def checkpoint(loop: Loop, final: bool) -> float:
         "log_window": loop.window.to_meta(loop.acc),
         **loop.compile_total(),
         **({"val": loop.last_val} if loop.val_loader is not None else {}),  # what checkpoint selection reads
+        "marks_callbacks": True,  # checkpoint_callbacks() marks the folder once its callbacks have finished
     }
     path = save_checkpoint(loop.acc, loop.run_dir / "checkpoints", step, meta, loop.recipe.train.keep_last)
     loop.last_saved = step
     loop.log({"time/checkpoint_s": time.perf_counter() - t0}, step)
-    loop.ctx.step, loop.ctx.checkpoint_dir = step, path
+    if loop.ctx.writer is not None:  # the step's curve survives a kill -9 during the callbacks (resume keeps it)
+        loop.ctx.writer.flush()
+    checkpoint_callbacks(loop, path, cb_dt)
+
+
+def checkpoint_callbacks(loop: Loop, path: Path, cb_dt: float = 0.0) -> None:
+    """Collective: the ``on_checkpoint`` callbacks of the checkpoint at ``path`` (of step ``loop.step``), their time
+    (plus ``cb_dt``) logged as ``time/callbacks_s``, TensorBoard flushed, then the folder marked (checkpoint.
+    CALLBACKS_DONE) once every process has finished: a resume from a checkpoint without the mark runs them again."""
+    ctx = loop.ctx
+    ctx.step, ctx.epoch, ctx.checkpoint_dir = loop.step, loop.epoch_index(loop.step), path
     show(loop, "checkpoint callbacks")
-    dt = loop.callbacks.on_checkpoint(loop.ctx)
+    cb_dt += loop.callbacks.on_checkpoint(ctx)
     show(loop)
-    return dt
+    if cb_dt:
+        loop.log({"time/callbacks_s": cb_dt}, loop.step)
+    if ctx.writer is not None:
+        ctx.writer.flush()
+    loop.acc.wait_for_everyone()
+    if loop.acc.is_main_process:
+        mark_callbacks_done(path)
 
 
 def after_step(loop: Loop) -> None:
-    """The cadences after an update step: step callbacks, evaluation, checkpoint (and its callbacks), the flush
-    that makes what was logged up to a checkpoint survive a kill -9, then the stops."""
+    """The cadences after an update step: step callbacks, evaluation, checkpoint (and its callbacks, with the flushes
+    that make what was logged up to a checkpoint survive a kill -9), then the stops."""
     t, step = loop.recipe.train, loop.step
     ctx = loop.ctx
     ctx.step, ctx.epoch, ctx.checkpoint_dir = step, loop.epoch_index(step), None
@@ -621,13 +664,10 @@ def after_step(loop: Loop) -> None:
     final = step == t.steps
     if final or (t.eval_every and step % t.eval_every == 0):
         run_eval(loop)
-    saved = final or (t.checkpoint_every and step % t.checkpoint_every == 0)
-    if saved:
-        cb_dt += checkpoint(loop, final)
-    if cb_dt:
+    if final or (t.checkpoint_every and step % t.checkpoint_every == 0):
+        checkpoint(loop, final, cb_dt)  # logs cb_dt with its callbacks' time, flushes TensorBoard
+    elif cb_dt:
         loop.log({"time/callbacks_s": cb_dt}, step)
-    if saved and ctx.writer is not None:
-        ctx.writer.flush()
     if not final:
         stop_if_asked(loop)
         stop_if_reached(loop)
@@ -658,9 +698,7 @@ def diverged(loop: Loop, at: int, what: str) -> None:
 def _stop_here(loop: Loop, final: bool, message: str) -> None:
     """Checkpoint this step (unless it is saved already or nothing was trained), close, raise TrainingStopped."""
     if loop.last_saved != loop.step and loop.step > 0:
-        cb_dt = checkpoint(loop, final)
-        if cb_dt:
-            loop.log({"time/callbacks_s": cb_dt}, loop.step)
+        checkpoint(loop, final)
     close(loop)
     raise TrainingStopped(message, loop.step)
 
@@ -697,7 +735,9 @@ def train_loop(loop: Loop) -> dict:
     checkpoint, stops); then the end of the run."""
     steps = loop.recipe.train.steps
     cb_dt = loop.callbacks.on_train_start(loop.ctx)
-    if cb_dt:
+    if loop.redo_callbacks is not None:  # the checkpoint resumed from: its callbacks had not finished
+        checkpoint_callbacks(loop, loop.redo_callbacks, cb_dt)
+    elif cb_dt:
         loop.log({"time/callbacks_s": cb_dt}, loop.step)
     loop.model.train()
     stop_if_asked(loop)

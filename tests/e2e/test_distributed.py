@@ -131,3 +131,28 @@ def test_sigkill_of_the_two_process_launcher_leaves_no_trainer(write_recipe, tmp
     assert ckpts and ckpts[-1].name == "step_0000003", (tmp_path / "launcher.log").read_text()[-3000:]
     meta = json.loads((ckpts[-1] / "meta.json").read_text())
     assert meta["num_processes"] == 2 and len(meta["log_window"] or {"loss": [0, 0]}["loss"]) == 2
+
+
+@pytest.mark.slow  # two 2-process launches: about a minute
+@pytest.mark.multiprocess
+def test_two_processes_agree_to_run_an_interrupted_checkpoints_callbacks(write_recipe, tmp_path):
+    """The final checkpoint of a 2-process run with an analysis callback (collective: every process takes part),
+    its callbacks marked unfinished (the mark and the results removed, as a kill -9 while they ran leaves them):
+    --resume with 2 processes runs them again on both, which agree (one process alone would wait forever in the
+    analysis' reductions), and finishes the run."""
+    from train.checkpoint import CALLBACKS_DONE
+
+    train = {"mixed_precision": "no", "steps": 2, "checkpoint_every": 2, "eval_every": 2}
+    p = write_recipe(train=train, data={"analysis_size": 32}, callbacks=[{"name": "cka", "figures": False}])
+    run = tmp_path / "runs" / "tiny"
+    cmd, env = two_process_launch(p, 29561)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    ck = run / "checkpoints" / "step_0000002"
+    assert (ck / CALLBACKS_DONE).is_file() and (run / "result.json").is_file(), out.stderr[-3000:]
+    (ck / CALLBACKS_DONE).unlink()
+    (run / "result.json").unlink()
+    summary = run / "analysis" / "step_0000002" / "summary.json"
+    summary.unlink()
+    out = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert summary.is_file() and (ck / CALLBACKS_DONE).is_file(), out.stderr[-3000:]
+    assert json.loads((run / "result.json").read_text())["step"] == 2 and "already finished" not in out.stdout

@@ -487,9 +487,9 @@ def test_result_json_after_death_past_final_checkpoint_counts_every_segment(writ
     run = tmp_path / "runs/tiny"
     first = json.loads((run / "checkpoints/step_0000004/meta.json").read_text())["wall_s"]
     assert first > 0
-    r = load_recipe(p, ["callbacks=[{name: test_crash_at, step: 8}]"])
+    r = load_recipe(p, ["callbacks=[{name: test_crash_at, step: 8, where: end}]"])
     t0 = time.perf_counter()
-    with pytest.raises(Crash):  # dies right after its final checkpoint, before result.json
+    with pytest.raises(Crash):  # dies after its final checkpoint and its callbacks, before result.json
         train(r, resume=True, progress=False)
     second = time.perf_counter() - t0
     assert not (run / "result.json").exists()

@@ -82,7 +82,8 @@ def test_compiled_run_resumes_exactly_and_its_checkpoints_load_uncompiled(write_
     assert all(torch.equal(fresh.state_dict()[k], wa[k]) for k in wa)
 
     # callbacks: the original module (not torch.compile's wrapper), timm's names, hooks that fire
-    assert [s for s, *_ in InspectModel.seen] == [4, 8, 4, 8]  # straight; crashed after its callbacks at 4; resumed
+    # straight; crashed during the callbacks of 4 (after this one); resumed: the callbacks of 4 again, then 8
+    assert [s for s, *_ in InspectModel.seen] == [4, 8, 4, 4, 8]
     for _, kind, fired, names in InspectModel.seen:
         assert kind == "VisionTransformer" and fired == 1
         assert "blocks.0.attn" in names and not any("_orig_mod" in n for n in names)
@@ -172,16 +173,24 @@ def test_no_compiler_or_an_unknown_backend_is_one_sentence(tmp_path, capsys, mon
     assert compiling.check(load_recipe(ROOT / "recipes/default.yaml")) is None
 
 
-def test_the_compiler_search_is_inductors_own(monkeypatch):
-    """What inductor finds (a program that exists here), and None when its search raises InvalidCxxCompiler."""
-    import torch._inductor.cpp_builder as cpp_builder
-    from torch._inductor.exc import InvalidCxxCompiler
-
-    found = compiling._cxx()
-    assert found is None or shutil.which(found) is not None
-
-    def none_found():
-        raise InvalidCxxCompiler
-
-    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", none_found)
-    assert compiling._cxx() is None
+def test_the_compiler_check_honours_cxx_and_compiles(tmp_path, capsys, monkeypatch):
+    """The compiler is $CXX's (else g++), and it must compile a C++ file: CXX naming no program, or a program that
+    compiles nothing (/bin/true, which passes inductor's own --version test), is one sentence naming CXX, exit 2,
+    before anything is written."""
+    monkeypatch.delenv(compiling.BACKEND_ENV, raising=False)
+    root = tmp_path / "runs"
+    args = [str(ROOT / "recipes/tiny.yaml"), "--set", f"run.root={root}", "train.compile=true"]
+    for cxx in ("/bin/true", str(tmp_path / "no-such-cxx")):
+        monkeypatch.setenv("CXX", cxx)
+        assert compiling._cxx() is None
+        for extra in ([], ["--check"]):
+            assert main([*args, *extra]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("error: ") and "\n" not in err, err
+            assert f"CXX={cxx!r} names no C++ compiler" in err and "train.compile=false" in err, err
+    assert not root.exists()
+    if shutil.which("g++"):  # a real compiler, named or found by default
+        monkeypatch.setenv("CXX", "g++")
+        assert compiling._cxx() == shutil.which("g++")
+        monkeypatch.delenv("CXX")
+        assert compiling._cxx() == shutil.which("g++")

@@ -346,3 +346,40 @@ def test_channel_stats_in_chunks_equal_the_one_shot_float64_statistics(monkeypat
     torch.testing.assert_close(mean, ref.mean(dim=(0, 2, 3)).float(), rtol=1e-6, atol=0)
     torch.testing.assert_close(std, ref.std(dim=(0, 2, 3)).float(), rtol=1e-6, atol=0)
     assert D.channel_stats(torch.full((4, 1, 5, 5), 7, dtype=torch.uint8))[1].item() == pytest.approx(1e-3)  # floor
+
+
+def test_colour_from_grey_images_is_refused_for_training(tmp_path):
+    """data.in_chans 3 on greyscale images: refused when the trainer asks (colour_from_grey=False), for array data
+    (Fashion-MNIST) and for image files alike; colour images with in_chans 3 and greyscale ones with 1 are taken, and
+    offline analysis (the default) still shows a colour model greyscale images in 3 channels."""
+    import datasets
+    from PIL import Image
+
+    from train.decode import image_channels
+    from train.recipe import from_dict
+
+    rng = np.random.default_rng(0)
+    sizes = {"probe_train_size": 4, "analysis_size": 4, "img_size": 8}
+    for mode, shape, channels in (("L", (8, 8), 1), ("RGB", (8, 8, 3), 3)):
+        pq = tmp_path / mode
+        pq.mkdir()
+        for split, n in (("train", 12), ("test", 6)):
+            ims = [Image.fromarray(rng.integers(0, 255, shape, dtype=np.uint8), mode) for _ in range(n)]
+            feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+            ds = datasets.Dataset.from_dict({"image": ims, "label": [i % 2 for i in range(n)]}, features=feats)
+            ds.to_parquet(str(pq / f"{split}.parquet"))
+        recipe = from_dict({"data": {"source": "parquet", "path": str(pq), "in_chans": 3, **sizes}})
+        assert image_channels(load_source(recipe.data)["train"], recipe.data) == channels
+        if channels == 1:
+            with pytest.raises(DataError, match="data.in_chans is 3 but the images of this data set are greyscale"):
+                build_data(recipe, colour_from_grey=False)
+        else:
+            assert build_data(recipe, colour_from_grey=False).train.images.shape == (12, 3, 8, 8)
+    fm = from_dict(
+        {"data": {"in_chans": 3, "train_size": 20, "eval_size": 10, "probe_train_size": 4, "analysis_size": 4}}
+    )
+    with pytest.raises(DataError, match="greyscale"):
+        build_data(fm, colour_from_grey=False)
+    assert build_data(fm).analysis.images.shape[1] == 3
+    grey = from_dict({"data": {"train_size": 20, "eval_size": 10, "probe_train_size": 4, "analysis_size": 4}})
+    assert build_data(grey, colour_from_grey=False).train.images.shape[1] == 1

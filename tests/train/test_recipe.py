@@ -70,8 +70,10 @@ def test_callbacks_and_interventions_parse(tmp_path):
 
 MALFORMED = [
     # (yaml text or None for a missing file, overrides, words the sentence must contain)
-    ("trian: {steps: 3}\n", [], ["unknown key 'trian'", "train"]),
-    ("train: {stpes: 3}\n", [], ["unknown key 'train.stpes'", "steps"]),
+    ("trian: {steps: 3}\n", [], ["unknown key 'trian' (did you mean train?)"]),
+    ("train: {stpes: 3}\n", [], ["unknown key 'train.stpes' (did you mean train.steps?)", "warmup_steps"]),
+    ("{}\n", ["train.stpes=5"], ["unknown key 'train.stpes' (did you mean train.steps?)"]),
+    ("{}\n", ["train.zzzzz=5"], ["unknown key 'train.zzzzz': allowed keys here are"]),
     ("train: {steps: many}\n", [], ["train.steps", "int"]),
     ("train: {steps: true}\n", [], ["train.steps", "int"]),
     ("train: {lr: -0.1}\n", [], ["train.lr", "out of range", "> 0.0"]),
@@ -84,6 +86,7 @@ MALFORMED = [
     (None, [], ["does not exist"]),
     ("base: nowhere.yaml\n", [], ["nowhere.yaml", "does not exist"]),
     ("callbacks: [no_such_callback]\n", [], ["callbacks[0].name", "no_such_callback", "sample_images"]),
+    ("callbacks: [sample_imags]\n", [], ["'sample_imags', which is not a known callback (did you mean sample_images"]),
     ("interventions: {no_skip: {blocks: [9]}}\n", [], ["interventions.no_skip.blocks", "0..5"]),
     ("interventions: {head_mask: {block: 0, heads: [4]}}\n", [], ["head_mask[0].heads", "0..3"]),
     ("interventions: {data_subset: {fraction: 0.1, count: 5}}\n", [], ["exactly one of"]),
@@ -93,6 +96,17 @@ MALFORMED = [
     ("{}\n", ["train.steps.x=3"], ["key 'train.steps' must be an integer"]),
     ("{}\n", ["model.arch=transformer"], ["model.arch", "'vit'", "'resnet'"]),
     ("model: {arch: resnet, resnet_layers: [1, 1]}\n", [], ["model.resnet_layers", "4"]),
+    # limits that keep a run finishable, the rule stated
+    ("{}\n", [f"train.steps={10**30}"], ["'train.steps'", "<= 2147483647 (step counts are below 2^31)"]),
+    ("train: {steps: 1e30}\n", [], ["'train.steps' must be an integer"]),
+    ("{}\n", [f"train.eval_batch_size={10**12}"], ["'train.eval_batch_size'", "<= 1048576 (a batch holds at most"]),
+    ("{}\n", [f"train.batch_size={2**20 + 2}"], ["'train.batch_size'", "<= 1048576"]),
+    # YAML anchors and aliases: refused as they are read, before anything expands
+    ("train: {steps: &n 3, warmup_steps: *n}\n", [], ["anchor '&n' (line 1)", "base: other.yaml"]),
+    ("train: {steps: *n}\n", [], ["alias '*n' (line 1)"]),
+    # sizes of split roles the recipe itself bounds
+    ("data: {eval_size: 100, analysis_size: 200}\n", [], ["'data.analysis_size' (200)", "'data.eval_size' (100)"]),
+    ("data: {train_size: 100, probe_train_size: 200}\n", [], ["'data.probe_train_size' (200)", "(100)"]),
 ]
 
 
@@ -298,3 +312,22 @@ def test_measure_options_the_model_cannot_serve_are_refused_before_training(writ
         model={"head": "gap"}, callbacks=[{"name": "analysis_suite", "measures": ["cka"], "cka": {"repr": "cls"}}]
     )
     assert main([str(p), "--check"]) == 2 and "repr=cls" in capsys.readouterr().err
+
+
+def test_billion_laughs_in_a_sweep_file_is_refused_at_once(tmp_path, capsys):
+    """A sweep file whose grid is aliases of aliases (9^9 values once expanded): one sentence, exit 2, in well under a
+    second, and no run folder nor lock."""
+    import time
+
+    from train.sweep import main as sweep_main
+
+    lines = ["name: laughs", f"run: {{root: {tmp_path / 'runs'}}}", "sweep:", "  seed: &l0 [0, 0, 0, 0, 0, 0, 0, 0, 0]"]
+    lines += [f"  k{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    p = tmp_path / "laughs.yaml"
+    p.write_text("\n".join(lines) + "\n")
+    t0 = time.perf_counter()
+    assert sweep_main([str(p), "--dry-run"]) == 2
+    assert time.perf_counter() - t0 < 5
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "anchor '&l0' (line 4)" in err, err
+    assert not (tmp_path / "runs").exists()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from train.callbacks import Callback, register_callback
 from train.checkpoint import CheckpointError, list_checkpoints, read_meta, verify_checkpoint
 from train.recipe import load_recipe
-from train.trainer import RunExists, TrainingDiverged, lr_at, train
+from train.trainer import RunExists, TrainingDiverged, is_timing_tag, lr_at, train
 
 
 class Crash(RuntimeError):
@@ -25,15 +25,27 @@ class Crash(RuntimeError):
 
 @register_callback("test_crash_at")
 class CrashAt(Callback):
-    """Simulates the process dying right after the checkpoint of ``step``."""
+    """Simulates the process dying right after the checkpoint of ``step`` (before its callbacks have finished), once
+    per run folder: the resumed run runs the checkpoint's callbacks again, this one included, and goes on. With
+    ``where: end``, in the end callbacks of a run that finishes at ``step`` instead (its final checkpoint's callbacks
+    done, result.json not written yet)."""
 
-    def __init__(self, every=None, step=4):
+    crashed: ClassVar[set] = set()
+
+    def __init__(self, every=None, step=4, where="checkpoint"):
         super().__init__(every)
-        self.step = step
+        self.step, self.where = step, where
+
+    def _crash(self, ctx, where):
+        if where == self.where and ctx.step == self.step and (str(ctx.run_dir), ctx.step) not in CrashAt.crashed:
+            CrashAt.crashed.add((str(ctx.run_dir), ctx.step))
+            raise Crash(f"simulated crash at step {ctx.step}")
 
     def on_checkpoint(self, ctx):
-        if ctx.step == self.step:
-            raise Crash(f"simulated crash at step {ctx.step}")
+        self._crash(ctx, "checkpoint")
+
+    def on_train_end(self, ctx):
+        self._crash(ctx, "end")
 
 
 @register_callback("test_poison")
@@ -176,7 +188,13 @@ def test_stop_after_checkpoints_there_and_resumes_exactly(write_recipe):
     resumed = train(load_recipe(p), resume=True, progress=False)
     wa, wb = _final_weights(Path(straight["run_dir"])), _final_weights(Path(resumed["run_dir"]))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert read_scalars(Path(straight["run_dir"]))["train/loss"] == read_scalars(Path(resumed["run_dir"]))["train/loss"]
+    # every logged curve is the straight run's, tag for tag, step for step, value for value, but the timings
+    a, b = read_scalars(Path(straight["run_dir"])), read_scalars(Path(resumed["run_dir"]))
+    assert {"train/loss", "train/lr", "train/grad_norm", "eval/top1", "eval/loss"} <= set(a)
+    assert {t: v for t, v in a.items() if not is_timing_tag(t)} == {t: v for t, v in b.items() if not is_timing_tag(t)}
+    # ... which differ: the stop's checkpoint at step 3 adds a point to time/checkpoint_s
+    assert [s for s, _ in a["time/checkpoint_s"]] == [4, 8] and [s for s, _ in b["time/checkpoint_s"]] == [3, 4, 8]
+    assert is_timing_tag("train/throughput_img_s") and not is_timing_tag("train/loss")
 
 
 def test_resume_is_exact_when_it_starts_an_epoch(write_recipe):
@@ -352,3 +370,109 @@ def test_a_run_trained_with_a_tb_folder_resumes_into_it(write_recipe):
     assert not list(run.glob("events.out.tfevents.*"))
     scalars = read_scalars(run / "tb")
     assert [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
+
+
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("[1, 2]", "it holds a JSON list, not an object"),
+        ('{"step": "abc", "files": {}}', "its 'step' is \"abc\", not an integer"),
+        ('{"step": 4, "final": "yes", "files": {}}', "its 'final' is \"yes\", not true or false"),
+    ],
+)
+def test_a_malformed_meta_json_is_one_sentence_naming_it_exit_2(tmp_path, capsys, text, why):
+    """meta.json edited into valid JSON that is not what vitlab writes: --resume, --check and a sweep's plan each say
+    so in one sentence naming the file (exit 2), and nothing in the run folder changes (but the lock file, which a
+    refused trainer leaves as it found it)."""
+    from train.cli import main
+    from train.sweep import main as sweep_main
+
+    root = tmp_path / "runs"
+    ck = root / "tiny" / "checkpoints" / "step_0000004"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text(text)
+    before = sorted((str(f), f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file())
+    recipe = str(ROOT / "recipes/tiny.yaml")
+    for args in ([recipe, "--resume"], [recipe, "--resume", "--check"]):
+        assert main([*args, "--set", f"run.root={root}", "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err, err
+        assert f"{ck / 'meta.json'} is malformed ({why})" in err, err
+    assert sweep_main([recipe, "--grid", "seed=0", "--set", f"run.root={root}", "run.name=tiny", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "meta.json is malformed" in err, err
+    after = sorted((str(f), f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file() and f.name != ".lock")
+    assert after == before
+
+
+def test_a_checkpoint_whose_callbacks_did_not_finish_gets_them_on_resume(write_recipe, tmp_path):
+    """Killed while the checkpoint of step 2 ran its callbacks (the checkpoint itself complete): --resume runs that
+    checkpoint's callbacks first, so its analysis results and TensorBoard points exist after all; the final
+    checkpoint's too (then the end callbacks and result.json follow), and a checkpoint whose callbacks finished is
+    not analysed twice."""
+    from train.checkpoint import CALLBACKS_DONE
+    from train.sweep import is_finished
+
+    cbs = [{"name": "test_crash_at", "step": 2}, {"name": "cka"}, {"name": "test_record"}]  # the crash comes first
+    p = write_recipe(callbacks=cbs, train={"steps": 4, "checkpoint_every": 2, "eval_every": 0})
+    run = tmp_path / "runs/tiny"
+    with pytest.raises(Crash):
+        train(load_recipe(p), progress=False)
+    ck2 = run / "checkpoints/step_0000002"
+    assert verify_checkpoint(ck2)["marks_callbacks"] and not (ck2 / CALLBACKS_DONE).exists()
+    assert not (run / "analysis/step_0000002").exists() and ("ckpt", 2) not in Record.calls
+
+    out = train(load_recipe(p), resume=True, progress=False)
+    assert out["step"] == 4 and Record.calls[:2] == [("start", 2), ("ckpt", 2)], Record.calls
+    assert [c for c in Record.calls if c[0] == "ckpt"] == [("ckpt", 2), ("ckpt", 4)]
+    for step in (2, 4):
+        assert (run / f"analysis/step_{step:07d}/summary.json").is_file()
+        assert (run / f"checkpoints/step_{step:07d}" / CALLBACKS_DONE).is_file()
+    cka = [t for t in read_scalars(run) if t.startswith("analysis/") and "cka" in t]
+    assert cka and all(2 in [s for s, _ in read_scalars(run)[t]] for t in cka), cka
+
+    # the final checkpoint's callbacks interrupted: resuming the finished run runs them, the end callbacks, result.json
+    assert is_finished(run)
+    (run / "checkpoints/step_0000004" / CALLBACKS_DONE).unlink()
+    (run / "result.json").unlink()
+    assert not is_finished(run)  # a sweep resumes it
+    again = train(load_recipe(p), resume=True, progress=False)
+    assert not again.get("already_finished") and again["step"] == 4
+    assert Record.calls == [("start", 4), ("ckpt", 4), ("end", 4), ("close", 4)], Record.calls
+    assert json.loads((run / "result.json").read_text())["step"] == 4
+    # and once they have finished, a resume does nothing
+    assert train(load_recipe(p), resume=True, progress=False).get("already_finished") and Record.calls == []
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (
+            ["data.in_chans=3"],
+            ["data.in_chans is 3 but the images of this data set are greyscale", "set data.in_chans"],
+        ),
+        (["train.mixed_precision=fp16"], ["'train.mixed_precision' is fp16, which needs a GPU", "bf16 or no on a CPU"]),
+        (
+            ["data.img_size=1024", "model.patch_size=1"],
+            ["needs at least 32.5 GiB to train", "32.0 GiB of activations for a batch of 32", "8.0 GiB are free"],
+        ),
+    ],
+    ids=["grey-data-3-channels", "fp16-on-cpu", "a-million-tokens"],
+)
+def test_what_the_data_or_machine_cannot_serve_is_refused(tmp_path, capsys, monkeypatch, overrides, words):
+    """Greyscale data with data.in_chans 3, fp16 on a CPU (accelerate would train in float32), a model whose lower
+    bound of memory (a million tokens an image) exceeds what is free (here 8 GiB, whatever this host has): one
+    sentence, exit 2, no run folder."""
+    from train import memory
+    from train.cli import main
+
+    if "fp16" in overrides[0] and torch.cuda.is_available():
+        pytest.skip("fp16 is refused on a CPU only")
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 8 * memory.GiB)
+    root = tmp_path / "runs"
+    assert main([str(ROOT / "recipes/tiny.yaml"), "--set", f"run.root={root}", *overrides, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    assert not root.exists()
