@@ -29,19 +29,24 @@ import textwrap
 import typing
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from analysis import offline as O
-from analysis import suite as S
-from analysis.measure import MeasureError, options_dict, registry, resolve
-from analysis.reports.run_report import write_run_report
+from analysis.runs import AnalysisError, check_run_folder
 from train.coerce import did_you_mean
+
+# The analysis stack (torch, timm, matplotlib: 5-20 s of imports on a loaded machine) is imported by the functions that
+# use it, after the arguments are parsed: --help, a bad option and a mistyped run folder are answered at once.
+if TYPE_CHECKING:
+    from analysis import suite as S
 
 
 def check_names(names: list[str] | None, opt: dict) -> None:
     """MeasureError (one sentence, with the closest name) for a mistyped measure in ``names`` or ``opt`` (``{measure:
     {option: value}}``) or a mistyped option; names of the form package.module:Class are left to the registry."""
+    from analysis.measure import MeasureError, registry, resolve
+
     known = registry()
     for n in [*(names or []), *opt]:
         if n != "all" and ":" not in n and n not in known:
@@ -62,6 +67,9 @@ def check_names(names: list[str] | None, opt: dict) -> None:
 def measure_options(measures: str | None, batch_size: int, opt_items: list[str]) -> S.SuiteOptions:
     """SuiteOptions from ``--measures`` (comma-separated), the batch size and ``--opt`` items (MeasureError, one
     sentence naming the closest name, for an unknown measure or option). Shared by python -m analysis and compare."""
+    from analysis import suite as S
+    from analysis.measure import MeasureError
+
     names = [m.strip() for m in measures.split(",")] if measures is not None else None
     if names is not None and "" in names:
         raise MeasureError(
@@ -120,6 +128,8 @@ def _yaml(value) -> str:
 def describe(name: str, cls, width: int) -> str:
     """One measure for --list: its name, the first paragraph of its docstring whole, and every option with its default,
     the values it takes and its explanation."""
+    from analysis.measure import options_dict
+
     doc = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].replace("``", "")
     text = " ".join(doc.split())  # never broken at a hyphen: "pixel-to-pixel" stays one word
     lines = [name, textwrap.fill(text, width, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False)]
@@ -141,6 +151,8 @@ def describe(name: str, cls, width: int) -> str:
 def list_measures(extra: str | None) -> str:
     """Every registered measure (and the package.module:Class measures named in ``extra``, a --measures value) for
     --list, wrapped to the terminal's width."""
+    from analysis.measure import registry, resolve
+
     for n in (extra or "").split(","):
         if ":" in n:
             resolve(n.strip())
@@ -152,6 +164,8 @@ def options(args) -> S.SuiteOptions:
     """SuiteOptions from the command line (MeasureError, one sentence, for an unknown measure or option); without
     --batch-size the suite's default minibatch (a model from elsewhere then gets one sized to it:
     :func:`sized_minibatch`)."""
+    from analysis import suite as S
+
     return measure_options(args.measures, S.MAX_MINIBATCH if args.batch_size is None else args.batch_size, args.opt)
 
 
@@ -159,6 +173,9 @@ def sized_minibatch(run, model) -> int:
     """The analysis minibatch of a model from elsewhere when --batch-size is not given: what its taps keep of one
     image and the memory available (:func:`analysis.suite.choose_minibatch`), said in one line. A vitlab run keeps
     the default (its models are small; its cached results were made with it)."""
+    from analysis import offline as O
+    from analysis import suite as S
+
     data = O.load_data(run)
     per = S.tap_bytes_per_image(model, data.normalize(data.analysis.images[:1]))
     avail = S.available_memory()
@@ -181,6 +198,9 @@ def _size(n: int) -> str:
 def without_unlabelled(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteOptions:
     """``opts`` without the measures that need labels the images lack: skipped with one line when they came with
     ``--measures all``, refused (one sentence) when named."""
+    from analysis import offline as O
+    from analysis import suite as S
+
     missing = S.missing_labels(O.load_data(run), opts)
     if not missing:
         return opts
@@ -189,7 +209,7 @@ def without_unlabelled(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteO
         "(--probe-images DIR2)"
     )
     if (asked or "").strip() != "all":
-        raise O.AnalysisError(
+        raise AnalysisError(
             f"measures {', '.join(missing)} read class labels, which these images do not have: {how}, or "
             "leave those measures out."
         )
@@ -205,6 +225,9 @@ def runnable(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteOptions:
     that reads missing labels (:func:`without_unlabelled`) or whose precondition fails (too few probe-train images
     for its shots, ...) is skipped with one line naming it and why. A measure named explicitly is refused instead,
     with its sentence (AnalysisError), before anything is written."""
+    from analysis import offline as O
+    from analysis import suite as S
+
     opts = without_unlabelled(run, opts, asked)
     data = O.load_data(run)
     if (asked or "").strip() == "all":
@@ -213,10 +236,10 @@ def runnable(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteOptions:
             print(f"skipped {name}: {why}", file=sys.stderr)
         opts = dataclasses.replace(opts, measures=tuple(m for m in opts.measures if m not in skipped))
         if not opts.measures:
-            raise O.AnalysisError("no measure can run on these images (each one's reason is above).")
+            raise AnalysisError("no measure can run on these images (each one's reason is above).")
     problem = S.problem(data, opts)
     if problem:
-        raise O.AnalysisError(problem)
+        raise AnalysisError(problem)
     return opts
 
 
@@ -318,11 +341,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def open_target(args):
-    """The run to analyse: a run folder, or a model from elsewhere (--model) with its weights and images."""
+def check_target(args) -> None:
+    """What can be said of the target without the analysis stack (torch): the arguments that name it, and a run
+    folder that does not exist or is none (AnalysisError, one sentence)."""
     if args.model:
         if not args.weights:
-            raise O.AnalysisError("--model needs --weights FILE.safetensors (or --weights pretrained with a network).")
+            raise AnalysisError("--model needs --weights FILE.safetensors (or --weights pretrained with a network).")
+        return
+    if args.images or args.probe_images:
+        raise AnalysisError(
+            "--images analyses a model from elsewhere: pass it with --model timm:<arch> --weights FILE."
+        )
+    if not args.run:
+        raise AnalysisError(
+            "no run given: pass a run folder (python -m analysis runs/default) or --model timm:<arch> --weights FILE."
+        )
+    check_run_folder(args.run)
+
+
+def open_target(args):
+    """The run to analyse (its arguments checked by :func:`check_target`): a run folder, or a model from elsewhere
+    (--model) with its weights and images."""
+    from analysis import offline as O
+
+    if args.model:
         recipe = args.recipe or str(Path(__file__).resolve().parents[1] / "recipes" / "default.yaml")
         return O.external_run(
             args.model,
@@ -334,14 +376,6 @@ def open_target(args):
             args.probe_images,
             args.preprocessing,
         )
-    if args.images or args.probe_images:
-        raise O.AnalysisError(
-            "--images analyses a model from elsewhere: pass it with --model timm:<arch> --weights FILE."
-        )
-    if not args.run:
-        raise O.AnalysisError(
-            "no run given: pass a run folder (python -m analysis runs/default) or --model timm:<arch> --weights FILE."
-        )
     return O.open_run(args.run)
 
 
@@ -349,7 +383,7 @@ def parse_steps(run, text: str | None) -> list[str] | None:
     """--steps as a list (every step checked before any work), or None for every checkpoint."""
     steps = [s.strip() for s in text.split(",")] if text is not None else None
     if steps is not None and "" in steps:
-        raise O.AnalysisError(
+        raise AnalysisError(
             f"--steps '{text}' has an empty step: list steps separated by single commas, e.g. 600,1800."
         )
     for s in steps or []:
@@ -358,11 +392,17 @@ def parse_steps(run, text: str | None) -> list[str] | None:
 
 
 def analyse(args) -> tuple:
-    """Every input checked, then the analysis and the --against comparisons: (run, stats); AnalysisError if bad."""
+    """Every input checked, then the analysis and the --against comparisons: (run, stats); AnalysisError if bad.
+    What needs no torch is checked first (:func:`check_target`), so a mistyped run folder is said at once."""
+    check_target(args)
+    from analysis import offline as O
+    from analysis import suite as S
+    from analysis.measure import MeasureError
+
     try:
         opts = options(args)
     except MeasureError as e:
-        raise O.AnalysisError(str(e)) from None
+        raise AnalysisError(str(e)) from None
     run = open_target(args)
     O.select_part(run, args.part)
     steps = parse_steps(run, args.steps)
@@ -390,7 +430,7 @@ def analyse(args) -> tuple:
     except (MemoryError, RuntimeError) as e:
         if not S.out_of_memory(e):
             raise
-        raise O.AnalysisError(
+        raise AnalysisError(
             f"not enough memory to analyse in minibatches of {opts.batch_size}: pass a smaller --batch-size, e.g. "
             f"--batch-size {max(4, opts.batch_size // 2)}."
         ) from None
@@ -399,6 +439,9 @@ def analyse(args) -> tuple:
 
 def say_done(run, stats: dict) -> None:
     """The closing lines: measures that did not apply, steps pruned meanwhile, counts and where the report is."""
+    from analysis import offline as O
+    from analysis.reports.run_report import write_run_report
+
     if stats["not_applicable"]:
         print(
             f"{run.label}: {', '.join(stats['not_applicable'])}: not applicable to this model ({stats['model']}), "
@@ -426,13 +469,15 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     try:
         if args.list:
+            from analysis.measure import MeasureError
+
             try:
                 print(list_measures(args.measures))
             except MeasureError as e:
-                raise O.AnalysisError(str(e)) from None
+                raise AnalysisError(str(e)) from None
             return 0
         run, stats = analyse(args)
-    except O.AnalysisError as e:
+    except AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a write refused midway (a full disk, a sub-folder not writable): the results written stay

@@ -45,6 +45,7 @@ from analysis.measure import MeasureError, as_list, load_result, save_result
 from analysis.measures.cka import cka_layers
 from analysis.measures.head_subsets import head_subset_cka, head_subset_figure
 from analysis.reduce import Minibatches
+from analysis.runs import AnalysisError, check_run_folder
 from analysis.similarity import MinibatchCKA, represent
 from analysis.taps import Taps, arch_of
 from train.checkpoint import (
@@ -60,7 +61,6 @@ from train.checkpoint import (
     verify_checkpoint,
 )
 from train.data import DataError, build_data
-from train.errors import UserError
 from train.models import build_model
 from train.objectives import uses_labels
 from train.recipe import RecipeError, load_recipe
@@ -68,10 +68,6 @@ from train.run_folder import events_dir
 from train.sources import hub_offline_mode, hub_state
 
 DEFAULT_PART = storage.DEFAULT_PART
-
-
-class AnalysisError(UserError, ValueError):
-    """Bad input to offline analysis; the message is one sentence for the user."""
 
 
 @dataclass
@@ -110,11 +106,7 @@ class Run:
 def open_run(path: str | Path, part: str | None = None) -> Run:
     """A trained run folder (``runs/<name>``), analysing its network ``part`` (default student: :func:`select_part`);
     raise AnalysisError when it is missing or has no checkpoints."""
-    p = Path(path)
-    if not p.is_dir():
-        raise AnalysisError(f"run folder '{p}' does not exist: pass a folder such as runs/default.")
-    if not (p / "recipe.yaml").is_file():
-        raise AnalysisError(f"'{p}' is not a vitlab run folder (no recipe.yaml): pass a folder written by ./launch.sh.")
+    p = check_run_folder(path)
     try:
         recipe = load_recipe(p / "recipe.yaml")
     except RecipeError as e:

@@ -38,11 +38,14 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from train.checkpoint import sha256_file
+
+if TYPE_CHECKING:  # torch is imported where it is used: --help and a bad argument do not wait for it
+    import torch
 
 ARCH = "vit_small_patch14_dinov2"
 IMG_SIZE = 224
@@ -208,6 +211,8 @@ def convert(onnx_path: str | Path, img_size: int = IMG_SIZE) -> tuple[str, dict[
         sd[b + "ls2.gamma"] = arr(p + "layer_scale2.lambda1")
         sd[b + "mlp.fc1.weight"], sd[b + "mlp.fc1.bias"] = weight(f"{n}mlp/fc1/MatMul"), arr(p + "mlp.fc1.bias")
         sd[b + "mlp.fc2.weight"], sd[b + "mlp.fc2.bias"] = weight(f"{n}mlp/fc2/MatMul"), arr(p + "mlp.fc2.bias")
+    import torch
+
     # C order: np.array keeps a transposed view's layout (order="K"), and safetensors (0.8 on) refuses to save
     # a non-contiguous tensor
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32, copy=True, order="C")) for k, v in sd.items()}

@@ -13,6 +13,11 @@ One module per intervention, found by name: ``interventions/<name>.py`` is the r
   model in place), ``select_train(entry, labels, balanced_indices)`` (indices of the train split to keep);
 * ``describe(entry) -> dict`` (optional): what meta.json and the TensorBoard hparams record (default: the options).
 
+Every module is imported to read the recipe schema, so it imports no torch or timm at the top: the functions that
+build or apply import them, and a class that subclasses a torch or timm module is made on first use by a cached
+factory (``no_skip.block_classes``, ``head_mask.head_mask_class``). A bad recipe is then refused in well under a
+second, not after their seconds of imports (tests/test_light_imports.py).
+
 This package is a leaf: it imports nothing from ``train`` or ``analysis`` (``train`` imports it). The GAP head
 (Raghu §7) is not an intervention entry but a model option, ``model.head: gap`` (see ``train/models.py``).
 """

@@ -137,3 +137,20 @@ class Registry:
         if problem:
             raise error(f"'{name}' is not {problem}.")
         return obj
+
+
+def deferred(module: str, part: str) -> Callable[[str], Any]:
+    """A plug-in module's ``__getattr__`` (PEP 562) that finds the names it does not define in the module ``part``,
+    imported when one is first asked for. Discovery imports every plug-in module to read its recipe schema
+    (``Config``, ``check``), so a plug-in whose code needs torch or timm keeps that code in ``part`` and stays
+    importable without them: a bad recipe is refused in well under a second, not after seconds of imports."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):  # the import system's probes (__path__, ...) must not load the part
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        found = importlib.import_module(part)
+        if not hasattr(found, name):
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        return getattr(found, name)
+
+    return __getattr__

@@ -6,10 +6,12 @@ Entries naming the same block mask the union of their heads, through one hook pe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn as nn
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 
 @dataclass
@@ -35,20 +37,35 @@ def check(entries: list[Config], recipe) -> str | None:
     return None
 
 
-class HeadMask(nn.Module):
-    """Zeroes chosen heads in the concatenated head outputs (input of ``attn.proj``): a forward pre-hook."""
+@functools.cache
+def head_mask_class() -> type:
+    """The HeadMask class (an ``nn.Module``). torch is imported on first use, not with this module: recipe validation
+    imports every intervention to read its Config, and a bad recipe is refused before torch loads."""
+    import torch
+    import torch.nn as nn
 
-    def __init__(self, num_heads: int, heads):
-        super().__init__()
-        mask = torch.ones(num_heads)
-        mask[sorted(heads)] = 0.0
-        self.register_buffer("mask", mask, persistent=False)
+    class HeadMask(nn.Module):
+        """Zeroes chosen heads in the concatenated head outputs (input of ``attn.proj``): a forward pre-hook."""
 
-    def __call__(self, module, args):
-        (x,) = args
-        b, n, c = x.shape
-        h = self.mask.numel()
-        return (x.view(b, n, h, c // h) * self.mask.to(x.dtype).view(1, 1, h, 1)).view(b, n, c)
+        def __init__(self, num_heads: int, heads):
+            super().__init__()
+            mask = torch.ones(num_heads)
+            mask[sorted(heads)] = 0.0
+            self.register_buffer("mask", mask, persistent=False)
+
+        def __call__(self, module, args):
+            (x,) = args
+            b, n, c = x.shape
+            h = self.mask.numel()
+            return (x.view(b, n, h, c // h) * self.mask.to(x.dtype).view(1, 1, h, 1)).view(b, n, c)
+
+    return HeadMask
+
+
+def __getattr__(name: str):  # ``interventions.head_mask.HeadMask``, built on first use (see head_mask_class)
+    if name == "HeadMask":
+        return head_mask_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def heads_by_block(entries: list[Config]) -> dict[int, set[int]]:
@@ -65,6 +82,6 @@ def apply_model(entries: list[Config], model: nn.Module) -> list:
     handles = []
     for block, heads in heads_by_block(entries).items():
         attn = model.blocks[block].attn
-        attn.head_mask = HeadMask(attn.num_heads, heads)
+        attn.head_mask = head_mask_class()(attn.num_heads, heads)
         handles.append(attn.proj.register_forward_pre_hook(attn.head_mask))
     return handles

@@ -28,10 +28,13 @@ block. Works with ``no_skip`` blocks (their attention is called the same way).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn as nn
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
 
 
 @dataclass
@@ -87,6 +90,8 @@ def check(entries: list[Config], recipe) -> str | None:
 
 def window(grid: tuple[int, int], offset, radius: int) -> torch.Tensor:
     """[N, N] bool, N = gh * gw spatial tokens in row-major order: key k is in query q's window (module docstring)."""
+    import torch  # here, not with the module: recipe validation reads Config without loading torch
+
     gh, gw = grid
     r = torch.arange(gh).repeat_interleave(gw)
     c = torch.arange(gw).repeat(gh)
@@ -100,6 +105,8 @@ def head_bias(
 ) -> torch.Tensor:
     """[T, T] float32 additive attention bias of one forced head, T = prefix + N: 0 where allowed, -inf (hard) or
     -strength elsewhere; prefix queries are unrestricted, spatial queries may not attend to prefix keys."""
+    import torch
+
     p = num_prefix_tokens
     n = grid[0] * grid[1]
     allowed = torch.ones(p + n, p + n, dtype=torch.bool)
@@ -109,43 +116,60 @@ def head_bias(
     return out.masked_fill(~allowed, float("-inf") if strength is None else -float(strength))
 
 
-class LocalAttentionBias(nn.Module):
-    """Holds one block's bias [H, T, T] (a non-persistent buffer: no state-dict key) and passes it to timm's
-    Attention as ``attn_mask`` through :meth:`hook`, a forward pre-hook with kwargs."""
+@functools.cache
+def bias_class() -> type:
+    """The LocalAttentionBias class (an ``nn.Module``), built on first use: torch is not imported with this module
+    (recipe validation imports every intervention to read its Config)."""
+    import torch
+    import torch.nn as nn
 
-    def __init__(self, bias: torch.Tensor):
-        super().__init__()
-        self.register_buffer("bias", bias, persistent=False)
+    class LocalAttentionBias(nn.Module):
+        """Holds one block's bias [H, T, T] (a non-persistent buffer: no state-dict key) and passes it to timm's
+        Attention as ``attn_mask`` through :meth:`hook`, a forward pre-hook with kwargs."""
 
-    def hook(self, module, args, kwargs):
-        x = args[0] if args else kwargs["x"]
-        t = self.bias.shape[-1]
-        if x.shape[1] != t:
-            raise RuntimeError(
-                f"interventions.local_attention was built for {t} tokens; this forward has {x.shape[1]} "
-                "(another image size?): build the model for the image size it sees."
-            )
-        if kwargs.get("is_causal"):
-            raise RuntimeError("interventions.local_attention cannot combine with is_causal attention.")
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype  # q's dtype
-        bias = self.bias.to(dtype).unsqueeze(0)  # [1, H, T, T]
-        mask = kwargs.get("attn_mask")
-        if mask is not None:  # a caller's own mask: both apply
-            if mask.dtype == torch.bool:
-                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-            bias = bias + mask.to(dtype)
-        return args, {**kwargs, "attn_mask": bias}
+        def __init__(self, bias: torch.Tensor):
+            super().__init__()
+            self.register_buffer("bias", bias, persistent=False)
 
-    def extra_repr(self) -> str:
-        forced = (self.bias != 0).flatten(1).any(1)
-        return f"heads={forced.nonzero().flatten().tolist()}, tokens={self.bias.shape[-1]}"
+        def hook(self, module, args, kwargs):
+            x = args[0] if args else kwargs["x"]
+            t = self.bias.shape[-1]
+            if x.shape[1] != t:
+                raise RuntimeError(
+                    f"interventions.local_attention was built for {t} tokens; this forward has {x.shape[1]} "
+                    "(another image size?): build the model for the image size it sees."
+                )
+            if kwargs.get("is_causal"):
+                raise RuntimeError("interventions.local_attention cannot combine with is_causal attention.")
+            device = x.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype  # q's dtype
+            bias = self.bias.to(dtype).unsqueeze(0)  # [1, H, T, T]
+            mask = kwargs.get("attn_mask")
+            if mask is not None:  # a caller's own mask: both apply
+                if mask.dtype == torch.bool:
+                    mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+                bias = bias + mask.to(dtype)
+            return args, {**kwargs, "attn_mask": bias}
+
+        def extra_repr(self) -> str:
+            forced = (self.bias != 0).flatten(1).any(1)
+            return f"heads={forced.nonzero().flatten().tolist()}, tokens={self.bias.shape[-1]}"
+
+    return LocalAttentionBias
+
+
+def __getattr__(name: str):  # ``interventions.local_attention.LocalAttentionBias``, built on first use
+    if name == "LocalAttentionBias":
+        return bias_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def biases_by_block(
     entries: list[Config], num_heads: int, grid: tuple[int, int], num_prefix_tokens: int
 ) -> dict[int, torch.Tensor]:
     """{block: bias [H, T, T]} with every entry's heads filled in (zeros on the free heads)."""
+    import torch
+
     t = num_prefix_tokens + grid[0] * grid[1]
     out: dict[int, torch.Tensor] = {}
     for e in entries:
@@ -166,6 +190,6 @@ def apply_model(entries: list[Config], model: nn.Module) -> list:
         entries, model.blocks[0].attn.num_heads, grid, int(model.num_prefix_tokens)
     ).items():
         attn = model.blocks[block].attn
-        attn.local_bias = LocalAttentionBias(bias)
+        attn.local_bias = bias_class()(bias)
         handles.append(attn.register_forward_pre_hook(attn.local_bias.hook, with_kwargs=True))
     return handles

@@ -37,18 +37,17 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from analysis.measure import MeasureError, registry, resolve_all
-from analysis.offline import open_run
-from analysis.reports.pilots import NO_GO, check_step, pilot_check
-from analysis.reports.study_report import analyze_study, write_report
-from analysis.studies import paper as find_paper
-from analysis.studies import papers
-from analysis.suite import SuiteOptions, suite_options
 from train.recipe import RecipeError, load_recipe
 from train.sweep import launch_runs
+
+# The analysis stack (torch, timm, matplotlib) is imported by the functions that use it, so --help, a bad argument
+# and a study file that is missing or not YAML are answered at once.
+if TYPE_CHECKING:
+    from analysis.suite import SuiteOptions
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is analysis/reports/study.py)
 
@@ -79,6 +78,8 @@ class Study:
 
     def suite_options(self, measures=None) -> SuiteOptions:
         """The suite options of an analysis of this study: ``measures`` with the study's measure options."""
+        from analysis.suite import suite_options
+
         return suite_options(measures, options=self.options)
 
     def configs(self) -> dict[str, list[StudyRun]]:
@@ -118,6 +119,8 @@ def load_study(path: str | Path, root: str | Path | None = None, report: str | P
         )
     paper = _paper(d, path)
     if paper is not None:
+        from analysis.studies import papers
+
         d = {**papers()[paper].defaults, **d}
     shared = list(d.get("set") or [])
     if root is not None:
@@ -205,6 +208,9 @@ def _add_runs(study: Study, name: str, spec, path: Path, shared: list[str], seed
 
 def _paper(d: dict, path: Path) -> str | None:
     """The paper named by the file's ``paper:`` key (checked), else its ``study:`` name when a paper has it."""
+    from analysis.studies import paper as find_paper
+    from analysis.studies import papers
+
     if "paper" in d:
         try:
             return find_paper(str(d["paper"])).name
@@ -234,6 +240,9 @@ def _options(value, path) -> dict:
     """The options entry {measure: {option: value}}, checked against each measure's Options."""
     if value is None:
         return {}
+    from analysis.measure import MeasureError
+    from analysis.suite import suite_options
+
     try:
         suite_options(None, options=value)
     except MeasureError as e:
@@ -245,6 +254,8 @@ def _measures(value, path) -> list[str] | None:
     """A measures entry: None, 'all', or a list of measure names (checked)."""
     if value is None:
         return None
+    from analysis.measure import MeasureError, registry, resolve_all
+
     if value == "all":
         return sorted(registry())
     if not isinstance(value, list):
@@ -260,6 +271,9 @@ def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, u
     skipped). A configuration marked ``go_no_go`` first trains its first run to its check step (the second scheduled
     checkpoint), beside the other runs; it trains on (every seed, to the end) only when the pilot check there says go
     (or undecided: nothing measured), and stops there on a no-go, saying so with the numbers. ``ungated``: no check."""
+    from analysis.offline import open_run
+    from analysis.reports.pilots import NO_GO, check_step, pilot_check
+
     selected = [r for r in study.runs.values() if not only or r.config in only]
     configs = study.configs()
     gated = {} if ungated else {r.config: r for r in selected if r.go_no_go and r is configs[r.config][0]}
@@ -352,6 +366,8 @@ def main(argv=None) -> int:
             return 1
     if args.dry_run:
         return 0
+    from analysis.reports.study_report import analyze_study, write_report
+
     if args.stage in ("all", "analyze"):
         rc = analyze_study(study) or rc
     if args.stage in ("all", "report"):

@@ -89,14 +89,15 @@ def test_help_is_whole():
 @pytest.mark.parametrize(
     ("argv", "hint"),
     [
-        (["runs/x", "--measures", "ckaa"], "unknown measure 'ckaa' (did you mean cka?)"),
-        (["runs/x", "--measures", "cka,clusterng"], "unknown measure 'clusterng' (did you mean clustering?)"),
-        (["runs/x", "--opt", "knm.k=3"], "unknown measure 'knm' (did you mean knn?)"),
-        (["runs/x", "--opt", "cka.rep=cls"], "unknown option 'cka.rep' (did you mean cka.repr?)"),
+        (["--measures", "ckaa"], "unknown measure 'ckaa' (did you mean cka?)"),
+        (["--measures", "cka,clusterng"], "unknown measure 'clusterng' (did you mean clustering?)"),
+        (["--opt", "knm.k=3"], "unknown measure 'knm' (did you mean knn?)"),
+        (["--opt", "cka.rep=cls"], "unknown option 'cka.rep' (did you mean cka.repr?)"),
     ],
 )
-def test_a_typo_gets_the_closest_name(argv, hint, capsys):
-    assert main(argv) == 2
+def test_a_typo_gets_the_closest_name(argv, hint, capsys, tmp_path):
+    (tmp_path / "recipe.yaml").touch()  # a run folder as far as the checks before the measures' go
+    assert main([str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err
     assert hint in err and err.count("\n") == 1
 

@@ -12,6 +12,7 @@ import torch
 from conftest import ROOT, read_scalars, two_process_launch
 from safetensors.torch import load_file
 
+import train.objectives._mae as mae_training
 import train.objectives.mae as mae
 from train.checkpoint import list_checkpoints
 from train.cli import main
@@ -127,7 +128,7 @@ def test_masks_are_a_function_of_seed_step_and_process(monkeypatch):
     )
     other_seed, _ = _objective("cls", "seed=1")
     assert not torch.equal(other_seed.random_masking(8, 3, "cpu")[1], first)
-    monkeypatch.setattr(mae, "_rank", lambda: 1)
+    monkeypatch.setattr(mae_training, "_rank", lambda: 1)  # the training code's own (train/objectives/_mae.py)
     rank1, _ = _objective()
     assert not torch.equal(rank1.random_masking(8, 3, "cpu")[1], first), "another process: other masks"
 

@@ -6,7 +6,14 @@ holds
 
 * ``Config``: a dataclass, the objective's recipe options (typed and range-checked like every recipe key);
 * ``check(cfg, recipe) -> str | None`` (optional): a check that needs the rest of the recipe, one sentence or None;
-* ``Objective``: a subclass of :class:`Objective` below, built as ``Objective(backbone, cfg, recipe, num_classes)``.
+* ``Objective``: a subclass of :class:`Objective` (train/objectives/_base.py), built as
+  ``Objective(backbone, cfg, recipe, num_classes)``.
+
+Every module of this package is imported to read the recipe schema, which must not cost torch's and timm's seconds
+(a mistyped key is refused at once): a module keeps ``Config`` and ``check`` free of them and its training code
+(``Objective`` and its helpers) in a module part that ``__getattr__ = deferred(__name__, part)`` (from
+interventions/_registry.py) imports when first asked for, e.g. ``dino.py`` and ``_dino.py``. ``Objective`` and
+``step_generator`` of this package are likewise imported on first use.
 
 The trainer's loop, checkpoints, exact resume, multi-process training and TensorBoard are the same for every
 objective; an objective only says what one step's loss is (:meth:`Objective.loss`) and what happens after the
@@ -27,75 +34,34 @@ from __future__ import annotations
 
 import dataclasses
 from types import ModuleType
-from typing import ClassVar
-
-import torch
-import torch.nn as nn
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from interventions import Registry
-from train.seeding import step_generator  # noqa: F401  (re-exported: objectives draw their masks and crops with it)
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from train.objectives._base import Objective
 
 
-class Objective(nn.Module):
-    """What one training step optimises. Subclasses set the class attributes and implement :meth:`forward`
-    (or :meth:`loss` for an objective that trains the backbone itself)."""
+def __getattr__(name: str):
+    """``Objective`` (the base class, train/objectives/_base.py) and ``step_generator`` (re-exported from
+    train.seeding: objectives draw their masks and crops with it), imported on first use: they import torch, and
+    this package is imported to read the recipe schema."""
+    if name == "Objective":
+        from train.objectives._base import Objective
 
-    name: ClassVar[str] = ""
-    uses_labels: ClassVar[bool] = False  # False: eval top-1 is k-NN on backbone features (no classifier head)
-    wraps: ClassVar[bool] = True  # the module trained and checkpointed is this objective (backbone + its own parts)
-    parts: ClassVar[dict[str, str]] = {"student": "backbone."}  # network name -> its key prefix in the checkpoint
+        return Objective
+    if name == "step_generator":
+        from train.seeding import step_generator
 
-    def __init__(self, backbone: nn.Module, cfg, recipe, num_classes: int):
-        super().__init__()
-        self.cfg, self.seed, self.total_steps = cfg, recipe.seed, recipe.train.steps
-        if self.wraps:
-            self.backbone = backbone
-        else:
-            self.__dict__["_backbone"] = backbone  # not a submodule: the backbone is trained and saved on its own
-
-    @property
-    def network(self) -> nn.Module:
-        """The backbone a measure reads (the student for a self-distillation objective)."""
-        return self.backbone if self.wraps else self.__dict__["_backbone"]
-
-    def trained_module(self) -> nn.Module:
-        """What the optimizer trains and the checkpoint saves (what ``accelerate.prepare`` wraps)."""
-        return self if self.wraps else self.network
-
-    def loss(self, net: nn.Module, x: Tensor, y: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
-        """One micro-batch's loss and named terms to log (detached scalars, logged as ``train/<name>``). ``net`` is
-        :meth:`trained_module` as prepared (DDP-wrapped with several processes): call it, so gradients are synced.
-        ``x`` is the normalised, augmented device batch, ``y`` its labels (unused by self-supervised objectives)."""
-        return net(x, y, step)
-
-    @torch.no_grad()
-    def after_step(self, step: int) -> None:
-        """After the optimizer step that made ``step`` steps (EMA updates and the like)."""
-
-    def summary(self) -> dict:
-        """What the run's result.json records about the objective at the end (e.g. DINO's collapse diagnosis:
-        ``{"collapsed": "...sentence..." or None, ...}``); a non-empty ``warning`` is also printed."""
-        return {}
-
-    def no_weight_decay(self) -> set[str]:
-        """timm's optimizer factory exempts these parameter names from weight decay (the backbone's, prefixed)."""
-        inner = getattr(self.network, "no_weight_decay", lambda: set())()
-        return {f"backbone.{n}" for n in inner}
-
-    def describe(self) -> dict:
-        """What meta.json and TensorBoard's hparams record about the objective."""
-        return {
-            "name": self.name,
-            **(dataclasses.asdict(self.cfg) if dataclasses.is_dataclass(self.cfg) else {}),
-            "parts": dict(self.parts) if self.wraps else {},
-        }
+        return step_generator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-PLUGINS = Registry(
-    "objective", __name__, module_plugin=lambda mod: hasattr(mod, "Config") and hasattr(mod, "Objective")
-)
-REGISTRY: dict[str, ModuleType] = PLUGINS.items()  # every module defining Config and Objective
+# a module defining Config (asking for its Objective would import the objective's training code: see the docstring)
+PLUGINS = Registry("objective", __name__, module_plugin=lambda mod: hasattr(mod, "Config"))
+REGISTRY: dict[str, ModuleType] = PLUGINS.items()
 
 
 def _config_class():
@@ -129,14 +95,15 @@ def check(recipe) -> str | None:
                 f"train.objective={other}."
             )
     mod = REGISTRY[name]
-    if not mod.Objective.uses_labels:
-        a = recipe.data.augment
-        if a.mixup_alpha > 0 or a.cutmix_alpha > 0:
-            return (
-                f"data.augment.mixup_alpha / cutmix_alpha mix labels, which train.objective '{name}' does not use: "
-                "set both to 0."
-            )
-    return mod.check(config_for(recipe), recipe) if hasattr(mod, "check") else None
+    a = recipe.data.augment
+    # Objective is asked for only when the images are mixed: it is the training code, which imports torch
+    if (a.mixup_alpha > 0 or a.cutmix_alpha > 0) and not mod.Objective.uses_labels:
+        return (
+            f"data.augment.mixup_alpha / cutmix_alpha mix labels, which train.objective '{name}' does not use: "
+            "set both to 0."
+        )
+    hook = vars(mod).get("check")  # the module's own: hasattr would import a deferred training part for nothing
+    return hook(config_for(recipe), recipe) if hook else None
 
 
 def build_objective(recipe, backbone: nn.Module, num_classes: int) -> Objective:
