@@ -145,35 +145,19 @@ case "$cmd" in
     setup)
         setup
         ;;
-    sweep)
+    sweep | study | analyze | pretrained | compare | python)
+        # each command is a module of the project, run by the virtualenv's Python (python: that Python itself)
         shift
         setup
-        exec "$VENV/bin/python" -m train.sweep "$@"
-        ;;
-    study)
-        shift
-        setup
-        exec "$VENV/bin/python" -m analysis.reports.study "$@"
-        ;;
-    analyze)
-        shift
-        setup
-        exec "$VENV/bin/python" -m analysis "$@"
-        ;;
-    pretrained)
-        shift
-        setup
-        exec "$VENV/bin/python" -m analysis.pretrained "$@"
-        ;;
-    compare)
-        shift
-        setup
-        exec "$VENV/bin/python" -m analysis.reports.compare "$@"
-        ;;
-    python)
-        shift
-        setup
-        exec "$VENV/bin/python" "$@"
+        case "$cmd" in
+            python) exec "$VENV/bin/python" "$@" ;;
+            sweep) module=train.sweep ;;
+            study) module=analysis.reports.study ;;
+            analyze) module=analysis ;;
+            pretrained) module=analysis.pretrained ;;
+            compare) module=analysis.reports.compare ;;
+        esac
+        exec "$VENV/bin/python" -m "$module" "$@"
         ;;
     *)
         setup
