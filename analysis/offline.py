@@ -572,7 +572,14 @@ def pruned(run: Run, step: int, wait_s: float = 2.0) -> bool:
 def publish_step(run: Run, step: int, res: dict, writer, keys: dict) -> None:
     """Arrays and cache keys to analysis/step_X/, PNGs to figures/step_X/, scalars and images to TensorBoard."""
     publish.publish(
-        res, step_dir(run, step), writer, step, keys=keys, figure_dir=step_dir(run, step, "figures"), part=run.part
+        res,
+        step_dir(run, step),
+        writer,
+        step,
+        keys=keys,
+        figure_dir=step_dir(run, step, "figures"),
+        part=run.part,
+        titled=not run.external,  # a model from elsewhere has no training step to name
     )
 
 

@@ -71,19 +71,27 @@ def publish(
     figure_dir: Path | None = None,
     png: bool = True,
     part: str | None = None,
+    titled: bool = True,
 ) -> Path:
     """Write arrays + summary.json (+ cache keys) to ``out_dir``, log scalars, and draw each figure ONCE, as an
     image that goes to TensorBoard and (``png``) to ``figure_dir`` (default ``out_dir``); ``part``: the network the
-    results are of, labelling tags and titles unless it is the default one."""
+    results are of, labelling tags and titles unless it is the default one; ``titled``: whether figure titles name
+    the step (not for a model from elsewhere, whose one "step" is not a training step)."""
     storage.write_results(res, out_dir, step, keys)
     log_results(res, writer, step, part)
     if figures:
-        publish_figures(res, Path(figure_dir or out_dir), writer, step, png, part)
+        publish_figures(res, Path(figure_dir or out_dir), writer, step, png, part, titled)
     return Path(out_dir)
 
 
 def publish_figures(
-    res: dict, figure_dir: Path, writer=None, step: int | None = None, png: bool = True, part: str | None = None
+    res: dict,
+    figure_dir: Path,
+    writer=None,
+    step: int | None = None,
+    png: bool = True,
+    part: str | None = None,
+    titled: bool = True,
 ) -> None:
     """Draw each measure's figures ONCE, as images that go to TensorBoard and (``png``) to ``figure_dir``. Uses no
     pyplot state (analysis/figures.py), so it may run in a background thread."""
@@ -92,7 +100,7 @@ def publish_figures(
     if png:
         Path(figure_dir).mkdir(parents=True, exist_ok=True)
     label = part_label(part)
-    for name, fig in make_figures(res, step, part).items():
+    for name, fig in make_figures(res, step if titled else None, part).items():
         rgb = render(fig)
         if writer is not None:
             writer.add_image(SCALAR_PREFIX + name, rgb, step, dataformats="HWC")

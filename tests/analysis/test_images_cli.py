@@ -58,7 +58,9 @@ def test_implied_size_and_model_preprocessing(tiny_weights, tmp_path):
     assert data.analysis.labels.tolist() == [-1, -1, -1]
 
 
-def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(tiny_weights, tmp_path, capsys):
+def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(
+    tiny_weights, tmp_path, capsys, monkeypatch
+):
     imgs = _folder(tmp_path / "imgs", classes=("",), n=4)
     base = [
         "--model",
@@ -76,7 +78,14 @@ def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(tiny
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "knn" in err and "subfolder per class" in err
     assert not (tmp_path / "a").exists()
+    from analysis import publish
+
+    titled, draw = [], publish.make_figures
+    monkeypatch.setattr(
+        publish, "make_figures", lambda res, step=None, part=None: titled.append(step) or draw(res, step)
+    )
     assert analysis_main([*base, "--out", str(tmp_path / "b"), "--measures", "attention_distance,norm_ratio"]) == 0
+    assert titled == [None]  # its figures name no training step ("step 0") either
     s = json.loads((tmp_path / "b" / "analysis" / "step_0000000" / "summary.json").read_text())
     assert set(s) >= {"attention_distance", "norm_ratio"}
     report = (tmp_path / "b" / "report.md").read_text()
