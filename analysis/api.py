@@ -50,8 +50,9 @@ import torch
 
 from analysis import offline as O
 from analysis import publish, storage
-from analysis.suite import float32_forward, missing_labels, run_suite, suite_options
+from analysis.suite import float32_forward, problem, run_suite, suite_options
 from analysis.taps import TapError, Taps, arch_of, available_taps, block_kinds, block_names
+from train.coerce import did_you_mean
 from train.splits import TensorBatches
 
 
@@ -145,13 +146,9 @@ def analyze(
     opts = suite_options(measures, batch_size, options)  # MeasureError, a ValueError: its own sentence
     model, data = _model_and_data(model, images, labels, probe_images, probe_labels, normalize, num_classes, part)
     _check_fits(model, data)
-    missing = missing_labels(data, opts)
-    if missing:
-        raise ValueError(
-            f"measures {', '.join(missing)} read class labels: pass labels= for the images and, for probes and k-NN, "
-            "probe_images= / probe_labels= to train on (a folder of images: one subfolder per class), or leave "
-            "those measures out."
-        )
+    p = problem(data, opts, "api_folder" if isinstance(images, (str, Path)) else "api")
+    if p:  # what is missing, and the argument that gives it
+        raise ValueError(p)
     res = run_suite(model, data, opts)
     if (
         len(res) == 1
@@ -243,7 +240,8 @@ def tap_names(model, taps) -> list[str]:
         if not hits:
             blk = block_names(model)[0]
             raise ValueError(
-                f"tap '{pat}' matches no tap of this {type(model).__name__}: taps are <block>.<kind>, blocks "
+                f"tap '{pat}' matches no tap of this {type(model).__name__}{did_you_mean(str(pat), known)}: taps are "
+                f"<block>.<kind>, blocks "
                 f"{blk} ... {block_names(model)[-1]}, kinds {', '.join(block_kinds(model, blk))} (analysis/taps.py)."
             )
         out += [n for n in hits if n not in out]

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
+from train.coerce import did_you_mean
+
 
 @functools.lru_cache(maxsize=64)
 def _group_entry_points(group: str, path: tuple[str, ...]) -> dict:
@@ -124,7 +126,8 @@ class Registry:
             return self._import_entry(name, eps[name])
         if ":" not in name:
             raise error(
-                f"unknown {self.kind} '{name}': choose from {', '.join(self.names())} (or give package.module:Class)."
+                f"unknown {self.kind} '{name}'{did_you_mean(name, self.names())}: choose from "
+                f"{', '.join(self.names())} (or give package.module:Class)."
             )
         mod, _, attr = name.partition(":")
         try:
