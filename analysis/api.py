@@ -1,12 +1,13 @@
 """Analyses from Python (a notebook): any supported model on any images, with any measures and options -- the same
-suite the training-time callback and ``python -m analysis`` run.
+suite the training-time callback and ``python -m analysis`` run. Notebooks and user code reach it as ``import vitlab``
+(``vitlab.analyze``, ``vitlab.activations``: vitlab/__init__.py), a name a file of theirs cannot shadow.
 
     import timm, torch
-    from analysis.api import analyze
+    import vitlab
 
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, num_classes=10)
-    res = analyze(model, torch.rand(64, 3, 32, 32), measures=["cka", "attention_distance"], options={"cka": {"repr":
-    "cls"}})
+    res = vitlab.analyze(model, torch.rand(64, 3, 32, 32), measures=["cka", "attention_distance"],
+                         options={"cka": {"repr": "cls"}})
     res["summary"]["attention_distance"]["mean_px"]      # key numbers per measure
     res["results"]["cka"]["matrix"]                       # the arrays
     res["figures"]["cka/self"].savefig("cka.png")         # matplotlib figures
@@ -21,18 +22,17 @@ DataLoader); measures that read labels (probes, k-NN, clustering) need ``labels`
 255, float unchanged). ``images`` may also be a folder of image files (one subfolder per class gives labels) or
 ``"photos"`` (the bundled photo set, labelled by photo: analysis/images.py); these are resized, cropped and
 normalised by the model's own timm preprocessing, and ``probe_images`` may then be a folder too.
-Bad input raises ``ValueError`` with one sentence.
+Bad input raises ``ValueError`` with one sentence, in this API's words (``probe_images=``, ``options=``: the
+vocabulary of analysis/fixes.py), with the closest name for a mistyped measure, option or tap.
 
 Raw activations, for an analysis of one's own without writing hooks (:func:`activations`, :func:`iter_activations`):
 the taps' tensors (analysis/taps.py: named by block and role, ``blocks.3.attn_probs``, ``blocks.3.out``,
 ``layer2.0.branch``; glob patterns such as ``blocks.*.attn_probs``) of a model on images, in float32 and eval mode,
 streamed minibatch by minibatch to the CPU, into one tensor per tap or onto disk::
 
-    from analysis.api import activations
-
-    acts = activations(model, images, taps=["blocks.*.attn_probs", "blocks.5.out"], batch_size=128)
+    acts = vitlab.activations(model, images, taps=["blocks.*.attn_probs", "blocks.5.out"], batch_size=128)
     acts["blocks.3.attn_probs"]                  # Tensor [N, heads, T, T]; acts["labels"]: [N] (-1 where unknown)
-    acts = activations("runs/default", taps="blocks.*.out", out="acts/")   # acts/blocks.0.out.npy ... (memory-mapped)
+    acts = vitlab.activations("runs/default", taps="blocks.*.out", out="acts/")  # acts/blocks.0.out.npy ... (mmapped)
 """
 
 from __future__ import annotations
