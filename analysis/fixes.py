@@ -34,7 +34,7 @@ class Missing:
     pieces: tuple[str, ...]
 
     def __str__(self) -> str:
-        return sentence(self, "recipe", ["this measure"])
+        return sentence(self, "recipe", [])
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ VOCAB: dict[str, dict[str, str | None]] = {
         "probe": "add probe-train images with --set data.probe_train_size=N",
         "probe_labels": "use data whose images have class labels (--set data.label_column=NAME)",
         "probe_images": "probe-train images (data.probe_train_size)",
-        "more": "--set data.probe_train_size={total}",
+        "more": "pass --set data.probe_train_size={total}",
         "shots": "lower the shots with --opt {measure}.{option}={value}",
         "batch": "pass another --batch-size (e.g. --batch-size {value})",
     },
@@ -148,7 +148,9 @@ _WHAT = {
 
 
 def _names(names: Sequence[str]) -> tuple[str, str, bool]:
-    """('measure a' or 'measures a, b', 'it' or 'them', plural)."""
+    """('measure a' or 'measures a, b' (none: 'this measure'), 'it' or 'them', plural)."""
+    if not names:
+        return "this measure", "it", False
     plural = len(names) > 1
     return f"measure{'s' if plural else ''} {', '.join(names)}", "them" if plural else "it", plural
 
@@ -184,7 +186,7 @@ def sentence(problem: Problem, front: str, names: Sequence[str], skipped: bool =
         tail = f"{fix}, or {leave}" if fix and leave else fix or leave or "it cannot run on these images"
         return (
             f"{subject} {'draw' if plural else 'draws'} {p.shots} shots per class from half of the "
-            f"{v['probe_images']}, whose rarest class has {p.rarest} images: {tail}."
+            f"{v['probe_images']}, whose rarest class has {p.rarest} image{'' if p.rarest == 1 else 's'}: {tail}."
         )
     pieces = [x for x in PIECES if x in problem.pieces]
     what = "; ".join(_WHAT[x].format(probe_images=v["probe_images"]) for x in pieces)

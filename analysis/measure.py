@@ -208,7 +208,7 @@ def _is_measure(obj) -> str | None:
     )
 
 
-MEASURES = Registry("measure", "analysis.measures", group=ENTRY_POINT_GROUP, accepts=_is_measure)
+MEASURES = Registry("measure", "analysis.measures", group=ENTRY_POINT_GROUP, accepts=_is_measure, near=did_you_mean)
 REGISTRY: dict[str, type[Measure]] = MEASURES.known  # the measures found so far; registry() finds them all
 
 
