@@ -155,7 +155,8 @@ def analyze(
     ):  # only "meta": no measure asked for applies to this model (e.g. cls_attention without a class token)
         raise ValueError(
             f"{' and '.join(opts.measures)} {'does' if len(opts.measures) == 1 else 'do'} not apply to this "
-            f"{res['meta']['arch']}: see python -m analysis --list for what each measure needs."
+            f"{res['meta']['arch']}: choose others in measures= (vitlab.measures() lists them; docs/measures.md "
+            "says what each one needs)."
         )
     out = {
         "results": {k: v for k, v in res.items() if k != "meta"},

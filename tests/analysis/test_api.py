@@ -85,7 +85,9 @@ def test_bad_input_is_one_sentence():
     ):
         with pytest.raises(ValueError, match=re.escape(says)):
             analyze(model, a.images, measures=measures, batch_size=8, **kw)
-    with pytest.raises(ValueError, match="cls_attention does not apply to this vit"):  # a GAP ViT has no class token
+    with pytest.raises(
+        ValueError, match="cls_attention does not apply to this vit: choose others in measures="
+    ):  # a GAP ViT has no class token
         analyze(tiny_vit(class_token=False), torch.rand(8, 1, 28, 28), measures=["cls_attention"], batch_size=4)
     with pytest.raises(ValueError, match="no measure named"):
         analyze(model, torch.rand(8, 1, 28, 28), measures=[], batch_size=4)
