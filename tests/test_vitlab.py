@@ -61,6 +61,16 @@ def test_a_file_of_the_users_that_shadows_a_package_is_named(tmp_path, name):
     )
 
 
+def test_every_file_in_the_way_is_named_in_one_sentence(tmp_path):
+    for f in ("train.py", "analysis.py"):
+        (tmp_path / f).write_text("x = 1\n")
+    assert import_vitlab(tmp_path)["error"] == (
+        f"{tmp_path / 'train.py'} and {tmp_path / 'analysis.py'} shadow vitlab's 'train' and 'analysis' packages "
+        "(Python finds them first on sys.path): rename them (e.g. to my_train.py, my_analysis.py) and restart Python "
+        "(a notebook's kernel)."
+    )
+
+
 def test_another_checkouts_packages_are_named(tmp_path):
     other = tmp_path / "other"
     for p in ("train", "analysis", "interventions"):

@@ -63,6 +63,7 @@ def check_packages() -> None:
     """ImportError with one sentence when ``train``, ``analysis`` or ``interventions`` would not be vitlab's own: a
     file or folder of that name earlier on ``sys.path`` (e.g. your ``train.py`` beside the notebook), or another
     checkout's package."""
+    shadows = []  # (file or folder in the way, package name)
     for name in PACKAGES:
         origin = _origin(name)
         own = ROOT / name / "__init__.py"
@@ -75,10 +76,16 @@ def check_packages() -> None:
                 f"start Python with PYTHONPATH={ROOT} (or run sys.path.insert(0, '{ROOT}') before importing anything "
                 "of vitlab) so that one checkout's code runs."
             )
-        shown = origin.parent if origin.name == "__init__.py" else origin
+        shadows.append((origin.parent if origin.name == "__init__.py" else origin, name))
+    if shadows:
+        files = " and ".join(str(f) for f, _ in shadows)
+        names = " and ".join(f"'{n}'" for _, n in shadows)
+        renamed = ", ".join(f"my_{n}{f.suffix}" for f, n in shadows)
+        one = len(shadows) == 1
         raise ImportError(
-            f"{shown} shadows vitlab's '{name}' package (Python finds it first on sys.path): rename it (e.g. to "
-            f"my_{name}{shown.suffix}) and restart Python (a notebook's kernel)."
+            f"{files} {'shadows' if one else 'shadow'} vitlab's {names} package{'' if one else 's'} (Python finds "
+            f"{'it' if one else 'them'} first on sys.path): rename {'it' if one else 'them'} (e.g. to {renamed}) and "
+            "restart Python (a notebook's kernel)."
         )
 
 
