@@ -195,49 +195,24 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.0f} MiB"
 
 
-def without_unlabelled(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteOptions:
-    """``opts`` without the measures that need labels the images lack: skipped with one line when they came with
-    ``--measures all``, refused (one sentence) when named."""
-    from analysis import offline as O
-    from analysis import suite as S
-
-    missing = S.missing_labels(O.load_data(run), opts)
-    if not missing:
-        return opts
-    how = (
-        "put the images in one subfolder per class (DIR/<class>/...) and give probe-train images the same way "
-        "(--probe-images DIR2)"
-    )
-    if (asked or "").strip() != "all":
-        raise AnalysisError(
-            f"measures {', '.join(missing)} read class labels, which these images do not have: {how}, or "
-            "leave those measures out."
-        )
-    print(
-        f"skipped {', '.join(missing)}: they read class labels, which these images do not have ({how}).",
-        file=sys.stderr,
-    )
-    return dataclasses.replace(opts, measures=tuple(m for m in opts.measures if m not in missing))
-
-
 def runnable(run, opts: S.SuiteOptions, asked: str | None) -> S.SuiteOptions:
-    """``opts`` less what cannot run on the run's images. With ``--measures all`` what can run runs: each measure
-    that reads missing labels (:func:`without_unlabelled`) or whose precondition fails (too few probe-train images
-    for its shots, ...) is skipped with one line naming it and why. A measure named explicitly is refused instead,
-    with its sentence (AnalysisError), before anything is written."""
+    """``opts`` less what cannot run on the run's images. With ``--measures all`` what can run runs: each measure that
+    reads labels the images lack or whose precondition fails (too few probe-train images for its shots, ...) is
+    skipped with one line naming it and why. A measure named explicitly is refused instead, with one sentence
+    (AnalysisError) naming what is missing and the flag that gives it, before anything is written."""
+    from analysis import fixes
     from analysis import offline as O
     from analysis import suite as S
 
-    opts = without_unlabelled(run, opts, asked)
-    data = O.load_data(run)
+    data, front = O.load_data(run), O.front_end(run)
     if (asked or "").strip() == "all":
-        skipped = S.measure_problems(data, opts)
-        for name, why in skipped.items():
-            print(f"skipped {name}: {why}", file=sys.stderr)
+        skipped = S.data_problems(data, opts)
+        for line in fixes.skip_lines(skipped, front):
+            print(line, file=sys.stderr)
         opts = dataclasses.replace(opts, measures=tuple(m for m in opts.measures if m not in skipped))
         if not opts.measures:
             raise AnalysisError("no measure can run on these images (each one's reason is above).")
-    problem = S.problem(data, opts)
+    problem = S.problem(data, opts, front)
     if problem:
         raise AnalysisError(problem)
     return opts

@@ -1,12 +1,13 @@
 """Analyses from Python (a notebook): any supported model on any images, with any measures and options -- the same
-suite the training-time callback and ``python -m analysis`` run.
+suite the training-time callback and ``python -m analysis`` run. Notebooks and user code reach it as ``import vitlab``
+(``vitlab.analyze``, ``vitlab.activations``: vitlab/__init__.py), a name a file of theirs cannot shadow.
 
     import timm, torch
-    from analysis.api import analyze
+    import vitlab
 
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, num_classes=10)
-    res = analyze(model, torch.rand(64, 3, 32, 32), measures=["cka", "attention_distance"], options={"cka": {"repr":
-    "cls"}})
+    res = vitlab.analyze(model, torch.rand(64, 3, 32, 32), measures=["cka", "attention_distance"],
+                         options={"cka": {"repr": "cls"}})
     res["summary"]["attention_distance"]["mean_px"]      # key numbers per measure
     res["results"]["cka"]["matrix"]                       # the arrays
     res["figures"]["cka/self"].savefig("cka.png")         # matplotlib figures
@@ -21,18 +22,17 @@ DataLoader); measures that read labels (probes, k-NN, clustering) need ``labels`
 255, float unchanged). ``images`` may also be a folder of image files (one subfolder per class gives labels) or
 ``"photos"`` (the bundled photo set, labelled by photo: analysis/images.py); these are resized, cropped and
 normalised by the model's own timm preprocessing, and ``probe_images`` may then be a folder too.
-Bad input raises ``ValueError`` with one sentence.
+Bad input raises ``ValueError`` with one sentence, in this API's words (``probe_images=``, ``options=``: the
+vocabulary of analysis/fixes.py), with the closest name for a mistyped measure, option or tap.
 
 Raw activations, for an analysis of one's own without writing hooks (:func:`activations`, :func:`iter_activations`):
 the taps' tensors (analysis/taps.py: named by block and role, ``blocks.3.attn_probs``, ``blocks.3.out``,
 ``layer2.0.branch``; glob patterns such as ``blocks.*.attn_probs``) of a model on images, in float32 and eval mode,
 streamed minibatch by minibatch to the CPU, into one tensor per tap or onto disk::
 
-    from analysis.api import activations
-
-    acts = activations(model, images, taps=["blocks.*.attn_probs", "blocks.5.out"], batch_size=128)
+    acts = vitlab.activations(model, images, taps=["blocks.*.attn_probs", "blocks.5.out"], batch_size=128)
     acts["blocks.3.attn_probs"]                  # Tensor [N, heads, T, T]; acts["labels"]: [N] (-1 where unknown)
-    acts = activations("runs/default", taps="blocks.*.out", out="acts/")   # acts/blocks.0.out.npy ... (memory-mapped)
+    acts = vitlab.activations("runs/default", taps="blocks.*.out", out="acts/")  # acts/blocks.0.out.npy ... (mmapped)
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ import torch
 
 from analysis import offline as O
 from analysis import publish, storage
-from analysis.suite import float32_forward, missing_labels, run_suite, suite_options
+from analysis.suite import float32_forward, problem, run_suite, suite_options
 from analysis.taps import TapError, Taps, arch_of, available_taps, block_kinds, block_names
+from train.coerce import did_you_mean
 from train.splits import TensorBatches
 
 
@@ -145,20 +146,17 @@ def analyze(
     opts = suite_options(measures, batch_size, options)  # MeasureError, a ValueError: its own sentence
     model, data = _model_and_data(model, images, labels, probe_images, probe_labels, normalize, num_classes, part)
     _check_fits(model, data)
-    missing = missing_labels(data, opts)
-    if missing:
-        raise ValueError(
-            f"measures {', '.join(missing)} read class labels: pass labels= for the images and, for probes and k-NN, "
-            "probe_images= / probe_labels= to train on (a folder of images: one subfolder per class), or leave "
-            "those measures out."
-        )
+    p = problem(data, opts, "api_folder" if isinstance(images, (str, Path)) else "api")
+    if p:  # what is missing, and the argument that gives it
+        raise ValueError(p)
     res = run_suite(model, data, opts)
     if (
         len(res) == 1
     ):  # only "meta": no measure asked for applies to this model (e.g. cls_attention without a class token)
         raise ValueError(
             f"{' and '.join(opts.measures)} {'does' if len(opts.measures) == 1 else 'do'} not apply to this "
-            f"{res['meta']['arch']}: see python -m analysis --list for what each measure needs."
+            f"{res['meta']['arch']}: choose others in measures= (vitlab.measures() lists them; docs/measures.md "
+            "says what each one needs)."
         )
     out = {
         "results": {k: v for k, v in res.items() if k != "meta"},
@@ -243,7 +241,8 @@ def tap_names(model, taps) -> list[str]:
         if not hits:
             blk = block_names(model)[0]
             raise ValueError(
-                f"tap '{pat}' matches no tap of this {type(model).__name__}: taps are <block>.<kind>, blocks "
+                f"tap '{pat}' matches no tap of this {type(model).__name__}{did_you_mean(str(pat), known)}: taps are "
+                f"<block>.<kind>, blocks "
                 f"{blk} ... {block_names(model)[-1]}, kinds {', '.join(block_kinds(model, blk))} (analysis/taps.py)."
             )
         out += [n for n in hits if n not in out]

@@ -12,7 +12,8 @@ and a second pass over the probe-train split only when some measure asks for it.
   recipe, ``--opt knn.k=10`` on the CLI; both are checked by :func:`make_options`); the measure reads them as
   ``self.opts``, and its cached results depend on these options only (plus the weights, images, batch size),
 - states what it needs of the data before anything runs (:meth:`Measure.problem`, e.g. enough probe-train
-  images), and whether it applies to a model at all (:meth:`Measure.applies`, e.g. attention on ViTs only),
+  images; a structured problem of analysis/fixes.py, which each front end says in its own words), and whether it
+  applies to a model at all (:meth:`Measure.applies`, e.g. attention on ViTs only),
 - says which taps it needs (:meth:`Measure.taps`, :meth:`Measure.probe_taps`; names as in analysis/taps.py),
 - accumulates per minibatch (:meth:`Measure.update` on the analysis split, :meth:`Measure.update_probe` on
   probe-train); ``j`` is the minibatch index, identical on 1 and N processes, so gathered parts can be put in
@@ -45,9 +46,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from analysis.fixes import Missing, Problem
 from analysis.reduce import ORDER_SEED, Minibatches
 from interventions import Registry
-from train.coerce import coerce
+from train.coerce import coerce, did_you_mean
 from train.errors import UserError
 
 if TYPE_CHECKING:
@@ -106,22 +108,21 @@ class NoOptions:
     """A measure without options."""
 
 
-def labels_problem(data, probe: bool = False) -> str | None:
-    """One sentence if the analysis images (and with ``probe`` the probe-train images) have no labels or unknown ones
-    (-1, what :func:`analysis.api.analyze` gives images passed without labels), for a measure that compares against
-    them."""
-    for split, what, how in (
-        (data.analysis, "the analysis images", "labels"),
-        *(((data.probe_train, "probe-train images (probe_train)", "probe_images and probe_labels"),) if probe else ()),
-    ):
-        y = split.labels
-        if len(y) == 0 or int(y.min()) < 0:
-            return (
-                f"it needs {what} with their class labels, and "
-                f"{'there are none' if len(y) == 0 else 'some are unknown'}: "
-                f"pass {how} (from Python), or analyse a run folder."
-            )
-    return None
+def labels_problem(data, probe: bool = False) -> Missing | None:
+    """What a measure that compares against class labels lacks (:class:`analysis.fixes.Missing`), or None: labels of
+    the analysis images (none, or unknown: -1, what :func:`analysis.api.analyze` gives images passed without labels)
+    and, with ``probe``, probe-train images with their labels. Each front end names the fix in its own words."""
+    pieces = []
+    y = data.analysis.labels
+    if len(y) == 0 or int(y.min()) < 0:
+        pieces.append("labels")
+    if probe:
+        py = data.probe_train.labels
+        if len(py) == 0:
+            pieces.append("probe_images")
+        elif int(py.min()) < 0:
+            pieces.append("probe_labels")
+    return Missing(tuple(pieces)) if pieces else None
 
 
 class Measure:
@@ -145,8 +146,10 @@ class Measure:
         return True
 
     @classmethod
-    def problem(cls, data: AnalysisData, opts: Any) -> str | None:
-        """One sentence if this measure cannot run on ``data`` with ``opts`` (checked before anything is written)."""
+    def problem(cls, data: AnalysisData, opts: Any) -> Problem | None:
+        """What keeps this measure from running on ``data`` with ``opts`` (checked before anything is written): a
+        structured problem of analysis/fixes.py (:class:`~analysis.fixes.TooFewShots`, ...), which each front end
+        says in its own words, or one sentence."""
         return None
 
     @classmethod
@@ -205,7 +208,7 @@ def _is_measure(obj) -> str | None:
     )
 
 
-MEASURES = Registry("measure", "analysis.measures", group=ENTRY_POINT_GROUP, accepts=_is_measure)
+MEASURES = Registry("measure", "analysis.measures", group=ENTRY_POINT_GROUP, accepts=_is_measure, near=did_you_mean)
 REGISTRY: dict[str, type[Measure]] = MEASURES.known  # the measures found so far; registry() finds them all
 
 
@@ -249,7 +252,8 @@ def make_options(cls: type[Measure], values: dict[str, Any] | None = None) -> An
     bad = [k for k in values if k not in fields]
     if bad:
         allowed = ", ".join(sorted(fields)) or "none"
-        raise MeasureError(f"unknown option '{cls.name}.{bad[0]}': the options of {cls.name} are {allowed}.")
+        near = did_you_mean(bad[0], fields, f"{cls.name}.")
+        raise MeasureError(f"unknown option '{cls.name}.{bad[0]}'{near}: the options of {cls.name} are {allowed}.")
     opts = cls.Options(
         **{k: coerce(v, hints[k], f"{cls.name}.{k}", MeasureError, noun="option") for k, v in values.items()}
     )

@@ -231,6 +231,14 @@ def external_run(
     return run
 
 
+def front_end(run: Run) -> str:
+    """The command-line front end that opened ``run``, as analysis/fixes.py names it: ``images`` (--model with
+    --images), ``model`` (--model on a recipe's data) or ``run`` (a run folder)."""
+    if run.external:
+        return "images" if run.external.get("images") else "model"
+    return "run"
+
+
 def implied_img_size(arch: str, weights: str) -> int | None:
     """The input size a ViT's weights were trained at, from their position embedding (grid x patch size); None
     when the file has none (ResNets) or the weights are timm's own ("pretrained": its configuration's size)."""
@@ -432,7 +440,7 @@ def analyze_run(
             int(STEP_RE.match(c.name).group(1)): c for c in list_checkpoints(run.path / "checkpoints", warn=False)
         } or run.checkpoints
     steps = sorted({run.step(s) for s in (steps or sorted(run.checkpoints))})
-    problem = S.problem(data, opts)  # e.g. too few probe-train images for the shots: one sentence, nothing written
+    problem = S.problem(data, opts, front_end(run))  # e.g. too few probe-train images for the shots: nothing written
     if problem:
         raise AnalysisError(f"run {run.path}: {problem}")
     stats: dict = {"computed": [], "reused": [], "steps": steps, "skipped": [], "not_applicable": [], "model": ""}

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from analysis.features import pool_features, pool_tokens  # noqa: F401 -- pooling is part of the probe's definition
+from analysis.fixes import TooFewShots
 from train.splits import balanced_indices
 
 METHODS: tuple[str, ...] = ("big_vision", "centred")
@@ -478,17 +479,13 @@ def probe_split(labels: Tensor) -> tuple[Tensor, Tensor]:
     return torch.as_tensor(half), torch.as_tensor(rest)
 
 
-def probe_split_problem(data, shots: int, option: str = "shots") -> str | None:
-    """One sentence if the probe-train split cannot give ``shots`` per class from its shot half, else None."""
+def probe_split_problem(data, shots: int, measure: str, option: str = "shots") -> TooFewShots | None:
+    """The problem (:class:`analysis.fixes.TooFewShots`) if the probe-train split cannot give ``shots`` per class from
+    its shot half for ``measure``'s option ``option``, else None."""
     counts = torch.bincount(data.probe_train.labels, minlength=data.num_classes)
     if len(counts) and int(counts.min()) // 2 >= shots:
         return None
-    return (
-        f"few-shot probes draw {shots} shots per class from half of the probe-train split, whose rarest class has "
-        f"{int(counts.min()) if len(counts) else 0} images: raise data.probe_train_size to at least "
-        f"{2 * shots * data.num_classes} "
-        f"or lower the option {option}."
-    )
+    return TooFewShots(measure, option, shots, int(counts.min()) if len(counts) else 0, int(data.num_classes))
 
 
 def probe_rows_read(labels: Tensor, shots: int, seeds: Sequence[int], l2) -> np.ndarray:

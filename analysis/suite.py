@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import yaml
 
+from analysis.fixes import BatchSizes, Problem, first, sentence
 from analysis.measure import (
     Context,
     MeasureError,
@@ -110,16 +111,11 @@ def parse_opt_args(items: list[str]) -> dict:
     return out
 
 
-def batch_problem(n_images: int, batch_size: int) -> str | None:
-    """One sentence if minibatch CKA cannot use these sizes (every minibatch, the last included, needs >= 4 images)."""
-    if batch_size < 4:
-        return f"the analysis batch size is {batch_size}; minibatch CKA needs at least 4."
-    if n_images < 4 or 0 < n_images % batch_size < 4:
-        return (
-            f"{n_images} analysis images in minibatches of {batch_size} leave a last minibatch of "
-            f"{n_images % batch_size or n_images} images; minibatch CKA needs at least 4: change data.analysis_size "
-            "or the analysis batch size."
-        )
+def batch_problem(n_images: int, batch_size: int) -> BatchSizes | None:
+    """The problem (:class:`analysis.fixes.BatchSizes`) if minibatch CKA cannot use these sizes (every minibatch, the
+    last included, needs >= 4 images), else None."""
+    if batch_size < 4 or n_images < 4 or 0 < n_images % batch_size < 4:
+        return BatchSizes(n_images, batch_size)
     return None
 
 
@@ -182,31 +178,30 @@ def out_of_memory(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("not enough memory" in text or "DefaultCPUAllocator" in text)
 
 
-def missing_labels(data, opts: SuiteOptions) -> list[str]:
-    """The requested measures that read labels the data does not have (:func:`analysis.measure.labels_problem`:
-    unlabelled analysis images, label -1, or no labelled probe-train images), in the order requested."""
+def data_problems(data, opts: SuiteOptions) -> dict[str, Problem]:
+    """{measure: its problem} for each requested measure that cannot run on ``data`` with its options, in the order
+    requested: labels it reads that the data lacks (:func:`analysis.measure.labels_problem`: unlabelled analysis
+    images, label -1, or no labelled probe-train images), else its own :meth:`analysis.measure.Measure.problem`
+    (e.g. too few probe-train images for its shots). Structured (analysis/fixes.py): each front end says the fix in
+    its own words."""
     reg = registry()
-    return [
-        m for m in opts.measures if reg[m].uses_labels and labels_problem(data, probe=reg[m].uses_labels == "probe")
-    ]
+    out: dict[str, Problem] = {}
+    for name in opts.measures:
+        cls = reg[name]
+        p = labels_problem(data, probe=cls.uses_labels == "probe") if cls.uses_labels else None
+        p = p or cls.problem(data, opts.of(name))
+        if p:
+            out[name] = p
+    return out
 
 
-def measure_problems(data, opts: SuiteOptions) -> dict[str, str]:
-    """{measure: one sentence} for each requested measure that cannot run on ``data`` with its options (its
-    :meth:`analysis.measure.Measure.problem`, e.g. too few probe-train images for its shots), in the order
-    requested."""
-    reg = registry()
-    return {name: p for name in opts.measures if (p := reg[name].problem(data, opts.of(name)))}
-
-
-def problem(data, opts: SuiteOptions) -> str | None:
-    """One sentence if the suite cannot run ``opts`` on ``data`` (checked before anything is written)."""
+def problem(data, opts: SuiteOptions, front: str = "recipe") -> str | None:
+    """One sentence if the suite cannot run ``opts`` on ``data`` (checked before anything is written), with the fix
+    in the words of the front end ``front`` (a key of :data:`analysis.fixes.VOCAB`)."""
     p = batch_problem(len(data.analysis), opts.batch_size)
     if p:
-        return p
-    for name, p in measure_problems(data, opts).items():
-        return f"measure {name}: {p}"
-    return None
+        return sentence(p, front, [])
+    return first(data_problems(data, opts), front)
 
 
 def model_problem(ctx: Context, opts: SuiteOptions, measures=None) -> str | None:

@@ -47,10 +47,14 @@ class Registry:
         group: str | None = None,
         module_plugin: Callable[[Any], bool] | None = None,
         accepts: Callable[[Any], str | None] | None = None,
+        near: Callable[[str, list[str]], str] | None = None,
     ):
         self.kind, self.package, self.group = kind, package, group
         self.module_plugin = module_plugin
         self.accepts = accepts  # one sentence when an imported object is not a plug-in of this kind, else None
+        # the closest name to a mistyped one, " (did you mean X?)" or "" (train.coerce.did_you_mean, given by the
+        # registry's owner: this package imports nothing of train/)
+        self.near = near
         self.known: dict[str, Any] = {}  # name -> plug-in, as found so far
         self._discovered = False
 
@@ -124,7 +128,8 @@ class Registry:
             return self._import_entry(name, eps[name])
         if ":" not in name:
             raise error(
-                f"unknown {self.kind} '{name}': choose from {', '.join(self.names())} (or give package.module:Class)."
+                f"unknown {self.kind} '{name}'{self.near(name, self.names()) if self.near else ''}: choose from "
+                f"{', '.join(self.names())} (or give package.module:Class)."
             )
         mod, _, attr = name.partition(":")
         try:

@@ -109,7 +109,7 @@ class FewShotProbeMeasure(Measure):
 
     @classmethod
     def problem(cls, data, opts):
-        return labels_problem(data, probe=True) or probe_split_problem(data, opts.shots, "fewshot_probe.shots")
+        return labels_problem(data, probe=True) or probe_split_problem(data, opts.shots, cls.name)
 
     def __init__(self, ctx, opts=None):
         super().__init__(ctx, opts)

@@ -158,7 +158,7 @@ class TokenProbes(Measure):
 
     @classmethod
     def problem(cls, data, opts):
-        return labels_problem(data, probe=True) or probe_split_problem(data, opts.shots, "token_probes.shots")
+        return labels_problem(data, probe=True) or probe_split_problem(data, opts.shots, cls.name)
 
     def __init__(self, ctx: Context, opts=None):
         super().__init__(ctx, opts)

@@ -60,18 +60,34 @@ def test_bad_input_is_one_sentence():
     x[3, 0, 5, 5], x[6, 0, 0, 0] = float("nan"), float("inf")
     with pytest.raises(ValueError, match="2 of the 8 images hold NaN or infinite values"):
         analyze(model, x, measures=["cka"], batch_size=4)
-    # measures that compare with labels, given none: one sentence, not purity 1.0 or a bare internal error
+    # measures that compare with labels, given none: one sentence naming the argument that is missing, not purity 1.0
+    # or a bare internal error
     a = class_split(16, 0)
-    for measures, kw in (
-        (["clustering"], {}),
-        (["knn"], {}),
-        (["knn"], {"labels": a.labels}),
-        (["cka", "knn", "clustering"], {}),
+    for measures, kw, says in (
+        (
+            ["clustering"],
+            {},
+            "measure clustering reads class labels, and the images to analyse have no class labels: "
+            "pass labels= for the images, or leave it out of measures=.",
+        ),
+        (
+            ["knn"],
+            {"labels": a.labels},
+            "measure knn reads class labels, and there are no probe_images to train on: "
+            "pass probe_images= and probe_labels=",
+        ),
+        (
+            ["cka", "knn"],
+            {},
+            "the images to analyse have no class labels; there are no probe_images to train on: "
+            "pass labels= for the images and pass probe_images= and probe_labels=",
+        ),
     ):
-        needs = [m for m in measures if m != "cka" and not (m == "clustering" and kw)]
-        with pytest.raises(ValueError, match=re.escape(f"measures {', '.join(needs)} read class labels: pass labels=")):
+        with pytest.raises(ValueError, match=re.escape(says)):
             analyze(model, a.images, measures=measures, batch_size=8, **kw)
-    with pytest.raises(ValueError, match="cls_attention does not apply to this vit"):  # a GAP ViT has no class token
+    with pytest.raises(
+        ValueError, match="cls_attention does not apply to this vit: choose others in measures="
+    ):  # a GAP ViT has no class token
         analyze(tiny_vit(class_token=False), torch.rand(8, 1, 28, 28), measures=["cls_attention"], batch_size=4)
     with pytest.raises(ValueError, match="no measure named"):
         analyze(model, torch.rand(8, 1, 28, 28), measures=[], batch_size=4)
@@ -83,6 +99,53 @@ def test_bad_input_is_one_sentence():
             options={"cka": {"repr": "cls"}},
             batch_size=4,
         )
+
+
+def test_the_first_notebook_is_told_what_is_missing_in_the_apis_words():
+    """The default measures with labels= but no probe images, and probe images too few per class for the shots: the
+    sentence names the argument that is missing (not labels=, not a recipe key); typos get the closest name."""
+    from analysis.api import activations
+
+    model, a, p = tiny_vit(), class_split(16, 0), class_split(100, 1)  # 10 probe images per class
+    with pytest.raises(ValueError) as e:
+        analyze(model, a.images, labels=a.labels, batch_size=8)
+    assert str(e.value) == (
+        "measure fewshot_probe reads class labels, and there are no probe_images to train on: pass probe_images= and "
+        "probe_labels= (a tensor [N, C, H, W] and its labels), or leave it out of measures=."
+    )
+    with pytest.raises(ValueError) as e:
+        analyze(model, a.images, a.labels, probe_images=p.images, probe_labels=p.labels, batch_size=8)
+    assert str(e.value) == (
+        "measure fewshot_probe draws 10 shots per class from half of the probe_images, whose rarest class has 10 "
+        "images: pass probe_images= / probe_labels= with at least 20 images per class or lower the shots with "
+        "options={'fewshot_probe': {'shots': 5}}, or leave it out of measures=."
+    )
+    with pytest.raises(ValueError, match=re.escape("the probe_images have no class labels: pass probe_labels=")):
+        analyze(model, a.images, a.labels, probe_images=p.images, measures=["knn"], batch_size=8)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "last minibatch of 2 images; minibatch CKA needs at least 4: pass another batch_size= (e.g. batch_size=7)"
+        ),
+    ):
+        analyze(model, class_split(18, 0).images, measures=["cka"], batch_size=8)
+    for kw, says in (
+        ({"measures": ["ckaa"]}, "unknown measure 'ckaa' (did you mean cka?)"),
+        ({"options": {"knm": {"k": 3}}}, "unknown measure 'knm' (did you mean knn?)"),
+        (
+            {"options": {"fewshot_probe": {"shot": 3}}},
+            "unknown option 'fewshot_probe.shot' (did you mean fewshot_probe.shots?)",
+        ),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            analyze(model, a.images, a.labels, **kw)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "tap 'blocks.1.attn_prob' matches no tap of this VisionTransformer (did you mean blocks.1.attn_probs?)"
+        ),
+    ):
+        activations(model, a.images, taps="blocks.1.attn_prob")
 
 
 def test_activations_stream_the_taps_to_a_dict_and_to_disk(tmp_path):

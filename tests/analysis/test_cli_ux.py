@@ -418,7 +418,8 @@ def test_measures_all_skips_each_measure_whose_precondition_fails_with_a_line(ti
     base = [str(run), "--steps", "8", "--batch-size", "32", "--no-progress", "--no-tensorboard"]
     assert main([*base, "--measures", "cka,fewshot_probe"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: measure fewshot_probe: ") and "probe-train" in err and "\n" not in err
+    assert err.startswith("error: measure fewshot_probe draws 10 shots") and "\n" not in err
+    assert "--opt fewshot_probe.shots=5" in err and "data.probe_train_size to" not in err  # the command line's words
     assert not (run / "analysis").exists()  # nothing computed
     kept = runnable(O.open_run(run), S.suite_options("all"), "all")
     lines = capsys.readouterr().err.splitlines()
@@ -436,7 +437,7 @@ def test_measures_all_runs_what_can_run_and_names_each_skipped_measure(tiny_run,
     base = [str(run), "--steps", "8", "--batch-size", "32", "--no-progress", "--no-tensorboard"]
     assert main([*base, "--measures", "fewshot_probe"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: measure fewshot_probe: ") and "\n" not in err
+    assert err.startswith("error: measure fewshot_probe draws 10 shots") and "\n" not in err
     assert not (run / "analysis").exists()  # nothing computed
     assert main([*base, "--measures", "all", "--opt", "ablation.targets=[branches]", "--opt", "erf.images=4"]) == 0
     err = capsys.readouterr().err

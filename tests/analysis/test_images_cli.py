@@ -5,6 +5,7 @@ only where it is analysed."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -95,16 +96,55 @@ def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(
     assert "## Step" not in report
     capsys.readouterr()
     from analysis import suite as S
-    from analysis.__main__ import without_unlabelled
+    from analysis.__main__ import runnable
 
     run = O.external_run(
         "timm:vit_tiny_patch16_224", str(tiny_weights), "recipes/default.yaml", [], tmp_path / "c", images=imgs
     )
-    kept = without_unlabelled(
-        run, S.suite_options("all"), "all"
-    )  # --measures all: what can run runs, the rest is named
-    assert "skipped clustering, fewshot_probe, knn, token_probes" in capsys.readouterr().err
+    kept = runnable(run, S.suite_options("all", 4), "all")  # --measures all: what can run runs, the rest is named
+    err = capsys.readouterr().err
+    assert "skipped clustering: it reads class labels, and the images to analyse have no class labels: put the " in err
+    assert "skipped fewshot_probe, knn, token_probes: they read class labels" in err and "--probe-images DIR2" in err
     assert {"clustering", "fewshot_probe", "knn", "token_probes"}.isdisjoint(kept.measures) and "cka" in kept.measures
+
+
+def test_cli_labelled_folder_names_the_flag_that_is_missing(tiny_weights, tmp_path, capsys):
+    """Images in class subfolders: without --probe-images the sentence asks for --probe-images, not for subfolders;
+    with too few probe images per class for the shots it names --probe-images and --opt, not a recipe key."""
+    a = _folder(tmp_path / "a", n=3)
+    base = ["--model", "timm:vit_tiny_patch16_224", "--weights", str(tiny_weights), "--images", str(a)]
+    base += ["--batch-size", "6", "--no-progress", "--no-tensorboard", "--out", str(tmp_path / "o")]
+    assert analysis_main(base) == 2  # the default measures: fewshot_probe reads probe images
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: measure fewshot_probe reads class labels, and there are no --probe-images to train on: give labelled "
+        "images to train on with --probe-images DIR2 (the same class subfolders), or leave it out of --measures."
+    )
+    assert analysis_main([*base, "--probe-images", str(_folder(tmp_path / "p", n=3))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: measure fewshot_probe draws 10 shots per class from half of the --probe-images, whose rarest class has "
+        "3 images: give --probe-images at least 20 images per class or lower the shots with --opt "
+        "fewshot_probe.shots=1, or leave it out of --measures."
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_api_folder_names_the_argument_that_is_missing(tmp_path):
+    m = timm.create_model("vit_tiny_patch16_224", img_size=48, num_classes=0, pretrained=False).eval()
+    a = _folder(tmp_path / "a", n=3)
+    with pytest.raises(ValueError, match=r"there are no probe_images to train on: pass probe_images= a folder"):
+        analyze(m, str(a), measures=["knn"], batch_size=6, figures=False)
+    with pytest.raises(ValueError, match=r"give images= a folder with one subfolder per class"):
+        analyze(m, str(_folder(tmp_path / "flat", classes=("",), n=4)), measures=["clustering"], batch_size=4)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "probe_images= folder with at least 20 images per class or lower "
+            "the shots with options={'fewshot_probe': {'shots': 1}}"
+        ),
+    ):
+        analyze(m, str(a), probe_images=str(_folder(tmp_path / "p", n=3)), measures=["fewshot_probe"], batch_size=6)
 
 
 def test_cli_labelled_folders_train_probes_and_knn(tiny_weights, tmp_path):

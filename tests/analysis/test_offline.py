@@ -140,7 +140,8 @@ def test_compare_on_runs_too_small_for_the_probe_is_one_sentence(runs, tmp_path,
     before = _tree(small)
     assert compare_main([str(small), "--no-progress", "--out", str(tmp_path / "cmp")]) == 2
     err = capsys.readouterr().err
-    assert "probe_train_size to at least 200" in err and err.count("\n") == 1
+    # a run's images are fixed by its recipe: the fix is the command line's --opt
+    assert "--opt fewshot_probe.shots=5" in err and err.count("\n") == 1
     assert _tree(small) == before and not (tmp_path / "cmp").exists()
 
 
@@ -201,7 +202,7 @@ def test_bad_inputs_get_one_sentence_and_exit_2_and_write_nothing(runs, tmp_path
     _bad(
         capsys,
         [str(run), "--measures", "fewshot_probe", "--opt", "fewshot_probe.shots=20"],
-        "probe_train_size to at least 400",
+        "lower the shots with --opt fewshot_probe.shots=10",
         tmp_path,
     )
     resnet = tmp_path / "resnet"

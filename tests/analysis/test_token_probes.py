@@ -212,7 +212,9 @@ def test_resnet_pads_the_small_last_stage():
 
 def test_too_few_probe_images_is_explained():
     ctx = _ctx(_vit(), n_train=100)
-    assert "probe_train_size to at least 200" in TokenProbes.problem(ctx.data, TokenProbeOptions(shots=10, stride=7))
+    assert "probe_train_size to at least 200" in str(
+        TokenProbes.problem(ctx.data, TokenProbeOptions(shots=10, stride=7))
+    )
     assert TokenProbes.problem(ctx.data, TokenProbeOptions(shots=5)) is None
 
 
