@@ -264,7 +264,9 @@ def test_unknown_layer_set_is_one_sentence():
 
 def test_cli_refuses_an_unknown_layer_set_before_anything(tmp_path, capsys):
     run = tmp_path / "runs" / "none"
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").touch()  # a run folder as far as the checks before the measures' go
     assert analysis_main([str(run), "--opt", "cka.layers=nonsense"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: option 'cka.layers' must be one of 'blocks', 'sublayers', 'paper', 'all', got 'nonsense'."
-    assert not (tmp_path / "runs").exists()
+    assert sorted(p.name for p in run.iterdir()) == ["recipe.yaml"]  # nothing written
