@@ -178,7 +178,7 @@ def sized_minibatch(run, model) -> int:
 
     data = O.load_data(run)
     per = S.tap_bytes_per_image(model, data.normalize(data.analysis.images[:1]))
-    avail = S.available_memory()
+    avail = S.available_memory(next(model.parameters()).device)  # the taps stay on the model's device
     known = avail is not None
     avail = avail if known else 4 * 2**30
     bs = S.choose_minibatch(per, avail, len(data.analysis))

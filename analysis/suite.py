@@ -21,7 +21,6 @@ import os
 import platform
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -136,22 +135,13 @@ def tap_bytes_per_image(model, x1: torch.Tensor) -> int:
     return 4 * sum(cap[n][:1].numel() for n in names)
 
 
-def available_memory() -> int | None:
-    """The memory the system can give this process without swapping, in bytes (psutil, else /proc/meminfo's
-    MemAvailable), or None when neither says."""
-    try:
-        import psutil
+def available_memory(device=None) -> int | None:
+    """The memory this process may still allocate on ``device`` (default the CPU), in bytes, or None when it cannot
+    be told: the one reader the trainer's memory check uses too (:func:`train.memory.available_bytes`: a GPU's free
+    memory, or the host's MemAvailable within a cgroup's limit, shared by the host's processes)."""
+    from train.memory import available_bytes
 
-        return int(psutil.virtual_memory().available)
-    except (ImportError, AttributeError, OSError):
-        pass
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return available_bytes(torch.device("cpu") if device is None else torch.device(device))
 
 
 def choose_minibatch(

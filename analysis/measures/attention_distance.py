@@ -69,6 +69,10 @@ UNIT_LABELS = {
     "pixel_level": "pixels, pixel to pixel (ViT App. D.6)",
 }
 _CHUNK_ELEMENTS = 1 << 22  # elements of attention per batched product (16 MiB of float32)
+# How far a float32 (or half-type) map's mean distance may be from the float64 computation on the same map: its key
+# sums are float32, at most ~1e-6 relative of a query's distance (head_distance_sums); also what two float32 paths
+# (another memory layout, BLAS or host) may differ by.
+FLOAT32_RTOL = 1e-6
 
 
 def _check_unit(unit: str) -> None:

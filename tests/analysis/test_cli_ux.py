@@ -406,16 +406,22 @@ def test_the_custom_scalars_layout_puts_training_first(tmp_path):
 # ---------------------------------------------------------------- --measures all on a run too small for some
 
 
-def test_measures_all_skips_each_measure_whose_precondition_fails_with_a_line(tiny_run, tmp_path, capsys):
+@pytest.fixture
+def few_probe_images(tiny_run, tmp_path):
+    """(a copy of the tiny run, whose 100 probe-train images are too few for 10 shots per class; the CLI's options)"""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    return run, [str(run), "--steps", "8", "--batch-size", "32", "--no-progress", "--no-tensorboard"]
+
+
+def test_measures_all_skips_each_measure_whose_precondition_fails_with_a_line(few_probe_images, capsys):
     """100 probe-train images are too few for 10 shots per class: with --measures all the probes are skipped with a
     line each saying why and the rest is kept; named, such a measure stops the run before anything is computed."""
     from analysis import offline as O
     from analysis import suite as S
     from analysis.__main__ import runnable
 
-    run = tmp_path / "run"
-    shutil.copytree(tiny_run, run)
-    base = [str(run), "--steps", "8", "--batch-size", "32", "--no-progress", "--no-tensorboard"]
+    run, base = few_probe_images
     assert main([*base, "--measures", "cka,fewshot_probe"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: measure fewshot_probe draws 10 shots") and "\n" not in err
@@ -429,12 +435,10 @@ def test_measures_all_skips_each_measure_whose_precondition_fails_with_a_line(ti
 
 
 @pytest.mark.slow
-def test_measures_all_runs_what_can_run_and_names_each_skipped_measure(tiny_run, tmp_path, capsys):
+def test_measures_all_runs_what_can_run_and_names_each_skipped_measure(few_probe_images, capsys):
     """100 probe-train images are too few for 10 shots per class: with --measures all the probes are skipped with a
     line each saying why, and everything else is computed; named, such a measure still stops the run (exit 2)."""
-    run = tmp_path / "run"
-    shutil.copytree(tiny_run, run)
-    base = [str(run), "--steps", "8", "--batch-size", "32", "--no-progress", "--no-tensorboard"]
+    run, base = few_probe_images
     assert main([*base, "--measures", "fewshot_probe"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: measure fewshot_probe draws 10 shots") and "\n" not in err

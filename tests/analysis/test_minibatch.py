@@ -78,7 +78,7 @@ def tiny(tmp_path):
 
 def test_a_model_from_elsewhere_gets_a_minibatch_sized_to_it(tiny, tmp_path, monkeypatch, capsys):
     # memory for the taps of 8 images in half of it: 12 images in minibatches of 8 (a last one of 4)
-    monkeypatch.setattr(S, "available_memory", lambda: 2 * 8 * 1_212_480 + 1)
+    monkeypatch.setattr(S, "available_memory", lambda device=None: 2 * 8 * 1_212_480 + 1)
     assert main([*tiny, "--out", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err
     assert re.search(r"minibatch 8 \(est\. 9 MiB of 19 MiB available; --batch-size N to choose\)", err), err
