@@ -105,7 +105,7 @@ def _check_fits(model, data) -> None:
     try:
         arch_of(model)
     except TapError as e:
-        raise ValueError(f"{e} Pass a timm model (timm.create_model) or a run folder.") from None
+        raise ValueError(f"{e} Pass one of those, or a run folder.") from None
     x = data.analysis.images[:1]
     if len(x) == 0:
         raise ValueError(

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from analysis.families import TapError, family_of
 from analysis.measure import Context
 from analysis.reduce import collect
 from analysis.taps import block_names
@@ -172,11 +173,14 @@ def layer_tag(layer: str, block_index: int) -> str:
 
 
 def has_class_token(model, num_prefix_tokens: int) -> bool:
-    """Whether token 0 is a class token: timm's ``has_class_token`` where the model states it (a GAP ViT with
-    registers has prefix tokens but no class token), else whether there is any prefix token."""
+    """Whether token 0 is a class token, as the model's family says (a GAP ViT with registers has prefix tokens but
+    no class token); for a model of no known family, whether there is any prefix token."""
     while hasattr(model, "module") and not hasattr(model, "has_class_token"):
         model = model.module
-    return bool(getattr(model, "has_class_token", num_prefix_tokens > 0)) and num_prefix_tokens > 0
+    try:
+        return family_of(model).has_class_token(model) and num_prefix_tokens > 0
+    except TapError:
+        return bool(getattr(model, "has_class_token", num_prefix_tokens > 0)) and num_prefix_tokens > 0
 
 
 def pools_for(ctx: Context) -> list[str]:

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from matplotlib.figure import Figure
 
+    from analysis.families.base import Family
     from train.splits import TensorBatches
 
 ENTRY_POINT_GROUP = "vitlab.measures"
@@ -89,8 +90,9 @@ class Context:
     data: AnalysisData
     device: torch.device
     accelerator: Accelerator | None = None
-    arch: str = "vit"  # vit | resnet | mixer
-    blocks: tuple = ()  # block names in forward order (analysis.taps.block_names)
+    arch: str = "vit"  # vit | resnet | mixer: which measures apply (analysis/families/)
+    family: Family | None = None  # the model's family adapter (analysis/families/)
+    blocks: tuple = ()  # block names in forward order (Family.blocks)
     prefix: int = 0
     grid: tuple | None = None  # token grid (gh, gw) for token models
     patch_size: int | None = None  # input pixels per token side for token models
@@ -144,6 +146,12 @@ class Measure:
     def applies(cls, ctx: Context) -> bool:
         """Whether this measure is defined for the model (e.g. attention measures only for ViTs)."""
         return True
+
+    @classmethod
+    def runs_on(cls, ctx: Context) -> bool:
+        """:meth:`applies`, and the model's family gives what the measure reads (a measure that rewrites the forward
+        pass needs modules that only some families have: ``Family.needs_internals``)."""
+        return cls.applies(ctx) and (ctx.family is None or cls.name not in ctx.family.needs_internals)
 
     @classmethod
     def problem(cls, data: AnalysisData, opts: Any) -> Problem | None:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import yaml
 
+from analysis.families import family_of
 from analysis.fixes import BatchSizes, Problem, first, sentence
 from analysis.measure import (
     Context,
@@ -38,7 +39,7 @@ from analysis.measure import (
     resolve_all,
 )
 from analysis.reduce import ORDER_SEED, shard
-from analysis.taps import Taps, arch_of, available_taps, block_names, grid_of, num_prefix_tokens
+from analysis.taps import Taps, available_taps
 
 DEFAULT = ("cka", "norm_ratio", "attention_distance", "fewshot_probe")  # what the training-time suite runs
 
@@ -199,7 +200,7 @@ def model_problem(ctx: Context, opts: SuiteOptions, measures=None) -> str | None
     cannot run on it with its options (:meth:`analysis.measure.Measure.model_problem`)."""
     reg = registry()
     for name in resolve_all(measures if measures is not None else opts.measures):
-        if reg[name].applies(ctx):
+        if reg[name].runs_on(ctx):
             p = reg[name].model_problem(ctx, opts.of(name))
             if p:
                 return f"measure {name}: {p}"
@@ -207,22 +208,18 @@ def model_problem(ctx: Context, opts: SuiteOptions, measures=None) -> str | None
 
 
 def make_context(model, data, batch_size: int = 256, accelerator=None, order_seed: int | None = ORDER_SEED) -> Context:
-    arch = arch_of(model)
-    tokens = arch in ("vit", "mixer")
-    patch = None
-    if tokens:
-        pe = model.patch_embed if arch == "vit" else model.stem
-        patch = int(pe.patch_size[0])
+    fam = family_of(model)
     return Context(
         model=model,
         data=data,
         device=next(model.parameters()).device,
         accelerator=accelerator,
-        arch=arch,
-        blocks=tuple(block_names(model)),
-        prefix=num_prefix_tokens(model),
-        grid=tuple(grid_of(model)) if tokens else None,
-        patch_size=patch,
+        arch=fam.arch,
+        family=fam,
+        blocks=tuple(fam.blocks(model)),
+        prefix=fam.prefix(model),
+        grid=fam.grid(model),
+        patch_size=fam.patch_size(model),
         batch_size=batch_size,
         order_seed=order_seed,
     )
@@ -294,7 +291,7 @@ def _pass(ctx: Context, split, taps: list[str], on_batch, rows: np.ndarray | Non
 def make_measures(ctx: Context, opts: SuiteOptions, names=None) -> list:
     """The measures ``names`` (default ``opts.measures``) that apply to ``ctx``'s model, built with their options."""
     reg, names = registry(), resolve_all(opts.measures if names is None else names)
-    return [reg[n](ctx, opts.of(n)) for n in names if reg[n].applies(ctx)]
+    return [reg[n](ctx, opts.of(n)) for n in names if reg[n].runs_on(ctx)]
 
 
 def probe_rows(ms, split) -> np.ndarray | None:

@@ -13,11 +13,11 @@ from typing import Literal
 
 import numpy as np
 
+from analysis.families import family_of
 from analysis.features import has_class_token
 from analysis.figures import cka_heatmap
 from analysis.measure import Measure, as_list, register
 from analysis.similarity import MinibatchCKA, represent
-from analysis.taps import block_kinds
 
 # Tap kinds (analysis/taps.py) per layer set and architecture, in forward order within a block. A block that
 # lacks a kind (conv3 in a BasicBlock) skips it.
@@ -80,23 +80,15 @@ def cka_layers(ctx, layers: str = "sublayers") -> list[tuple[str, str]]:
     if layers not in LAYER_SETS:
         raise ValueError(f"unknown CKA layer set '{layers}': choose {', '.join(LAYER_SETS)}.")
     kinds = LAYER_SETS[layers][ctx.arch]
+    fam = ctx.family or family_of(ctx.model)
     out = []
     for i, b in enumerate(ctx.blocks):
-        have = set(block_kinds(ctx.model, b))
+        have = set(fam.kinds(ctx.model, b))
         for k in kinds:
             if k not in have:
                 continue
-            if layers == "all":
-                if k == "in" and i > 0:
-                    continue
-                if (
-                    ctx.arch == "resnet"
-                    and k == "shortcut"
-                    and getattr(ctx.model.get_submodule(b), "downsample", None) is None
-                ):
-                    continue
-                if ctx.arch == "resnet" and k == "branch" and getattr(ctx.model.get_submodule(b), "se", None) is None:
-                    continue
+            if layers == "all" and ((k == "in" and i > 0) or fam.duplicate(ctx.model, b, k)):
+                continue
             out.append((f"{b}.{k}", layer_label(ctx.arch, b, k)))
     return out
 

@@ -54,7 +54,7 @@ def test_bad_input_is_one_sentence():
     for x, says in ((torch.rand(8, 3, 28, 28), "to have 1 channels"), (torch.rand(8, 1, 32, 32), "Input height (32)")):
         with pytest.raises(ValueError, match=r"the model cannot take images of shape .*" + re.escape(says)):
             analyze(model, x, measures=["cka"], batch_size=4)
-    with pytest.raises(ValueError, match="not Sequential"):
+    with pytest.raises(ValueError, match="not a Sequential"):
         analyze(torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3)), torch.rand(8, 1, 28, 28), measures=["cka"], batch_size=4)
     x = torch.rand(8, 1, 28, 28)
     x[3, 0, 5, 5], x[6, 0, 0, 0] = float("nan"), float("inf")

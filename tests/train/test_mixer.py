@@ -71,7 +71,7 @@ def test_arch_of_tells_the_three_apart():
     assert grid_of(vit) == (7, 7)
     with pytest.raises(TapError, match="no token grid"):
         grid_of(res)
-    with pytest.raises(TapError, match="not Linear"):
+    with pytest.raises(TapError, match="not a Linear"):
         arch_of(torch.nn.Linear(2, 2))
 
 
