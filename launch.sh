@@ -4,9 +4,9 @@
 #   ./launch.sh test [pytest args]                                set up, then run the tests
 #   ./launch.sh sweep RECIPE --grid key=v1,v2 [--grid ...]        one run per combination (resumable)
 #   ./launch.sh analyze RUN_DIR [--against OTHER[:STEP]] [...]    offline analysis of saved checkpoints (cached)
-#   ./launch.sh compare RUN_A RUN_B [...]                          runs side by side (analysis.reports.compare)
-#   ./launch.sh pretrained [--onnx F.onnx] [--out F] [--force]    a real ViT-S/14 as timm weights (analysis.pretrained)
-#   ./launch.sh python [ARGS]                                     the project's Python (e.g. -m analysis.reports.real_vit)
+#   ./launch.sh compare RUN_A RUN_B [...]                          runs side by side (analysis.frontends.compare)
+#   ./launch.sh pretrained [--onnx F.onnx] [--out F] [--force]    a real ViT-S/14 as timm weights (analysis.sources.pretrained)
+#   ./launch.sh python [ARGS]                                     the project's Python (e.g. -m analysis.studies.real_vit)
 #   ./launch.sh study recipes/studies/raghu2021.yaml              train + analyse a study, write its report
 # Set-up (every command): create .venv if missing, install the project (pip install -e '.[dev]') when this
 # checkout's pyproject.toml changed since it installed itself (the stamp .venv/.vitlab-installed records the checkout
@@ -152,10 +152,10 @@ case "$cmd" in
         case "$cmd" in
             python) exec "$VENV/bin/python" "$@" ;;
             sweep) module=train.sweep ;;
-            study) module=analysis.reports.study ;;
+            study) module=analysis.studies.study ;;
             analyze) module=analysis ;;
-            pretrained) module=analysis.pretrained ;;
-            compare) module=analysis.reports.compare ;;
+            pretrained) module=analysis.sources.pretrained ;;
+            compare) module=analysis.frontends.compare ;;
         esac
         exec "$VENV/bin/python" -m "$module" "$@"
         ;;

@@ -8,7 +8,7 @@ On the default recipe's model (random weights: the cost does not depend on them)
 machine noise hits all alike, with threads pinned:
 
 - ``forward``:        one plain forward pass over the analysis images in the suite's minibatches (the unit);
-- ``suite``:          :func:`analysis.suite.run_suite` with the default measures (CKA, norm ratios, attention
+- ``suite``:          :func:`analysis.engine.suite.run_suite` with the default measures (CKA, norm ratios, attention
                       distances, few-shot probes), no figures -- what bench/suite_speed.py times;
 - ``heads``:          the ablation measure alone with ``targets: [heads]`` (mean ablation, every read-out: top-1,
                       loss, k-NN, CKA of later blocks): its own pass over the analysis images for the means and over
@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.suite import DEFAULT, run_suite, suite_options
+from analysis.engine.suite import DEFAULT, run_suite, suite_options
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ widths, with peak memory and the host's CPU flags.
 
 Variants, each over the same stream of minibatches (only the CKA algebra is timed, never the features):
 
-- ``new``:    :class:`analysis.similarity.MinibatchCKA` (Grams of mean-centred features, float32 products summed in
+- ``new``:    :class:`analysis.estimators.similarity.MinibatchCKA` (Grams of mean-centred features, float32 products
+summed in
               float64, one triangle of each by BLAS ssyrk, all pairs from one product of centred Grams);
 - ``old``:    the float64 algorithm it replaced (each layer copied to float64, K = X X^T, same pair product);
 - ``numpee``: the method of numpee/CKA.pytorch (github.com/numpee/CKA.pytorch), reimplemented here: a float32
@@ -74,7 +75,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.similarity import MinibatchCKA, _BlasThreads, _torch_mkl_syrk, center_unbiased, represent  # noqa: E402
+from analysis.estimators.similarity import MinibatchCKA, _BlasThreads, _torch_mkl_syrk, center_unbiased, represent  # noqa: E402
 
 VARIANTS = ("new", "numpee", "half", "full") + (("half_mkl",) if _torch_mkl_syrk() else ())  # rotated; "old" once
 WIDTHS = {"default": (50, 96), "vits": (197, 384), "vitb": (197, 768)}
@@ -100,7 +101,7 @@ def cpu_flags() -> str:
 
 def model_minibatches(images: int, batch: int):
     """[n, 4800] representations of the default ViT's 12 sublayer outputs, minibatch by minibatch."""
-    from analysis.taps import Taps
+    from analysis.engine.taps import Taps
     from train.data import build_data
     from train.models import build_model
     from train.recipe import load_recipe

@@ -11,13 +11,13 @@ pinned:
 - ``forward``: one plain forward pass over the analysis and probe-train images in the suite's minibatches, no
   hooks (the whole probe-train split: what an analysis reading every image must pay at least);
 - ``forward_read``: the same over the analysis images and only the probe-train images the suite reads
-  (:func:`analysis.suite.probe_rows`: the few-shot probes' shots and held-out half), the floor of ``suite``;
-- ``suite``:   :func:`analysis.suite.run_suite` with the default measures (CKA, norm ratios, attention
+  (:func:`analysis.engine.suite.probe_rows`: the few-shot probes' shots and held-out half), the floor of ``suite``;
+- ``suite``:   :func:`analysis.engine.suite.run_suite` with the default measures (CKA, norm ratios, attention
   distances, few-shot probes), no figures -- what the training-time callback computes;
-- ``suite_all_rows``: the same with its probe-train pass over every image (:func:`analysis.suite.probe_rows`
+- ``suite_all_rows``: the same with its probe-train pass over every image (:func:`analysis.engine.suite.probe_rows`
   replaced by "all of them"), as the suite did before it forwarded only what it reads; the same results;
 - ``figures``: drawing the suite's figures once and writing them as PNG and to a TensorBoard writer (the
-  training-time callback does this in a background thread, off the training path: analysis/callbacks.py).
+  training-time callback does this in a background thread, off the training path: analysis/frontends/callbacks.py).
 
 Each figure is the minimum over repeats of this process's CPU time (on a shared machine other jobs inflate wall
 time far more; wall times are printed too); the median and range of suite/forward within each repeat come
@@ -42,9 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis import storage
-from analysis import suite as S
-from analysis.suite import run_suite, suite_options
+from analysis.engine import suite as S
+from analysis.engine.suite import run_suite, suite_options
+from analysis.results import publish
 
 
 def main() -> None:
@@ -91,7 +91,7 @@ def main() -> None:
     writer = SummaryWriter(str(tmp / "tb"))
 
     def figures():
-        storage.publish(res, tmp / "a", writer, 0, figures=True, figure_dir=tmp / "f")
+        publish.publish(res, tmp / "a", writer, 0, figures=True, figure_dir=tmp / "f")
 
     variants = {
         "forward": forward,

@@ -5,7 +5,7 @@ import re
 
 from conftest import ROOT
 
-from analysis import measure_table as MT
+from analysis.frontends import measure_table as MT
 
 PAGES = ["training", "data", "measures", "analysis", "studies", "scaling", "development"]  # written by hand
 REPORTS = ["reproduction", "teaching-matters", "registers", "real-vit"]  # written by the studies' commands

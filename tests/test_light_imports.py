@@ -46,7 +46,7 @@ def run_module(module: str, *args: str, cwd=ROOT) -> tuple[dict, str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["train", "train.sweep", "analysis", "analysis.reports.study", "analysis.pretrained"]
+    "module", ["train", "train.sweep", "analysis", "analysis.studies.study", "analysis.sources.pretrained"]
 )
 def test_help_imports_nothing_heavy(module):
     out, err = run_module(module, "--help")
@@ -102,7 +102,7 @@ def test_analysis_input_errors_come_before_torch(args, words, tmp_path):
 
 
 def test_a_missing_study_file_is_refused_before_torch(tmp_path):
-    out, err = run_module("analysis.reports.study", "nope.yaml", cwd=tmp_path)
+    out, err = run_module("analysis.studies.study", "nope.yaml", cwd=tmp_path)
     assert out == {"code": 2, "heavy": []}, err
     assert "study file 'nope.yaml' does not exist" in err
 

@@ -40,7 +40,8 @@ def test_import_vitlab_is_light_and_gives_the_public_face(tmp_path):
 
 def test_the_attributes_are_the_projects_own():
     import vitlab
-    from analysis import api, measure
+    from analysis.engine import measure
+    from analysis.frontends import api
 
     assert vitlab.analyze is api.analyze and vitlab.activations is api.activations and vitlab.Measure is measure.Measure
     assert "analyze" in dir(vitlab)

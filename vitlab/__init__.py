@@ -12,10 +12,10 @@ notebook would be imported in their place. ``import vitlab`` checks that each of
 itself comes from, and says in one sentence which file is in the way otherwise (:func:`check_packages`).
 
 The attributes are loaded when first used (``import vitlab`` imports no torch): :func:`analyze`,
-:func:`activations`, :func:`iter_activations`, :func:`tap_names` (analysis/api.py), :class:`Measure`,
-:func:`register`, :class:`Context`, :func:`measures` (analysis/measure.py: a measure of your own),
+:func:`activations`, :func:`iter_activations`, :func:`tap_names` (analysis/frontends/api.py), :class:`Measure`,
+:func:`register`, :class:`Context`, :func:`measures` (analysis/engine/measure.py: a measure of your own),
 :func:`load_recipe`, :func:`train` (a recipe, from Python), :func:`load_pretrained` (the bundled real ViT-S/14:
-analysis/pretrained.py).
+analysis/sources/pretrained.py).
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ ROOT = Path(__file__).resolve().parent.parent  # the checkout (or site-packages)
 PACKAGES = ("train", "analysis", "interventions")
 
 _LAZY = {
-    "analyze": ("analysis.api", "analyze"),
-    "activations": ("analysis.api", "activations"),
-    "iter_activations": ("analysis.api", "iter_activations"),
-    "tap_names": ("analysis.api", "tap_names"),
-    "Measure": ("analysis.measure", "Measure"),
-    "register": ("analysis.measure", "register"),
-    "Context": ("analysis.measure", "Context"),
-    "MeasureError": ("analysis.measure", "MeasureError"),
-    "measures": ("analysis.measure", "registry"),
+    "analyze": ("analysis.frontends.api", "analyze"),
+    "activations": ("analysis.frontends.api", "activations"),
+    "iter_activations": ("analysis.frontends.api", "iter_activations"),
+    "tap_names": ("analysis.frontends.api", "tap_names"),
+    "Measure": ("analysis.engine.measure", "Measure"),
+    "register": ("analysis.engine.measure", "register"),
+    "Context": ("analysis.engine.measure", "Context"),
+    "MeasureError": ("analysis.engine.measure", "MeasureError"),
+    "measures": ("analysis.engine.measure", "registry"),
     "load_recipe": ("train.recipe", "load_recipe"),
-    "load_pretrained": ("analysis.pretrained", "load"),
+    "load_pretrained": ("analysis.sources.pretrained", "load"),
 }
 
 __all__ = [*sorted(_LAZY), "check_packages", "train"]

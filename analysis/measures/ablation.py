@@ -45,7 +45,7 @@ Read-outs of the ablated model on the analysis images (labels y, N images):
                a bank of the UNABLATED model's probe-train representations. The bank stays fixed as the linear head
                does: the read-out is what a k-NN classifier built on the trained model loses (and it costs no pass
                over the probe-train images per ablation). NaN without probe-train images.
-    cka[j]     linear CKA (unbiased minibatch HSIC, analysis.similarity, as the ``cka`` measure; each image's
+    cka[j]     linear CKA (unbiased minibatch HSIC, analysis.estimators.similarity, as the ``cka`` measure; each image's
                representation = all tokens / positions flattened) between block j's output in the ablated model
                and in the unablated one, for blocks j at or after the target's; NaN before it.
 
@@ -54,7 +54,7 @@ clean, ``knn_drop`` = clean - ablated (positive: the target mattered).
 
 How the work is batched (the cost). Each ablation changes the model from its target's block on only, so nothing
 before that block is recomputed: per analysis minibatch one unablated forward captures every block's input
-(:class:`analysis.taps.Taps`), and each ablation forward runs the model's own ``forward`` on ONE image with a
+(:class:`analysis.engine.taps.Taps`), and each ablation forward runs the model's own ``forward`` on ONE image with a
 forward pre-hook on the target's block that replaces that block's input by the captured one. Ablations of the
 same block run together, k per forward by repeating the minibatch k times (k = ``forward_images`` // minibatch
 size, copy c carrying ablation c). Heads do not even recompute their block's attention: their forward starts at
@@ -91,13 +91,13 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import Attention, Block
 from tqdm.auto import tqdm
 
-from analysis.features import block_tag
-from analysis.figures import finish_block_axes, subplots
-from analysis.measure import Context, Measure, MeasureError, as_list, register
+from analysis.engine.figures import finish_block_axes, subplots
+from analysis.engine.measure import Context, Measure, MeasureError, as_list, register
+from analysis.engine.reduce import all_reduce_tree, collect
+from analysis.engine.taps import Taps, resnet_branch_end
+from analysis.estimators.features import block_tag
+from analysis.estimators.similarity import hsic_gram
 from analysis.measures.erf import unwrap
-from analysis.reduce import all_reduce_tree, collect
-from analysis.similarity import hsic_gram
-from analysis.taps import Taps, resnet_branch_end
 from train.knn import TEMPERATURE, K, knn_predict
 
 FAMILIES = {
@@ -114,7 +114,7 @@ KINDS = {
     "resnet": ("branch", "shortcut"),
 }
 SKIP_KINDS = ("skip_attn", "skip_mlp", "skip", "shortcut")
-# the activations (tap kinds, analysis/taps.py) whose unablated values a kind's replacement is made of
+# the activations (tap kinds, analysis/engine/taps.py) whose unablated values a kind's replacement is made of
 SITES = {
     "head": ("proj_in",),
     "attn": ("attn_branch",),

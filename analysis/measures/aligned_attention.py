@@ -68,8 +68,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.attention_maps import _CHUNK_ELEMENTS, BlockSums, block_label, check, map_grid, renormalise
-from analysis.measure import Context, as_list, register
+from analysis.engine.measure import Context, as_list, register
+from analysis.estimators.attention_maps import _CHUNK_ELEMENTS, BlockSums, block_label, check, map_grid, renormalise
 
 PEAK_RTOL = 1e-6
 MAX_OFFSET = 2

@@ -58,9 +58,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from analysis.figures import attention_distance_plot
-from analysis.measure import Measure, register
-from analysis.reduce import all_reduce_sum
+from analysis.engine.figures import attention_distance_plot
+from analysis.engine.measure import Measure, register
+from analysis.engine.reduce import all_reduce_sum
 
 UNITS = ("pixels", "unit_square", "pixel_level")  # the three distance matrices (module docstring), also the result keys
 UNIT_LABELS = {
@@ -276,7 +276,8 @@ class AttentionDistance:
     def sync(self, accelerator=None) -> None:
         """Sum the state over processes with ``torch.distributed.all_reduce`` (SUM) when a process group with more
         than one process is initialised (otherwise nothing). Blocks seen only by some processes are added as zeros
-        elsewhere first. The packed state is summed by :func:`analysis.reduce.all_reduce_sum`. Call it once, after the
+        elsewhere first. The packed state is summed by :func:`analysis.engine.reduce.all_reduce_sum`. Call it once,
+        after the
         last ``update`` and before
         ``compute``: calling it twice sums twice."""
 

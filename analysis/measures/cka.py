@@ -1,8 +1,8 @@
 """``cka``: minibatch CKA between every pair of a model's layers (Raghu et al. 2021 Fig. 1, 2, 8, 12).
 
 The estimator (unbiased HSIC_1 per minibatch, summed over minibatches, float64) is defined in
-analysis/similarity.py, which other measures and the cross-model comparison share. Which layers take part is
-option ``layers`` (:data:`LAYER_SETS`, :func:`cka_layers`); the cross-model comparison (analysis/offline.py
+analysis/estimators/similarity.py, which other measures and the cross-model comparison share. Which layers take part is
+option ``layers`` (:data:`LAYER_SETS`, :func:`cka_layers`); the cross-model comparison (analysis/frontends/runner.py
 ``cross_cka``) uses the same option for both models.
 """
 
@@ -13,13 +13,13 @@ from typing import Literal
 
 import numpy as np
 
+from analysis.engine.figures import cka_heatmap
+from analysis.engine.measure import Measure, as_list, register
+from analysis.estimators.features import has_class_token
+from analysis.estimators.similarity import MinibatchCKA, represent
 from analysis.families import family_of
-from analysis.features import has_class_token
-from analysis.figures import cka_heatmap
-from analysis.measure import Measure, as_list, register
-from analysis.similarity import MinibatchCKA, represent
 
-# Tap kinds (analysis/taps.py) per layer set and architecture, in forward order within a block. A block that
+# Tap kinds (analysis/engine/taps.py) per layer set and architecture, in forward order within a block. A block that
 # lacks a kind (conv3 in a BasicBlock) skips it.
 LAYER_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     # the output of every residual block
@@ -106,7 +106,8 @@ class CKAMeasure(Measure):
 
         HSIC_1(K, L) = [ tr(K~ L~) + 1^T K~ 1 * 1^T L~ 1 / ((n-1)(n-2)) - 2/(n-2) * 1^T K~ L~ 1 ] / (n (n-3)),
 
-    K~, L~ = K, L with zeroed diagonals (:class:`analysis.similarity.MinibatchCKA`; ``unbiased: false`` uses the
+    K~, L~ = K, L with zeroed diagonals (:class:`analysis.estimators.similarity.MinibatchCKA`; ``unbiased: false`` uses
+    the
     biased HSIC_0 = tr(K H L H) / (n-1)^2 that Raghu's eq. 1 writes out). Raghu App. A: minibatches of 1,024,
     10,240 images, averaged over 20 draws (no effect found down to 128 per batch and 2,560 images); ours: the
     suite's analysis minibatch over the analysis split, one draw. A layer's representation of one image is

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.attention_maps import BlockSums, block_label, check, entropy, map_grid, renormalise
-from analysis.measure import Context, as_list, register
+from analysis.engine.measure import Context, as_list, register
+from analysis.estimators.attention_maps import BlockSums, block_label, check, entropy, map_grid, renormalise
 
 
 def cls_attention_sums(attn: Tensor, num_prefix_tokens: int) -> dict[str, Tensor]:

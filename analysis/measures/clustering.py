@@ -4,7 +4,8 @@ Fig. 24/25: purity, NMI, ARI).
 Walmer et al. take the CLS token (and, separately, the average-pooled spatial tokens) at the end of every block for
 the evaluation images, run k-means with k = the number of classes (50 for their ImageNet-50 subset), and score the
 cluster assignments against the ground-truth image labels; the random-chance score replaces the features with
-"Gaussian noise" of the same shape (App. B.3; their code draws uniform [0, 1) noise instead, analysis/baselines.py).
+"Gaussian noise" of the same shape (App. B.3; their code draws uniform [0, 1) noise instead,
+analysis/estimators/baselines.py).
 
 Definitions (features ``X`` [N, d] used as they are, no normalisation; labels ``y`` [N]; K clusters):
 
@@ -22,9 +23,10 @@ In the suite (:class:`ClusteringMeasure`, name ``"clustering"``): the analysis i
 (tap ``<block>.out``), pooled as in :mod:`analysis.knn` (``"cls"`` for CLS models, ``"mean_spatial"``), with
 K = ``ctx.data.num_classes``. The baseline runs the same k-means (same seed) on random features of the same shape,
 seed ``BASELINE_SEED + p * L + l`` for pool p and layer l: standard Gaussian by default
-(:func:`analysis.baselines.gaussian_like`, Walmer's text), uniform [0, 1) with option ``baseline: uniform``
-(:func:`analysis.baselines.uniform_like`, Walmer's code). ResNet features are the plain spatial mean (Walmer study
-ViTs only; Raghu's patching step is for linear probes, see analysis/features.py).
+(:func:`analysis.estimators.baselines.gaussian_like`, Walmer's text), uniform [0, 1) with option ``baseline: uniform``
+(:func:`analysis.estimators.baselines.uniform_like`, Walmer's code). ResNet features are the plain spatial mean (Walmer
+study
+ViTs only; Raghu's patching step is for linear probes, see analysis/estimators/features.py).
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ import torch
 from torch import Tensor
 from torchmetrics.functional.clustering import adjusted_rand_score, normalized_mutual_info_score
 
-from analysis.baselines import DEFAULT_BASELINE, noise_like
-from analysis.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
-from analysis.figures import depth_plot
-from analysis.measure import Context, Measure, as_list, labels_problem, register
+from analysis.engine.figures import depth_plot
+from analysis.engine.measure import Context, Measure, as_list, labels_problem, register
+from analysis.estimators.baselines import DEFAULT_BASELINE, noise_like
+from analysis.estimators.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
 
 N_INIT = 5
 MAX_ITER = 100

@@ -57,10 +57,10 @@ import torch
 import torch.nn as nn
 from matplotlib.patches import Rectangle
 
-from analysis.figures import finish_block_axes, subplots
-from analysis.measure import Context, Measure, as_list, register
-from analysis.reduce import all_reduce_sum, shard
-from analysis.taps import Taps, block_names
+from analysis.engine.figures import finish_block_axes, subplots
+from analysis.engine.measure import Context, Measure, as_list, register
+from analysis.engine.reduce import all_reduce_sum, shard
+from analysis.engine.taps import Taps, block_names
 
 VARIANTS = ("residual", "branch")
 VIT_TAPS = {"residual": "out", "branch": "mlp_branch", "attn_residual": "attn_out", "attn_branch": "attn_branch"}

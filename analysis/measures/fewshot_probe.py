@@ -1,12 +1,13 @@
 """``fewshot_probe``: k-shot linear probes per block and pooling (ViT paper §4.1; Raghu et al. 2021 Fig. 11 right, 13).
 
 Definition. For every block output l and pooling P, with the probe-train split halved class-balanced
-(:func:`analysis.probing.probe_split`: shot half S, held-out half V) and the analysis images A:
+(:func:`analysis.estimators.probing.probe_split`: shot half S, held-out half V) and the analysis images A:
 
     mean[P, l] = mean over seeds s of top1_A( probe fitted on F_P,l[shots_s(S)] ),   std = sample std over seeds
-    baseline[P, l] = the same on random features of the same shapes (Walmer App. B.3, analysis/baselines.py)
+    baseline[P, l] = the same on random features of the same shapes (Walmer App. B.3, analysis/estimators/baselines.py)
 
-where the probe (analysis/probing.py, exact formulas there) is a closed-form ridge regression onto {-1, 1}^K targets
+where the probe (analysis/estimators/probing.py, exact formulas there) is a closed-form ridge regression onto {-1, 1}^K
+targets
 (ViT paper §4.1: "a regularized linear regression problem that maps the (frozen) representation of a subset of
 training images to {-1, 1}^K target vectors"; Raghu App. A: "regularized least-squares regression, following
 Dosovitskiy et al. [...] recovered efficiently in closed form", hyperparameters "tuned [...] on a heldout portion
@@ -18,10 +19,11 @@ bias). Option ``l2``: null (default) = picked on V from the method's grid (big_v
 evaluator exactly, which uses no held-out data). Pools: CLS token, mean of all tokens, mean of spatial tokens
 (Raghu Fig. 11 right, F.3). ResNet: the spatial mean of each block's map, by default after Raghu App. A's patching
 step (option ``resnet_tokens: patch``: p x p patches flattened to C p^2 channels, p automatic as in
-analysis/features.py, or ``resnet_patch``; ``pool``: the plain spatial mean of C channels).
+analysis/estimators/features.py, or ``resnet_patch``; ``pool``: the plain spatial mean of C channels).
 
 Where ours departs: big_vision runs in float32 and draws its shots with numpy's ``default_rng(seed)`` over the
-whole train split; ours runs in float64 and draws with :func:`analysis.probing.sample_shots` from the shot half.
+whole train split; ours runs in float64 and draws with :func:`analysis.estimators.probing.sample_shots` from the shot
+half.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from typing import Literal
 
 import numpy as np
 
-from analysis.baselines import DEFAULT_BASELINE, noise_like
-from analysis.features import final_channels, has_class_token, resnet_patch_side
-from analysis.figures import probe_plot
-from analysis.measure import Measure, as_list, labels_problem, register
-from analysis.probing import (
+from analysis.engine.figures import probe_plot
+from analysis.engine.measure import Measure, as_list, labels_problem, register
+from analysis.engine.reduce import collect
+from analysis.estimators.baselines import DEFAULT_BASELINE, noise_like
+from analysis.estimators.features import final_channels, has_class_token, resnet_patch_side
+from analysis.estimators.probing import (
     DEFAULT_METHOD,
     expand_rows,
     pool_features,
@@ -45,7 +48,6 @@ from analysis.probing import (
     probe_split,
     probe_split_problem,
 )
-from analysis.reduce import collect
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,10 @@ class FewShotOptions:
     shots: int = 10  # examples per class
     seeds: tuple[int, ...] = (0, 1, 2)  # one draw of shots per seed; mean and std over seeds
     pools: tuple[str, ...] = ("cls", "mean", "mean_spatial")  # CLS token, mean of all tokens, mean of spatial tokens
-    method: Literal["big_vision", "centred"] = DEFAULT_METHOD  # the probe's fit (analysis/probing.py)
+    method: Literal["big_vision", "centred"] = DEFAULT_METHOD  # the probe's fit (analysis/estimators/probing.py)
     l2: float | None = None  # ridge l2; None: picked on the held-out half from the method's grid
     resnet_tokens: Literal["patch", "pool"] = "patch"  # Raghu App. A patching step before the spatial mean, or none
-    resnet_patch: int = 0  # patch side for resnet_tokens=patch; 0: automatic (analysis/features.py)
+    resnet_patch: int = 0  # patch side for resnet_tokens=patch; 0: automatic (analysis/estimators/features.py)
     baseline: Literal["gaussian", "uniform"] = DEFAULT_BASELINE  # random features: Walmer's text / Walmer's code
 
     def check(self):

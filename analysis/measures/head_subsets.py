@@ -15,7 +15,7 @@ Definitions. ViT block ``block`` (default 0, the first encoder block) has H head
   spatial tokens only (prefix/CLS rows dropped), flattened to [N * dh]. It is read from the input of ``attn.norm``
   (timm's Attention computes ``x = (attn @ v).transpose(1, 2).reshape(B, T, H * dh)``, so channels
   ``h*dh:(h+1)*dh`` are head h; then ``norm`` -- Identity unless scale_norm --, an optional gate, and ``proj``; for
-  the default Attention this is the input of ``proj``), through the ``heads`` tap (analysis/taps.py).
+  the default Attention this is the input of ``proj``), through the ``heads`` tap (analysis/engine/taps.py).
 - Subsets (Raghu §4, "we take subsets of the ViT attention heads from the first encoder block, ranging from the
   subset corresponding to the most local attention heads to a subset of the representation corresponding to the
   most global attention heads ... plot the mean distance for each subset against CKA similarity"; Fig. 5 caption
@@ -30,7 +30,8 @@ Definitions. ViT block ``block`` (default 0, the first encoder block) has H head
   heads are kept as their own rows (``cka``).
 - ResNet layers: by default the outputs of the residual blocks of the first two stages (taps ``layer{s}.{j}.out``,
   s = 1, 2), flattened per image.
-- CKA: minibatch linear CKA (:class:`analysis.similarity.MinibatchCKA` with ``ys``, unbiased HSIC by default) over the
+- CKA: minibatch linear CKA (:class:`analysis.estimators.similarity.MinibatchCKA` with ``ys``, unbiased HSIC by
+default) over the
 same
   fixed minibatches of ``batch_size`` images for both models; every minibatch needs >= 4 images.
 
@@ -46,12 +47,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.figures import subplots
-from analysis.measure import as_list
+from analysis.engine.figures import subplots
+from analysis.engine.measure import as_list
+from analysis.engine.reduce import ORDER_SEED, Minibatches
+from analysis.engine.taps import Taps, grid_of, is_vit, resnet_blocks
+from analysis.estimators.similarity import MinibatchCKA, represent
 from analysis.measures.attention_distance import UNITS, AttentionDistance
-from analysis.reduce import ORDER_SEED, Minibatches
-from analysis.similarity import MinibatchCKA, represent
-from analysis.taps import Taps, grid_of, is_vit, resnet_blocks
 
 
 def default_resnet_layers(resnet, stages: tuple[int, ...] = (1, 2)) -> list[str]:

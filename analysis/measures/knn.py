@@ -12,10 +12,13 @@ split; the features of every block's output (tap ``<block>.out``) are pooled per
 ResNet: the spatial mean over H, W). Walmer uses the CLS token; the spatial mean is the "average-pooled spatial
 tokens" variant of their §5.2 / Table 6. The random-chance baseline (Walmer App. B.3) is the same k-NN on
 random features of the same shapes, drawn for bank and queries together, with seed ``BASELINE_SEED + p * L + l`` for
-pool p and layer l (seed 0 for the first): by default standard Gaussian (:func:`analysis.baselines.gaussian_like`,
-Walmer's text), with option ``baseline: uniform`` uniform [0, 1) (:func:`analysis.baselines.uniform_like`, Walmer's
-code); why the text is the default in analysis/baselines.py. ResNet features are the plain spatial mean (Walmer
-study ViTs only; Raghu's patching step is for linear probes, see analysis/features.py).
+pool p and layer l (seed 0 for the first): by default standard Gaussian
+(:func:`analysis.estimators.baselines.gaussian_like`,
+Walmer's text), with option ``baseline: uniform`` uniform [0, 1) (:func:`analysis.estimators.baselines.uniform_like`,
+Walmer's
+code); why the text is the default in analysis/estimators/baselines.py. ResNet features are the plain spatial mean
+(Walmer
+study ViTs only; Raghu's patching step is for linear probes, see analysis/estimators/features.py).
 
 Everything is computed in float64.
 """
@@ -28,10 +31,10 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
-from analysis.baselines import DEFAULT_BASELINE, noise_like
-from analysis.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
-from analysis.figures import depth_plot
-from analysis.measure import Context, Measure, as_list, labels_problem, register
+from analysis.engine.figures import depth_plot
+from analysis.engine.measure import Context, Measure, as_list, labels_problem, register
+from analysis.estimators.baselines import DEFAULT_BASELINE, noise_like
+from analysis.estimators.features import PooledFeatures, block_tag, blocks_of, num_classes, pools_for
 from train.knn import TEMPERATURE, K, knn_accuracy, knn_predict  # noqa: F401  (the definition; re-exported)
 
 BASELINE_SEED = 0

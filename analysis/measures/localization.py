@@ -10,7 +10,7 @@ pooled. That is option ``resnet_tokens: pool``, the default here because it is ย
 patching step ("before pooling we split the feature map into patches and flattened each patch [...] All results
 presented in the paper include this additional patching step") is described for the linear probes, and Fig. 9
 itself (ResNet-50's final block, 7 x 7) is unchanged by it. ``resnet_tokens: patch`` applies it (p x p patches
-flattened to C p^2 values before the pooling, same token grid; p as in analysis/features.py or option
+flattened to C p^2 values before the pooling, same token grid; p as in analysis/estimators/features.py or option
 ``resnet_patch``); Raghu's code is not published, so which one their earlier-layer Fig. D.3 uses is not known. The
 input patch at grid position (i, j) is the block of NORMALISED input pixels it covers,
 
@@ -50,11 +50,11 @@ import numpy as np
 import torch
 from matplotlib.patches import Rectangle
 
-from analysis.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
-from analysis.figures import subplots
-from analysis.measure import Context, Measure, as_list, register
-from analysis.reduce import all_reduce_sum, gather_objects
-from analysis.similarity import MinibatchCKA
+from analysis.engine.figures import subplots
+from analysis.engine.measure import Context, Measure, as_list, register
+from analysis.engine.reduce import all_reduce_sum, gather_objects
+from analysis.estimators.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
+from analysis.estimators.similarity import MinibatchCKA
 
 # ---------------------------------------------------------------- the definition, on tensors
 
@@ -124,10 +124,12 @@ def example_tokens(grid: tuple[int, int]) -> list[int]:
 
 @dataclass(frozen=True)
 class LocalizationOptions:
-    kinds: tuple[str, ...] = ("out",)  # taps of every block compared with the input patches (analysis/taps.py kinds)
+    kinds: tuple[str, ...] = (
+        "out",
+    )  # taps of every block compared with the input patches (analysis/engine/taps.py kinds)
     resnet_max_side: int = DEFAULT_MAX_SIDE  # ResNet maps larger than this per side are average-pooled to it
     resnet_tokens: Literal["patch", "pool"] = "pool"  # Raghu ยง7 (pool) or App. A's probe patching step (patch)
-    resnet_patch: int = 0  # patch side for resnet_tokens=patch; 0: automatic (analysis/features.py)
+    resnet_patch: int = 0  # patch side for resnet_tokens=patch; 0: automatic (analysis/estimators/features.py)
     unbiased: bool = True  # HSIC_1 (false: HSIC_0)
 
     def check(self):

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from analysis.figures import norm_ratio_heatmap, norm_ratio_lines
-from analysis.measure import Measure, as_list, register
-from analysis.reduce import all_reduce_tree
+from analysis.engine.figures import norm_ratio_heatmap, norm_ratio_lines
+from analysis.engine.measure import Measure, as_list, register
+from analysis.engine.reduce import all_reduce_tree
 
 EPS = 1e-12
 

@@ -57,11 +57,11 @@ import torch
 from matplotlib.ticker import NullFormatter
 from torch import Tensor
 
-from analysis.attention_maps import block_label
-from analysis.features import has_class_token
-from analysis.figures import subplots
-from analysis.measure import Context, Measure, as_list, register
-from analysis.reduce import all_reduce_tree, collect
+from analysis.engine.figures import subplots
+from analysis.engine.measure import Context, Measure, as_list, register
+from analysis.engine.reduce import all_reduce_tree, collect
+from analysis.estimators.attention_maps import block_label
+from analysis.estimators.features import has_class_token
 
 QUANTILES = (0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
 BINS = 60
@@ -108,7 +108,7 @@ def load_run_results(run_path) -> dict:
     """``{step: token_norms result}`` of a run folder's offline analysis (runs/<name>/analysis/step_*/)."""
     from pathlib import Path
 
-    from analysis.measure import load_result
+    from analysis.engine.measure import load_result
 
     out = {}
     for d in sorted(Path(run_path, "analysis").glob("step_*")):

@@ -9,16 +9,19 @@ block's map [B, C, H, W] is cut into p x p patches, each flattened to C p^2 valu
 the final block's channels (option ``resnet_patch`` fixes p), then average-pooled to at most ``resnet_max_side``
 (default 7) per side; ``resnet_tokens: pool`` skips the patching (one token = the C channels at a pooled position,
 this project's earlier definition). Exact rule and where it departs from the paper (the pooled size: App. A pools to
-the last stage's size) in analysis/features.py.
+the last stage's size) in analysis/estimators/features.py.
 
     acc[l, t] = mean over seeds s of fewshot_probe(F_l,t[shots_s], y[shots_s], F_l,t[analysis], y[analysis])
     std[l, t] = sample std over seeds (0 for one seed)
 
-with the probe of analysis.probing (closed-form ridge onto {-1, 1}^K targets, ViT paper §4.1, Raghu App. A; option
+with the probe of analysis.estimators.probing (closed-form ridge onto {-1, 1}^K targets, ViT paper §4.1, Raghu App. A;
+option
 ``method``, default ``big_vision``: the features of the shots standardised, a constant bias feature 100 appended, as
-big_vision's fewshot_lsr; ``centred``: the project's earlier centred fit -- exact formulas in analysis/probing.py)
-run through :func:`analysis.probing.probe_layers`, under exactly the conventions of the suite's per-layer probes
-(analysis/probing.py :func:`probe_split`): the probe-train split is halved class-balanced with
+big_vision's fewshot_lsr; ``centred``: the project's earlier centred fit -- exact formulas in
+analysis/estimators/probing.py)
+run through :func:`analysis.estimators.probing.probe_layers`, under exactly the conventions of the suite's per-layer
+probes
+(analysis/estimators/probing.py :func:`probe_split`): the probe-train split is halved class-balanced with
 ``train.splits.balanced_indices(labels, n // 2, seed=12345)``; the shots (option ``shots`` per class, default 10) of
 seed s are drawn from that first half by ``sample_shots(labels, shots, s)`` (option ``seeds``, default (0, 1, 2)),
 and the ridge regulariser (option ``l2``) is, by default (null), picked on the second half from the method's grid,
@@ -44,7 +47,10 @@ from typing import Literal
 import numpy as np
 import torch
 
-from analysis.features import (
+from analysis.engine.figures import subplots
+from analysis.engine.measure import Context, Measure, as_list, labels_problem, register
+from analysis.engine.reduce import collect
+from analysis.estimators.features import (
     DEFAULT_MAX_SIDE,
     final_channels,
     has_class_token,
@@ -52,9 +58,7 @@ from analysis.features import (
     resnet_patch_side,
     spatial_tokens,
 )
-from analysis.figures import subplots
-from analysis.measure import Context, Measure, as_list, labels_problem, register
-from analysis.probing import (
+from analysis.estimators.probing import (
     DEFAULT_METHOD,
     expand_rows,
     probe_layers,
@@ -62,7 +66,6 @@ from analysis.probing import (
     probe_split,
     probe_split_problem,
 )
-from analysis.reduce import collect
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,10 @@ class TokenProbeOptions:
     shots: int = 10  # examples per class
     seeds: tuple[int, ...] = (0, 1, 2)
     stride: int = 1  # probe the grid positions whose row and column are multiples of stride
-    method: Literal["big_vision", "centred"] = DEFAULT_METHOD  # the probe's fit (analysis/probing.py)
+    method: Literal["big_vision", "centred"] = DEFAULT_METHOD  # the probe's fit (analysis/estimators/probing.py)
     l2: float | None = None  # ridge l2; None: picked on the held-out half from the method's grid
     resnet_tokens: Literal["patch", "pool"] = "patch"  # Raghu App. A patching step, or plain pooling
-    resnet_patch: int = 0  # patch side for resnet_tokens=patch; 0: automatic (analysis/features.py)
+    resnet_patch: int = 0  # patch side for resnet_tokens=patch; 0: automatic (analysis/estimators/features.py)
     resnet_max_side: int = DEFAULT_MAX_SIDE  # ResNet maps larger than this per side are average-pooled to it
 
     def check(self):
@@ -118,7 +121,8 @@ def token_probe_accuracies(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(acc [T], std [T]): a few-shot probe per token of ``train_x`` [n, T, D] on that token's features only, scored
     on ``test_x`` [m, T, D] (``l2`` fixed, or picked on ``val_x`` [v, T, D] when given), via
-    :func:`analysis.probing.probe_layers` with ``method`` (shots drawn per seed from ``train_y``, the same images for
+    :func:`analysis.estimators.probing.probe_layers` with ``method`` (shots drawn per seed from ``train_y``, the same
+    images for
     every token)."""
     tokens = range(train_x.shape[1])
     tr = {str(t): train_x[:, t] for t in tokens}

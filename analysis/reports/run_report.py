@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis import storage
-from analysis.figures import save, subplots
-from analysis.images import BUNDLED
-from analysis.measure import as_list, load_result
+from analysis.engine.figures import save, subplots
+from analysis.engine.measure import as_list, load_result
+from analysis.results import storage
+from analysis.sources.images import BUNDLED
 from train.checkpoint import CheckpointError, read_meta
 
 

@@ -1,7 +1,7 @@
 """Each paper's study as a plug-in: one folder per paper, found by its name.
 
 A paper is a subpackage of this package (or a module published under the ``vitlab.studies`` entry-point group by
-another package) that defines ``PAPER``, an :class:`analysis.reports.claims.Paper`: its claims (each declared once,
+another package) that defines ``PAPER``, an :class:`analysis.studies.claims.Paper`: its claims (each declared once,
 its text beside the code that computes it), the sections its report shows before the claims, and the defaults a study
 file of that paper gets. Nothing outside the folder names the paper: ``./launch.sh study FILE`` finds it by the study
 file's ``paper:`` key (or its ``study:`` name), and adding a paper is adding a folder.
@@ -14,7 +14,7 @@ import importlib
 import pkgutil
 from importlib.metadata import entry_points
 
-from analysis.reports.claims import Paper
+from analysis.studies.claims import Paper
 
 __all__ = ["Paper", "paper", "paper_for", "papers"]
 
@@ -34,7 +34,7 @@ def papers(refresh: bool = False) -> dict[str, Paper]:
         mod = importlib.import_module(name)
         p = getattr(mod, "PAPER", None)
         if not isinstance(p, Paper):
-            raise TypeError(f"study plug-in {name} defines no PAPER (an analysis.reports.claims.Paper)")
+            raise TypeError(f"study plug-in {name} defines no PAPER (an analysis.studies.claims.Paper)")
         if p.name in found:
             raise ValueError(f"two study plug-ins are called {p.name!r} ({name} and another); names must be unique")
         found[p.name] = p

@@ -1,7 +1,7 @@
 """The ablation measure against independent references: plain forwards of the whole model with the intervention made
 another way (a training-time head mask, a block built without its skip, zeroed value weights, explicit hooks that
 substitute means or another image's activation), read out by plain code (argmax, cross-entropy, train.knn, the
-MinibatchCKA of analysis.similarity)."""
+MinibatchCKA of analysis.estimators.similarity)."""
 
 import copy
 
@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from conftest import class_split, tiny_vit
 
-from analysis.api import analyze
-from analysis.measure import load_result, save_result
+from analysis.engine.measure import load_result, save_result
+from analysis.engine.reduce import Minibatches
+from analysis.estimators.similarity import MinibatchCKA
+from analysis.frontends.api import analyze
 from analysis.measures.ablation import Ablation, resample_permutation
-from analysis.reduce import Minibatches
-from analysis.similarity import MinibatchCKA
 from interventions import head_mask
 from interventions.no_skip import block_classes
 from train.knn import knn_accuracy

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ROOT, class_split, tiny_vit
 
-from analysis.api import analyze
+from analysis.frontends.api import analyze
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,7 +104,7 @@ def test_bad_input_is_one_sentence():
 def test_the_first_notebook_is_told_what_is_missing_in_the_apis_words():
     """The default measures with labels= but no probe images, and probe images too few per class for the shots: the
     sentence names the argument that is missing (not labels=, not a recipe key); typos get the closest name."""
-    from analysis.api import activations
+    from analysis.frontends.api import activations
 
     model, a, p = tiny_vit(), class_split(16, 0), class_split(100, 1)  # 10 probe images per class
     with pytest.raises(ValueError) as e:
@@ -151,8 +151,8 @@ def test_the_first_notebook_is_told_what_is_missing_in_the_apis_words():
 def test_activations_stream_the_taps_to_a_dict_and_to_disk(tmp_path):
     import json
 
-    from analysis.api import activations, iter_activations
-    from analysis.taps import Taps
+    from analysis.engine.taps import Taps
+    from analysis.frontends.api import activations, iter_activations
 
     model = tiny_vit().train()
     a = class_split(25, 0)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import tiny_vit
 
-from analysis.measure import Context, load_result, save_result
+from analysis.engine.measure import Context, load_result, save_result
+from analysis.engine.taps import Taps, block_names, grid_of
 from analysis.measures.aligned_attention import (
     AlignedAttention,
     aligned_attention_maps,
@@ -22,7 +23,6 @@ from analysis.measures.aligned_attention import (
     offset_local_heads,
 )
 from analysis.measures.cls_attention import ClsAttention, cls_attention_maps
-from analysis.taps import Taps, block_names, grid_of
 
 
 def _softmax_attention(batch, heads, tokens, seed):

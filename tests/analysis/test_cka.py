@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from analysis.similarity import MinibatchCKA, center_unbiased, cka, represent
+from analysis.estimators.similarity import MinibatchCKA, center_unbiased, cka, represent
 
 
 def ref_cka(x, y, unbiased=True):
@@ -63,7 +63,7 @@ def test_minibatch_sums_hsic_over_minibatches():
         m.update([x[b * 32 : (b + 1) * 32] for x in xs], [y[b * 32 : (b + 1) * 32] for y in ys])
 
     def hs(a, b):
-        from analysis.similarity import center_unbiased, gram
+        from analysis.estimators.similarity import center_unbiased, gram
 
         return float((center_unbiased(gram(a)) * center_unbiased(gram(b))).sum() / (32 * 29))
 
@@ -233,7 +233,7 @@ def test_centred_gram_uses_float32_syrk_without_a_float64_copy(monkeypatch):
     triangle, float32), one chunk at a time, with one thread; small or float64 inputs through dsyrk."""
     import scipy.linalg.blas as B
 
-    from analysis import similarity as C
+    from analysis.estimators import similarity as C
 
     seen = []
 
@@ -271,14 +271,15 @@ def test_centred_gram_uses_float32_syrk_without_a_float64_copy(monkeypatch):
 
 
 @pytest.mark.skipif(
-    __import__("analysis.similarity", fromlist=["x"])._torch_mkl_syrk() is None, reason="torch links no MKL here"
+    __import__("analysis.estimators.similarity", fromlist=["x"])._torch_mkl_syrk() is None,
+    reason="torch links no MKL here",
 )
 def test_centred_gram_uses_torchs_mkl_syrk_at_every_thread_count(monkeypatch):
     """Where torch links MKL, its ssyrk forms each chunk's upper triangle in torch's own thread pool at 1 and 2
     threads (dsyrk for small or float64 inputs), and the Gram is the centred X X^T; scipy's BLAS is not called."""
     import scipy.linalg.blas as B
 
-    from analysis import similarity as C
+    from analysis.estimators import similarity as C
 
     real, seen = C._torch_mkl_syrk(), []
 
@@ -312,7 +313,7 @@ def test_centred_gram_uses_torchs_mkl_syrk_at_every_thread_count(monkeypatch):
 def test_a_syrk_that_does_not_form_exactly_the_upper_triangle_is_refused(monkeypatch):
     """The self-check that guards the MKL routine's calling convention: one that writes nothing, or the whole
     Gram, is refused; a correct one passes; VITLAB_MKL_SYRK=0 turns MKL off."""
-    from analysis import similarity as C
+    from analysis.estimators import similarity as C
 
     def upper(a, c):
         c.copy_((a @ a.T).triu().T)  # column-major upper = row-major lower
@@ -333,7 +334,7 @@ def test_a_syrk_that_does_not_form_exactly_the_upper_triangle_is_refused(monkeyp
 
 def test_blocked_gram_multiplies_only_the_upper_block_triangle(monkeypatch):
     """The path for devices without syrk (CUDA): 4 block rows x rows r.. per chunk, float32, and the same Gram."""
-    from analysis import similarity as C
+    from analysis.estimators import similarity as C
 
     seen = []
     real_mm = torch.mm
@@ -369,7 +370,7 @@ def test_blocked_gram_multiplies_only_the_upper_block_triangle(monkeypatch):
 def test_centred_gram_from_its_upper_triangle_is_the_whole_symmetric_gram(n):
     """Only the upper triangle is formed and the rest mirrored: the result equals the float64 centred X X^T
     everywhere (any n, a shorter last chunk included) and is exactly symmetric."""
-    from analysis import similarity as C
+    from analysis.estimators import similarity as C
 
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, 700, generator=g) + 3
@@ -383,7 +384,7 @@ def test_blas_threads_follow_torch_and_are_restored():
     """scipy's BLAS runs torch's thread count inside the Gram and its own count again after."""
     from threadpoolctl import threadpool_info
 
-    from analysis.similarity import _BlasThreads
+    from analysis.estimators.similarity import _BlasThreads
 
     before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
     t = torch.get_num_threads()
@@ -399,7 +400,7 @@ def test_blas_threads_follow_torch_and_are_restored():
 @pytest.mark.parametrize("unbiased", [True, False])
 def test_both_centrings_ignore_a_shift_of_the_features(unbiased):
     """U(K) and HKH are unchanged by X -> X - 1 m^T for any m (K gains -a1^T - 1a^T + c11^T), diagonal included."""
-    from analysis.similarity import center_biased, gram
+    from analysis.estimators.similarity import center_biased, gram
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(12, 9, generator=g, dtype=torch.float64)
@@ -412,7 +413,7 @@ def test_both_centrings_ignore_a_shift_of_the_features(unbiased):
 def test_centred_gram_is_mean_centred_whatever_the_first_rows_shift():
     """The shift comes from the first rows only; the double centring in float64 must still give the Gram of the
     mean-centred features when those rows are far from the mean (a sorted minibatch), and CKA must not move."""
-    from analysis import similarity as C
+    from analysis.estimators import similarity as C
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 900, generator=g) + 5
@@ -431,7 +432,7 @@ def test_a_representation_constant_up_to_rounding_has_no_cka_on_any_host(unbiase
     """Rows computed from one input differ by a few float32 roundings depending on where a BLAS kernel puts them
     (host, threads, processes); CKA of that noise was NaN on one host and ~1 on another. Below CONSTANT_SPREAD of
     its size a representation is constant: HSIC exactly 0, CKA NaN, in every path; a small real spread is kept."""
-    from analysis.similarity import CONSTANT_SPREAD, hsic_gram
+    from analysis.estimators.similarity import CONSTANT_SPREAD, hsic_gram
 
     g = torch.Generator().manual_seed(3)
     y = torch.randn(32, 300, generator=g)

@@ -11,14 +11,14 @@ from conftest import class_split, tiny_resnet, tiny_vit
 from timm.models.mlp_mixer import MlpMixer
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 
-from analysis import offline
-from analysis.__main__ import main as analysis_main
-from analysis.measure import MeasureError, make_options
+from analysis.engine.measure import MeasureError, make_options
+from analysis.engine.suite import make_context, suite_options
+from analysis.engine.taps import TapError, Taps, available_taps, block_kinds
+from analysis.estimators.similarity import cka
+from analysis.frontends.cli import main as analysis_main
 from analysis.measures.cka import LAYER_SETS, CKAMeasure, cka_layers
 from analysis.measures.localization import Localization, LocalizationOptions
-from analysis.similarity import cka
-from analysis.suite import make_context, suite_options
-from analysis.taps import TapError, Taps, available_taps, block_kinds
+from analysis.reports import cross as XC
 from train.data import TensorBatches
 
 
@@ -219,7 +219,7 @@ def test_cka_measure_on_all_layers_is_pairwise_cka_of_the_taps(make):
         want = cka(cap[taps[i]].flatten(1), cap[taps[j]].flatten(1))
         assert r["matrix"][i, j] == pytest.approx(
             want, abs=2e-7
-        )  # float32 Gram products summed in float64 (analysis/similarity.py)
+        )  # float32 Gram products summed in float64 (analysis/estimators/similarity.py)
 
 
 def test_cross_cka_uses_the_layer_set():
@@ -227,13 +227,13 @@ def test_cross_cka_uses_the_layer_set():
     split = TensorBatches(s.images, s.labels)
     data = types.SimpleNamespace(analysis=split, normalize=lambda x: x.float() / 255)
     vit, res = tiny_vit(), _perturb_bn(tiny_resnet())  # timm zero-initialises the last BN: a constant bn2 has no CKA
-    out = offline.cross_cka(vit, res, data, suite_options(["cka"], 8, {"cka": {"layers": "paper"}}))
+    out = XC.cross_cka(vit, res, data, suite_options(["cka"], 8, {"cka": {"layers": "paper"}}))
     assert out["matrix"].shape == (2 * 7, 4 * 5)
     assert out["labels_a"][:3] == ["0.norm1", "0.attn_branch", "0.attn"] and out["labels_b"][:2] == [
         "layer1.0.conv1",
         "layer1.0.bn1",
     ]
-    same = offline.cross_cka(res, res, data, suite_options(["cka"], 8, {"cka": {"layers": "all"}}))
+    same = XC.cross_cka(res, res, data, suite_options(["cka"], 8, {"cka": {"layers": "all"}}))
     assert np.allclose(same["same_index"], 1.0) and len(same["same_index"]) == 1 + 4 * 6 + 4
 
 

@@ -16,9 +16,9 @@ import pytest
 import yaml
 from conftest import TINY, _merge
 
-import analysis.measure as M
-from analysis.__main__ import list_measures, main, parser
-from analysis.reports.compare import main as compare_main
+import analysis.engine.measure as M
+from analysis.frontends.cli import list_measures, main, parser
+from analysis.frontends.compare import main as compare_main
 from train.recipe import load_recipe
 from train.trainer import train
 
@@ -26,7 +26,7 @@ PLUGIN = textwrap.dedent('''
     from dataclasses import dataclass
     from typing import Literal
 
-    from analysis.measure import Measure
+    from analysis.engine.measure import Measure
 
 
     @dataclass(frozen=True)
@@ -153,7 +153,8 @@ def test_launch_sh_resolves_paths_against_the_callers_folder(tmp_path):
 
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="launch.sh's setup wants the data")
 def test_launch_sh_pretrained_runs_the_converter_in_the_virtualenv(tmp_path):
-    """The README's offline real-ViT step: ./launch.sh pretrained is python -m analysis.pretrained in the venv (the
+    """The README's offline real-ViT step: ./launch.sh pretrained is python -m analysis.sources.pretrained in the venv
+    (the
     system Python has no torch), with paths relative to the caller's folder."""
     venv = fake_venv(tmp_path / "venv")
     (venv / ".vitlab-installed").write_text(stamp_of(ROOT))
@@ -161,7 +162,7 @@ def test_launch_sh_pretrained_runs_the_converter_in_the_virtualenv(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "error: ONNX file 'missing.onnx' does not exist."
     r = launch(ROOT / "launch.sh", ["pretrained", "--help"], tmp_path, venv)
-    assert r.returncode == 0 and "usage: python -m analysis.pretrained" in r.stdout
+    assert r.returncode == 0 and "usage: python -m analysis.sources.pretrained" in r.stdout
 
 
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="launch.sh's setup wants the data")
@@ -235,7 +236,7 @@ def test_compare_takes_measure_options(tiny_run, tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare_main(["--help"])
     out = capsys.readouterr().out
-    assert "usage: python -m analysis.reports.compare" in out and "--opt MEASURE.OPTION=VALUE" in out
+    assert "usage: python -m analysis.frontends.compare" in out and "--opt MEASURE.OPTION=VALUE" in out
 
 
 # ---------------------------------------------------------------- figures a paper reader recognises
@@ -269,7 +270,7 @@ def test_attention_distance_figure_has_head_legend_uniform_line_and_whole_labels
     assert line.get_ydata()[0] == pytest.approx(expected) and ax.get_ylim()[1] > expected
     assert _inside(fig, ax.yaxis.label) and _inside(fig, ax.xaxis.label) and _inside(fig, legend)
     # more heads than tab10 has colours: a colourbar names them instead
-    from analysis.figures import attention_distance_plot
+    from analysis.engine.figures import attention_distance_plot
 
     fig = attention_distance_plot(rng.uniform(1, 12, (4, 16)), uniform=10.0)
     assert any(a.get_ylabel() == "head" for a in fig.axes[1:]) and _inside(fig, fig.axes[0].yaxis.label)
@@ -290,8 +291,8 @@ def test_a_truncated_norm_ratio_heatmap_says_which_tokens_it_shows():
 
 
 def test_cka_figures_have_colourbar_axis_labels_and_every_layer_named(tmp_path):
+    from analysis.frontends.compare import cka_grid
     from analysis.measures.cka import CKAMeasure
-    from analysis.reports.compare import cka_grid
 
     labels = [f"{b}.{k}" for b in range(6) for k in ("norm1", "attn", "norm2", "mlp")]
     m = np.random.default_rng(0).uniform(0, 1, (24, 24))
@@ -307,7 +308,7 @@ def test_cka_figures_have_colourbar_axis_labels_and_every_layer_named(tmp_path):
     # compare's grid: one panel per run, every layer named on both axes, one colourbar
     results = {n: {"cka": {"matrix": m, "labels": labels}} for n in ("a", "b", "c")}
     drawn = {}
-    import analysis.reports.compare as C
+    import analysis.frontends.compare as C
 
     real = C.save
     C.save = lambda fig, path: drawn.setdefault("fig", fig) and real(fig, path)
@@ -417,9 +418,9 @@ def few_probe_images(tiny_run, tmp_path):
 def test_measures_all_skips_each_measure_whose_precondition_fails_with_a_line(few_probe_images, capsys):
     """100 probe-train images are too few for 10 shots per class: with --measures all the probes are skipped with a
     line each saying why and the rest is kept; named, such a measure stops the run before anything is computed."""
-    from analysis import offline as O
-    from analysis import suite as S
-    from analysis.__main__ import runnable
+    from analysis.engine import suite as S
+    from analysis.frontends.cli import runnable
+    from analysis.results import runs as RF
 
     run, base = few_probe_images
     assert main([*base, "--measures", "cka,fewshot_probe"]) == 2
@@ -427,7 +428,7 @@ def test_measures_all_skips_each_measure_whose_precondition_fails_with_a_line(fe
     assert err.startswith("error: measure fewshot_probe draws 10 shots") and "\n" not in err
     assert "--opt fewshot_probe.shots=5" in err and "data.probe_train_size to" not in err  # the command line's words
     assert not (run / "analysis").exists()  # nothing computed
-    kept = runnable(O.open_run(run), S.suite_options("all"), "all")
+    kept = runnable(RF.open_run(run), S.suite_options("all"), "all")
     lines = capsys.readouterr().err.splitlines()
     assert [ln.partition(":")[0] for ln in lines] == ["skipped fewshot_probe", "skipped token_probes"], lines
     assert all("probe-train" in ln for ln in lines)

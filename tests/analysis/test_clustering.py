@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import class_split, tiny_resnet, tiny_vit
 
-from analysis.baselines import gaussian_like, uniform_like
-from analysis.measure import REGISTRY, Context, load_result, make_options, save_result
+from analysis.engine.measure import REGISTRY, Context, load_result, make_options, save_result
+from analysis.engine.taps import Taps, block_names
+from analysis.estimators.baselines import gaussian_like, uniform_like
 from analysis.measures.clustering import ClusteringMeasure, cluster_scores, kmeans, purity
-from analysis.taps import Taps, block_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

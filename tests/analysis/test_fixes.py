@@ -1,6 +1,6 @@
 """Each precondition names the piece that is missing and the fix in the words of the front end that was used: the
 recipe (callback), the command line on a run folder, on a recipe's data (--model) and on --images, and the API with
-tensors or a folder (analysis/fixes.py). No model runs here: the suite's checks read the data alone."""
+tensors or a folder (analysis/engine/fixes.py). No model runs here: the suite's checks read the data alone."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from analysis import suite as S
-from analysis.fixes import VOCAB, BatchSizes, Missing, skip_lines
+from analysis.engine import suite as S
+from analysis.engine.fixes import VOCAB, BatchSizes, Missing, skip_lines
 from train.splits import TensorBatches
 
 FRONTS = ("recipe", "run", "model", "images", "api", "api_folder")

@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import tiny_vit
 
-from analysis.measure import load_result, save_result
+from analysis.engine.measure import load_result, save_result
+from analysis.engine.taps import Taps
+from analysis.estimators.similarity import cka
 from analysis.measures.attention_distance import attention_distance
 from analysis.measures.head_subsets import default_resnet_layers, head_subset_cka, head_subset_figure, split_heads
-from analysis.similarity import cka
-from analysis.taps import Taps
 
 N_IMAGES = 12
 

@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from analysis import offline as O
-from analysis.__main__ import main as analysis_main
-from analysis.api import analyze
+from analysis.frontends.api import analyze
+from analysis.frontends.cli import main as analysis_main
+from analysis.sources import models as MS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,8 +41,8 @@ def _folder(root, classes=("cats", "dogs"), n=3, size=(40, 70)):
 
 
 def test_implied_size_and_model_preprocessing(tiny_weights, tmp_path):
-    assert O.implied_img_size("timm:vit_tiny_patch16_224", str(tiny_weights)) == 48
-    run = O.external_run(
+    assert MS.implied_img_size("timm:vit_tiny_patch16_224", str(tiny_weights)) == 48
+    run = MS.external_run(
         "timm:vit_tiny_patch16_224",
         str(tiny_weights),
         "recipes/default.yaml",
@@ -50,7 +50,7 @@ def test_implied_size_and_model_preprocessing(tiny_weights, tmp_path):
         tmp_path / "out",
         images=_folder(tmp_path / "imgs", classes=("",)),
     )
-    data = O.load_data(run)
+    data = MS.load_data(run)
     assert data.analysis.images.shape == (3, 3, 48, 48)  # resized shorter side, centre-cropped to the model's size
     cfg = timm.data.resolve_data_config({}, model=timm.create_model("vit_tiny_patch16_224", pretrained=False))
     assert data.mean.tolist() == pytest.approx(list(cfg["mean"])) and data.std.tolist() == pytest.approx(
@@ -79,7 +79,7 @@ def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "knn" in err and "subfolder per class" in err
     assert not (tmp_path / "a").exists()
-    from analysis import publish
+    from analysis.results import publish
 
     titled, draw = [], publish.make_figures
     monkeypatch.setattr(
@@ -95,10 +95,10 @@ def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(
     assert f"## timm:vit_tiny_patch16_224, weights tiny.safetensors, on the images in {imgs}\n" in report
     assert "## Step" not in report
     capsys.readouterr()
-    from analysis import suite as S
-    from analysis.__main__ import runnable
+    from analysis.engine import suite as S
+    from analysis.frontends.cli import runnable
 
-    run = O.external_run(
+    run = MS.external_run(
         "timm:vit_tiny_patch16_224", str(tiny_weights), "recipes/default.yaml", [], tmp_path / "c", images=imgs
     )
     kept = runnable(run, S.suite_options("all", 4), "all")  # --measures all: what can run runs, the rest is named
@@ -225,16 +225,16 @@ def test_a_recipe_for_a_model_from_elsewhere_decodes_only_the_analysed_rows(tiny
     """Fashion-MNIST at 48 x 48 x 3 for a model from elsewhere: the 60k-image train split stays on disk (lazy), and only
     the analysis rows (and as many eval rows) are decoded."""
     p = write_recipe(data={"train_size": None, "eval_size": None, "probe_train_size": 20, "analysis_size": 16})
-    run = O.external_run(
+    run = MS.external_run(
         "timm:vit_tiny_patch16_224", str(tiny_weights), p, ["data.img_size=48", "data.in_chans=3"], tmp_path / "o"
     )
-    data = O.load_data(run)
+    data = MS.load_data(run)
     assert type(data.train).__name__ == "LazySplit"
     assert len(data.eval) == 16 and data.analysis.images.shape == (16, 3, 48, 48)
     assert data.mean.tolist() == pytest.approx(
         [0.5, 0.5, 0.5]
     )  # vit_tiny's pretrained configuration: mean 0.5, std 0.5
-    run2 = O.external_run(
+    run2 = MS.external_run(
         "timm:vit_tiny_patch16_224",
         str(tiny_weights),
         p,
@@ -242,7 +242,7 @@ def test_a_recipe_for_a_model_from_elsewhere_decodes_only_the_analysed_rows(tiny
         tmp_path / "o2",
         preprocessing="recipe",
     )
-    assert O.load_data(run2).mean.tolist() != pytest.approx([0.5, 0.5, 0.5])
+    assert MS.load_data(run2).mean.tolist() != pytest.approx([0.5, 0.5, 0.5])
 
 
 def test_a_model_from_elsewhere_is_headed_by_its_name_weights_and_images():
@@ -267,7 +267,7 @@ def test_a_model_from_elsewhere_is_headed_by_its_name_weights_and_images():
 # long it took (% (image folder, output folder))
 PRETRAINED_OFFLINE = """
 import time
-from analysis.__main__ import main
+from analysis.frontends.cli import main
 t0 = time.perf_counter()
 rc = main(["--model", "timm:vit_tiny_patch16_224", "--weights", "pretrained", "--images", %r, "--out", %r])
 print(f"{rc} {time.perf_counter() - t0:.1f}")
@@ -275,9 +275,13 @@ print(f"{rc} {time.perf_counter() - t0:.1f}")
 
 PRETRAINED_CACHED = """
 import time
-from analysis import offline as O
+from analysis.results import runs as RF
+from analysis.sources import models as MS
+from analysis.frontends import runner as RN
+from analysis.reports import cross as XC
+from analysis.results import folders as RF0
 t0 = time.perf_counter()
-m = O.model_from_timm("timm:vit_tiny_patch16_224", "pretrained", 1000, 3, 224)
+m = MS.model_from_timm("timm:vit_tiny_patch16_224", "pretrained", 1000, 3, 224)
 print(f"{time.perf_counter() - t0:.1f} {float(m.cls_token.flatten()[0])}")
 """
 

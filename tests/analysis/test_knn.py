@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import class_split, tiny_resnet, tiny_vit
 
-from analysis.baselines import gaussian_like, gaussian_like_layers, noise_like, uniform_like
-from analysis.features import pool_features
-from analysis.measure import REGISTRY, Context, load_result, make_options, save_result
+from analysis.engine.measure import REGISTRY, Context, load_result, make_options, save_result
+from analysis.engine.taps import Taps, block_names
+from analysis.estimators.baselines import gaussian_like, gaussian_like_layers, noise_like, uniform_like
+from analysis.estimators.features import pool_features
 from analysis.measures.knn import KNNMeasure, knn_accuracy, knn_predict
-from analysis.taps import Taps, block_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 from conftest import tiny_vit
 
-from analysis.measure import REGISTRY, Context, load_result, save_result
+from analysis.engine.measure import REGISTRY, Context, load_result, save_result
+from analysis.engine.taps import Taps, block_names, grid_of
+from analysis.estimators.similarity import cka
 from analysis.measures.localization import (
     Localization,
     LocalizationOptions,
@@ -19,8 +21,6 @@ from analysis.measures.localization import (
     localization_scores,
     spatial_tokens,
 )
-from analysis.similarity import cka
-from analysis.taps import Taps, block_names, grid_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -170,7 +170,7 @@ def test_minibatches_accumulate_hsic():
     a = localization_cka(tokens, x, (2, 2), batch_size=10)
     assert a.shape == (4, 4) and a.dtype == torch.float64
     # explicit reference: per-batch unbiased HSIC sums from analysis.cka's centring
-    from analysis.similarity import center_unbiased, gram
+    from analysis.estimators.similarity import center_unbiased, gram
 
     ref = torch.zeros(4, 4, dtype=torch.float64)
     for t in range(4):
@@ -270,7 +270,7 @@ def test_round_trip_and_figures(tmp_path):
     json.dumps(Localization.summary(back))
     figs = Localization.figures(back, step=3)
     assert set(figs) == {"localization/block00", "localization/block01", "localization/score"}
-    from analysis.figures import save
+    from analysis.engine.figures import save
 
     for tag, fig in figs.items():
         save(fig, tmp_path / f"{tag.replace('/', '_')}.png")

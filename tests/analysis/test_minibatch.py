@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 from test_images_cli import _folder
 
-from analysis import offline as O
-from analysis import suite as S
-from analysis.__main__ import main
+from analysis.engine import suite as S
+from analysis.frontends import runner as RN
+from analysis.frontends.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GiB = 2**30
@@ -94,12 +94,12 @@ def test_running_out_of_memory_is_one_sentence_naming_a_smaller_batch_size(tiny,
     def no_memory(*a, **k):
         raise error
 
-    monkeypatch.setattr(O, "analyze_run", no_memory)
+    monkeypatch.setattr(RN, "analyze_run", no_memory)
     assert main([*tiny, "--out", str(tmp_path / "a"), "--batch-size", "12"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
         "error: not enough memory to analyse in minibatches of 12: pass a smaller --batch-size, e.g. --batch-size 6."
     )
-    monkeypatch.setattr(O, "analyze_run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    monkeypatch.setattr(RN, "analyze_run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):  # anything else is not dressed up as a user error
         main([*tiny, "--out", str(tmp_path / "b"), "--batch-size", "12"])

@@ -1,5 +1,5 @@
-"""Offline analysis (python -m analysis, analysis.reports.compare): same numbers as at training time, cached, cross-run
-CKA, reports, and one sentence + exit 2 for every bad input."""
+"""Offline analysis (python -m analysis, analysis.frontends.compare): same numbers as at training time, cached,
+cross-run CKA, reports, and one sentence + exit 2 for every bad input."""
 
 import json
 import os
@@ -11,10 +11,13 @@ import pytest
 import yaml
 from conftest import TINY, _merge
 
-from analysis import offline as O
-from analysis import suite as S
-from analysis.__main__ import main
+from analysis.engine import suite as S
+from analysis.frontends.cli import main
+from analysis.reports import cross as XC
 from analysis.reports.run_report import check_report
+from analysis.results import folders as RF0
+from analysis.results import runs as RF
+from analysis.sources import models as MS
 from train.recipe import load_recipe
 from train.trainer import train
 
@@ -83,7 +86,7 @@ def test_against_itself_gives_a_cka_diagonal_of_one_and_a_whole_report(runs, tmp
     run = tmp_path / "vit"
     shutil.copytree(runs["vit"], run)
     assert main([str(run), "--against", f"{run}:8", *ARGS]) == 0
-    res = np.load(O.against_dir(O.open_run(run), 8, O.open_run(run), 8) / "cross_cka.npz")
+    res = np.load(XC.against_dir(RF.open_run(run), 8, RF.open_run(run), 8) / "cross_cka.npz")
     assert np.allclose(np.diag(res["matrix"]), 1.0, atol=1e-6) and np.allclose(res["same_index"], 1.0, atol=1e-6)
     assert (run / "figures" / "against" / "vit_step_0000008" / "step_0000008" / "cross_cka.png").is_file()
     report = run / "report.md"
@@ -95,12 +98,12 @@ def test_against_itself_gives_a_cka_diagonal_of_one_and_a_whole_report(runs, tmp
 def test_against_a_resnet_gives_the_cross_architecture_map(runs, tmp_path):
     run = tmp_path / "vit"
     shutil.copytree(runs["vit"], run)
-    a = O.against(O.open_run(run), O.open_run(runs["resnet"]), 8, opts=S.SuiteOptions(batch_size=32), progress=False)
+    a = XC.against(RF.open_run(run), RF.open_run(runs["resnet"]), 8, opts=S.SuiteOptions(batch_size=32), progress=False)
     m = a["results"][8]["matrix"]
     assert (
         m.shape == (4, 4) and np.isfinite(m).all() and "same_index" not in a["results"][8]
     )  # 2 ViT blocks x 2 sublayers vs 4 stages
-    d = O.against_dir(O.open_run(run), 8, O.open_run(runs["resnet"]), 8)
+    d = XC.against_dir(RF.open_run(run), 8, RF.open_run(runs["resnet"]), 8)
     heads = np.load(d / "head_subsets.npz")
     assert sorted(heads["head_order"].tolist()) == [0, 1] and np.all(
         np.diff(heads["head_distance"]) >= 0
@@ -109,7 +112,7 @@ def test_against_a_resnet_gives_the_cross_architecture_map(runs, tmp_path):
 
 
 def test_compare_draws_runs_side_by_side(runs, tmp_path):
-    from analysis.reports.compare import main as compare_main
+    from analysis.frontends.compare import main as compare_main
 
     vit, resnet = tmp_path / "vit", tmp_path / "resnet"
     shutil.copytree(runs["vit"], vit)
@@ -130,7 +133,7 @@ def test_compare_draws_runs_side_by_side(runs, tmp_path):
 
 
 def test_compare_on_runs_too_small_for_the_probe_is_one_sentence(runs, tmp_path, capsys):
-    from analysis.reports.compare import main as compare_main
+    from analysis.frontends.compare import main as compare_main
 
     small = tmp_path / "small"
     shutil.copytree(runs["vit"], small)
@@ -289,36 +292,36 @@ def test_checkpoints_pruned_while_analysing_are_skipped(runs, tmp_path, monkeypa
     not reported as damaged (no advice to delete anything); the rest is analysed and the report written."""
     run = tmp_path / "vit"
     shutil.copytree(runs["vit"], run)
-    real_open = O.open_run
+    real_open = RF.open_run
 
     def open_then_prune(*a, **k):
         r = real_open(*a, **k)
         shutil.rmtree(run / "checkpoints" / "step_0000004")
         return r
 
-    monkeypatch.setattr(O, "open_run", open_then_prune)
+    monkeypatch.setattr(RF, "open_run", open_then_prune)
     assert main([str(run), *ARGS]) == 0  # the checkpoints are listed again once the data are built: 8 alone
     cap = capsys.readouterr()
     assert "delete the folder" not in cap.out + cap.err and "not written by vitlab" not in cap.err, cap
     assert "(steps 8)" in cap.out, cap.out
     assert check_report(run / "report.md") == []
-    monkeypatch.setattr(O, "open_run", real_open)
+    monkeypatch.setattr(RF, "open_run", real_open)
     # deleted after that, while the checkpoints' checksums are read
     run1 = tmp_path / "vit1"
     shutil.copytree(runs["vit"], run1)
-    real_key = O.weights_key
+    real_key = MS.weights_key
 
     def prune_then_key(r, step):
         shutil.rmtree(run1 / "checkpoints" / "step_0000004", ignore_errors=True)
         return real_key(r, step)
 
-    monkeypatch.setattr(O, "weights_key", prune_then_key)
+    monkeypatch.setattr(MS, "weights_key", prune_then_key)
     assert main([str(run1), *ARGS]) == 0
     cap = capsys.readouterr()
     assert "delete the folder" not in cap.out + cap.err and "not written by vitlab" not in cap.err, cap
     assert "skipped step(s) 4: deleted while being analysed" in cap.out and "(steps 8)" in cap.out, cap.out
     assert check_report(run1 / "report.md") == []
-    monkeypatch.setattr(O, "weights_key", real_key)
+    monkeypatch.setattr(MS, "weights_key", real_key)
     # deleted while the earlier one is computed (--force: nothing is reused)
     run2 = tmp_path / "vit2"
     shutil.copytree(runs["vit"], run2)
@@ -341,7 +344,7 @@ def test_two_analyses_writing_one_folder_at_once(runs, tmp_path):
     trips over the other's temporary files, and cache.json / summary.json keep both measures' entries."""
     import threading
 
-    from analysis import storage
+    from analysis.results import storage
 
     res = storage.load_results(runs["vit"] / "analysis" / "step_0000008", ["cka", "norm_ratio"])
     out = tmp_path / "step_0000008"
@@ -483,14 +486,14 @@ def test_against_a_run_of_another_seed_reads_both_on_its_images(runs, tmp_path):
     shutil.copytree(runs["vit"], run)
     r = yaml.safe_load((run / "recipe.yaml").read_text())
     (run / "recipe.yaml").write_text(yaml.safe_dump({**r, "seed": r["seed"] + 1}))
-    a, ref = O.open_run(run), O.open_run(runs["vit"])
-    with pytest.raises(O.AnalysisError, match="analyse different images .same data settings.*seed: 1 vs 0"):
-        O.against(a, ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False)
-    res = O.against(a, ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False, on_other_images=True)
+    a, ref = RF.open_run(run), RF.open_run(runs["vit"])
+    with pytest.raises(RF0.AnalysisError, match="analyse different images .same data settings.*seed: 1 vs 0"):
+        XC.against(a, ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False)
+    res = XC.against(a, ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False, on_other_images=True)
     assert np.allclose(res["results"][8]["same_index"], 1.0, atol=1e-6)
     other = tmp_path / "vit_other_data"
     shutil.copytree(runs["vit"], other)
     r["data"]["analysis_size"] = r["data"]["analysis_size"] // 2
     (other / "recipe.yaml").write_text(yaml.safe_dump(r))
-    with pytest.raises(O.AnalysisError, match="different data sections"):
-        O.against(O.open_run(other), ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False, on_other_images=True)
+    with pytest.raises(RF0.AnalysisError, match="different data sections"):
+        XC.against(RF.open_run(other), ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False, on_other_images=True)

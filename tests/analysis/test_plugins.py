@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from conftest import class_split, read_scalars, tiny_vit
 
-import analysis.measure as M
+import analysis.engine.measure as M
 import analysis.measures
-from analysis import suite as S
-from analysis.measure import MeasureError, make_options, registry
+from analysis.engine import suite as S
+from analysis.engine.measure import MeasureError, make_options, registry
 from train.cli import main as train_main
 from train.recipe import load_recipe
 from train.trainer import train
@@ -24,8 +24,8 @@ TOY = textwrap.dedent('''
 
     import numpy as np
 
-    from analysis.measure import Measure, register
-    from analysis.reduce import all_reduce_sum
+    from analysis.engine.measure import Measure, register
+    from analysis.engine.reduce import all_reduce_sum
 
 
     @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def test_a_callback_from_the_users_own_module(write_recipe, tmp_path, monkeypatc
 
 
 def test_the_suite_runs_once_at_a_step_that_is_both_due_and_a_checkpoint(write_recipe, monkeypatch):
-    import analysis.callbacks as AC
+    import analysis.frontends.callbacks as AC
 
     calls = []
     real = AC.run_suite

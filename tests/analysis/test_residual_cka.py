@@ -12,10 +12,10 @@ import torch.nn as nn
 from conftest import TwoProcessReplay, tiny_vit
 from timm.models.resnet import BasicBlock, ResNet
 
-from analysis.measure import REGISTRY, Context, load_result, save_result
+from analysis.engine.measure import REGISTRY, Context, load_result, save_result
+from analysis.engine.taps import Taps, block_names
+from analysis.estimators.similarity import cka
 from analysis.measures.residual_cka import ResidualCKA, ResidualCKAOptions, residual_cka
-from analysis.similarity import cka
-from analysis.taps import Taps, block_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,11 +15,12 @@ import yaml
 from conftest import TINY, _merge, read_scalars
 from safetensors.torch import load_file, save_file
 
-from analysis import offline as O
-from analysis import publish, storage
-from analysis.__main__ import main
-from analysis.api import analyze
-from analysis.measure import load_result, registry
+from analysis.engine.measure import load_result, registry
+from analysis.frontends.api import analyze
+from analysis.frontends.cli import main
+from analysis.results import publish, storage
+from analysis.results import runs as RF
+from analysis.sources import models as MS
 from train.checkpoint import list_checkpoints
 from train.recipe import load_recipe
 from train.trainer import train
@@ -92,11 +93,11 @@ def test_the_student_and_the_teacher_load_by_name_without_a_head(ssl):
     meta = json.loads((ssl / "checkpoints" / "step_0000004" / "meta.json").read_text())
     assert meta["objective"]["parts"] == {"student": "backbone.", "teacher": "teacher_backbone."}
     saved = load_file(str(ssl / "checkpoints" / "step_0000004" / "model.safetensors"))
-    run = O.open_run(ssl)
-    data = O.load_data(run)
+    run = RF.open_run(ssl)
+    data = MS.load_data(run)
     nets = {}
     for part, prefix in (("student", "backbone."), ("teacher", "teacher_backbone.")):
-        model = O.load_model(O.select_part(run, part), 4, data)
+        model = MS.load_model(RF.select_part(run, part), 4, data)
         assert model.num_classes == 0 and not any(k.startswith("head.") for k in model.state_dict())
         want = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
         assert model.state_dict().keys() == want.keys() and all(
@@ -104,7 +105,7 @@ def test_the_student_and_the_teacher_load_by_name_without_a_head(ssl):
         )
         nets[part] = model
     assert not torch.equal(nets["student"].blocks[0].attn.qkv.weight, nets["teacher"].blocks[0].attn.qkv.weight)
-    assert O.open_run(ssl).part == "student"  # the default
+    assert RF.open_run(ssl).part == "student"  # the default
 
 
 def test_every_measure_on_the_student_and_on_the_teacher_kept_apart_and_labelled(ssl, capsys):
@@ -163,7 +164,7 @@ def test_teacher_against_student_and_compare(ssl, tmp_path, capsys):
     res = load_result(ssl / "analysis" / "teacher" / "against" / "ssl_step_0000004" / "step_0000004" / "cross_cka.npz")
     assert res["same_index"].shape == (len(res["labels_a"]),)
     assert (ssl / "figures" / "teacher" / "against" / "ssl_step_0000004" / "step_0000004" / "cross_cka.png").is_file()
-    from analysis.reports.compare import main as compare_main
+    from analysis.frontends.compare import main as compare_main
 
     other = tmp_path / "ssl2"
     shutil.copytree(ssl, other)
@@ -246,7 +247,7 @@ def test_a_public_dino_checkpoint_by_its_timm_name(tmp_path, write_recipe, no_do
     ]
     assert main(argv) == 0
     assert {f.stem for f in (out / "analysis" / "step_0000000").glob("*.npz")} == {"cka", "knn", "attention_distance"}
-    model = O.model_from_timm("timm:vit_small_patch16_224.dino", str(tmp_path / "dino.safetensors"), 10, 3, 32)
+    model = MS.model_from_timm("timm:vit_small_patch16_224.dino", str(tmp_path / "dino.safetensors"), 10, 3, 32)
     assert model.num_classes == 0
     assert all(torch.equal(v, src.state_dict()[k]) for k, v in model.state_dict().items())
 
@@ -258,7 +259,7 @@ def test_a_public_mae_checkpoint_by_its_timm_name(tmp_path, no_download):
 
     src = timm.create_model("vit_base_patch16_224.mae", pretrained=False, num_classes=0, img_size=32)
     save_file(src.state_dict(), tmp_path / "mae.safetensors")
-    model = O.model_from_timm("timm:vit_base_patch16_224.mae", str(tmp_path / "mae.safetensors"), 10, 3, 32)
+    model = MS.model_from_timm("timm:vit_base_patch16_224.mae", str(tmp_path / "mae.safetensors"), 10, 3, 32)
     assert model.num_classes == 0 and len(model.blocks) == 12 and model.embed_dim == 768
     assert all(torch.equal(v, src.state_dict()[k]) for k, v in model.state_dict().items())
 
@@ -268,7 +269,7 @@ def test_a_file_with_another_class_count_keeps_its_head(tmp_path, no_download):
     import timm
 
     save_file(timm.create_model("resnet10t", num_classes=1000, in_chans=1).state_dict(), tmp_path / "r.safetensors")
-    model = O.model_from_timm("timm:resnet10t", str(tmp_path / "r.safetensors"), 10, 1, 28)
+    model = MS.model_from_timm("timm:resnet10t", str(tmp_path / "r.safetensors"), 10, 1, 28)
     assert model.fc.out_features == 1000
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import class_split, read_scalars, tiny_vit
 
+from analysis.engine.suite import DEFAULT, run_suite, suite_options
+from analysis.estimators.probing import probe_split, sample_shots
 from analysis.measures.fewshot_probe import FewShotProbeMeasure
-from analysis.probing import probe_split, sample_shots
-from analysis.suite import DEFAULT, run_suite, suite_options
 from train.data import build_data
 from train.models import build_model
 from train.recipe import from_dict, load_recipe
@@ -124,7 +124,7 @@ def test_figures_are_drawn_off_the_main_thread_and_land_even_when_a_run_stops_ea
     draw is a warning, not a failed run."""
     import threading
 
-    from analysis import publish
+    from analysis.results import publish
 
     threads, real = [], publish.publish_figures
 
@@ -175,7 +175,7 @@ def test_probe_split_too_small_is_a_recipe_error_before_the_run_folder(write_rec
 
 
 def _labelled(n_analysis=64, n_probe=400):
-    from analysis.api import Data
+    from analysis.frontends.api import Data
     from train.splits import TensorBatches
 
     a, p = class_split(n_analysis, 1), class_split(n_probe, 2)
@@ -189,7 +189,8 @@ def _forward_inputs(model):
 
 
 def _read_by_fewshot(labels, shots, seeds, l2):
-    """Independently of analysis.probing.probe_rows_read: the shot-half rows probe_layers draws for each seed (it
+    """Independently of analysis.estimators.probing.probe_rows_read: the shot-half rows probe_layers draws for each
+    seed (it
     samples from the labels of the shot half), and the held-out half when l2 is picked there."""
     shot, val = probe_split(labels)
     rows = {int(shot[i]) for s in seeds for i in sample_shots(labels[shot], shots, s)}
@@ -252,7 +253,7 @@ def test_knn_in_the_suite_forwards_every_probe_train_image():
 def test_subset_probe_pass_on_two_processes_equals_one(monkeypatch):
     """Two processes played one after the other (rank 1 first): each forwards its share of the compacted probe-train
     minibatches, the gathered features are put back in order, and rank 0's result equals one process's."""
-    import analysis.reduce as R
+    import analysis.engine.reduce as R
 
     model, data = tiny_vit(), _labelled()
     opts = suite_options(None, 32, {"fewshot_probe": {"shots": 5}})
@@ -290,7 +291,7 @@ def test_subset_probe_pass_on_two_processes_equals_one(monkeypatch):
 def test_probe_rows_read_treats_a_one_element_grid_as_fixed_like_select_l2():
     """select_l2 uses one value as is (a number or a one-element grid) and reads the held-out half only to pick among
     several: the rows the suite forwards follow the same rule."""
-    from analysis.probing import probe_rows_read
+    from analysis.estimators.probing import probe_rows_read
 
     labels = _labelled().probe_train.labels
     fixed = _read_by_fewshot(labels, 5, (0, 1), 64.0)
@@ -303,7 +304,7 @@ def test_probe_rows_read_treats_a_one_element_grid_as_fixed_like_select_l2():
 
 _TOUCH = """
 import resource, torch
-from analysis.suite import retain_freed_memory
+from analysis.engine.suite import retain_freed_memory
 retain_freed_memory()
 faults = []
 for _ in range(12):
@@ -342,7 +343,7 @@ def test_a_freed_large_tensor_is_reused_without_page_faults():
 
 
 def test_minibatches_are_runs_of_one_seeded_permutation_on_every_host_and_process_count():
-    from analysis.reduce import Minibatches
+    from analysis.engine.reduce import Minibatches
 
     mb = Minibatches(10, 4, 0)
     assert mb.order.tolist() == [4, 6, 2, 7, 3, 5, 9, 0, 8, 1]  # numpy's PCG64: the same wherever it runs
@@ -372,7 +373,7 @@ def test_cka_does_not_depend_on_the_order_the_images_are_stored_in():
 
     import timm
 
-    from analysis.api import _model_and_data
+    from analysis.frontends.api import _model_and_data
     from train.sources import FASHION_MNIST_DIR, _read_idx
 
     f = Path(FASHION_MNIST_DIR)

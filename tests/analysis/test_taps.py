@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from analysis.engine.taps import TapError, Taps, available_taps, block_names
 from analysis.measures.norm_ratio import NormRatio, cosine, norm_ratio
-from analysis.taps import TapError, Taps, available_taps, block_names
 from train.models import build_model
 from train.recipe import from_dict
 

@@ -12,8 +12,8 @@ import torch
 from conftest import class_split
 from test_registers import GRID, reg_vit
 
-from analysis.api import activations, analyze
-from analysis.measure import load_result, save_result
+from analysis.engine.measure import load_result, save_result
+from analysis.frontends.api import activations, analyze
 from analysis.measures.token_norms import (
     TokenNorms,
     _position_probe,
@@ -139,7 +139,7 @@ def test_across_checkpoints_at_training_time_and_offline(write_recipe):
     """A 4-register run with token_norms in its training-time suite: every checkpoint has the result, the offline
     analysis (python -m analysis RUN --measures token_norms --force) recomputes it exactly, and
     first_outlier_step reads the run's results."""
-    from analysis.__main__ import main
+    from analysis.frontends.cli import main
     from analysis.measures.token_norms import load_run_results
     from train.recipe import load_recipe
     from train.trainer import train

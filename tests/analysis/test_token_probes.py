@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import tiny_vit
 
-from analysis.features import final_channels, patchify, pool_features, resnet_patch_side, spatial_tokens
-from analysis.measure import REGISTRY, Context, load_result, save_result
+from analysis.engine.measure import REGISTRY, Context, load_result, save_result
+from analysis.engine.taps import Taps, block_names, grid_of
+from analysis.estimators.features import final_channels, patchify, pool_features, resnet_patch_side, spatial_tokens
+from analysis.estimators.probing import probe_layers
+from analysis.estimators.probing import probe_split as probe_halves
 from analysis.measures.token_probes import TokenProbeOptions, TokenProbes, strided_positions, token_probe_accuracies
-from analysis.probing import probe_layers
-from analysis.probing import probe_split as probe_halves
-from analysis.taps import Taps, block_names, grid_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -185,7 +185,7 @@ def test_gap_vit_round_trip(tmp_path):
     assert set(TokenProbes.scalars(back)) == {"token_probes/mean/block00", "token_probes/mean/block01"}
     figs = TokenProbes.figures(back, step=5)
     assert set(figs) == {"token_probes/heatmap", "token_probes/maps", "token_probes/mean"}
-    from analysis.figures import save
+    from analysis.engine.figures import save
 
     for tag, fig in figs.items():
         save(fig, tmp_path / f"{tag.replace('/', '_')}.png")
@@ -321,7 +321,7 @@ def test_fewshot_probe_patches_resnet_maps_by_default():
 
 
 def test_probe_options_are_checked():
-    from analysis.measure import MeasureError, make_options
+    from analysis.engine.measure import MeasureError, make_options
     from analysis.measures.fewshot_probe import FewShotProbeMeasure
 
     assert make_options(TokenProbes, {"method": "centred", "l2": "1e3", "resnet_tokens": "pool"}).l2 == 1000.0

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from conftest import ROOT, two_process_launch
 
-from analysis import offline as O
-from analysis import suite as S
-from analysis.measure import registry
+from analysis.engine import suite as S
+from analysis.engine.measure import registry
+from analysis.results import runs as RF
+from analysis.sources import models as MS
 from train.checkpoint import list_checkpoints
 
 # one analysis minibatch (32 images in minibatches of 64) for two processes; ERF on few images (it is slow)
@@ -44,8 +45,8 @@ def test_every_measure_on_two_processes_with_one_minibatch(write_recipe, tmp_pat
     names = sorted(n for n in registry() if (two / f"{n}.npz").is_file())
     assert len(names) == len(registry()), (names, out.stderr[-3000:])
     # the same checkpoint, one process, offline
-    r = O.open_run(run)
-    one = S.run_suite(O.load_model(r, 4, O.load_data(r)), O.load_data(r), S.suite_options("all", 64, OPTS))
+    r = RF.open_run(run)
+    one = S.run_suite(MS.load_model(r, 4, MS.load_data(r)), MS.load_data(r), S.suite_options("all", 64, OPTS))
     for name in names:
         saved = np.load(two / f"{name}.npz")
         for k in saved.files:
@@ -77,10 +78,10 @@ def test_ablation_on_two_processes_equals_one(write_recipe, tmp_path):
     run = tmp_path / "runs" / "tiny"
     two = run / "analysis" / "step_0000004" / "ablation.npz"
     assert two.is_file(), out.stderr[-3000:]
-    r = O.open_run(run)
-    data = O.load_data(r)
+    r = RF.open_run(run)
+    data = MS.load_data(r)
     one = S.run_suite(
-        O.load_model(r, 4, data), data, S.suite_options(["ablation"], 16, {"ablation": {"replace": "mean"}})
+        MS.load_model(r, 4, data), data, S.suite_options(["ablation"], 16, {"ablation": {"replace": "mean"}})
     )["ablation"]
     saved = np.load(two)
     assert int(saved["n_images"]) == 64 and len(saved["targets"]) == 2 * (2 + 2 + 3 + 2)

@@ -1,4 +1,4 @@
-"""Studies (analysis/reports/study.py): the study file, Raghu's claim numbers (analysis/studies/raghu2021/numbers.py)
+"""Studies (analysis/studies/study.py): the study file, Raghu's claim numbers (analysis/studies/raghu2021/numbers.py)
 on cases with known answers, and a tiny study end to end: train, analyse, report."""
 
 import numpy as np
@@ -6,12 +6,12 @@ import pytest
 import yaml
 from conftest import ROOT, TINY, _merge
 
-from analysis.reports import claims as C
-from analysis.reports import pilots as P
-from analysis.reports.study import load_study, main
-from analysis.reports.study_report import unformatted
+from analysis.studies import claims as C
+from analysis.studies import locality as P
 from analysis.studies.raghu2021 import PAPER
 from analysis.studies.raghu2021 import numbers as N
+from analysis.studies.study import load_study, main
+from analysis.studies.study_report import unformatted
 from train.recipe import RecipeError, load_recipe
 
 

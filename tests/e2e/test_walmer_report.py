@@ -8,11 +8,11 @@ import numpy as np
 import yaml
 from conftest import ROOT, TINY, _merge
 
-from analysis.measure import resolve_all
-from analysis.reports import claims as C
-from analysis.reports.study import load_study, main
-from analysis.reports.study_report import unformatted
+from analysis.engine.measure import resolve_all
+from analysis.studies import claims as C
 from analysis.studies import paper
+from analysis.studies.study import load_study, main
+from analysis.studies.study_report import unformatted
 from analysis.studies.walmer2023 import numbers as N
 from analysis.studies.walmer2023 import sections as S
 from train.recipe import load_recipe

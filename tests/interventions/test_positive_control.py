@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import class_split, tiny_resnet
 
-from analysis.__main__ import main as analysis_main
+from analysis.engine.suite import run_suite, suite_options
+from analysis.engine.taps import Taps
+from analysis.frontends.cli import main as analysis_main
 from analysis.measures.aligned_attention import offset_local_heads
 from analysis.measures.head_subsets import head_subset_cka
-from analysis.storage import load_results, step_dir
-from analysis.suite import run_suite, suite_options
-from analysis.taps import Taps
+from analysis.results.storage import load_results, step_dir
 from train.cli import main as train_main
 from train.models import build_model
 from train.recipe import from_dict, load_recipe

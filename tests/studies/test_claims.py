@@ -1,6 +1,6 @@
 """Raghu et al.'s claims (analysis/studies/raghu2021/) on synthetic per-seed results shaped like the paper's figure
 (held), like its negation (did not hold), within the seed-to-seed noise (inconclusive), and with a failed
-precondition (not testable); the claim engine (analysis/reports/claims.py): ids, plug-in discovery, the JSON record;
+precondition (not testable); the claim engine (analysis/studies/claims.py): ids, plug-in discovery, the JSON record;
 the passages are the papers' own sentences."""
 
 import os
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from analysis import studies
-from analysis.reports import claims as C
-from analysis.reports import pilots as P
-from analysis.reports.study_report import unformatted
+from analysis.studies import claims as C
+from analysis.studies import locality as P
 from analysis.studies.raghu2021 import PAPER
 from analysis.studies.raghu2021 import numbers as N
+from analysis.studies.study_report import unformatted
 
 CLAIMS = PAPER.claims
 rng = np.random.default_rng(0)
@@ -231,7 +231,7 @@ def test_claim_ids_are_unique_and_checked():
 
 
 PLUGIN = """
-from analysis.reports.claims import Claims, Paper, Result, judge, one_part
+from analysis.studies.claims import Claims, Paper, Result, judge, one_part
 
 CLAIMS = Claims("toy2030")
 

@@ -4,7 +4,7 @@ answers are known."""
 import numpy as np
 import pytest
 
-from analysis.reports import claims as C
+from analysis.studies import claims as C
 from analysis.studies.raghu2021.ablation import important_heads, rule_skip_test_time, skip_costs
 
 L, H = 4, 3

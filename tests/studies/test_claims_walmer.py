@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from analysis.reports import claims as C
-from analysis.reports.pilots import LOCALITY_PRECONDITION, uniform_distance
+from analysis.studies import claims as C
 from analysis.studies import paper
+from analysis.studies.locality import LOCALITY_PRECONDITION, uniform_distance
 from analysis.studies.walmer2023 import claims as W
 from analysis.studies.walmer2023 import numbers as N
 

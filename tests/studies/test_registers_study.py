@@ -5,7 +5,7 @@ testable at this budget, with the numbers), and the equivalence test of "registe
 import numpy as np
 from test_claims import FakeRun
 
-from analysis.reports import claims as C
+from analysis.studies import claims as C
 from analysis.studies.registers import PAPER
 
 rng = np.random.default_rng(0)
@@ -92,15 +92,15 @@ def test_positive_control_finds_a_token_planted_in_a_trained_model(tmp_path, mon
     import yaml
     from conftest import TINY, _merge
 
-    from analysis import offline as O
-    from analysis import suite as S
+    from analysis.engine import suite as S
+    from analysis.results import runs as RF
     from analysis.studies.registers import control as K
     from train.recipe import load_recipe
     from train.trainer import train
 
     p = tmp_path / "tiny.yaml"
     p.write_text(yaml.safe_dump(_merge(TINY, {"callbacks": [], "run": {"root": str(tmp_path / "runs")}})))
-    run = O.open_run(train(load_recipe(p), progress=False)["run_dir"])
+    run = RF.open_run(train(load_recipe(p), progress=False)["run_dir"])
     study = types.SimpleNamespace(root=tmp_path, suite_options=lambda ms: S.suite_options(ms, 32))
     e = K.planted(run, study)
     assert e["block"] == 1 and e["position"] == [3, 3] and e["grid"] == [7, 7]  # depth 2; the 7x7 grid's centre

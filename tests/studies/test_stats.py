@@ -1,4 +1,4 @@
-"""The studies' statistical decision rule (analysis/reports/stats.py): each test against scipy.stats or a hand-worked
+"""The studies' statistical decision rule (analysis/studies/stats.py): each test against scipy.stats or a hand-worked
 answer, the bootstrap's coverage, and the rule's error rates and power on synthetic seeds."""
 
 import json
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats as ss
 
-from analysis.reports import claims as C
-from analysis.reports import stats as S
+from analysis.studies import claims as C
+from analysis.studies import stats as S
 
 
 def t4_cdf(t):

@@ -1,5 +1,6 @@
 """The study report's pilot section, its choice of the configuration the locality claims read, and the CKA floors
-(analysis/reports/study_report.py, analysis/baselines.py), on synthetic run folders: a recipe.yaml, checkpoint
+(analysis/studies/study_report.py, analysis/estimators/baselines.py), on synthetic run folders: a recipe.yaml,
+checkpoint
 meta.json files and saved attention distances, no training. The full report on trained tiny runs is in
 tests/e2e/test_study.py."""
 
@@ -12,14 +13,14 @@ import torch
 import yaml
 from conftest import TINY, _merge, class_split
 
-from analysis import baselines as B
-from analysis.measure import save_result
+from analysis.engine.measure import save_result
+from analysis.engine.suite import make_context, run_suite, suite_options
+from analysis.estimators import baselines as B
 from analysis.measures.cka import cka_layers
-from analysis.reports import pilots as C
-from analysis.reports import study_report as R
-from analysis.reports import study_runs as SR
-from analysis.reports.study import load_study
-from analysis.suite import make_context, run_suite, suite_options
+from analysis.studies import locality as C
+from analysis.studies import study_report as R
+from analysis.studies import study_runs as SR
+from analysis.studies.study import load_study
 from train.checkpoint import step_dir_name
 from train.models import build_model
 from train.recipe import dump, from_dict
@@ -286,7 +287,7 @@ def test_the_positive_control_section_says_whether_the_detectors_find_the_forced
     assert "Detectors: **FAILED**; heads that are local without being forced: block 2 head 3." in text
 
 
-# -------------------------------------------------------------- CKA floors (analysis/baselines.py)
+# -------------------------------------------------------------- CKA floors (analysis/estimators/baselines.py)
 
 
 def _vit(seed: int):

@@ -8,7 +8,7 @@ import torch
 from conftest import ROOT
 from safetensors.torch import load_file
 
-from analysis.taps import (
+from analysis.engine.taps import (
     MIXER_KINDS,
     TapError,
     Taps,

@@ -14,8 +14,8 @@ import torch.nn as nn
 from conftest import ROOT, class_split
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 
+from analysis.engine.suite import make_context, run_suite, suite_options
 from analysis.measures.cka import cka_layers
-from analysis.suite import make_context, run_suite, suite_options
 from train.models import build_model
 from train.recipe import from_dict, load_recipe
 from train.splits import TensorBatches
@@ -143,7 +143,7 @@ def _trained_looking_bn(m):
 
 
 def _study():
-    from analysis.reports.study import load_study
+    from analysis.studies.study import load_study
 
     return load_study(ROOT / "recipes" / "studies" / "raghu2021.yaml")
 

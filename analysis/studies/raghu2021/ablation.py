@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import stdtrit
 
-from analysis.measure import as_list
-from analysis.reports.claims import Result, judge, seeds
-from analysis.reports.stats import paired_part
+from analysis.engine.measure import as_list
+from analysis.studies.claims import Result, judge, seeds
 from analysis.studies.raghu2021.claims import CLAIMS, SOURCE, _absent
+from analysis.studies.stats import paired_part
 
 
 def _index(result: dict) -> dict[str, int]:
@@ -116,7 +116,7 @@ def rule_skip_test_time(base: list[dict], noskip: dict[int, list[dict]]) -> Resu
 
 
 def _absent_because(sentence: str) -> Result:
-    from analysis.reports.stats import NOT_TESTABLE, Decision, Precondition
+    from analysis.studies.stats import NOT_TESTABLE, Decision, Precondition
 
     s = sentence.rstrip(".")
     return Result(Decision(NOT_TESTABLE, s[0].upper() + s[1:] + ".", (), (), (Precondition("results", False, s),)))

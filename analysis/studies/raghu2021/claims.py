@@ -1,7 +1,7 @@
 """Raghu et al. 2021's claims (and Walmer et al. 2023's offset heads), each declared once: its text, the numbers it
 reads and its rule, together. The order here is the order of the report.
 
-Every rule is a set of parts decided by the one statistical rule (analysis/reports/claims.py, stats.py): ViT against
+Every rule is a set of parts decided by the one statistical rule (analysis/studies/claims.py, stats.py): ViT against
 ResNet is Welch's t (their seed-to-seed SDs differ); configurations of the ViT family (the default ViT with one factor
 changed: a skip removed, the head, the data size) share a seed SD pooled over the family's configurations; a statistic
 of one configuration is a one-sample t. Preconditions make a claim "not testable" when the model is not yet the kind
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis import offline as O
-from analysis import storage
-from analysis.measure import as_list, load_result
-from analysis.reports.claims import (
+from analysis.engine.measure import as_list, load_result
+from analysis.frontends.compare import compare
+from analysis.reports import cross as XC
+from analysis.results import storage
+from analysis.studies.claims import (
     Claims,
     Result,
     compare_part,
@@ -29,17 +30,16 @@ from analysis.reports.claims import (
     seeds,
     slope_part,
 )
-from analysis.reports.compare import compare
-from analysis.reports.pilots import (
+from analysis.studies.locality import (
     LOCAL_FRACTION,
     LOCALITY,
     LOCALITY_PRECONDITION,
     locality_precondition,
     uniform_of,
 )
-from analysis.reports.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition
 from analysis.studies.raghu2021 import numbers as N
 from analysis.studies.raghu2021.floors import floors_section, identity_mask, resnet_blocks
+from analysis.studies.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition
 from train.checkpoint import read_meta
 
 CLAIMS = Claims("raghu2021")
@@ -115,7 +115,7 @@ def uniformity(ctx) -> Result:
     arch = [cls] + ([ctx.configs["vit_gap"][0]] if "vit_gap" in ctx.configs else []) + [resnet]
     root = ctx.study.root
     for r, rr in zip(vit_runs, res_runs):
-        O.against(r, rr, max(rr.checkpoints), opts=ctx.opts, progress=False)
+        XC.against(r, rr, max(rr.checkpoints), opts=ctx.opts, progress=False)
     compare(arch, out=root / "compare-arch", opts=ctx.opts, progress=False)
     fig_dir = storage.against_dir(cls.path, max(cls.checkpoints), resnet.name, max(resnet.checkpoints), "figures")
     sub = _SubDoc()
@@ -487,7 +487,7 @@ def head_subsets(ctx) -> Result:
     uniform = uniform_of(runs[0])[1]
     results = []
     for r, rr in zip(runs, res_runs):
-        O.against(r, rr, max(rr.checkpoints), opts=ctx.opts, progress=False)
+        XC.against(r, rr, max(rr.checkpoints), opts=ctx.opts, progress=False)
         results.append(
             load_result(
                 storage.against_dir(r.path, max(r.checkpoints), rr.name, max(rr.checkpoints)) / "head_subsets.npz"
@@ -743,13 +743,13 @@ def data_drift(ctx) -> Result:
         curves[frac] = []
         for r, ref, step in zip(rs, full, steps):
             chosen.append(f"{r.name}: step {step}")
-            res = O.against(r, ref, max(ref.checkpoints), [step], opts=ctx.opts, progress=False)["results"][step]
+            res = XC.against(r, ref, max(ref.checkpoints), [step], opts=ctx.opts, progress=False)["results"][step]
             curves[frac].append(np.asarray(res["same_index"], dtype=float))
             labels = as_list(res["labels_a"])
     # the control: two full-data runs of different seeds (every pair), each read on the earlier seed's images
     ceilings = [
         np.asarray(
-            O.against(
+            XC.against(
                 full[j],
                 full[i],
                 max(full[i].checkpoints),

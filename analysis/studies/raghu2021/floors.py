@@ -1,6 +1,7 @@
 """Raghu Fig. 1-2's maps read against their floors, and the ResNet facts the uniformity and skip claims need.
 
-Beside the CKA maps, the report shows their floors (:func:`analysis.baselines.cka_floors`): each layer's CKA with the
+Beside the CKA maps, the report shows their floors (:func:`analysis.estimators.baselines.cka_floors`): each layer's CKA
+with the
 raw pixels and with the same layer at random initialisation, and the random-init model's own map.
 """
 
@@ -12,33 +13,34 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from analysis import baselines as B
-from analysis import offline as O
-from analysis import storage
-from analysis.figures import layer_lines, save
-from analysis.measure import load_result, save_result
+from analysis.engine.figures import layer_lines, save
+from analysis.engine.measure import load_result, save_result
+from analysis.engine.suite import make_context
+from analysis.estimators import baselines as B
 from analysis.measures.cka import cka_layers
-from analysis.suite import make_context
+from analysis.results import runs as RF
+from analysis.results import storage
+from analysis.sources import models as MS
 from train.models import build_model
 
 
 def _cka_floors(run, opts) -> dict:
-    """analysis.baselines.cka_floors of a run's last checkpoint, with the study's CKA options; cached in
+    """analysis.estimators.baselines.cka_floors of a run's last checkpoint, with the study's CKA options; cached in
     analysis/step_X/baselines/ under a key of the weights, the images and the options. The random-init model is the
     run's recipe built under torch seed = the run's seed (a fresh initialisation of the same architecture, not
     necessarily the training run's own starting weights: the trainer draws from the generator before building it)."""
     step = max(run.checkpoints)
-    out = O.step_dir(run, step) / "baselines"
+    out = RF.step_dir(run, step) / "baselines"
     key = storage.cache_key(
-        O.weights_key(run, step) + f":init-seed-{run.recipe.seed}",
-        O.fingerprint(run),
+        MS.weights_key(run, step) + f":init-seed-{run.recipe.seed}",
+        MS.fingerprint(run),
         opts.settings("cka"),
         "cka_floors",
     )
     if storage.is_cached(out, "cka_floors", key):
         return load_result(out / "cka_floors.npz")
-    data = O.load_data(run)
-    model = O.load_model(run, step, data)
+    data = MS.load_data(run)
+    model = MS.load_model(run, step, data)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(run.recipe.seed)
         init = build_model(run.recipe, data.num_classes).eval()

@@ -9,7 +9,7 @@ claims need outliers in the register-free runs, whatever the size: without them 
 remove, and those claims are "not testable at this budget" with the numbers.
 """
 
-from analysis.reports.claims import Paper
+from analysis.studies.claims import Paper
 from analysis.studies.registers.claims import CLAIMS, outliers_section
 from analysis.studies.registers.control import control_section
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis.measure import as_list
+from analysis.engine.measure import as_list
 from analysis.measures.token_norms import first_outlier_step, load_run_results
-from analysis.reports.claims import Claims, Result, compare_part, judge, one_part, seeds
-from analysis.reports.stats import Precondition, equivalence_part, two_sample_part
+from analysis.studies.claims import Claims, Result, compare_part, judge, one_part, seeds
+from analysis.studies.stats import Precondition, equivalence_part, two_sample_part
 
 CLAIMS = Claims("registers")
 SOURCE = "Darcet et al. 2024, abstract"

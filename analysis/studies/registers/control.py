@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis import offline as O
-from analysis import storage
-from analysis import suite as S
-from analysis.measure import options_dict
+from analysis.engine import suite as S
+from analysis.engine.measure import options_dict
+from analysis.results import storage
+from analysis.sources import models as MS
 
 FACTORS = (10.0, 5.0)  # Darcet's outliers are ~10x the other tokens; 5x sits just above token_norms' k = 4
 
@@ -33,8 +33,8 @@ def planted(run, study) -> dict:
     tn = {**options_dict(base.of("token_norms")), "probe_images": 0}
     opts = S.suite_options(["token_norms"], base.batch_size, {"token_norms": tn})
     key = storage.cache_key(
-        f"{O.weights_key(run, step)}:planted-outlier:{FACTORS}",
-        O.fingerprint(run),
+        f"{MS.weights_key(run, step)}:planted-outlier:{FACTORS}",
+        MS.fingerprint(run),
         opts.settings("token_norms"),
         "registers_control",
     )
@@ -43,8 +43,8 @@ def planted(run, study) -> dict:
 
 def _plant(run, step: int, opts) -> dict:
     """What :func:`planted` caches: the untouched and the planted token_norms at the middle block."""
-    data = O.load_data(run)
-    model = O.load_model(run, step, data).eval()
+    data = MS.load_data(run)
+    model = MS.load_model(run, step, data).eval()
     gh, gw = model.patch_embed.grid_size
     b, row, col = len(model.blocks) // 2, gh // 2, gw // 2
     index = model.num_prefix_tokens + row * gw + col

@@ -8,7 +8,7 @@ and the raw pixels: controls.py), and the figures several claims share. The clai
 the code that computes it: claims.py; the numbers of one model: numbers.py; what they read: reads.py.
 """
 
-from analysis.reports.claims import Paper
+from analysis.studies.claims import Paper
 from analysis.studies.walmer2023.claims import CLAIMS
 from analysis.studies.walmer2023.numbers import OBJECTIVES
 from analysis.studies.walmer2023.sections import SECTIONS

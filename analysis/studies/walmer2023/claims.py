@@ -2,7 +2,7 @@
 ``rule_*`` function beside it that decides from per-seed values, so the tests can feed it synthetic seeds). The order
 here is the order of the report.
 
-Every rule is a set of parts decided by the one statistical rule (analysis/reports/claims.py, stats.py): two
+Every rule is a set of parts decided by the one statistical rule (analysis/studies/claims.py, stats.py): two
 objectives are compared by Welch's t over seeds (a model trained with another objective is another recipe, whose seed
 SD need not be the same); a statistic of one objective is a one-sample t; a number of two models (CKA or a map
 distance between two objectives) is one value per seed pair (the two models of the same seed), a one-sample t
@@ -14,7 +14,7 @@ Preconditions make a claim "not testable" when the models are not yet the kind t
   supervised (Walmer Table 1: DINO 76.06 / 83.79 = 0.91, MAE 45.19 / 83.79 = 0.54 of supervised's k-NN top-1) before
   its semantics, attention or representations are compared;
 - **locality**: some head of the compared models attends below LOCALITY_PRECONDITION x uniform attention's distance
-  (analysis/reports/pilots.py) before a locality claim is judged;
+  (analysis/studies/locality.py) before a locality claim is judged;
 - **converged**: the statistic changed by less than 10% between the runs' last two checkpoints, where the study
   measured it at both (attention distance and k-NN: the study's ``every_checkpoint``);
 - two seeds of every compared objective.
@@ -29,11 +29,11 @@ import itertools
 
 import numpy as np
 
-from analysis import offline as O
-from analysis import storage
-from analysis.reports.claims import Claims, Result, compare_part, converged, judge, one_part, seeds, slope_part
-from analysis.reports.pilots import LOCALITY_PRECONDITION, locality_precondition, uniform_of
-from analysis.reports.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition
+from analysis.results import folders as RF0
+from analysis.results import storage
+from analysis.studies.claims import Claims, Result, compare_part, converged, judge, one_part, seeds, slope_part
+from analysis.studies.locality import LOCALITY_PRECONDITION, locality_precondition, uniform_of
+from analysis.studies.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition
 from analysis.studies.walmer2023 import numbers as N
 from analysis.studies.walmer2023 import reads as R
 
@@ -773,7 +773,7 @@ def cls_similar_by_supervision(ctx) -> Result:
         pairs[o] = [R.cls_cka(a, b, ctx.study) for a, b in zip(sup, ctx.configs[o])]
     try:  # two seeds of supervised analyse the same images unless the data depend on the seed
         ceiling, why_not = [R.cls_cka(a, b, ctx.study) for a, b in itertools.combinations(sup, 2)], None
-    except O.AnalysisError as e:
+    except RF0.AnalysisError as e:
         ceiling, why_not = [], str(e)
     ctx.shared.setdefault("cls_cka", {}).update({("supervised", o): v for o, v in pairs.items()})
     r = rule_cls_groups(pairs["dino"], pairs["mae"], ceiling, conds)

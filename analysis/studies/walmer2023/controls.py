@@ -21,11 +21,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from analysis import offline as O
-from analysis import storage
-from analysis import suite as S
-from analysis.measure import as_list, registry
+from analysis.engine import suite as S
+from analysis.engine.measure import as_list, registry
+from analysis.frontends import runner as RN
 from analysis.measures.clustering import kmeans, purity
+from analysis.results import runs as RF
+from analysis.results import storage
+from analysis.sources import models as MS
 from train.knn import knn_accuracy
 from train.models import build_model
 from train.objectives import uses_labels
@@ -34,7 +36,7 @@ TEACHER = "teacher"  # the part of a DINO checkpoint that DINO evaluates
 
 
 def _controls_file(root):
-    """The file of this module's numbers in the study folder (:func:`analysis.storage.json_cached`)."""
+    """The file of this module's numbers in the study folder (:func:`analysis.results.storage.json_cached`)."""
     return root / "walmer" / "controls.json"
 
 
@@ -49,13 +51,13 @@ def random_init(run, study) -> dict:
     opts = study.suite_options(["knn", "clustering"])
     key = storage.cache_key(
         f"random-init:{run.recipe.model!r}:seed-{run.recipe.seed}",
-        O.fingerprint(run),
+        MS.fingerprint(run),
         {m: opts.settings(m) for m in ("knn", "clustering")},
         "random_init",
     )
 
     def compute() -> dict:
-        data = O.load_data(run)
+        data = MS.load_data(run)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(run.recipe.seed)
             model = build_model(run.recipe, data.num_classes if uses_labels(run.recipe) else 0).eval()
@@ -71,11 +73,11 @@ def raw_pixels(run, study) -> dict:
     opts = study.suite_options(["knn", "clustering"])
     ko, co = opts.of("knn"), opts.of("clustering")
     key = storage.cache_key(
-        "raw-pixels", O.fingerprint(run), {m: opts.settings(m) for m in ("knn", "clustering")}, "raw_pixels"
+        "raw-pixels", MS.fingerprint(run), {m: opts.settings(m) for m in ("knn", "clustering")}, "raw_pixels"
     )
 
     def compute() -> dict:
-        data = O.load_data(run)
+        data = MS.load_data(run)
         q = data.normalize(data.analysis.images).flatten(1).double()
         b = data.normalize(data.probe_train.images).flatten(1).double()
         qy, by = data.analysis.labels, data.probe_train.labels
@@ -88,7 +90,7 @@ def raw_pixels(run, study) -> dict:
 
 def has_teacher(run) -> bool:
     """Whether the run's last checkpoint holds DINO's teacher."""
-    return TEACHER in O.checkpoint_parts(run, max(run.checkpoints))
+    return TEACHER in RF.checkpoint_parts(run, max(run.checkpoints))
 
 
 def teacher_runs(runs: list, study) -> list | None:
@@ -98,9 +100,9 @@ def teacher_runs(runs: list, study) -> list | None:
         return None
     out = []
     for r in runs:
-        t = O.open_run(r.path, TEACHER)
+        t = RF.open_run(r.path, TEACHER)
         measures = study.runs[r.name].measures or study.measures or sorted(registry())
-        O.analyze_run(t, None, study.suite_options(study.every_checkpoint), tensorboard=False, progress=False)
-        O.analyze_run(t, ["last"], study.suite_options(measures), tensorboard=False, progress=False)
+        RN.analyze_run(t, None, study.suite_options(study.every_checkpoint), tensorboard=False, progress=False)
+        RN.analyze_run(t, ["last"], study.suite_options(measures), tensorboard=False, progress=False)
         out.append(t)
     return out

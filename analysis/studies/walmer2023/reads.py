@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis import offline as O
-from analysis import storage
-from analysis import suite as S
-from analysis.measure import as_list
+from analysis.engine import suite as S
+from analysis.engine.measure import as_list
+from analysis.reports import cross as XC
+from analysis.results import storage
+from analysis.sources import models as MS
 
 
 def _pool(result, pool: str = "cls") -> int | None:
@@ -70,9 +71,10 @@ def block_outputs(labels) -> np.ndarray:
 
 
 def cross_same_index(a, b, opts) -> np.ndarray | None:
-    """Linear CKA of the same block's outputs of a's and b's last checkpoints (analysis/offline.py against, cached)."""
+    """Linear CKA of the same block's outputs of a's and b's last checkpoints (analysis/frontends/runner.py against,
+    cached)."""
     step = max(a.checkpoints)
-    r = O.against(a, b, max(b.checkpoints), [step], opts, progress=False)["results"][step]
+    r = XC.against(a, b, max(b.checkpoints), [step], opts, progress=False)["results"][step]
     return np.asarray(r["same_index"])[block_outputs(r["labels_a"])] if "same_index" in r else None
 
 
@@ -83,21 +85,21 @@ def cls_cka(a, b, study) -> float:
     co = opts.of("cka")
     key = ":".join(
         [
-            O.weights_key(a, max(a.checkpoints)),
-            O.weights_key(b, max(b.checkpoints)),
-            O.fingerprint(a),
+            MS.weights_key(a, max(a.checkpoints)),
+            MS.weights_key(b, max(b.checkpoints)),
+            MS.fingerprint(a),
             str(opts.batch_size),
             str(co.unbiased),
         ]
     )
 
     def compute() -> float:
-        data, bdata = O.check_same_images(a, b)
+        data, bdata = XC.check_same_images(a, b)
         cls = S.suite_options(
             ["cka"], opts.batch_size, {"cka": {"repr": "cls", "layers": "blocks", "unbiased": co.unbiased}}
         )
-        res = O.cross_cka(
-            O.load_model(a, max(a.checkpoints), data), O.load_model(b, max(b.checkpoints), bdata), data, cls
+        res = XC.cross_cka(
+            MS.load_model(a, max(a.checkpoints), data), MS.load_model(b, max(b.checkpoints), bdata), data, cls
         )
         return float(np.asarray(res["matrix"])[-1, -1])
 

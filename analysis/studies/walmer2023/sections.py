@@ -11,7 +11,7 @@ import json
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from analysis.figures import save, subplots
+from analysis.engine.figures import save, subplots
 from analysis.studies.walmer2023 import controls as K
 from analysis.studies.walmer2023 import numbers as N
 from analysis.studies.walmer2023 import reads as R

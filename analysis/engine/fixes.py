@@ -1,7 +1,9 @@
 """What the data lacks for a measure, said by each front end in its own words.
 
-A precondition (:func:`analysis.measure.labels_problem`, a measure's :meth:`~analysis.measure.Measure.problem`,
-:func:`analysis.probing.probe_split_problem`, :func:`analysis.suite.batch_problem`) returns a structured problem that
+A precondition (:func:`analysis.engine.measure.labels_problem`, a measure's
+:meth:`~analysis.engine.measure.Measure.problem`,
+:func:`analysis.estimators.probing.probe_split_problem`, :func:`analysis.engine.suite.batch_problem`) returns a
+structured problem that
 names the missing piece: :class:`Missing` (class labels of the analysis images, probe-train images, or their
 labels), :class:`TooFewShots` (too few probe-train images per class for a probe's shots) or :class:`BatchSizes` (a
 last minibatch too small for minibatch CKA). :func:`sentence` turns one into the user's one sentence with the fix in
@@ -11,7 +13,7 @@ the vocabulary of the front end that was used: ``VOCAB[front]``, one small map p
 - ``run``: ``python -m analysis RUN`` and ``compare`` on run folders (the run's images are fixed: ``--opt``);
 - ``model``: ``python -m analysis --model ... --recipe`` on a recipe's data (``--set``, ``--opt``);
 - ``images``: ``python -m analysis --model ... --images DIR`` (``--images``, ``--probe-images``, ``--opt``);
-- ``api`` / ``api_folder``: :func:`analysis.api.analyze` with tensors (``labels=``, ``probe_images=``,
+- ``api`` / ``api_folder``: :func:`analysis.frontends.api.analyze` with tensors (``labels=``, ``probe_images=``,
   ``probe_labels=``, ``options=``) or with a folder of images.
 
 A measure from elsewhere may still return a plain string; it is shown as it is.

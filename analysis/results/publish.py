@@ -1,18 +1,20 @@
-"""Publishing analysis results: arrays and key numbers stored (:mod:`analysis.storage`), scalars to TensorBoard, and
+"""Publishing analysis results: arrays and key numbers stored (:mod:`analysis.results.storage`), scalars to
+TensorBoard, and
 each figure drawn once, as an image that goes to TensorBoard and to a PNG file.
 
-The training-time callback (``analysis/callbacks.py``) stores and logs at once and draws in a background thread;
-offline analysis (``analysis/offline.py``) does all three in turn.
+The training-time callback (``analysis/frontends/callbacks.py``) stores and logs at once and draws in a background
+thread;
+offline analysis (``analysis/frontends/runner.py``) does all three in turn.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from analysis import storage
-from analysis.figures import render, write_png
-from analysis.measure import registry
-from analysis.storage import part_label
+from analysis.engine.figures import render, write_png
+from analysis.engine.measure import registry
+from analysis.results import storage
+from analysis.results.storage import part_label
 
 SCALAR_PREFIX = "analysis/"  # one TensorBoard group for every analysis scalar, beside train/, eval/ and time/
 
@@ -94,7 +96,7 @@ def publish_figures(
     titled: bool = True,
 ) -> None:
     """Draw each measure's figures ONCE, as images that go to TensorBoard and (``png``) to ``figure_dir``. Uses no
-    pyplot state (analysis/figures.py), so it may run in a background thread."""
+    pyplot state (analysis/engine/figures.py), so it may run in a background thread."""
     if not png and writer is None:
         return
     if png:

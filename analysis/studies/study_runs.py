@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from analysis import offline as O
-from analysis import storage
+from analysis.results import runs as RF
+from analysis.results import storage
 from train.checkpoint import read_meta
 
 
@@ -45,7 +45,7 @@ def train_wall(run) -> float:
 
 
 def last(run, name: str, step: int | None = None):
-    res = storage.load_results(O.step_dir(run, max(run.checkpoints) if step is None else step), [name])
+    res = storage.load_results(RF.step_dir(run, max(run.checkpoints) if step is None else step), [name])
     return res.get(name)
 
 

@@ -37,7 +37,7 @@ similarity structure the input already has; (2) the architecture at random initi
 ViT carries its input through every block on the skip connections, so its own map is already near-uniform (its mean
 off-diagonal CKA is the floor of "ViT maps are uniform"), and a trained layer's CKA with the same layer at
 initialisation says how far training moved it. :func:`cka_floors` computes both in one pass over the images, with the
-same minibatch CKA estimator (analysis/similarity.py) and layer representation as the maps.
+same minibatch CKA estimator (analysis/estimators/similarity.py) and layer representation as the maps.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.reduce import ORDER_SEED, Minibatches
-from analysis.similarity import MinibatchCKA, represent
-from analysis.taps import Taps
+from analysis.engine.reduce import ORDER_SEED, Minibatches
+from analysis.engine.taps import Taps
+from analysis.estimators.similarity import MinibatchCKA, represent
 
 BASELINES: tuple[str, ...] = ("gaussian", "uniform")
 DEFAULT_BASELINE = "gaussian"
@@ -116,7 +116,7 @@ def cka_floors(
     taps exist in both models), ``how`` the layer representation (``flatten``, ``cls``, ``mean_spatial``; the pixels
     are always the flattened normalised image). ``images`` [N, C, H, W] go through ``normalize`` in minibatches of
     ``batch_size`` (each >= 4 images; runs of a permutation drawn from ``order_seed``, as the suite's
-    minibatches, :class:`analysis.reduce.Minibatches`). One self-CKA over [pixels, trained layers, init layers];
+    minibatches, :class:`analysis.engine.reduce.Minibatches`). One self-CKA over [pixels, trained layers, init layers];
     returns ``labels`` [L], ``taps`` [L], ``pixels`` [L] (trained layer vs pixels), ``init_pixels`` [L] (init layer
     vs pixels), ``init_same`` [L] (trained layer vs the same layer at init), ``matrix`` [L, L] (the trained model's
     map, for the same images) and

@@ -1,7 +1,7 @@
 """Where analysis results live in a run folder, and their cache keys -- in one place. This module only stores and
-reads back; :mod:`analysis.publish` sends results to TensorBoard and draws their figures.
+reads back; :mod:`analysis.results.publish` sends results to TensorBoard and draws their figures.
 
-    runs/<name>/analysis/step_XXXXXXX/<measure>.npz     a measure's result (analysis/measure.py)
+    runs/<name>/analysis/step_XXXXXXX/<measure>.npz     a measure's result (analysis/engine/measure.py)
     runs/<name>/analysis/step_XXXXXXX/summary.json      key numbers of every measure and the model's block layout
     runs/<name>/analysis/step_XXXXXXX/cache.json        {measure: cache key} of the results in the folder
     runs/<name>/figures/step_XXXXXXX/<tag>.png          figures (TensorBoard image tag with / -> _)
@@ -16,7 +16,7 @@ titles labelled by it (``analysis/teacher/cka/mean_offdiag``, image ``teacher/ck
 
 A result's cache key (:func:`cache_key`) is a hash of the checkpoint's weights (their recorded sha256), the
 analysis images (:func:`data_fingerprint`), the measure's name and what the measure depends on
-(:meth:`analysis.suite.SuiteOptions.settings`: the batch size, the measure's own options and its definition's
+(:meth:`analysis.engine.suite.SuiteOptions.settings`: the batch size, the measure's own options and its definition's
 ``version``): changing one measure's options recomputes that measure only. A cached result is reused only if its file
 reads back whole.
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.measure import load_result, registry, save_result
+from analysis.engine.measure import load_result, registry, save_result
 from train.checkpoint import step_dir_name
 
 DEFAULT_PART = "student"  # the network analysed unless told: the backbone a run trains (a supervised run's only one)
@@ -216,13 +216,3 @@ def load_results(out_dir: Path, measures=None) -> dict:
         if f.is_file():
             res[name] = load_result(f)
     return res
-
-
-def __getattr__(name: str):
-    """``publish``, ``publish_figures``, ``make_figures``, ``log_results`` moved to :mod:`analysis.publish` (this module
-    only stores); the old names still resolve for callers outside the engine (bench/)."""
-    if name in ("publish", "publish_figures", "make_figures", "log_results", "label_figure", "SCALAR_PREFIX"):
-        from analysis import publish
-
-        return getattr(publish, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.reduce import all_reduce_tree
+from analysis.engine.reduce import all_reduce_tree
 
 
 def represent(t: torch.Tensor, how: str = "flatten", num_prefix_tokens: int = 1) -> torch.Tensor:

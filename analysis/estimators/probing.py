@@ -53,8 +53,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.features import pool_features, pool_tokens  # noqa: F401 -- pooling is part of the probe's definition
-from analysis.fixes import TooFewShots
+from analysis.engine.fixes import TooFewShots
+from analysis.estimators.features import pool_features, pool_tokens  # noqa: F401 -- pooling is part of the probe's definition
 from train.splits import balanced_indices
 
 METHODS: tuple[str, ...] = ("big_vision", "centred")
@@ -480,7 +480,8 @@ def probe_split(labels: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def probe_split_problem(data, shots: int, measure: str, option: str = "shots") -> TooFewShots | None:
-    """The problem (:class:`analysis.fixes.TooFewShots`) if the probe-train split cannot give ``shots`` per class from
+    """The problem (:class:`analysis.engine.fixes.TooFewShots`) if the probe-train split cannot give ``shots`` per
+    class from
     its shot half for ``measure``'s option ``option``, else None."""
     counts = torch.bincount(data.probe_train.labels, minlength=data.num_classes)
     if len(counts) and int(counts.min()) // 2 >= shots:

@@ -5,26 +5,28 @@ and on the command line); every module of that package is imported when measures
 file there is a new measure. Measures from outside the project are named ``package.module:Class`` in a recipe's
 or the CLI's measure list, or published by a package under the ``vitlab.measures`` entry-point group.
 
-The suite (analysis/suite.py) makes ONE pass over the analysis split (fixed minibatches, sharded over processes),
+The suite (analysis/engine/suite.py) makes ONE pass over the analysis split (fixed minibatches, sharded over processes),
 and a second pass over the probe-train split only when some measure asks for it. Each measure
 
 - declares its options as a dataclass ``Options`` with defaults (``{name: analysis_suite, knn: {k: 10}}`` in a
   recipe, ``--opt knn.k=10`` on the CLI; both are checked by :func:`make_options`); the measure reads them as
   ``self.opts``, and its cached results depend on these options only (plus the weights, images, batch size),
 - states what it needs of the data before anything runs (:meth:`Measure.problem`, e.g. enough probe-train
-  images; a structured problem of analysis/fixes.py, which each front end says in its own words), and whether it
+  images; a structured problem of analysis/engine/fixes.py, which each front end says in its own words), and whether it
   applies to a model at all (:meth:`Measure.applies`, e.g. attention on ViTs only),
-- says which taps it needs (:meth:`Measure.taps`, :meth:`Measure.probe_taps`; names as in analysis/taps.py),
+- says which taps it needs (:meth:`Measure.taps`, :meth:`Measure.probe_taps`; names as in analysis/engine/taps.py),
 - accumulates per minibatch (:meth:`Measure.update` on the analysis split, :meth:`Measure.update_probe` on
   probe-train); ``j`` is the minibatch index, identical on 1 and N processes, so gathered parts can be put in
-  order with :func:`analysis.reduce.collect`; a process that gets no minibatch contributes zeros,
+  order with :func:`analysis.engine.reduce.collect`; a process that gets no minibatch contributes zeros,
 - may say which probe-train images it reads (:meth:`Measure.probe_rows`, from the probe-train labels alone): when
   every measure with probe taps names its rows, the suite forwards only their union ``U`` (sorted; minibatch j
   holds images ``U[j*bs:(j+1)*bs]``) and sets ``probe_index = U`` on these measures, which map their own rows into
-  the gathered features in :meth:`Measure.finish` (:func:`analysis.probing.expand_rows`); ``probe_index`` None:
+  the gathered features in :meth:`Measure.finish` (:func:`analysis.estimators.probing.expand_rows`); ``probe_index``
+  None:
   every probe-train image, in order,
 - reduces over processes and returns its result in :meth:`Measure.finish` (sums through
-  :func:`analysis.reduce.all_reduce_sum`; per-image features through :func:`analysis.reduce.collect`); it may
+  :func:`analysis.engine.reduce.all_reduce_sum`; per-image features through :func:`analysis.engine.reduce.collect`); it
+  may
   also run its own passes there (e.g. gradients), on ``ctx.model`` and ``ctx.data``,
 - turns a result into key numbers, TensorBoard scalars and figures (static methods, so that results loaded
   back from disk are drawn by the same code).
@@ -46,8 +48,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from analysis.fixes import Missing, Problem
-from analysis.reduce import ORDER_SEED, Minibatches
+from analysis.engine.fixes import Missing, Problem
+from analysis.engine.reduce import ORDER_SEED, Minibatches
 from interventions import Registry
 from train.coerce import coerce, did_you_mean
 from train.errors import UserError
@@ -68,7 +70,7 @@ class MeasureError(UserError, ValueError):
 
 class AnalysisData(Protocol):
     """What a measure reads of the data: train's data bundle (``train.data.DataBundle``) for a run, or
-    :class:`analysis.api.Data` for images passed from Python."""
+    :class:`analysis.frontends.api.Data` for images passed from Python."""
 
     analysis: TensorBatches
     probe_train: TensorBatches
@@ -84,7 +86,7 @@ class Context:
     ``data.num_classes``). ``prefix`` is the number of prefix (CLS) tokens, 0 for GAP ViTs, ResNets, Mixers.
     ``batch_size`` is the suite's analysis minibatch (also the CKA minibatch); minibatch j of the analysis images
     holds the images ``minibatches.rows(j)``, a seeded permutation's j-th run (``order_seed``; None: stored order;
-    :class:`analysis.reduce.Minibatches`)."""
+    :class:`analysis.engine.reduce.Minibatches`)."""
 
     model: torch.nn.Module
     data: AnalysisData
@@ -111,8 +113,10 @@ class NoOptions:
 
 
 def labels_problem(data, probe: bool = False) -> Missing | None:
-    """What a measure that compares against class labels lacks (:class:`analysis.fixes.Missing`), or None: labels of
-    the analysis images (none, or unknown: -1, what :func:`analysis.api.analyze` gives images passed without labels)
+    """What a measure that compares against class labels lacks (:class:`analysis.engine.fixes.Missing`), or None:
+    labels of
+    the analysis images (none, or unknown: -1, what :func:`analysis.frontends.api.analyze` gives images passed without
+    labels)
     and, with ``probe``, probe-train images with their labels. Each front end names the fix in its own words."""
     pieces = []
     y = data.analysis.labels
@@ -156,7 +160,8 @@ class Measure:
     @classmethod
     def problem(cls, data: AnalysisData, opts: Any) -> Problem | None:
         """What keeps this measure from running on ``data`` with ``opts`` (checked before anything is written): a
-        structured problem of analysis/fixes.py (:class:`~analysis.fixes.TooFewShots`, ...), which each front end
+        structured problem of analysis/engine/fixes.py (:class:`~analysis.engine.fixes.TooFewShots`, ...), which each
+        front end
         says in its own words, or one sentence."""
         return None
 
@@ -212,7 +217,9 @@ class Measure:
 
 def _is_measure(obj) -> str | None:
     return (
-        None if isinstance(obj, type) and issubclass(obj, Measure) else "a Measure subclass (analysis.measure.Measure)"
+        None
+        if isinstance(obj, type) and issubclass(obj, Measure)
+        else "a Measure subclass (analysis.engine.measure.Measure)"
     )
 
 

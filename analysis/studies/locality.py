@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis import storage
-from analysis.figures import attention_distance_panels, save
-from analysis.reports.stats import Precondition
-from analysis.reports.study_runs import last, progress
+from analysis.engine.figures import attention_distance_panels, save
+from analysis.results import storage
+from analysis.studies.stats import Precondition
+from analysis.studies.study_runs import last, progress
 from train.checkpoint import STEP_RE, read_meta
 
 LOCALITY = "vit_local"  # the locality-capable configuration (recipes/vit_local.yaml); names starting with it are pilots
@@ -126,7 +126,8 @@ def check_step(recipe) -> int:
 
 
 def pilot_check(run) -> tuple[str, str]:
-    """:func:`go_no_go` of an opened run (analysis.offline.open_run) at :func:`check_step`, from the attention distance
+    """:func:`go_no_go` of an opened run (analysis.results.runs.open_run) at :func:`check_step`, from the attention
+    distance
     its training-time callback (or the analyze stage) measured there: (outcome, one sentence with the numbers)."""
     _, uniform = uniform_of(run)
     return go_no_go(_attention_by_step(run), uniform, check_step(run.recipe))

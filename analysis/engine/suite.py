@@ -1,17 +1,18 @@
-"""The analysis suite: every requested measurement (analysis/measure.py) in ONE pass over the analysis split,
+"""The analysis suite: every requested measurement (analysis/engine/measure.py) in ONE pass over the analysis split,
 plus one pass over the probe-train split when a measure needs training features (probes, k-NN): over only the
 probe-train images the measures read when each of them names its rows (:func:`probe_rows`; few-shot probes read
 their shots and held-out half, k-NN the whole bank), with the same results: bit for bit where an image's features do
 not depend on the other images of its minibatch (checked on CPU); a GPU may pick other kernels for another
 minibatch size, so a full pass's features could differ from these in their rounding.
 
-The same function serves the training-time callback (analysis/callbacks.py), offline analysis of saved
-checkpoints (``python -m analysis``) and the notebook API (analysis/api.py). Minibatch j of the analysis split
+The same function serves the training-time callback (analysis/frontends/callbacks.py), offline analysis of saved
+checkpoints (``python -m analysis``) and the notebook API (analysis/frontends/api.py). Minibatch j of the analysis split
 always holds the same images; with several processes, process r takes the minibatches j = r (mod world)
-(:func:`analysis.reduce.shard`) and every measure reduces its state over processes, so 1 and N processes give
+(:func:`analysis.engine.reduce.shard`) and every measure reduces its state over processes, so 1 and N processes give
 the same numbers. The analysis minibatches are runs of a seeded permutation of the images
-(:class:`analysis.reduce.Minibatches`, ``SuiteOptions.order_seed``), not of their stored order: the minibatch
-estimators (CKA and those built on it) assume random minibatches. Results are written and read by analysis/storage.py.
+(:class:`analysis.engine.reduce.Minibatches`, ``SuiteOptions.order_seed``), not of their stored order: the minibatch
+estimators (CKA and those built on it) assume random minibatches. Results are written and read by
+analysis/results/storage.py.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ import numpy as np
 import torch
 import yaml
 
-from analysis.families import family_of
-from analysis.fixes import BatchSizes, Problem, first, sentence
-from analysis.measure import (
+from analysis.engine.fixes import BatchSizes, Problem, first, sentence
+from analysis.engine.measure import (
     Context,
     MeasureError,
     labels_problem,
@@ -38,8 +38,9 @@ from analysis.measure import (
     resolve,
     resolve_all,
 )
-from analysis.reduce import ORDER_SEED, shard
-from analysis.taps import Taps, available_taps
+from analysis.engine.reduce import ORDER_SEED, shard
+from analysis.engine.taps import Taps, available_taps
+from analysis.families import family_of
 
 DEFAULT = ("cka", "norm_ratio", "attention_distance", "fewshot_probe")  # what the training-time suite runs
 
@@ -54,7 +55,7 @@ class SuiteOptions:
     batch_size: int = 256  # analysis minibatch = the CKA minibatch (>= 4)
     options: dict = field(default_factory=dict)  # {measure name: its Options instance}
     # the analysis images' minibatches are runs of a permutation drawn from this seed (None: stored order), the same
-    # for every measure and process count (analysis.reduce.Minibatches)
+    # for every measure and process count (analysis.engine.reduce.Minibatches)
     order_seed: int | None = ORDER_SEED
 
     def of(self, name: str):
@@ -112,7 +113,8 @@ def parse_opt_args(items: list[str]) -> dict:
 
 
 def batch_problem(n_images: int, batch_size: int) -> BatchSizes | None:
-    """The problem (:class:`analysis.fixes.BatchSizes`) if minibatch CKA cannot use these sizes (every minibatch, the
+    """The problem (:class:`analysis.engine.fixes.BatchSizes`) if minibatch CKA cannot use these sizes (every
+    minibatch, the
     last included, needs >= 4 images), else None."""
     if batch_size < 4 or n_images < 4 or 0 < n_images % batch_size < 4:
         return BatchSizes(n_images, batch_size)
@@ -127,7 +129,8 @@ MAX_MINIBATCH = 256  # the suite's default minibatch (a run trained here analyse
 
 
 def tap_bytes_per_image(model, x1: torch.Tensor) -> int:
-    """What the suite's taps keep of one image during a pass, in bytes: every tap of every block (analysis/taps.py;
+    """What the suite's taps keep of one image during a pass, in bytes: every tap of every block
+    (analysis/engine/taps.py;
     a ViT block's attention map heads x tokens x tokens, its nine tokens x width tensors and the MLP hidden
     activations) captured in one forward of the one (normalised) image ``x1``, as float32."""
     names = available_taps(model)
@@ -171,9 +174,10 @@ def out_of_memory(e: BaseException) -> bool:
 
 def data_problems(data, opts: SuiteOptions) -> dict[str, Problem]:
     """{measure: its problem} for each requested measure that cannot run on ``data`` with its options, in the order
-    requested: labels it reads that the data lacks (:func:`analysis.measure.labels_problem`: unlabelled analysis
-    images, label -1, or no labelled probe-train images), else its own :meth:`analysis.measure.Measure.problem`
-    (e.g. too few probe-train images for its shots). Structured (analysis/fixes.py): each front end says the fix in
+    requested: labels it reads that the data lacks (:func:`analysis.engine.measure.labels_problem`: unlabelled analysis
+    images, label -1, or no labelled probe-train images), else its own :meth:`analysis.engine.measure.Measure.problem`
+    (e.g. too few probe-train images for its shots). Structured (analysis/engine/fixes.py): each front end says the fix
+    in
     its own words."""
     reg = registry()
     out: dict[str, Problem] = {}
@@ -188,7 +192,7 @@ def data_problems(data, opts: SuiteOptions) -> dict[str, Problem]:
 
 def problem(data, opts: SuiteOptions, front: str = "recipe") -> str | None:
     """One sentence if the suite cannot run ``opts`` on ``data`` (checked before anything is written), with the fix
-    in the words of the front end ``front`` (a key of :data:`analysis.fixes.VOCAB`)."""
+    in the words of the front end ``front`` (a key of :data:`analysis.engine.fixes.VOCAB`)."""
     p = batch_problem(len(data.analysis), opts.batch_size)
     if p:
         return sentence(p, front, [])
@@ -197,7 +201,7 @@ def problem(data, opts: SuiteOptions, front: str = "recipe") -> str | None:
 
 def model_problem(ctx: Context, opts: SuiteOptions, measures=None) -> str | None:
     """One sentence if a measure of ``measures`` (default ``opts.measures``) that applies to the model of ``ctx``
-    cannot run on it with its options (:meth:`analysis.measure.Measure.model_problem`)."""
+    cannot run on it with its options (:meth:`analysis.engine.measure.Measure.model_problem`)."""
     reg = registry()
     for name in resolve_all(measures if measures is not None else opts.measures):
         if reg[name].runs_on(ctx):
@@ -296,7 +300,8 @@ def make_measures(ctx: Context, opts: SuiteOptions, names=None) -> list:
 
 def probe_rows(ms, split) -> np.ndarray | None:
     """The probe-train images the measures ``ms`` (those with probe taps) read: the sorted union of their
-    :meth:`~analysis.measure.Measure.probe_rows`, or None (every image) when one of them reads all, when the union
+    :meth:`~analysis.engine.measure.Measure.probe_rows`, or None (every image) when one of them reads all, when the
+    union
     is every image, or when the split's images are not a tensor that rows can be taken from."""
     if not isinstance(getattr(split, "images", None), torch.Tensor):
         return None
@@ -328,7 +333,7 @@ def float32_forward(model):
 def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, measures=None, on_stage=None) -> dict:
     """The requested measures (``measures`` or ``opts.measures``; those that do not apply to the model, e.g.
     attention measures on a ResNet, are left out) of ``model`` on ``data.analysis`` (and ``data.probe_train``).
-    Returns ``{"meta": {...}, <measure>: result}`` (results as in analysis/measure.py). ``on_stage(text)``, when
+    Returns ``{"meta": {...}, <measure>: result}`` (results as in analysis/engine/measure.py). ``on_stage(text)``, when
     given, is called as each stage starts: the passes over the images, then each measure's name (its finish)."""
     on_stage = on_stage or (lambda text: None)
     opts = opts or SuiteOptions()

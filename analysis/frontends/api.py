@@ -20,13 +20,13 @@ for DINO's EMA teacher: train/objectives). ``images`` is a tensor [N, C, H, W] (
 DataLoader); measures that read labels (probes, k-NN, clustering) need ``labels`` and, for probes and k-NN,
 ``probe_images`` / ``probe_labels`` to train on. ``normalize`` maps a batch to model inputs (default: uint8 /
 255, float unchanged). ``images`` may also be a folder of image files (one subfolder per class gives labels) or
-``"photos"`` (the bundled photo set, labelled by photo: analysis/images.py); these are resized, cropped and
+``"photos"`` (the bundled photo set, labelled by photo: analysis/sources/images.py); these are resized, cropped and
 normalised by the model's own timm preprocessing, and ``probe_images`` may then be a folder too.
 Bad input raises ``ValueError`` with one sentence, in this API's words (``probe_images=``, ``options=``: the
-vocabulary of analysis/fixes.py), with the closest name for a mistyped measure, option or tap.
+vocabulary of analysis/engine/fixes.py), with the closest name for a mistyped measure, option or tap.
 
 Raw activations, for an analysis of one's own without writing hooks (:func:`activations`, :func:`iter_activations`):
-the taps' tensors (analysis/taps.py: named by block and role, ``blocks.3.attn_probs``, ``blocks.3.out``,
+the taps' tensors (analysis/engine/taps.py: named by block and role, ``blocks.3.attn_probs``, ``blocks.3.out``,
 ``layer2.0.branch``; glob patterns such as ``blocks.*.attn_probs``) of a model on images, in float32 and eval mode,
 streamed minibatch by minibatch to the CPU, into one tensor per tap or onto disk::
 
@@ -48,10 +48,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from analysis import offline as O
-from analysis import publish, storage
-from analysis.suite import float32_forward, problem, run_suite, suite_options
-from analysis.taps import TapError, Taps, arch_of, available_taps, block_kinds, block_names
+from analysis.engine.suite import float32_forward, problem, run_suite, suite_options
+from analysis.engine.taps import TapError, Taps, arch_of, available_taps, block_kinds, block_names
+from analysis.results import publish, storage
+from analysis.results import runs as RF
+from analysis.sources import models as MS
 from train.coerce import did_you_mean
 from train.splits import TensorBatches
 
@@ -174,12 +175,12 @@ def _model_and_data(
     """(network, Data) from :func:`analyze`'s arguments: a run folder's checkpoint and its own images unless ``images``
     are given, or a network object and ``images``."""
     if isinstance(model, (str, Path)):
-        run, step = O.parse_against(
+        run, step = RF.parse_against(
             str(model)
         )  # "runs/x" (last checkpoint) or "runs/x:STEP"; AnalysisError is a ValueError
-        O.select_part(run, part)
-        run_data = O.load_data(run)
-        model = O.load_model(run, step, run_data)
+        RF.select_part(run, part)
+        run_data = MS.load_data(run)
+        model = MS.load_model(run, step, run_data)
         if images is None:
             return model, run_data
         return model, Data(
@@ -208,7 +209,7 @@ def _model_and_data(
 
 
 def _image_set(model, images, labels, probe_images):
-    from analysis.images import ImageError, image_set
+    from analysis.sources.images import ImageError, image_set
 
     if labels is not None:
         raise ValueError("labels= goes with a tensor of images; a folder's labels are its class subfolders.")
@@ -243,7 +244,7 @@ def tap_names(model, taps) -> list[str]:
             raise ValueError(
                 f"tap '{pat}' matches no tap of this {type(model).__name__}{did_you_mean(str(pat), known)}: taps are "
                 f"<block>.<kind>, blocks "
-                f"{blk} ... {block_names(model)[-1]}, kinds {', '.join(block_kinds(model, blk))} (analysis/taps.py)."
+                f"{blk} ... {block_names(model)[-1]}, kinds {', '.join(block_kinds(model, blk))} (analysis/families/)."
             )
         out += [n for n in hits if n not in out]
     return sorted(out, key=known.index)

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.figures import subplots
-from analysis.measure import Context, Measure
-from analysis.reduce import all_reduce_tree
+from analysis.engine.figures import subplots
+from analysis.engine.measure import Context, Measure
+from analysis.engine.reduce import all_reduce_tree
 
 _CHUNK_ELEMENTS = 1 << 22  # float64 elements of attention converted at a time (32 MiB)
 

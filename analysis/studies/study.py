@@ -16,16 +16,16 @@ A study file names runs (a recipe plus overrides each), a root folder and a repo
 
 With ``seeds`` (the study's, or a run's own, which replaces it) a run is one CONFIGURATION trained once per seed, in
 folders NAME_sSEED; the claims compare configurations seed by seed and judge each effect against the seed-to-seed
-difference of the same configuration (analysis/reports/claims.py). Without seeds a run is trained once, under its
+difference of the same configuration (analysis/studies/claims.py). Without seeds a run is trained once, under its
 name, with its recipe's seed.
 
 Stages (``--stage``, default all): ``train`` (finished runs skipped, interrupted ones resumed, every run's
 recipe validated before the first starts; ``--jobs N`` trains N runs at once with 1/N of the cores each, ``--only
 CONFIG ...`` those configurations only), ``analyze`` (the offline suite on every checkpoint, cached), and
-``report`` (cross-run comparisons and the claims document, see analysis/reports/study_report.py).
+``report`` (cross-run comparisons and the claims document, see analysis/studies/study_report.py).
 
 ``go_no_go: true`` on a run makes its configuration a pilot: its first seed trains to the second scheduled
-checkpoint (``--stop-after``), where its training-time attention distance callback decides (analysis/reports/claims.py
+checkpoint (``--stop-after``), where its training-time attention distance callback decides (analysis/studies/claims.py
 ``go_no_go``): on a go every seed trains to the end, on a no-go the configuration stops there and the report says
 why. A study thereby spends its hours on a long regime only when that regime shows what it was chosen for.
 """
@@ -47,9 +47,9 @@ from train.sweep import launch_runs
 # The analysis stack (torch, timm, matplotlib) is imported by the functions that use it, so --help, a bad argument
 # and a study file that is missing or not YAML are answered at once.
 if TYPE_CHECKING:
-    from analysis.suite import SuiteOptions
+    from analysis.engine.suite import SuiteOptions
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is analysis/reports/study.py)
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is analysis/studies/study.py)
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Study:
 
     def suite_options(self, measures=None) -> SuiteOptions:
         """The suite options of an analysis of this study: ``measures`` with the study's measure options."""
-        from analysis.suite import suite_options
+        from analysis.engine.suite import suite_options
 
         return suite_options(measures, options=self.options)
 
@@ -240,8 +240,8 @@ def _options(value, path) -> dict:
     """The options entry {measure: {option: value}}, checked against each measure's Options."""
     if value is None:
         return {}
-    from analysis.measure import MeasureError
-    from analysis.suite import suite_options
+    from analysis.engine.measure import MeasureError
+    from analysis.engine.suite import suite_options
 
     try:
         suite_options(None, options=value)
@@ -254,7 +254,7 @@ def _measures(value, path) -> list[str] | None:
     """A measures entry: None, 'all', or a list of measure names (checked)."""
     if value is None:
         return None
-    from analysis.measure import MeasureError, registry, resolve_all
+    from analysis.engine.measure import MeasureError, registry, resolve_all
 
     if value == "all":
         return sorted(registry())
@@ -271,8 +271,8 @@ def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, u
     skipped). A configuration marked ``go_no_go`` first trains its first run to its check step (the second scheduled
     checkpoint), beside the other runs; it trains on (every seed, to the end) only when the pilot check there says go
     (or undecided: nothing measured), and stops there on a no-go, saying so with the numbers. ``ungated``: no check."""
-    from analysis.offline import open_run
-    from analysis.reports.pilots import NO_GO, check_step, pilot_check
+    from analysis.results.runs import open_run
+    from analysis.studies.locality import NO_GO, check_step, pilot_check
 
     selected = [r for r in study.runs.values() if not only or r.config in only]
     configs = study.configs()
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
             return 1
     if args.dry_run:
         return 0
-    from analysis.reports.study_report import analyze_study, write_report
+    from analysis.studies.study_report import analyze_study, write_report
 
     if args.stage in ("all", "analyze"):
         rc = analyze_study(study) or rc

@@ -12,7 +12,7 @@ split; a key named after a measure holds that measure's options (analysis/measur
 directly. Other keys: ``every`` (cadence), ``batch_size`` (analysis minibatch, >= 4), ``figures`` (draw figures
 for TensorBoard and PNG, default true). Results go to TensorBoard and to ``runs/<name>/analysis/step_XXXXXXX/``
 (npz arrays, summary.json) and ``runs/<name>/figures/step_XXXXXXX/`` (PNG); offline analysis
-(``python -m analysis``) calls the same :func:`analysis.suite.run_suite` and reuses these results.
+(``python -m analysis``) calls the same :func:`analysis.engine.suite.run_suite` and reuses these results.
 
 Figures are drawn off the training path: results and scalars are written at once, and one background thread
 (shared by every analysis callback of the process, so figures are never drawn in two threads at once) draws the
@@ -28,8 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from analysis import publish, storage
-from analysis.suite import DEFAULT, make_context, model_problem, problem, run_suite, suite_options
+from analysis.engine.suite import DEFAULT, make_context, model_problem, problem, run_suite, suite_options
+from analysis.results import publish, storage
 from train.callbacks import Callback
 from train.errors import RecipeError
 from train.models import build_model

@@ -3,7 +3,7 @@
 A claim of a paper is tested in one or more *parts*; each part is one number in the paper's direction (an effect), a
 two-sided test of "no effect" at :data:`ALPHA` = 0.05 and the matching 95% confidence interval (CI). :func:`decide`
 turns a claim's parts and its preconditions into one of four outcomes (the constants :data:`HELD`, :data:`NOT_HELD`,
-:data:`INCONCLUSIVE`, :data:`NOT_TESTABLE`, which analysis/reports/claims.py uses too):
+:data:`INCONCLUSIVE`, :data:`NOT_TESTABLE`, which analysis/studies/claims.py uses too):
 
 ``held``          every part is significant in the paper's direction (p < ALPHA, each part unadjusted: a conjunction
                   of tests each at level ALPHA is a test of the whole claim at level ALPHA, the intersection-union
@@ -74,7 +74,7 @@ The pooled rows agree with the exact power of the t test, P(T'_{df, delta / sqrt
 noncentral t: 0.463, 0.576, 0.633 at 2 sigma and 0.783, 0.894, 0.931 at 3 sigma (tests/studies/test_stats.py checks df
 8).
 Welch is conservative with 3 seeds (its df falls towards 2 when one sample happens to vary less). For comparison, the
-rule this replaces (an effect counts beyond 2x the largest seed-to-seed difference, analysis/reports/claims.py), in
+rule this replaces (an effect counts beyond 2x the largest seed-to-seed difference, analysis/studies/claims.py), in
 the same simulation (200,000 claims): with 2 seeds a true null is held 3.5% and did not hold 3.5%, power 29% at
 2 sigma and 49% at 3 sigma; with 3 seeds 0.25% each, power 9% and 24%. The paired design is the weakest with 3 seeds
 (df 2): pair
@@ -82,7 +82,7 @@ only when the seeds of the two configurations are correlated (the pairing then r
 family's seed SD is the cheapest power.
 
 Everything is numpy + scipy (``scipy.special.stdtr`` / ``stdtrit`` for the t distribution, ``ndtr`` / ``ndtri`` for
-the normal); nothing is read from files. ``python -m analysis.reports.stats`` prints the tables above.
+the normal); nothing is read from files. ``python -m analysis.studies.stats`` prints the tables above.
 """
 
 from __future__ import annotations

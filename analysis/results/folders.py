@@ -1,5 +1,5 @@
 """What the analysis command checks of its input before it imports the analysis stack (torch, timm, matplotlib: 5-20 s
-on a loaded machine): a mistyped run folder is one sentence at once. :func:`analysis.offline.open_run` reads the
+on a loaded machine): a mistyped run folder is one sentence at once. :func:`analysis.results.runs.open_run` reads the
 folder after these checks."""
 
 from __future__ import annotations

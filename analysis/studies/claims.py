@@ -4,8 +4,8 @@ A study plug-in (analysis/studies/<paper>/) declares each claim in one place: a 
 :meth:`Claims.claim` that carries the claim's text (the paper's claim in the paper's direction, the quoted passage,
 its source and figure, the rule in words, the paper's number where the text gives one) and computes it -- it reads the
 numbers it needs through a :class:`Context` and returns a :class:`Result` whose
-:class:`~analysis.reports.stats.Decision`
-comes from the one statistical rule (analysis/reports/stats.py: a test and a 95% CI per part, Holm over a claim's parts
+:class:`~analysis.studies.stats.Decision`
+comes from the one statistical rule (analysis/studies/stats.py: a test and a 95% CI per part, Holm over a claim's parts
 for "did not hold", preconditions for "not testable"). The order of the decorated functions is the order of the
 report. Claim ids are unique within a paper (a second one is refused at import), every declared claim appears in the
 report (:func:`run_claims` records a claim whose configurations the study lacks as not testable, saying which), and
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.reports.stats import (
+from analysis.studies.stats import (
     ALPHA,
     HELD,
     INCONCLUSIVE,
@@ -175,7 +175,7 @@ class Result:
 
 
 def judge(parts: Sequence[Callable[[], Part]], preconditions: Sequence[Precondition] = ()) -> Decision:
-    """:func:`~analysis.reports.stats.decide` on parts built lazily: a part that cannot be computed (too few seeds, a
+    """:func:`~analysis.studies.stats.decide` on parts built lazily: a part that cannot be computed (too few seeds, a
     missing value) makes the claim not testable with that sentence, and the parts that could be computed are shown.
     Where a given precondition failed, that sentence is left out: the precondition is the reason (e.g. no outlier
     tokens, hence no values to test), and a report line asking for more seeds would mislead."""
@@ -438,6 +438,6 @@ RULE_TEXT = (
     "hold**: some part significantly reversed after Holm's correction over the claim's parts, with every "
     "precondition passed; **inconclusive**: neither; **not testable**: a precondition failed (too few seeds, the "
     "statistic still moving between the last two checkpoints, or a model that is not yet the kind the paper "
-    "describes), said with its numbers. analysis/reports/stats.py documents the tests, their simulated error rates "
+    "describes), said with its numbers. analysis/studies/stats.py documents the tests, their simulated error rates "
     "(false held and false did-not-hold at most 2.6% each with three seeds) and their power."
 )

@@ -1,12 +1,14 @@
 """The table of measures in docs/measures.md, generated from the registry so that it cannot drift from the code.
 
-    python -m analysis.measure_table            rewrite the table between the markers in docs/measures.md
-    python -m analysis.measure_table --check    exit 1 (and say so) when the committed table is not the generated one
+    python -m analysis.frontends.measure_table            rewrite the table between the markers in docs/measures.md
+    python -m analysis.frontends.measure_table --check    exit 1 (and say so) when the committed table is not the
+    generated one
 
-One row per measure of ``analysis/measures/`` (:func:`analysis.measure.registry`; measures that other installed
+One row per measure of ``analysis/measures/`` (:func:`analysis.engine.measure.registry`; measures that other installed
 packages publish are left out, so the table is the same on every machine): its name (a link to its definition further
 down the page), the first line of its class docstring (a one-sentence summary: keep it one sentence, and keep it
-true), the models it applies to (its :meth:`~analysis.measure.Measure.applies` asked about a tiny model of each kind),
+true), the models it applies to (its :meth:`~analysis.engine.measure.Measure.applies` asked about a tiny model of each
+kind),
 the labels it reads (``uses_labels``) and its options with their defaults (its ``Options`` dataclass, written as after
 ``--opt``). ``tests/test_docs.py`` fails when the committed table differs from this one.
 """
@@ -21,12 +23,12 @@ from pathlib import Path
 
 import yaml
 
-from analysis.measure import Measure, registry
+from analysis.engine.measure import Measure, registry
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "measures.md"
 BEGIN, END = "<!-- measures:begin -->", "<!-- measures:end -->"
-COMMAND = "python -m analysis.measure_table"
+COMMAND = "python -m analysis.frontends.measure_table"
 LABELS = {"": "none", "analysis": "analysis images", "probe": "analysis and probe-train images"}
 
 
@@ -75,7 +77,7 @@ def options_text(cls: type[Measure]) -> str:
 
 def table() -> str:
     """The Markdown table of every measure of the project."""
-    from analysis.suite import make_context
+    from analysis.engine.suite import make_context
 
     contexts = {k: make_context(m, data=None) for k, m in _tiny_models().items()}
     rows = [

@@ -1,4 +1,4 @@
-"""``python -m analysis.reports.compare RUN_DIR RUN_DIR ... [--reference RUN[:STEP]]``: runs side by side.
+"""``python -m analysis.frontends.compare RUN_DIR RUN_DIR ... [--reference RUN[:STEP]]``: runs side by side.
 
 Each run is analysed at one checkpoint (``--step``, default its last; cached results are reused, missing ones
 computed with the offline suite), then the comparison draws into ``--out`` (default runs/compare-<names>/):
@@ -19,15 +19,18 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis import offline as O
-from analysis import storage
-from analysis import suite as S
-from analysis.__main__ import measure_options
-from analysis.figures import attention_distance_panels, every_nth, layer_ticks, save, subplots
-from analysis.measure import MeasureError, as_list
+from analysis.engine import suite as S
+from analysis.engine.figures import attention_distance_panels, every_nth, layer_ticks, save, subplots
+from analysis.engine.measure import MeasureError, as_list
+from analysis.frontends import runner as RN
+from analysis.frontends.cli import measure_options
 from analysis.measures.attention_distance import AttentionDistanceMeasure
 from analysis.measures.norm_ratio import NormRatioMeasure
+from analysis.reports import cross as XC
 from analysis.reports.run_report import fmt
+from analysis.results import folders as RF0
+from analysis.results import runs as RF
+from analysis.results import storage
 from train.checkpoint import read_meta
 
 
@@ -43,7 +46,7 @@ def _panels(n: int, w: float = 3.2, h: float = 2.8, **kw):
 
 def cka_grid(results: dict, path: Path) -> Path:
     """Every run's CKA between its layers, one panel each (origin bottom-left), one colourbar from 0 to 1, every layer
-    named (every n-th beyond analysis.figures.MAX_TICK_LABELS, said in the axis labels)."""
+    named (every n-th beyond analysis.engine.figures.MAX_TICK_LABELS, said in the axis labels)."""
     items = [(k, r["cka"]) for k, r in results.items() if "cka" in r]
     fig, axes = _panels(len(items), w=3.6, h=3.6, layout="constrained")
     im = None
@@ -139,13 +142,13 @@ def compare(
     opts = opts or S.SuiteOptions()
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
-        raise O.AnalysisError(f"two runs have the same folder name ({names}): copy or rename one to compare them.")
+        raise RF0.AnalysisError(f"two runs have the same folder name ({names}): copy or rename one to compare them.")
     out = Path(out) if out else runs[0].path.parent / ("compare-" + "-".join(names))[:120]
     results, top1, same = {}, {}, {}
     for run in runs:
         s = run.step(step)
-        O.analyze_run(run, [s], opts, progress=progress)
-        results[run.name] = storage.load_results(O.step_dir(run, s), opts.measures)
+        RN.analyze_run(run, [s], opts, progress=progress)
+        results[run.name] = storage.load_results(RF.step_dir(run, s), opts.measures)
         if run.external is None:
             v = read_meta(run.checkpoints[s]).get("eval", {}).get("top1")
             if v is not None:
@@ -155,7 +158,7 @@ def compare(
         for run in runs:
             if run.path.resolve() == ref.path.resolve() and run.step(step) == ref_step:
                 continue
-            a = O.against(run, ref, ref_step, [step] if step else None, opts, progress=progress)
+            a = XC.against(run, ref, ref_step, [step] if step else None, opts, progress=progress)
             r = next(iter(a["results"].values()))
             if "same_index" in r:
                 same[run.name] = np.asarray(r["same_index"])
@@ -204,7 +207,7 @@ def write_compare_report(res: dict, reference=None) -> Path:
 def main(argv=None) -> int:
     intro, _, rest = __doc__.partition("\n\n")
     p = argparse.ArgumentParser(
-        prog="python -m analysis.reports.compare",
+        prog="python -m analysis.frontends.compare",
         description=intro,
         epilog=rest,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -228,16 +231,16 @@ def main(argv=None) -> int:
         try:
             opts = measure_options(args.measures, args.batch_size, args.opt)
         except MeasureError as e:
-            raise O.AnalysisError(str(e)) from None
-        runs = [O.open_run(r) for r in args.runs]
+            raise RF0.AnalysisError(str(e)) from None
+        runs = [RF.open_run(r) for r in args.runs]
         if args.step:
             [r.step(args.step) for r in runs]
-        reference = O.parse_against(args.reference) if args.reference else None
+        reference = RF.parse_against(args.reference) if args.reference else None
         if reference:
             for r in runs:
-                O.check_same_images(r, reference[0])
+                XC.check_same_images(r, reference[0])
         res = compare(runs, args.step, reference, args.out, opts, progress=not args.no_progress)
-    except O.AnalysisError as e:
+    except RF0.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"comparison of {len(runs)} runs: {res['out'] / 'report.md'}")

