@@ -343,7 +343,7 @@ def open_target(args):
     from analysis.sources import models as MS
 
     if args.model:
-        recipe = args.recipe or str(Path(__file__).resolve().parents[1] / "recipes" / "default.yaml")
+        recipe = args.recipe or str(Path(__file__).resolve().parents[2] / "recipes" / "default.yaml")
         return MS.external_run(
             args.model,
             args.weights,

@@ -25,7 +25,7 @@ import yaml
 
 from analysis.engine.measure import Measure, registry
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "measures.md"
 BEGIN, END = "<!-- measures:begin -->", "<!-- measures:end -->"
 COMMAND = "python -m analysis.frontends.measure_table"
