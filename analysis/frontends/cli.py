@@ -258,8 +258,15 @@ def parser() -> argparse.ArgumentParser:
         metavar="OTHER_RUN[:STEP]",
         help="cross-run CKA against another run's checkpoint (default its last); repeatable",
     )
-    p.add_argument("--model", help="analyse a model not trained here: timm:<architecture>")
-    p.add_argument("--weights", help="with --model: a .safetensors file ('pretrained' downloads timm's weights)")
+    p.add_argument(
+        "--model",
+        help="analyse a model not trained here: timm:<architecture>, hf:<hub name or save_pretrained folder> "
+        "(transformers) or open_clip:<architecture>",
+    )
+    p.add_argument(
+        "--weights",
+        help="with --model timm: or open_clip: a weights file (.safetensors; 'pretrained' downloads timm's weights)",
+    )
     p.add_argument(
         "--recipe",
         default=None,
@@ -322,8 +329,11 @@ def check_target(args) -> None:
     """What can be said of the target without the analysis stack (torch): the arguments that name it, and a run
     folder that does not exist or is none (AnalysisError, one sentence)."""
     if args.model:
-        if not args.weights:
-            raise AnalysisError("--model needs --weights FILE.safetensors (or --weights pretrained with a network).")
+        if not args.weights and not args.model.startswith("hf:"):
+            raise AnalysisError(
+                f"--model {args.model} needs --weights FILE.safetensors (or --weights pretrained with a network, for "
+                "timm)."
+            )
         return
     if args.images or args.probe_images:
         raise AnalysisError(

@@ -33,10 +33,13 @@ class Run:
     name: str
     recipe: object
     checkpoints: dict[int, Path] = field(default_factory=dict)
-    external: dict | None = None  # {"arch": "timm:...", "weights": FILE or "pretrained"} for models not trained here
+    external: dict | None = (
+        None  # {"arch": "timm:...", "weights": FILE, "pretrained" or None} for models from elsewhere
+    )
     part: str = DEFAULT_PART  # the network analysed: a name in the checkpoints' objective parts (select_part)
     _data: object = field(default=None, repr=False)  # the data bundle and its fingerprint, built once (load_data)
     _fingerprint: str | None = field(default=None, repr=False)
+    _model: object = field(default=None, repr=False)  # a model from elsewhere that is built as saved (hf:, open_clip:)
 
     def step(self, spec: str | int | None) -> int:
         """A checkpoint step from ``None``/"last" (the latest), or a number that must exist."""

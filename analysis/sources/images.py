@@ -86,16 +86,13 @@ class ImageSet:
 
 
 def preprocessing(model: torch.nn.Module, img_size: int | None = None) -> dict:
-    """timm's data configuration of ``model`` at the size it was built for (or ``img_size``): input_size,
-    interpolation, mean, std, crop_pct, crop_mode."""
-    from timm.data import resolve_data_config
+    """The preprocessing of ``model``'s family (analysis/families/: timm's data configuration, a transformers image
+    processor's, open_clip's) at the size it was built for (or ``img_size``): input_size, interpolation, mean, std,
+    crop_pct, crop_mode, as timm's eval transform takes them."""
+    from analysis.families import family_of
 
-    cfg = resolve_data_config({}, model=model)
-    size = img_size
-    if size is None:
-        pe = getattr(model, "patch_embed", None)
-        built = getattr(pe, "img_size", None)
-        size = int(built[0]) if built is not None else int(cfg["input_size"][-1])
+    cfg = dict(family_of(model).preprocessing(model))
+    size = img_size or cfg["input_size"][-1]
     cfg["input_size"] = (3, int(size), int(size))
     return cfg
 

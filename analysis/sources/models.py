@@ -19,6 +19,7 @@ from pathlib import Path
 import timm
 import torch
 
+from analysis.families import family_of
 from analysis.results import storage
 from analysis.results.folders import AnalysisError
 from analysis.results.runs import (
@@ -40,6 +41,8 @@ from train.objectives import uses_labels
 from train.recipe import RecipeError, load_recipe
 from train.sources import hub_offline_mode, hub_state
 
+SOURCES = ("timm", "hf", "open_clip")  # --model KIND:NAME
+
 
 def external_run(
     arch: str,
@@ -51,20 +54,30 @@ def external_run(
     probe_images: str | Path | None = None,
     preprocessing: str = "model",
 ) -> Run:
-    """A model not trained here: ``arch`` = "timm:<name>", ``weights`` a local .safetensors file (or "pretrained"
-    for timm's own weights, which needs a network); results go to ``out`` (default runs/external-<name>).
+    """A model not trained here: ``arch`` = "timm:<name>" with ``weights`` a local .safetensors file (or "pretrained"
+    for timm's own weights, which needs a network), "open_clip:<name>" with a weights file, or "hf:<hub name or
+    save_pretrained folder>" without; results go to ``out`` (default runs/external-<name>).
 
     With ``images`` (a folder, or "photos": analysis/sources/images.py) those images are analysed, prepared by the
-    model's own
-    timm preprocessing (resize, centre crop, mean, std) at the size its weights were trained for (their position
-    embedding's grid; ``--set data.img_size=N`` to choose), and ``probe_images`` (a folder) trains probes and k-NN.
+    model's own preprocessing (its family's: resize, centre crop, mean, std) at the size its weights were trained for
+    (a timm ViT's position embedding's grid, ``--set data.img_size=N`` to choose; a transformers or open_clip model's
+    configured size), and ``probe_images`` (a folder) trains probes and k-NN.
     Without, the analysis and probe-train images of ``recipe_path`` (+ overrides) are used, and only those are decoded
     (the train split stays on disk); ``preprocessing="model"`` normalises them with the model's mean and std,
     ``"recipe"`` with the data's own (as a run trained here on that recipe: needed to compare the two with
     --against)."""
-    if not arch.startswith("timm:") or len(arch) <= 5:
-        raise AnalysisError(f"--model '{arch}' must look like timm:<architecture>, e.g. timm:vit_tiny_patch16_224.")
-    if weights != "pretrained" and not Path(weights).is_file():
+    kind, _, name = arch.partition(":")
+    if kind not in SOURCES or not name:
+        raise AnalysisError(
+            f"--model '{arch}' must look like timm:<architecture>, hf:<hub name or save_pretrained folder> or "
+            "open_clip:<architecture>, e.g. timm:vit_tiny_patch16_224."
+        )
+    if kind == "hf" and weights:
+        raise AnalysisError(
+            f"--weights goes with timm: and open_clip: models; {arch} carries its own weights (its folder or hub "
+            "name), so leave --weights out."
+        )
+    if kind != "hf" and weights != "pretrained" and not Path(str(weights)).is_file():
         raise AnalysisError(
             f"weights file '{weights}' does not exist: pass a .safetensors file (or 'pretrained' with a network)."
         )
@@ -80,8 +93,12 @@ def external_run(
         extra.append(
             "data.in_memory=false"
         )  # only the analysed rows are decoded (the train split can be 60k images at 224)
-    size = None
-    if images is not None:
+    size, model = None, None
+    if kind != "timm":  # a transformers or open_clip model is built as saved: the images follow it
+        model = external_model(arch, weights, 0, 3, 0)
+        size = family_of(model).image_size(model)
+        extra += ["data.in_chans=3"] + ([f"data.img_size={size}"] if size and "data.img_size" not in given else [])
+    elif images is not None:
         size = None if "data.img_size" in given else implied_img_size(arch, weights)
         extra += ["data.in_chans=3"] + ([f"data.img_size={size}"] if size else [])
     try:
@@ -93,19 +110,20 @@ def external_run(
             )
     except RecipeError as e:
         raise AnalysisError(str(e)) from None
-    name = arch[5:].replace("/", "_")
+    name = Path(name).name if kind == "hf" and Path(name).is_dir() else name.replace("/", "_")
     path = Path(out) if out else Path(recipe.run.root) / f"external-{name}"
     run = Run(
         path,
         path.name,
         recipe,
-        {0: Path(weights)},
+        {0: Path(weights) if weights else Path(arch[3:])},
         external={"arch": arch, "weights": weights, "preprocessing": preprocessing},
     )
+    run._model = model
     if images is not None:
         from analysis.sources.images import ImageError, image_set
 
-        model = model_from_timm(arch, weights, 1, 3, recipe.data.img_size)
+        model = model if model is not None else model_from_timm(arch, weights, 1, 3, recipe.data.img_size)
         try:
             run._data = image_set(images, model, probe_images, recipe.data.img_size)
         except ImageError as e:
@@ -192,6 +210,25 @@ def model_from_timm(arch: str, weights: str, num_classes: int, in_chans: int, im
     return model
 
 
+def external_model(arch: str, weights: str | None, num_classes: int, in_chans: int, img_size: int) -> torch.nn.Module:
+    """The model ``arch`` names: ``timm:<name>`` built for the data's shape (:func:`model_from_timm`),
+    ``hf:<hub name or folder>`` (transformers, its weights in the folder) or ``open_clip:<architecture>`` with
+    ``weights``, both built as they were saved; AnalysisError (one sentence) when it cannot be."""
+    kind, _, name = arch.partition(":")
+    if kind == "timm":
+        return model_from_timm(arch, weights, num_classes, in_chans, img_size)
+    try:
+        if kind == "hf":
+            from analysis.families.huggingface import load
+
+            return load(name)
+        from analysis.families.openclip import load
+
+        return load(name, weights)
+    except ValueError as e:
+        raise AnalysisError(str(e)) from None
+
+
 def _head_like(model: torch.nn.Module, state: dict) -> None:
     """Give ``model`` the classifier head ``state`` holds: none when it holds no head weights, else as many classes."""
     head = model.get_classifier() if hasattr(model, "get_classifier") else None
@@ -208,8 +245,10 @@ def _head_like(model: torch.nn.Module, state: dict) -> None:
 def load_model(run: Run, step: int, data) -> torch.nn.Module:
     """The run's model with the weights of checkpoint ``step`` (checksums verified first)."""
     if run.external:
+        if run._model is not None:
+            return run._model.eval()
         r = run.recipe.data
-        return model_from_timm(
+        return external_model(
             run.external["arch"], run.external["weights"], data.num_classes, r.in_chans, r.img_size
         ).eval()
     prefix = part_prefix(run, step)
@@ -227,9 +266,11 @@ def weights_key(run: Run, step: int) -> str:
     """What a result's cache key says about the network analysed: the weights' sha256 (plus the part when it is not
     the default one: a student and a teacher share one model.safetensors)."""
     if run.external:
-        w = run.external["weights"]
+        w, arch = run.external["weights"], run.external["arch"]
         if w == "pretrained":
-            return f"{run.external['arch']}:pretrained"
+            return f"{arch}:pretrained"
+        if arch.startswith("hf:"):
+            return _folder_key(arch)
         return sha256_file(Path(w))
     wid = storage.weights_id(run.checkpoints[step])
     if wid is None:
@@ -252,19 +293,30 @@ def load_data(run: Run):
 
 
 def _model_normalisation(run: Run) -> None:
-    """A model from elsewhere sees a recipe's images normalised by its own pretrained configuration's mean and std
-    (timm.data.resolve_data_config; averaged over channels for greyscale data), not by the data's statistics."""
-    from timm.data import resolve_data_config
-
-    try:
-        cfg = resolve_data_config({}, model=timm.create_model(run.external["arch"][5:], pretrained=False))
-    except RuntimeError:
-        return  # an unknown architecture: model_from_timm says so in one sentence when the model is built
+    """A model from elsewhere sees a recipe's images normalised by its own preprocessing's mean and std (its family's:
+    timm's pretrained configuration, a transformers image processor's, open_clip's; averaged over channels for
+    greyscale data), not by the data's statistics."""
+    model = run._model
+    if model is None:
+        try:
+            model = timm.create_model(run.external["arch"][5:], pretrained=False)
+        except RuntimeError:
+            return  # an unknown architecture: model_from_timm says so in one sentence when the model is built
+    cfg = family_of(model).preprocessing(model)
     mean, std = torch.tensor(cfg["mean"], dtype=torch.float32), torch.tensor(cfg["std"], dtype=torch.float32)
     c = run.recipe.data.in_chans
     if len(mean) != c:
         mean, std = mean.mean().repeat(c), std.mean().repeat(c)
     run._data.mean, run._data.std = mean, std
+
+
+def _folder_key(arch: str) -> str:
+    """The cache key of a transformers model: the sha256 of its folder's weight files, or its hub name."""
+    folder = Path(arch[3:])
+    if not folder.is_dir():
+        return arch
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    return "+".join(sha256_file(p) for p in files) or arch
 
 
 def fingerprint(run: Run) -> str:
