@@ -14,8 +14,7 @@ The package is laid out by role, each depending only on those above it:
     reports/     reports of runs: one run's report, comparisons of runs, cross-model CKA
     studies/     the claim engine, its statistics and the study command; one folder per paper
 
-The names below are loaded when first used (``import analysis`` imports no torch).
-"""
+The names below are loaded when first used (``import analysis`` imports no torch)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ widths, with peak memory and the host's CPU flags.
 Variants, each over the same stream of minibatches (only the CKA algebra is timed, never the features):
 
 - ``new``:    :class:`analysis.estimators.similarity.MinibatchCKA` (Grams of mean-centred features, float32 products
-summed in
-              float64, one triangle of each by BLAS ssyrk, all pairs from one product of centred Grams);
+summed in float64, one triangle of each by BLAS ssyrk, all pairs from one product of centred Grams);
 - ``old``:    the float64 algorithm it replaced (each layer copied to float64, K = X X^T, same pair product);
 - ``numpee``: the method of numpee/CKA.pytorch (github.com/numpee/CKA.pytorch), reimplemented here: a float32
               Gram per layer per minibatch (its forward hooks), then HSIC_1 of every (i, j) pair from a batched

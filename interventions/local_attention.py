@@ -17,10 +17,10 @@ training can outgrow. Inside the window nothing is added: where a head looks wit
 
 How it applies, without forking timm's Attention: timm's ``Attention.forward(x, attn_mask=...)`` adds a float
 ``attn_mask`` to the logits in both its fused (``scaled_dot_product_attention``) and its explicit path; a forward
-pre-hook on each chosen block's ``attn`` passes the bias [1, H, T, T] (zero on the free heads) as that mask. The
-bias is a non-persistent buffer of a submodule ``attn.local_bias``, so ``.to(device)`` moves it and the state
-dict's keys do not change (checkpoints of a run load into the same recipe's model). analysis/engine/taps.py reads the
-attention probabilities after the softmax of the explicit path, so it sees the biased attention.
+pre-hook on each chosen block's ``attn`` passes the bias [1, H, T, T] (zero on the free heads) as that mask. The bias is
+a non-persistent buffer of a submodule ``attn.local_bias``, so ``.to(device)`` moves it and the state dict's keys do not
+change (checkpoints of a run load into the same recipe's model). analysis/engine/taps.py reads the attention
+probabilities after the softmax of the explicit path, so it sees the biased attention.
 
 Entries may name different blocks, heads, offsets and radii; two entries may not force the same head of the same
 block. Works with ``no_skip`` blocks (their attention is called the same way).

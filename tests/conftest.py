@@ -7,11 +7,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# The tests mirror the packages (train/, interventions/, analysis/, studies/ for analysis/reports and
+# The tests mirror the packages (train/, interventions/, analysis/ with a folder per room of analysis/, studies/ for
 # analysis/studies, e2e/ for the end-to-end runs); this folder (conftest's fixtures, fake_objective) and every
 # subfolder are importable, so a test may reuse another's helpers (e.g. test_train's crash callback) by module name.
 HERE = Path(__file__).resolve().parent
-for _d in [HERE, *sorted(p for p in HERE.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))]:
+_DIRS = sorted(
+    p for p in HERE.rglob("*") if p.is_dir() and not any(x.startswith((".", "_")) for x in p.relative_to(HERE).parts)
+)
+for _d in [HERE, *_DIRS]:
     if str(_d) not in sys.path:
         sys.path.insert(1, str(_d))
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -1,5 +1,5 @@
-"""One coercion engine for the values users write: recipe keys (``train/recipe.py``, every section, intervention
-and objective) and measure options (``analysis/engine/measure.py``, from a recipe, ``--opt`` or Python).
+"""One coercion engine for the values users write: recipe keys (``train/recipe.py``, every section, intervention and
+objective) and measure options (``analysis/engine/measure.py``, from a recipe, ``--opt`` or Python).
 
 A value is checked against the type annotation of its dataclass field, the same way wherever it comes from:
 

@@ -5,12 +5,12 @@ Fashion-MNIST from Debian's ``dataset-fashion-mnist`` (gzip IDX files), any Hugg
 :class:`DataError` with one sentence for the user. :func:`check_source` applies the same rules cheaply, without
 reading the images (``python -m train --check``, which ``./launch.sh`` runs before starting several processes).
 
-The Hub offline: huggingface_hub retries a refused or unresolvable connection 5 times with backoff (1 + 2 + 4 + 8 +
-8 s) before datasets falls back to its cache, so a machine without network waited about 25 s for the error (or the
-cached copy). Unless HF_HUB_OFFLINE is set, one short request (:func:`hub_reachable`) first asks whether the Hub
-answers at all; when it does not, the data set is loaded in offline mode, from the cache at once or with one
-sentence saying what to do. A machine with network pays one HEAD request and nothing else changes. The same probe
-(:func:`hub_state`, :func:`hub_offline_mode`) guards timm's pretrained weights in analysis/frontends/runner.py.
+The Hub offline: huggingface_hub retries a refused or unresolvable connection 5 times with backoff (1 + 2 + 4 + 8 + 8 s)
+before datasets falls back to its cache, so a machine without network waited about 25 s for the error (or the cached
+copy). Unless HF_HUB_OFFLINE is set, one short request (:func:`hub_reachable`) first asks whether the Hub answers at
+all; when it does not, the data set is loaded in offline mode, from the cache at once or with one sentence saying what
+to do. A machine with network pays one HEAD request and nothing else changes. The same probe (:func:`hub_state`,
+:func:`hub_offline_mode`) guards timm's pretrained weights in analysis/frontends/runner.py.
 """
 
 from __future__ import annotations

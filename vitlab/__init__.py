@@ -11,10 +11,10 @@ The code lives in the project's top-level packages ``train``, ``analysis`` and `
 notebook would be imported in their place. ``import vitlab`` checks that each of them comes from the checkout vitlab
 itself comes from, and says in one sentence which file is in the way otherwise (:func:`check_packages`).
 
-The attributes are loaded when first used (``import vitlab`` imports no torch): :func:`analyze`,
-:func:`activations`, :func:`iter_activations`, :func:`tap_names` (analysis/frontends/api.py), :class:`Measure`,
-:func:`register`, :class:`Context`, :func:`measures` (analysis/engine/measure.py: a measure of your own),
-:func:`load_recipe`, :func:`train` (a recipe, from Python), :func:`load_pretrained` (the bundled real ViT-S/14:
+The attributes are loaded when first used (``import vitlab`` imports no torch): :func:`analyze`, :func:`activations`,
+:func:`iter_activations`, :func:`tap_names` (analysis/frontends/api.py), :class:`Measure`, :func:`register`,
+:class:`Context`, :func:`measures` (analysis/engine/measure.py: a measure of your own), :func:`load_recipe`,
+:func:`train` (a recipe, from Python), :func:`load_pretrained` (the bundled real ViT-S/14:
 analysis/sources/pretrained.py).
 """
 

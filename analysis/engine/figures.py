@@ -1,10 +1,9 @@
 """Figures of the analyses (matplotlib, Agg backend): each function returns a Figure for TensorBoard's
 ``add_figure`` and for PNG files.
 
-Figures are made with :func:`subplots`, not ``pyplot``: a ``Figure`` with its own Agg canvas and no entry in
-pyplot's global registry, so figures can be drawn in a background thread while the main thread trains (the
-training-time callback renders them off the training path, analysis/frontends/callbacks.py) and nothing needs
-closing."""
+Figures are made with :func:`subplots`, not ``pyplot``: a ``Figure`` with its own Agg canvas and no entry in pyplot's
+global registry, so figures can be drawn in a background thread while the main thread trains (the training-time callback
+renders them off the training path, analysis/frontends/callbacks.py) and nothing needs closing."""
 
 from __future__ import annotations
 

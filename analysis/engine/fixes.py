@@ -3,8 +3,8 @@
 A precondition (:func:`analysis.engine.measure.labels_problem`, a measure's
 :meth:`~analysis.engine.measure.Measure.problem`,
 :func:`analysis.estimators.probing.probe_split_problem`, :func:`analysis.engine.suite.batch_problem`) returns a
-structured problem that
-names the missing piece: :class:`Missing` (class labels of the analysis images, probe-train images, or their
+structured problem that names the missing piece: :class:`Missing` (class labels of the analysis images, probe-train
+images, or their
 labels), :class:`TooFewShots` (too few probe-train images per class for a probe's shots) or :class:`BatchSizes` (a
 last minibatch too small for minibatch CKA). :func:`sentence` turns one into the user's one sentence with the fix in
 the vocabulary of the front end that was used: ``VOCAB[front]``, one small map per front end, here and nowhere else:

@@ -22,12 +22,10 @@ and a second pass over the probe-train split only when some measure asks for it.
   every measure with probe taps names its rows, the suite forwards only their union ``U`` (sorted; minibatch j
   holds images ``U[j*bs:(j+1)*bs]``) and sets ``probe_index = U`` on these measures, which map their own rows into
   the gathered features in :meth:`Measure.finish` (:func:`analysis.estimators.probing.expand_rows`); ``probe_index``
-  None:
-  every probe-train image, in order,
+  None: every probe-train image, in order,
 - reduces over processes and returns its result in :meth:`Measure.finish` (sums through
   :func:`analysis.engine.reduce.all_reduce_sum`; per-image features through :func:`analysis.engine.reduce.collect`); it
-  may
-  also run its own passes there (e.g. gradients), on ``ctx.model`` and ``ctx.data``,
+  may also run its own passes there (e.g. gradients), on ``ctx.model`` and ``ctx.data``,
 - turns a result into key numbers, TensorBoard scalars and figures (static methods, so that results loaded
   back from disk are drawn by the same code).
 
@@ -114,10 +112,9 @@ class NoOptions:
 
 def labels_problem(data, probe: bool = False) -> Missing | None:
     """What a measure that compares against class labels lacks (:class:`analysis.engine.fixes.Missing`), or None:
-    labels of
-    the analysis images (none, or unknown: -1, what :func:`analysis.frontends.api.analyze` gives images passed without
-    labels)
-    and, with ``probe``, probe-train images with their labels. Each front end names the fix in its own words."""
+    labels of the analysis images (none, or unknown: -1, what :func:`analysis.frontends.api.analyze` gives images
+    passed without
+    labels) and, with ``probe``, probe-train images with their labels. Each front end names the fix in its own words."""
     pieces = []
     y = data.analysis.labels
     if len(y) == 0 or int(y.min()) < 0:
@@ -161,8 +158,7 @@ class Measure:
     def problem(cls, data: AnalysisData, opts: Any) -> Problem | None:
         """What keeps this measure from running on ``data`` with ``opts`` (checked before anything is written): a
         structured problem of analysis/engine/fixes.py (:class:`~analysis.engine.fixes.TooFewShots`, ...), which each
-        front end
-        says in its own words, or one sentence."""
+        front end says in its own words, or one sentence."""
         return None
 
     @classmethod

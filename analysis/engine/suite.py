@@ -114,8 +114,7 @@ def parse_opt_args(items: list[str]) -> dict:
 
 def batch_problem(n_images: int, batch_size: int) -> BatchSizes | None:
     """The problem (:class:`analysis.engine.fixes.BatchSizes`) if minibatch CKA cannot use these sizes (every
-    minibatch, the
-    last included, needs >= 4 images), else None."""
+    minibatch, the last included, needs >= 4 images), else None."""
     if batch_size < 4 or n_images < 4 or 0 < n_images % batch_size < 4:
         return BatchSizes(n_images, batch_size)
     return None
@@ -177,8 +176,7 @@ def data_problems(data, opts: SuiteOptions) -> dict[str, Problem]:
     requested: labels it reads that the data lacks (:func:`analysis.engine.measure.labels_problem`: unlabelled analysis
     images, label -1, or no labelled probe-train images), else its own :meth:`analysis.engine.measure.Measure.problem`
     (e.g. too few probe-train images for its shots). Structured (analysis/engine/fixes.py): each front end says the fix
-    in
-    its own words."""
+    in its own words."""
     reg = registry()
     out: dict[str, Problem] = {}
     for name in opts.measures:
@@ -301,8 +299,7 @@ def make_measures(ctx: Context, opts: SuiteOptions, names=None) -> list:
 def probe_rows(ms, split) -> np.ndarray | None:
     """The probe-train images the measures ``ms`` (those with probe taps) read: the sorted union of their
     :meth:`~analysis.engine.measure.Measure.probe_rows`, or None (every image) when one of them reads all, when the
-    union
-    is every image, or when the split's images are not a tensor that rows can be taken from."""
+    union is every image, or when the split's images are not a tensor that rows can be taken from."""
     if not isinstance(getattr(split, "images", None), torch.Tensor):
         return None
     parts = [m.probe_rows(split.labels) for m in ms]
@@ -331,10 +328,10 @@ def float32_forward(model):
 
 
 def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, measures=None, on_stage=None) -> dict:
-    """The requested measures (``measures`` or ``opts.measures``; those that do not apply to the model, e.g.
-    attention measures on a ResNet, are left out) of ``model`` on ``data.analysis`` (and ``data.probe_train``).
-    Returns ``{"meta": {...}, <measure>: result}`` (results as in analysis/engine/measure.py). ``on_stage(text)``, when
-    given, is called as each stage starts: the passes over the images, then each measure's name (its finish)."""
+    """The requested measures (``measures`` or ``opts.measures``; those that do not apply to the model, e.g. attention
+    measures on a ResNet, are left out) of ``model`` on ``data.analysis`` (and ``data.probe_train``). Returns ``{"meta":
+    {...}, <measure>: result}`` (results as in analysis/engine/measure.py). ``on_stage(text)``, when given, is called as
+    each stage starts: the passes over the images, then each measure's name (its finish)."""
     on_stage = on_stage or (lambda text: None)
     opts = opts or SuiteOptions()
     names = resolve_all(measures if measures is not None else opts.measures)

@@ -113,14 +113,13 @@ def cka_floors(
 ) -> dict:
     """The CKA floors of a trained ``model`` (module docstring): ``init_model`` is the same architecture at random
     initialisation, ``layers`` (tap name, label) pairs as :func:`analysis.measures.cka.cka_layers` gives them (the same
-    taps exist in both models), ``how`` the layer representation (``flatten``, ``cls``, ``mean_spatial``; the pixels
-    are always the flattened normalised image). ``images`` [N, C, H, W] go through ``normalize`` in minibatches of
-    ``batch_size`` (each >= 4 images; runs of a permutation drawn from ``order_seed``, as the suite's
-    minibatches, :class:`analysis.engine.reduce.Minibatches`). One self-CKA over [pixels, trained layers, init layers];
-    returns ``labels`` [L], ``taps`` [L], ``pixels`` [L] (trained layer vs pixels), ``init_pixels`` [L] (init layer
-    vs pixels), ``init_same`` [L] (trained layer vs the same layer at init), ``matrix`` [L, L] (the trained model's
-    map, for the same images) and
-    ``init_matrix`` [L, L] (the random-init model's map)."""
+    taps exist in both models), ``how`` the layer representation (``flatten``, ``cls``, ``mean_spatial``; the pixels are
+    always the flattened normalised image). ``images`` [N, C, H, W] go through ``normalize`` in minibatches of
+    ``batch_size`` (each >= 4 images; runs of a permutation drawn from ``order_seed``, as the suite's minibatches,
+    :class:`analysis.engine.reduce.Minibatches`). One self-CKA over [pixels, trained layers, init layers]; returns
+    ``labels`` [L], ``taps`` [L], ``pixels`` [L] (trained layer vs pixels), ``init_pixels`` [L] (init layer vs pixels),
+    ``init_same`` [L] (trained layer vs the same layer at init), ``matrix`` [L, L] (the trained model's map, for the
+    same images) and ``init_matrix`` [L, L] (the random-init model's map)."""
     n = len(images)
     if n < 4 or 0 < n % batch_size < 4:
         raise ValueError(

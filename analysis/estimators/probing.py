@@ -480,9 +480,8 @@ def probe_split(labels: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def probe_split_problem(data, shots: int, measure: str, option: str = "shots") -> TooFewShots | None:
-    """The problem (:class:`analysis.engine.fixes.TooFewShots`) if the probe-train split cannot give ``shots`` per
-    class from
-    its shot half for ``measure``'s option ``option``, else None."""
+    """The problem (:class:`analysis.engine.fixes.TooFewShots`) if the probe-train split cannot give ``shots`` per class
+    from its shot half for ``measure``'s option ``option``, else None."""
     counts = torch.bincount(data.probe_train.labels, minlength=data.num_classes)
     if len(counts) and int(counts.min()) // 2 >= shots:
         return None

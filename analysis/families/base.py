@@ -122,6 +122,6 @@ class Family:
 
 
 def first_tensor(x):
-    """The tensor of a module's output: the output itself, or the first element of a tuple (transformers' layers
-    return ``(hidden_states, attentions?)`` in some versions and a tensor in others)."""
+    """The tensor of a module's output: the output itself, or the first element of a tuple (transformers' layers return
+    ``(hidden_states, attentions?)`` in some versions and a tensor in others)."""
     return x[0] if isinstance(x, (tuple, list)) else x

@@ -13,10 +13,9 @@ measures written for ViT blocks read the same positions::
     mlp_branch   channel-mixing branch: 2nd call of the block's drop_path
     out          output of the block
 
-A MixerBlock applies ONE drop_path module to both branches, so its forward hook fires twice per forward; a pre-hook
-on the block resets a per-block call counter so call 0 is the token branch and call 1 the channel branch. There is
-no ``attn_probs`` and no prefix token; the token grid is ``model.stem.grid_size``.
-"""
+A MixerBlock applies ONE drop_path module to both branches, so its forward hook fires twice per forward; a pre-hook on
+the block resets a per-block call counter so call 0 is the token branch and call 1 the channel branch. There is no
+``attn_probs`` and no prefix token; the token grid is ``model.stem.grid_size``."""
 
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ normalised by the model's own timm preprocessing, and ``probe_images`` may then 
 Bad input raises ``ValueError`` with one sentence, in this API's words (``probe_images=``, ``options=``: the
 vocabulary of analysis/engine/fixes.py), with the closest name for a mistyped measure, option or tap.
 
-Raw activations, for an analysis of one's own without writing hooks (:func:`activations`, :func:`iter_activations`):
-the taps' tensors (analysis/engine/taps.py: named by block and role, ``blocks.3.attn_probs``, ``blocks.3.out``,
+Raw activations, for an analysis of one's own without writing hooks (:func:`activations`, :func:`iter_activations`): the
+taps' tensors (analysis/engine/taps.py: named by block and role, ``blocks.3.attn_probs``, ``blocks.3.out``,
 ``layer2.0.branch``; glob patterns such as ``blocks.*.attn_probs``) of a model on images, in float32 and eval mode,
 streamed minibatch by minibatch to the CPU, into one tensor per tap or onto disk::
 

@@ -6,13 +6,13 @@
       - {name: analysis_suite, every: 1000, measures: [cka, knn], knn: {k: 10}, batch_size: 128}
       - {name: cka, every: 500, repr: cls}                # one measure, its options flat
 
-``analysis_suite`` runs any measures (``python -m analysis --list`` names them) in one pass over the analysis
-split; a key named after a measure holds that measure's options (analysis/measures/<name>.py, ``Options``).
-``cka``, ``norm_ratio``, ``attention_distance`` and ``fewshot_probe`` run one measure each and take its options
-directly. Other keys: ``every`` (cadence), ``batch_size`` (analysis minibatch, >= 4), ``figures`` (draw figures
-for TensorBoard and PNG, default true). Results go to TensorBoard and to ``runs/<name>/analysis/step_XXXXXXX/``
-(npz arrays, summary.json) and ``runs/<name>/figures/step_XXXXXXX/`` (PNG); offline analysis
-(``python -m analysis``) calls the same :func:`analysis.engine.suite.run_suite` and reuses these results.
+``analysis_suite`` runs any measures (``python -m analysis --list`` names them) in one pass over the analysis split; a
+key named after a measure holds that measure's options (analysis/measures/<name>.py, ``Options``). ``cka``,
+``norm_ratio``, ``attention_distance`` and ``fewshot_probe`` run one measure each and take its options directly. Other
+keys: ``every`` (cadence), ``batch_size`` (analysis minibatch, >= 4), ``figures`` (draw figures for TensorBoard and PNG,
+default true). Results go to TensorBoard and to ``runs/<name>/analysis/step_XXXXXXX/`` (npz arrays, summary.json) and
+``runs/<name>/figures/step_XXXXXXX/`` (PNG); offline analysis (``python -m analysis``) calls the same
+:func:`analysis.engine.suite.run_suite` and reuses these results.
 
 Figures are drawn off the training path: results and scalars are written at once, and one background thread
 (shared by every analysis callback of the process, so figures are never drawn in two threads at once) draws the

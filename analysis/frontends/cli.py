@@ -172,8 +172,7 @@ def options(args) -> S.SuiteOptions:
 def sized_minibatch(run, model) -> int:
     """The analysis minibatch of a model from elsewhere when --batch-size is not given: what its taps keep of one
     image and the memory available (:func:`analysis.engine.suite.choose_minibatch`), said in one line. A vitlab run
-    keeps
-    the default (its models are small; its cached results were made with it)."""
+    keeps the default (its models are small; its cached results were made with it)."""
     from analysis.engine import suite as S
     from analysis.sources import models as MS
 

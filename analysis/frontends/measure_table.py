@@ -6,9 +6,8 @@
 
 One row per measure of ``analysis/measures/`` (:func:`analysis.engine.measure.registry`; measures that other installed
 packages publish are left out, so the table is the same on every machine): its name (a link to its definition further
-down the page), the first line of its class docstring (a one-sentence summary: keep it one sentence, and keep it
-true), the models it applies to (its :meth:`~analysis.engine.measure.Measure.applies` asked about a tiny model of each
-kind),
+down the page), the first line of its class docstring (a one-sentence summary: keep it one sentence, and keep it true),
+the models it applies to (its :meth:`~analysis.engine.measure.Measure.applies` asked about a tiny model of each kind),
 the labels it reads (``uses_labels``) and its options with their defaults (its ``Options`` dataclass, written as after
 ``--opt``). ``tests/test_docs.py`` fails when the committed table differs from this one.
 """

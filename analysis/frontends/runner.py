@@ -2,8 +2,8 @@
 
 A measure whose saved result carries the same cache key (checkpoint weights' sha256, analysis images, batch size and
 its own options: :func:`analysis.results.storage.cache_key`) is not recomputed; results go to
-``analysis/step_XXXXXXX/``, figures to ``figures/step_XXXXXXX/`` and scalars and images to the run's TensorBoard at
-the checkpoint's step.
+``analysis/step_XXXXXXX/``, figures to ``figures/step_XXXXXXX/`` and scalars and images to the run's TensorBoard at the
+checkpoint's step.
 """
 
 from __future__ import annotations

@@ -52,18 +52,17 @@ Read-outs of the ablated model on the analysis images (labels y, N images):
 beside the unablated model's top1, loss and knn_top1; ``top1_drop`` = clean - ablated, ``loss_increase`` = ablated -
 clean, ``knn_drop`` = clean - ablated (positive: the target mattered).
 
-How the work is batched (the cost). Each ablation changes the model from its target's block on only, so nothing
-before that block is recomputed: per analysis minibatch one unablated forward captures every block's input
+How the work is batched (the cost). Each ablation changes the model from its target's block on only, so nothing before
+that block is recomputed: per analysis minibatch one unablated forward captures every block's input
 (:class:`analysis.engine.taps.Taps`), and each ablation forward runs the model's own ``forward`` on ONE image with a
-forward pre-hook on the target's block that replaces that block's input by the captured one. Ablations of the
-same block run together, k per forward by repeating the minibatch k times (k = ``forward_images`` // minibatch
-size, copy c carrying ablation c). Heads do not even recompute their block's attention: their forward starts at
-``attn.proj`` from the heads' output captured in the unablated forward (tap ``proj_in``) -- a pre-hook on ``attn``
-gives the attention one image of the minibatch to work on, and the pre-hook on ``attn.proj`` replaces its input by
-the captured one, [k, B, T, C] with copy c's head(s) replaced; the rest of the block is token-wise (proj, LayerScale,
-the residual add broadcasts, MLP), and a forward hook on the block flattens the copies to [k * B, T, C] for the
-blocks after it. Everything is forward hooks on timm's own modules, removed after each forward; nothing of the model
-is changed.
+forward pre-hook on the target's block that replaces that block's input by the captured one. Ablations of the same block
+run together, k per forward by repeating the minibatch k times (k = ``forward_images`` // minibatch size, copy c
+carrying ablation c). Heads do not even recompute their block's attention: their forward starts at ``attn.proj`` from
+the heads' output captured in the unablated forward (tap ``proj_in``) -- a pre-hook on ``attn`` gives the attention one
+image of the minibatch to work on, and the pre-hook on ``attn.proj`` replaces its input by the captured one, [k, B, T,
+C] with copy c's head(s) replaced; the rest of the block is token-wise (proj, LayerScale, the residual add broadcasts,
+MLP), and a forward hook on the block flattens the copies to [k * B, T, C] for the blocks after it. Everything is
+forward hooks on timm's own modules, removed after each forward; nothing of the model is changed.
 
 A skip path is removed by a forward hook on the branch's last module returning f(z) + r - z, which the block adds to
 z: the result is r + f(z) up to float32 rounding of z (about 1e-7 of ||z||; the test against a model built with

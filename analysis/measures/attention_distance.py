@@ -274,12 +274,10 @@ class AttentionDistance:
             offset += parts * h
 
     def sync(self, accelerator=None) -> None:
-        """Sum the state over processes with ``torch.distributed.all_reduce`` (SUM) when a process group with more
-        than one process is initialised (otherwise nothing). Blocks seen only by some processes are added as zeros
-        elsewhere first. The packed state is summed by :func:`analysis.engine.reduce.all_reduce_sum`. Call it once,
-        after the
-        last ``update`` and before
-        ``compute``: calling it twice sums twice."""
+        """Sum the state over processes with ``torch.distributed.all_reduce`` (SUM) when a process group with more than
+        one process is initialised (otherwise nothing). Blocks seen only by some processes are added as zeros elsewhere
+        first. The packed state is summed by :func:`analysis.engine.reduce.all_reduce_sum`. Call it once, after the last
+        ``update`` and before ``compute``: calling it twice sums twice."""
 
         if accelerator is not None and accelerator.num_processes == 1:
             return

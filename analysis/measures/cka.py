@@ -107,12 +107,10 @@ class CKAMeasure(Measure):
         HSIC_1(K, L) = [ tr(K~ L~) + 1^T K~ 1 * 1^T L~ 1 / ((n-1)(n-2)) - 2/(n-2) * 1^T K~ L~ 1 ] / (n (n-3)),
 
     K~, L~ = K, L with zeroed diagonals (:class:`analysis.estimators.similarity.MinibatchCKA`; ``unbiased: false`` uses
-    the
-    biased HSIC_0 = tr(K H L H) / (n-1)^2 that Raghu's eq. 1 writes out). Raghu App. A: minibatches of 1,024,
-    10,240 images, averaged over 20 draws (no effect found down to 128 per batch and 2,560 images); ours: the
-    suite's analysis minibatch over the analysis split, one draw. A layer's representation of one image is
-    option ``repr``: all tokens (or all positions x channels) flattened (default, as in Raghu), the CLS token,
-    or the mean of the spatial tokens.
+    the biased HSIC_0 = tr(K H L H) / (n-1)^2 that Raghu's eq. 1 writes out). Raghu App. A: minibatches of 1,024, 10,240
+    images, averaged over 20 draws (no effect found down to 128 per batch and 2,560 images); ours: the suite's analysis
+    minibatch over the analysis split, one draw. A layer's representation of one image is option ``repr``: all tokens
+    (or all positions x channels) flattened (default, as in Raghu), the CLS token, or the mean of the spatial tokens.
 
     Layers (option ``layers``, :data:`LAYER_SETS`, labels as in :func:`layer_label`):
 

@@ -20,13 +20,12 @@ Definitions (features ``X`` [N, d] used as they are, no normalisation; labels ``
     ARI          adjusted Rand index (torchmetrics.clustering ``adjusted_rand_score``)
 
 In the suite (:class:`ClusteringMeasure`, name ``"clustering"``): the analysis images' features of every block output
-(tap ``<block>.out``), pooled as in :mod:`analysis.knn` (``"cls"`` for CLS models, ``"mean_spatial"``), with
-K = ``ctx.data.num_classes``. The baseline runs the same k-means (same seed) on random features of the same shape,
-seed ``BASELINE_SEED + p * L + l`` for pool p and layer l: standard Gaussian by default
+(tap ``<block>.out``), pooled as in :mod:`analysis.knn` (``"cls"`` for CLS models, ``"mean_spatial"``), with K =
+``ctx.data.num_classes``. The baseline runs the same k-means (same seed) on random features of the same shape, seed
+``BASELINE_SEED + p * L + l`` for pool p and layer l: standard Gaussian by default
 (:func:`analysis.estimators.baselines.gaussian_like`, Walmer's text), uniform [0, 1) with option ``baseline: uniform``
 (:func:`analysis.estimators.baselines.uniform_like`, Walmer's code). ResNet features are the plain spatial mean (Walmer
-study
-ViTs only; Raghu's patching step is for linear probes, see analysis/estimators/features.py).
+study ViTs only; Raghu's patching step is for linear probes, see analysis/estimators/features.py).
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ Definition. For every block output l and pooling P, with the probe-train split h
     baseline[P, l] = the same on random features of the same shapes (Walmer App. B.3, analysis/estimators/baselines.py)
 
 where the probe (analysis/estimators/probing.py, exact formulas there) is a closed-form ridge regression onto {-1, 1}^K
-targets
-(ViT paper §4.1: "a regularized linear regression problem that maps the (frozen) representation of a subset of
+targets (ViT paper §4.1: "a regularized linear regression problem that maps the (frozen) representation of a subset of
 training images to {-1, 1}^K target vectors"; Raghu App. A: "regularized least-squares regression, following
 Dosovitskiy et al. [...] recovered efficiently in closed form", hyperparameters "tuned [...] on a heldout portion
 of the training set"). Option ``method``: ``big_vision`` (default; the authors' code, big_vision
@@ -21,9 +20,8 @@ evaluator exactly, which uses no held-out data). Pools: CLS token, mean of all t
 step (option ``resnet_tokens: patch``: p x p patches flattened to C p^2 channels, p automatic as in
 analysis/estimators/features.py, or ``resnet_patch``; ``pool``: the plain spatial mean of C channels).
 
-Where ours departs: big_vision runs in float32 and draws its shots with numpy's ``default_rng(seed)`` over the
-whole train split; ours runs in float64 and draws with :func:`analysis.estimators.probing.sample_shots` from the shot
-half.
+Where ours departs: big_vision runs in float32 and draws its shots with numpy's ``default_rng(seed)`` over the whole
+train split; ours runs in float64 and draws with :func:`analysis.estimators.probing.sample_shots` from the shot half.
 """
 
 from __future__ import annotations

@@ -31,8 +31,7 @@ Definitions. ViT block ``block`` (default 0, the first encoder block) has H head
 - ResNet layers: by default the outputs of the residual blocks of the first two stages (taps ``layer{s}.{j}.out``,
   s = 1, 2), flattened per image.
 - CKA: minibatch linear CKA (:class:`analysis.estimators.similarity.MinibatchCKA` with ``ys``, unbiased HSIC by
-default) over the
-same
+default) over the same
   fixed minibatches of ``batch_size`` images for both models; every minibatch needs >= 4 images.
 
 Two passes over the images: attention distances first (they fix the order and the subsets), then features.

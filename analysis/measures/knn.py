@@ -7,18 +7,15 @@ reported number is top-1 accuracy (a fraction in [0, 1]) over the queries. When 
 than k entries, k is reduced to the bank size (all entries vote); the effective k is stored in the result.
 
 In the suite (:class:`KNNMeasure`, name ``"knn"``): the bank is the probe-train split, the queries are the analysis
-split; the features of every block's output (tap ``<block>.out``) are pooled per image to one vector: ``"cls"``
-(the CLS token, models with a prefix token only) and ``"mean_spatial"`` (mean of the tokens after the prefix;
-ResNet: the spatial mean over H, W). Walmer uses the CLS token; the spatial mean is the "average-pooled spatial
-tokens" variant of their §5.2 / Table 6. The random-chance baseline (Walmer App. B.3) is the same k-NN on
-random features of the same shapes, drawn for bank and queries together, with seed ``BASELINE_SEED + p * L + l`` for
-pool p and layer l (seed 0 for the first): by default standard Gaussian
-(:func:`analysis.estimators.baselines.gaussian_like`,
-Walmer's text), with option ``baseline: uniform`` uniform [0, 1) (:func:`analysis.estimators.baselines.uniform_like`,
-Walmer's
-code); why the text is the default in analysis/estimators/baselines.py. ResNet features are the plain spatial mean
-(Walmer
-study ViTs only; Raghu's patching step is for linear probes, see analysis/estimators/features.py).
+split; the features of every block's output (tap ``<block>.out``) are pooled per image to one vector: ``"cls"`` (the CLS
+token, models with a prefix token only) and ``"mean_spatial"`` (mean of the tokens after the prefix; ResNet: the spatial
+mean over H, W). Walmer uses the CLS token; the spatial mean is the "average-pooled spatial tokens" variant of their
+§5.2 / Table 6. The random-chance baseline (Walmer App. B.3) is the same k-NN on random features of the same shapes,
+drawn for bank and queries together, with seed ``BASELINE_SEED + p * L + l`` for pool p and layer l (seed 0 for the
+first): by default standard Gaussian (:func:`analysis.estimators.baselines.gaussian_like`, Walmer's text), with option
+``baseline: uniform`` uniform [0, 1) (:func:`analysis.estimators.baselines.uniform_like`, Walmer's code); why the text
+is the default in analysis/estimators/baselines.py. ResNet features are the plain spatial mean (Walmer study ViTs only;
+Raghu's patching step is for linear probes, see analysis/estimators/features.py).
 
 Everything is computed in float64.
 """

@@ -1,18 +1,18 @@
 """Localization: CKA between every token of a layer and every input patch (Raghu et al. 2021 §7, Fig. 9, 10, D.1-D.3).
 
-Definition. A layer's tokens are its SPATIAL tokens on a grid (gh, gw) in row-major order: for a ViT the block
-output's tokens with the prefix (CLS / register) tokens dropped; for a ResNet the channel vector at each position of
-the block's feature map [B, C, H, W] (Raghu §7: "all the convolutional channels at a particular spatial location").
-A ResNet feature map whose side exceeds ``max_side`` (option ``resnet_max_side``, default 7, the grid of ViT-B/32 and
-of ResNet-50's last stage at 224 px, and of this project's default ViT) is first average-pooled to at most that side
+Definition. A layer's tokens are its SPATIAL tokens on a grid (gh, gw) in row-major order: for a ViT the block output's
+tokens with the prefix (CLS / register) tokens dropped; for a ResNet the channel vector at each position of the block's
+feature map [B, C, H, W] (Raghu §7: "all the convolutional channels at a particular spatial location"). A ResNet feature
+map whose side exceeds ``max_side`` (option ``resnet_max_side``, default 7, the grid of ViT-B/32 and of ResNet-50's last
+stage at 224 px, and of this project's default ViT) is first average-pooled to at most that side
 (``adaptive_avg_pool2d``: a token is then the mean channel vector over the positions it covers); ViT tokens are never
-pooled. That is option ``resnet_tokens: pool``, the default here because it is §7's definition: Raghu App. A's
-patching step ("before pooling we split the feature map into patches and flattened each patch [...] All results
-presented in the paper include this additional patching step") is described for the linear probes, and Fig. 9
-itself (ResNet-50's final block, 7 x 7) is unchanged by it. ``resnet_tokens: patch`` applies it (p x p patches
-flattened to C p^2 values before the pooling, same token grid; p as in analysis/estimators/features.py or option
-``resnet_patch``); Raghu's code is not published, so which one their earlier-layer Fig. D.3 uses is not known. The
-input patch at grid position (i, j) is the block of NORMALISED input pixels it covers,
+pooled. That is option ``resnet_tokens: pool``, the default here because it is §7's definition: Raghu App. A's patching
+step ("before pooling we split the feature map into patches and flattened each patch [...] All results presented in the
+paper include this additional patching step") is described for the linear probes, and Fig. 9 itself (ResNet-50's final
+block, 7 x 7) is unchanged by it. ``resnet_tokens: patch`` applies it (p x p patches flattened to C p^2 values before
+the pooling, same token grid; p as in analysis/estimators/features.py or option ``resnet_patch``); Raghu's code is not
+published, so which one their earlier-layer Fig. D.3 uses is not known. The input patch at grid position (i, j) is the
+block of NORMALISED input pixels it covers,
 
     rows [floor(i H / gh), ceil((i + 1) H / gh)),  cols [floor(j W / gw), ceil((j + 1) W / gw)),
 

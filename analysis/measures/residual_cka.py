@@ -15,18 +15,18 @@ image's representation is all tokens / positions flattened (:func:`analysis.cka.
     skip_branch[s, i] = CKA(z_i, f(z_i)),     skip_out[s, i] = CKA(z_i, z_i + f(z_i))
 
 with linear minibatch CKA (:class:`analysis.estimators.similarity.MinibatchCKA`: unbiased HSIC by default, option
-``unbiased``;
-the analysis minibatches are the CKA minibatches, HSIC sums over minibatches and processes). Walmer et al.'s
+``unbiased``; the analysis minibatches are the CKA minibatches, HSIC sums over minibatches and processes). Walmer et
+al.'s
 Fig. 23 plots the skip features of every block against the branch output of every block; that matrix is
 ``skip_branch_matrix[s, i, j] = CKA(z_i, f(z_j))`` (rows: skip, columns: branch), whose diagonal is skip_branch.
 
 Which definition: the textbook one (Kornblith et al. 2019, linear kernel; unbiased HSIC of Nguyen et al. 2021 summed
 over random minibatches, :class:`analysis.engine.reduce.Minibatches`). Walmer et al.'s code (``cka/cka_main.py``,
-``CKA.compare``, adapted from PyTorch-Model-Compare) rescales each minibatch's Gram to [0, 1] before its unbiased
-HSIC (``K = K - K.min(); K = K / K.max()``, then a zero diagonal): an affine map of the Gram that the unbiased
-centring does not undo (the shift K.min() is not of the form a 1^T + 1 a^T it removes, and the scale differs per
-minibatch and per layer), so his numbers are not CKA of the features; on the real ViT-S/14 they differ from ours by
-up to 0.17. We follow the paper's stated measure (CKA), not that rescaling.
+``CKA.compare``, adapted from PyTorch-Model-Compare) rescales each minibatch's Gram to [0, 1] before its unbiased HSIC
+(``K = K - K.min(); K = K / K.max()``, then a zero diagonal): an affine map of the Gram that the unbiased centring does
+not undo (the shift K.min() is not of the form a 1^T + 1 a^T it removes, and the scale differs per minibatch and per
+layer), so his numbers are not CKA of the features; on the real ViT-S/14 they differ from ours by up to 0.17. We follow
+the paper's stated measure (CKA), not that rescaling.
 
 Result: ``skip_branch`` [S, L], ``skip_out`` [S, L], ``skip_branch_matrix`` [S, L, L], ``sublayers`` (ViT
 ["attn", "mlp"], ResNet ["block"]), ``blocks`` (L names), ``repr`` ("flatten"), ``unbiased`` (0/1).

@@ -15,13 +15,12 @@ the last stage's size) in analysis/estimators/features.py.
     std[l, t] = sample std over seeds (0 for one seed)
 
 with the probe of analysis.estimators.probing (closed-form ridge onto {-1, 1}^K targets, ViT paper §4.1, Raghu App. A;
-option
-``method``, default ``big_vision``: the features of the shots standardised, a constant bias feature 100 appended, as
+option ``method``, default ``big_vision``: the features of the shots standardised, a constant bias feature 100
+appended, as
 big_vision's fewshot_lsr; ``centred``: the project's earlier centred fit -- exact formulas in
 analysis/estimators/probing.py)
 run through :func:`analysis.estimators.probing.probe_layers`, under exactly the conventions of the suite's per-layer
-probes
-(analysis/estimators/probing.py :func:`probe_split`): the probe-train split is halved class-balanced with
+probes (analysis/estimators/probing.py :func:`probe_split`): the probe-train split is halved class-balanced with
 ``train.splits.balanced_indices(labels, n // 2, seed=12345)``; the shots (option ``shots`` per class, default 10) of
 seed s are drawn from that first half by ``sample_shots(labels, shots, s)`` (option ``seeds``, default (0, 1, 2)),
 and the ridge regulariser (option ``l2``) is, by default (null), picked on the second half from the method's grid,
@@ -119,11 +118,10 @@ def token_probe_accuracies(
     method: str = DEFAULT_METHOD,
     l2: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(acc [T], std [T]): a few-shot probe per token of ``train_x`` [n, T, D] on that token's features only, scored
-    on ``test_x`` [m, T, D] (``l2`` fixed, or picked on ``val_x`` [v, T, D] when given), via
+    """(acc [T], std [T]): a few-shot probe per token of ``train_x`` [n, T, D] on that token's features only, scored on
+    ``test_x`` [m, T, D] (``l2`` fixed, or picked on ``val_x`` [v, T, D] when given), via
     :func:`analysis.estimators.probing.probe_layers` with ``method`` (shots drawn per seed from ``train_y``, the same
-    images for
-    every token)."""
+    images for every token)."""
     tokens = range(train_x.shape[1])
     tr = {str(t): train_x[:, t] for t in tokens}
     te = {str(t): test_x[:, t] for t in tokens}

@@ -40,8 +40,7 @@ def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
     """Minibatch CKA between every layer of ``model_a`` and every layer of ``model_b`` on the analysis images
     (same minibatches for both; the ``cka`` measure's options -- representation, estimator and layer set, as in
     analysis/estimators/similarity.py). Result: ``matrix`` [La, Lb], ``labels_a``, ``labels_b`` and, when both have the
-    same
-    layer labels, ``same_index`` [L] = the diagonal."""
+    same layer labels, ``same_index`` [L] = the diagonal."""
     co = opts.of("cka")
     ca, cb = S.make_context(model_a, data, opts.batch_size), S.make_context(model_b, data, opts.batch_size)
     la, lb = cka_layers(ca, co.layers), cka_layers(cb, co.layers)

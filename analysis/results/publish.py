@@ -1,10 +1,8 @@
 """Publishing analysis results: arrays and key numbers stored (:mod:`analysis.results.storage`), scalars to
-TensorBoard, and
-each figure drawn once, as an image that goes to TensorBoard and to a PNG file.
+TensorBoard, and each figure drawn once, as an image that goes to TensorBoard and to a PNG file.
 
 The training-time callback (``analysis/frontends/callbacks.py``) stores and logs at once and draws in a background
-thread;
-offline analysis (``analysis/frontends/runner.py``) does all three in turn.
+thread; offline analysis (``analysis/frontends/runner.py``) does all three in turn.
 """
 
 from __future__ import annotations

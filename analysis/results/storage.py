@@ -14,8 +14,8 @@ backbone, and e.g. ``teacher``); results of the default part (``student``, also 
 where they always did, those of any other part in a folder named after it, with their TensorBoard tags and figure
 titles labelled by it (``analysis/teacher/cka/mean_offdiag``, image ``teacher/cka/self``).
 
-A result's cache key (:func:`cache_key`) is a hash of the checkpoint's weights (their recorded sha256), the
-analysis images (:func:`data_fingerprint`), the measure's name and what the measure depends on
+A result's cache key (:func:`cache_key`) is a hash of the checkpoint's weights (their recorded sha256), the analysis
+images (:func:`data_fingerprint`), the measure's name and what the measure depends on
 (:meth:`analysis.engine.suite.SuiteOptions.settings`: the batch size, the measure's own options and its definition's
 ``version``): changing one measure's options recomputes that measure only. A cached result is reused only if its file
 reads back whole.

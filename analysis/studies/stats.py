@@ -81,8 +81,8 @@ the same simulation (200,000 claims): with 2 seeds a true null is held 3.5% and 
 only when the seeds of the two configurations are correlated (the pairing then removes the shared part); pooling the
 family's seed SD is the cheapest power.
 
-Everything is numpy + scipy (``scipy.special.stdtr`` / ``stdtrit`` for the t distribution, ``ndtr`` / ``ndtri`` for
-the normal); nothing is read from files. ``python -m analysis.studies.stats`` prints the tables above.
+Everything is numpy + scipy (``scipy.special.stdtr`` / ``stdtrit`` for the t distribution, ``ndtr`` / ``ndtri`` for the
+normal); nothing is read from files. ``python -m analysis.studies.stats`` prints the tables above.
 """
 
 from __future__ import annotations

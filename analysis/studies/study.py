@@ -24,10 +24,10 @@ recipe validated before the first starts; ``--jobs N`` trains N runs at once wit
 CONFIG ...`` those configurations only), ``analyze`` (the offline suite on every checkpoint, cached), and
 ``report`` (cross-run comparisons and the claims document, see analysis/studies/study_report.py).
 
-``go_no_go: true`` on a run makes its configuration a pilot: its first seed trains to the second scheduled
-checkpoint (``--stop-after``), where its training-time attention distance callback decides (analysis/studies/claims.py
-``go_no_go``): on a go every seed trains to the end, on a no-go the configuration stops there and the report says
-why. A study thereby spends its hours on a long regime only when that regime shows what it was chosen for.
+``go_no_go: true`` on a run makes its configuration a pilot: its first seed trains to the second scheduled checkpoint
+(``--stop-after``), where its training-time attention distance callback decides (analysis/studies/claims.py
+``go_no_go``): on a go every seed trains to the end, on a no-go the configuration stops there and the report says why. A
+study thereby spends its hours on a long regime only when that regime shows what it was chosen for.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 ``analyze_study``: the study's ``every_checkpoint`` measures (default: the core four) on every checkpoint of every
 run and the study's measures on each run's last checkpoint, all with the study's measure options (cached, see
 analysis/frontends/runner.py). ``write_report``: the study's report -- the runs with their accuracy and wall time, then
-the
-paper plug-in's sections and every one of its claims (analysis/studies/<paper>/: the quoted passage, the rule, the
+the paper plug-in's sections and every one of its claims (analysis/studies/<paper>/: the quoted passage, the rule, the
 paper's number and ours, each part's effect with its 95% CI and test, the preconditions and the verdict; see
 analysis/studies/claims.py and stats.py), and the same as JSON beside it so two studies can be diffed. Figures the
 report shows are copied next to it (docs/figures/<study>/), so the document reads on its own.

@@ -1,7 +1,7 @@
 """Raghu et al.'s claims (analysis/studies/raghu2021/) on synthetic per-seed results shaped like the paper's figure
-(held), like its negation (did not hold), within the seed-to-seed noise (inconclusive), and with a failed
-precondition (not testable); the claim engine (analysis/studies/claims.py): ids, plug-in discovery, the JSON record;
-the passages are the papers' own sentences."""
+(held), like its negation (did not hold), within the seed-to-seed noise (inconclusive), and with a failed precondition
+(not testable); the claim engine (analysis/studies/claims.py): ids, plug-in discovery, the JSON record; the passages are
+the papers' own sentences."""
 
 import os
 import re

@@ -1,7 +1,6 @@
 """The study report's pilot section, its choice of the configuration the locality claims read, and the CKA floors
 (analysis/studies/study_report.py, analysis/estimators/baselines.py), on synthetic run folders: a recipe.yaml,
-checkpoint
-meta.json files and saved attention distances, no training. The full report on trained tiny runs is in
+checkpoint meta.json files and saved attention distances, no training. The full report on trained tiny runs is in
 tests/e2e/test_study.py."""
 
 import json

@@ -4,8 +4,8 @@ reads and its rule, together. The order here is the order of the report.
 Every rule is a set of parts decided by the one statistical rule (analysis/studies/claims.py, stats.py): ViT against
 ResNet is Welch's t (their seed-to-seed SDs differ); configurations of the ViT family (the default ViT with one factor
 changed: a skip removed, the head, the data size) share a seed SD pooled over the family's configurations; a statistic
-of one configuration is a one-sample t. Preconditions make a claim "not testable" when the model is not yet the kind
-the paper describes (no local head, a statistic still moving, too few blocks per half), with their numbers.
+of one configuration is a one-sample t. Preconditions make a claim "not testable" when the model is not yet the kind the
+paper describes (no local head, a statistic still moving, too few blocks per half), with their numbers.
 
 Configurations with the same seed start from the same initial weights (the trainer seeds torch before building the
 model): that pairing helps the accuracy comparisons (Fig. 8's drop), and it flatters same-index CKA between

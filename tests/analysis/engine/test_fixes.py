@@ -1,6 +1,6 @@
-"""Each precondition names the piece that is missing and the fix in the words of the front end that was used: the
-recipe (callback), the command line on a run folder, on a recipe's data (--model) and on --images, and the API with
-tensors or a folder (analysis/engine/fixes.py). No model runs here: the suite's checks read the data alone."""
+"""Each precondition names the piece that is missing and the fix in the words of the front end that was used: the recipe
+(callback), the command line on a run folder, on a recipe's data (--model) and on --images, and the API with tensors or
+a folder (analysis/engine/fixes.py). No model runs here: the suite's checks read the data alone."""
 
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def test_a_mistyped_flag_gets_the_closest_flag(capsys):
 
 # ---------------------------------------------------------------- launch.sh: paths and the shared virtualenv
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def fake_venv(path: Path) -> Path:
@@ -154,8 +154,7 @@ def test_launch_sh_resolves_paths_against_the_callers_folder(tmp_path):
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="launch.sh's setup wants the data")
 def test_launch_sh_pretrained_runs_the_converter_in_the_virtualenv(tmp_path):
     """The README's offline real-ViT step: ./launch.sh pretrained is python -m analysis.sources.pretrained in the venv
-    (the
-    system Python has no torch), with paths relative to the caller's folder."""
+    (the system Python has no torch), with paths relative to the caller's folder."""
     venv = fake_venv(tmp_path / "venv")
     (venv / ".vitlab-installed").write_text(stamp_of(ROOT))
     r = launch(ROOT / "launch.sh", ["pretrained", "--onnx", "missing.onnx"], tmp_path, venv)

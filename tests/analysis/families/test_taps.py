@@ -79,7 +79,7 @@ def test_resnet_taps():
         )
     assert cap["layer2.0.branch"].shape == (2, 16, 14, 14)
     # the layers inside each BasicBlock are tapped too (checked against the block's maths in
-    # tests/analysis/test_cka_layers.py)
+    # tests/analysis/measures/test_cka_layers.py)
     assert [n for n in available_taps(m) if n.startswith("layer1.0.")] == [
         f"layer1.0.{k}" for k in ("in", "branch", "shortcut", "out", "conv1", "bn1", "act1", "conv2", "bn2")
     ]
