@@ -28,9 +28,7 @@ import dataclasses
 import typing
 from types import ModuleType
 
-from interventions._registry import Registry
-
-__all__ = ["Registry"]  # the registry helper of every plug-in kind (interventions/_registry.py)
+from vitlab.plugins import Registry
 
 PLUGINS = Registry("intervention", __name__, module_plugin=lambda mod: hasattr(mod, "Config"))
 REGISTRY: dict[str, ModuleType] = PLUGINS.items()  # every module of this package that defines Config

@@ -91,7 +91,7 @@ def test_a_bad_sweep_is_refused_before_torch(tmp_path):
         (["."], "is not a vitlab run folder (no recipe.yaml)"),
         ([], "no run given"),
         (["--images", "photos"], "--images analyses a model from elsewhere"),
-        (["--model", "timm:vit_tiny_patch16_224"], "--model needs --weights"),
+        (["--model", "timm:vit_tiny_patch16_224"], "--model timm:vit_tiny_patch16_224 needs --weights"),
         (["runs/x", "--mesures", "cka"], "did you mean --measures?"),
     ],
 )

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from interventions import Registry
 from train.errors import RecipeError
+from vitlab.plugins import Registry
 
 if TYPE_CHECKING:  # annotations only: this module imports no torch at load time
     import torch

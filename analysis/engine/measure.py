@@ -48,9 +48,9 @@ import torch
 
 from analysis.engine.fixes import Missing, Problem
 from analysis.engine.reduce import ORDER_SEED, Minibatches
-from interventions import Registry
 from train.coerce import coerce, did_you_mean
 from train.errors import UserError
+from vitlab.plugins import Registry
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -10,35 +10,36 @@ that paper gets. Nothing outside the folder names the paper: ``./launch.sh study
 from __future__ import annotations
 
 import difflib
-import importlib
-import pkgutil
-from importlib.metadata import entry_points
 
 from analysis.studies.claims import Paper
+from vitlab.plugins import Registry
 
 __all__ = ["Paper", "paper", "paper_for", "papers"]
 
 GROUP = "vitlab.studies"
-_CACHE: dict[str, Paper] | None = None
+
+
+def _is_paper(mod) -> bool:
+    p = getattr(mod, "PAPER", None)
+    if not isinstance(p, Paper):
+        raise TypeError(f"study plug-in {mod.__name__} defines no PAPER (an analysis.studies.claims.Paper)")
+    return True
+
+
+PAPERS = Registry("paper", __name__, group=GROUP, module_plugin=_is_paper, folders=True)
 
 
 def papers(refresh: bool = False) -> dict[str, Paper]:
-    """Every paper plug-in: the subpackages of analysis/studies/ and the ``vitlab.studies`` entry points."""
-    global _CACHE
-    if _CACHE is not None and not refresh:
-        return _CACHE
+    """Every paper plug-in: the subpackages of analysis/studies/ and the ``vitlab.studies`` entry points, by their
+    ``PAPER.name``."""
     found: dict[str, Paper] = {}
-    modules = [f"{__name__}.{m.name}" for m in pkgutil.iter_modules(__path__) if m.ispkg]
-    modules += [ep.value for ep in entry_points(group=GROUP)]
-    for name in modules:
-        mod = importlib.import_module(name)
-        p = getattr(mod, "PAPER", None)
+    for name, obj in (PAPERS.refresh() if refresh else PAPERS).items().items():
+        p = obj if isinstance(obj, Paper) else getattr(obj, "PAPER", None)
         if not isinstance(p, Paper):
             raise TypeError(f"study plug-in {name} defines no PAPER (an analysis.studies.claims.Paper)")
         if p.name in found:
             raise ValueError(f"two study plug-ins are called {p.name!r} ({name} and another); names must be unique")
         found[p.name] = p
-    _CACHE = found
     return found
 
 

@@ -12,7 +12,7 @@ holds
 Every module of this package is imported to read the recipe schema, which must not cost torch's and timm's seconds
 (a mistyped key is refused at once): a module keeps ``Config`` and ``check`` free of them and its training code
 (``Objective`` and its helpers) in a module part that ``__getattr__ = deferred(__name__, part)`` (from
-interventions/_registry.py) imports when first asked for, e.g. ``dino.py`` and ``_dino.py``. ``Objective`` and
+vitlab/plugins.py) imports when first asked for, e.g. ``dino.py`` and ``_dino.py``. ``Objective`` and
 ``step_generator`` of this package are likewise imported on first use.
 
 The trainer's loop, checkpoints, exact resume, multi-process training and TensorBoard are the same for every
@@ -36,7 +36,7 @@ import dataclasses
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from interventions import Registry
+from vitlab.plugins import Registry
 
 if TYPE_CHECKING:
     import torch.nn as nn

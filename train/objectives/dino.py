@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from interventions._registry import deferred
+from vitlab.plugins import deferred
 
 
 def _range(lo=None, hi=None, lo_open=False):  # the recipe's range metadata (train.recipe imports this package)

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from interventions._registry import deferred
+from vitlab.plugins import deferred
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from interventions._registry import deferred
+from vitlab.plugins import deferred
 
 
 @dataclass

@@ -217,8 +217,8 @@ def test_entry_points_are_read_once_per_path(monkeypatch):
     sys.path (a suite run looked names up 23 times, ~5% of its time), and again when sys.path changes."""
     import sys
 
-    from interventions import _registry
     from train.callbacks import CALLBACKS
+    from vitlab import plugins as _registry
 
     calls = []
     real = _registry.entry_points

@@ -1,9 +1,9 @@
-"""One registry helper for every kind of plug-in: interventions and objectives (one module each), measures and
-callbacks (one class each).
+"""One registry helper for every kind of plug-in: interventions, objectives and papers (one module each), measures,
+callbacks and model families (one class each).
 
-It lives in ``interventions/``, the lowest package that needs it (dependencies point one way: ``interventions/``
-<- ``train/`` <- ``analysis/``), under a name that intervention discovery skips (a leading underscore). A plug-in is
-found by its name, in this order:
+It lives in ``vitlab/``, below the three packages that use it (dependencies point one way: ``interventions/`` <-
+``train/`` <- ``analysis/``; ``vitlab/`` imports none of them when loaded). A plug-in is found by its name, in this
+order:
 
 1. registered in this process (:meth:`Registry.add`, or the :meth:`Registry.register` decorator);
 2. a module of the registry's package (``package``): every module not starting with ``_`` is imported on the first
@@ -48,8 +48,10 @@ class Registry:
         module_plugin: Callable[[Any], bool] | None = None,
         accepts: Callable[[Any], str | None] | None = None,
         near: Callable[[str, list[str]], str] | None = None,
+        folders: bool = False,
     ):
         self.kind, self.package, self.group = kind, package, group
+        self.folders = folders  # only the package's subpackages are plug-ins (one folder each): its modules are not
         self.module_plugin = module_plugin
         self.accepts = accepts  # one sentence when an imported object is not a plug-in of this kind, else None
         # the closest name to a mistyped one, " (did you mean X?)" or "" (train.coerce.did_you_mean, given by the
@@ -57,6 +59,7 @@ class Registry:
         self.near = near
         self.known: dict[str, Any] = {}  # name -> plug-in, as found so far
         self._discovered = False
+        self._found: set[str] = set()  # names found by discovery or entry points (forgotten by refresh)
 
     # ---------------------------------------------------------------- registering
 
@@ -82,11 +85,19 @@ class Registry:
         self._discovered = True
         pkg = importlib.import_module(self.package)
         for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
-            if info.name.startswith("_"):
+            if info.name.startswith("_") or (self.folders and not info.ispkg):
                 continue
             mod = importlib.import_module(f"{self.package}.{info.name}")
             if self.module_plugin is not None and self.module_plugin(mod):
                 self.known[info.name] = mod
+                self._found.add(info.name)
+        return self
+
+    def refresh(self) -> Registry:
+        """Forget what was found (the package's folders are looked at again on the next lookup)."""
+        self.known = {k: v for k, v in self.known.items() if k not in self._found}
+        self._found.clear()
+        self._discovered = False
         return self
 
     def _entry_points(self) -> dict:
@@ -116,6 +127,7 @@ class Registry:
         obj = ep.load()
         if not any(o is obj for o in self.known.values()):  # a class that registered itself on import keeps its name
             self.known[name] = obj
+            self._found.add(name)
         return obj
 
     def get(self, name: str, error: type[Exception]) -> Any:
