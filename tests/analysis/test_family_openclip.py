@@ -292,3 +292,20 @@ def test_loader_refuses_weights_that_do_not_fit(tiny_archs, tmp_path):
     (tmp_path / "junk.bin").write_bytes(b"not a state dict")
     with pytest.raises(OpenClipError, match=r"cannot read weights file"):
         load(small, tmp_path / "junk.bin")
+
+
+def test_head_subsets_agree_with_timm(pair, images):
+    """head_subset_cka (Raghu Fig. 5, a two-model function, not a registered measure) reads the family, not timm."""
+    from timm.models.resnet import BasicBlock, ResNet
+
+    from analysis.measures.head_subsets import head_subset_cka
+
+    torch.manual_seed(1)
+    resnet = ResNet(block=BasicBlock, layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), num_classes=4).eval()
+    oc, tm = pair
+    x = images[0][:16]
+    ra, rb = (head_subset_cka(m, resnet, x, lambda b: b.float() / 255, batch_size=8) for m in (oc, tm))
+    assert ra.keys() == rb.keys()
+    for k, vb in rb.items():
+        va, vb = np.asarray(ra[k]), np.asarray(vb)
+        assert (rel(va, vb) <= RTOL) if va.dtype.kind in "fc" else np.array_equal(va, vb), k
