@@ -335,8 +335,10 @@ def _fit(visual: nn.Module, sd: dict, arch: str, path: Path) -> None:
 def load(arch: str, weights: str | Path | None = None) -> nn.Module:
     """open_clip's ``arch`` image tower (``open_clip.create_model(arch, pretrained=None).visual``), with the weights of
     ``weights`` (a .safetensors file or a torch state dict of the whole CLIP model or of its visual tower; None: random
-    initialisation), in eval mode. OpenClipError (a ValueError, one sentence) for an unknown architecture, a tower
-    that is not a ViT, or weights that do not fit."""
+    initialisation), in eval mode. A tower that wraps a timm model (``visual.trunk``: SigLIP's, ...) gives that timm
+    model, weights loaded (read by the timm families, with timm's preprocessing of it; the tower's projection head is
+    left out). OpenClipError (a ValueError, one sentence) for an unknown architecture, a tower vitlab does not read
+    (open_clip's ModifiedResNet), or weights that do not fit."""
     from train.coerce import did_you_mean
 
     open_clip = _open_clip()
@@ -346,18 +348,28 @@ def load(arch: str, weights: str | Path | None = None) -> nn.Module:
             f"open_clip has no model '{arch}'{did_you_mean(arch, known)}: open_clip.list_models() lists them."
         )
     visual = open_clip.create_model(arch, pretrained=None).visual
-    try:
-        ok = OpenClipViT().matches(visual)
-    except TapError as e:
-        raise OpenClipError(str(e)) from None
-    if not ok:
+    trunk = getattr(visual, "trunk", None)  # a tower that wraps a timm model (SigLIP, ...): vitlab reads that model
+    net = trunk if isinstance(trunk, nn.Module) else visual
+    # open_clip's own ModifiedResNet is refused, though timm's ResNet family would hook its blocks: its preprocessing
+    # (CLIP's mean and std) and attention pool are open_clip's, which no adapter reads yet
+    if not (_readable(net) if net is trunk else OpenClipViT().matches(visual)):
         raise OpenClipError(
-            f"open_clip's {arch} image tower is a {type(visual).__name__}, not a VisionTransformer: vitlab reads "
-            "open_clip's ViT towers (ViT-B-32, ViT-L-14, ...)."
+            f"open_clip's {arch} image tower is a {type(net).__name__}, which vitlab does not read: it reads "
+            "open_clip's ViT towers (ViT-B-32, ViT-L-14, ...) and the timm models that some towers wrap."
         )
     if weights is not None:
         path = Path(weights).expanduser()
         if not path.is_file():
             raise OpenClipError(f"weights file '{weights}' does not exist.")
         _fit(visual, _state_dict(path), arch, path)
-    return visual.eval()
+    return net.eval()
+
+
+def _readable(net: nn.Module) -> bool:
+    from analysis.families import family_of
+
+    try:
+        family_of(net)
+    except TapError:
+        return False
+    return True

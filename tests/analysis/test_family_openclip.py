@@ -246,8 +246,17 @@ def tiny_archs(tmp_path_factory):
     for name, width in (("vitlab-test-tiny", 64), ("vitlab-test-tiny-wide", 96)):
         vision = {"image_size": 32, "patch_size": 8, "width": width, "layers": 2, "head_width": 16}
         (d / f"{name}.json").write_text(json.dumps({"embed_dim": 32, "vision_cfg": vision, "text_cfg": text}))
+    timm_tower = {
+        "timm_model_name": "vit_tiny_patch16_224",
+        "timm_pool": "token",
+        "timm_proj": "none",
+        "image_size": 224,
+    }
+    (d / "vitlab-test-timm.json").write_text(json.dumps({"embed_dim": 192, "vision_cfg": timm_tower, "text_cfg": text}))
+    resnet = {"image_size": 64, "layers": [1, 1, 1, 1], "width": 16, "head_width": 16}
+    (d / "vitlab-test-rn.json").write_text(json.dumps({"embed_dim": 32, "vision_cfg": resnet, "text_cfg": text}))
     open_clip.add_model_config(d)
-    return "vitlab-test-tiny", "vitlab-test-tiny-wide"
+    return "vitlab-test-tiny", "vitlab-test-tiny-wide", "vitlab-test-timm", "vitlab-test-rn"
 
 
 def test_loader_unknown_arch_names_close_ones():
@@ -282,7 +291,7 @@ def test_loader_without_open_clip_says_what_to_install(monkeypatch):
 
 
 def test_loader_refuses_weights_that_do_not_fit(tiny_archs, tmp_path):
-    small, wide = tiny_archs
+    small, wide = tiny_archs[:2]
     torch.save(open_clip.create_model(small, pretrained=None).state_dict(), tmp_path / "small.pt")
     with pytest.raises(OpenClipError, match=r"do not fit open_clip's vitlab-test-tiny-wide image tower \(.+ of shape"):
         load(wide, tmp_path / "small.pt")
@@ -309,3 +318,19 @@ def test_head_subsets_agree_with_timm(pair, images):
     for k, vb in rb.items():
         va, vb = np.asarray(ra[k]), np.asarray(vb)
         assert (rel(va, vb) <= RTOL) if va.dtype.kind in "fc" else np.array_equal(va, vb), k
+
+
+def test_loader_refuses_a_resnet_tower(tiny_archs):
+    with pytest.raises(OpenClipError, match=r"image tower is a ModifiedResNet, which vitlab does not read: it reads"):
+        load(tiny_archs[3])
+
+
+def test_loader_gives_the_timm_model_a_tower_wraps(tiny_archs, tmp_path):
+    arch = tiny_archs[2]
+    torch.manual_seed(4)
+    clip = open_clip.create_model(arch, pretrained=None)
+    torch.save(clip.state_dict(), tmp_path / "clip.pt")
+    net = load(arch, tmp_path / "clip.pt")
+    assert family_of(net).name == "timm ViT" and not net.training
+    want = clip.visual.trunk.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in net.state_dict().items())
