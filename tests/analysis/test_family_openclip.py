@@ -142,7 +142,7 @@ def test_analyze_agrees_with_timm_on_every_measure(pair, images):
         "probe_labels": py,
         "batch_size": 8,
         "figures": False,
-        "options": {"fewshot_probe": {"shots": 5}, "token_probes": {"shots": 5}, "erf": {"images": 4, "batch": 2}},
+        "options": {"fewshot_probe": {"shots": 5}, "token_probes": {"shots": 5}, "erf": {"images": 2, "batch": 1}},
     }
     ra = analyze(oc, x, y, measures="all", **kw)["results"]
     rb = analyze(tm, x, y, measures=shared, **kw)["results"]
