@@ -33,9 +33,10 @@ own ``Attention``, whose modules show ``heads`` (the input of ``attn.ln_inner``,
 cosine logits), since its fused path forms no probabilities and its eager path fails in open_clip 3.3 (torch.bmm
 on [B, H, T, dh]); ``attn_branch`` is the output of ``ls_1``, after ``ln_attn``.
 
-open_clip >= 2.24 runs the blocks batch-first ([B, T, C]); older towers (and a ``Transformer`` built with
-``batch_first=False``) run them sequence-first ([T, B, C]): the taps are always delivered as [B, T, C] (a copy, in
-the sequence-first case).
+open_clip 3.x runs the blocks batch-first ([B, T, C], ``transformer.batch_first``); older towers (whose
+``nn.MultiheadAttention`` keeps torch's default layout) and a ``Transformer`` built with ``batch_first=False`` run them
+sequence-first ([T, B, C]): the taps are always delivered as [B, T, C] (a copy, in the sequence-first case).
+The recomputed attention leaves out attention dropout (the analysis runs in eval mode, where there is none).
 
 Tokens: open_clip always prepends the class token (``class_embedding``) whatever the pooling (``pool_type`` tok or
 avg, or attentional pooling after the blocks), so the blocks see 1 prefix token and ``grid_size`` spatial tokens in
@@ -163,7 +164,7 @@ class OpenClipViT(Family):
 
 
 def batch_first(model: nn.Module) -> bool:
-    """Whether the tower's blocks see [B, T, C] (open_clip >= 2.24) rather than [T, B, C]."""
+    """Whether the tower's blocks see [B, T, C] (open_clip 3.x) rather than [T, B, C]."""
     found = getattr(model.transformer, "batch_first", None)
     if found is None:  # an older open_clip: the MHA's own layout (torch's default, sequence-first)
         found = getattr(model.transformer.resblocks[0].attn, "batch_first", False)

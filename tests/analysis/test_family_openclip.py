@@ -40,9 +40,10 @@ def _tower(**extra) -> VisionTransformer:
     return m
 
 
-def _timm_twin(oc: VisionTransformer):
-    """timm's CLIP ViT (pre-norm, LayerNorm eps 1e-5, class token pooled, GELU as open_clip's default tower) holding
-    ``oc``'s weights through timm's own converter."""
+def _timm_twin(oc: VisionTransformer, act_layer=nn.GELU, init_values=None):
+    """timm's CLIP ViT (pre-norm, LayerNorm eps 1e-5, class token pooled, GELU as open_clip's default tower, QuickGELU
+    for OpenAI's) holding ``oc``'s weights through timm's own converter (and LayerScale's gammas, which it leaves
+    as ls_1 / ls_2)."""
     from timm.models.vision_transformer import VisionTransformer as TimmViT
     from timm.models.vision_transformer import _convert_openai_clip
 
@@ -58,9 +59,11 @@ def _timm_twin(oc: VisionTransformer):
         class_token=True,
         global_pool="token",
         norm_layer=functools.partial(nn.LayerNorm, eps=1e-5),
-        act_layer=nn.GELU,
+        act_layer=act_layer,
+        init_values=init_values,
     ).eval()
     sd = _convert_openai_clip({f"visual.{k}": v for k, v in oc.state_dict().items()}, tm)
+    sd = {k.replace(".ls_1.", ".ls1.").replace(".ls_2.", ".ls2."): v for k, v in sd.items()}
     tm.load_state_dict(sd, strict=True)
     return tm
 
@@ -130,6 +133,18 @@ def test_every_tap_agrees_with_timm(pair, images):
     assert set(a) == set(b) and len(a) == 1 + 3 * len(TRANSFORMER_KINDS)
     worst = {k: rel(a[k], b[k]) for k in b if k != "labels"}
     assert all(a[k].shape == b[k].shape for k in worst)
+    assert max(worst.values()) <= RTOL, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_quick_gelu_and_layer_scale_towers_agree_with_timm(images):
+    """OpenAI's towers use QuickGELU; open_clip's ls_init_value adds LayerScale (attn_branch, mlp_branch after it)."""
+    from open_clip.transformer import QuickGELU
+
+    oc = _tower(act_layer=QuickGELU, ls_init_value=0.5)
+    tm = _timm_twin(oc, act_layer="quick_gelu", init_values=0.5)
+    x = images[0][:8]
+    a, b = activations(oc, x, taps="*"), activations(tm, x, taps="*")
+    worst = {k: rel(a[k], b[k]) for k in b if k != "labels"}
     assert max(worst.values()) <= RTOL, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
 
 
