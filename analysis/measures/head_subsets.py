@@ -51,6 +51,7 @@ from analysis.engine.measure import as_list
 from analysis.engine.reduce import ORDER_SEED, Minibatches
 from analysis.engine.taps import Taps, grid_of, is_vit, resnet_blocks
 from analysis.estimators.similarity import MinibatchCKA, represent
+from analysis.families import family_of
 from analysis.measures.attention_distance import UNITS, AttentionDistance
 
 
@@ -110,11 +111,12 @@ def head_subset_cka(
             "unbiased CKA needs >= 4 per minibatch: change batch_size or the number of images."
         )
     layers = list(resnet_layers) if resnet_layers is not None else default_resnet_layers(resnet)
-    heads = vit.blocks[block].attn.num_heads
+    fam = family_of(vit)  # any ViT family (analysis/families/), not timm's attributes
+    heads = fam.block(vit, f"blocks.{block}").attn.num_heads
     k = max(1, heads // 2) if k is None else int(k)
     if not 1 <= k <= heads:
         raise ValueError(f"subset size k={k} must be in 1..{heads}")
-    prefix = vit.num_prefix_tokens
+    prefix = fam.prefix(vit)
     grid = grid_of(vit)
     vdev, rdev = next(vit.parameters()).device, next(resnet.parameters()).device
     modes = vit.training, resnet.training
@@ -122,7 +124,7 @@ def head_subset_cka(
     resnet.eval()
     try:
         # pass 1: attention distances of the block's heads over all images
-        ad = AttentionDistance(grid, vit.patch_embed.patch_size[0], prefix)
+        ad = AttentionDistance(grid, fam.patch_size(vit), prefix)
         tap = f"blocks.{block}.attn_probs"
         mb = Minibatches(n, batch_size, order_seed)  # the suite's minibatches (random: CKA's estimator assumes so)
         for j in mb.mine(accelerator):
