@@ -19,6 +19,7 @@ FAMILIES = (
     "analysis.families.timm_mixer:TimmMixer",
     "analysis.families.timm_vit:TimmViT",
     "analysis.families.timm_resnet:TimmResNet",
+    "analysis.families.huggingface:HuggingFaceViT",
 )
 
 KNOWN = (
