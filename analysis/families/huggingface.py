@@ -448,18 +448,14 @@ def load(spec: str | Path) -> nn.Module:
     if path.exists() and not local:
         raise ValueError(f"'{spec}' is a file: pass the folder save_pretrained wrote, or a Hugging Face hub name.")
     source = str(path) if local else str(spec)
+    level = tf.logging.get_verbosity()
+    tf.logging.set_verbosity_error()  # a vision tower read from a full CLIP lists every text weight it leaves out
     try:
         config = tf.AutoConfig.from_pretrained(source)
-        vision = getattr(config, "vision_config", None)
-        if vision is not None:  # CLIPConfig -> CLIPVisionModel, SiglipConfig -> SiglipVisionModel
+        cls = tf.AutoModel
+        if getattr(config, "vision_config", None) is not None:  # CLIPConfig -> CLIPVisionModel, SiglipConfig -> ...
             cls = getattr(tf, type(config).__name__.replace("Config", "VisionModel"), None)
-            if cls is None:
-                raise ValueError(f"'{spec}' holds a {config.model_type} model, whose vision tower vitlab cannot pick.")
-            model = cls.from_pretrained(source)
-        else:
-            model = tf.AutoModel.from_pretrained(source)
-    except ValueError:
-        raise
+        model = cls.from_pretrained(source) if cls is not None else None
     except Exception as e:  # the hub's errors (OSError, connection and HTTP errors) differ between versions
         if local:
             first = " ".join(str(e).split())[:160]
@@ -468,6 +464,10 @@ def load(spec: str | Path) -> nn.Module:
             f"the Hugging Face model '{spec}' cannot be fetched from here (no network, or no such model): save it "
             "with save_pretrained(FOLDER) where there is a network and pass that folder."
         ) from None
+    finally:
+        tf.logging.set_verbosity(level)
+    if model is None:
+        raise ValueError(f"'{spec}' holds a {config.model_type} model, whose vision tower vitlab cannot pick.")
     if not HuggingFaceViT().matches(model):
         raise ValueError(
             f"'{spec}' is a {type(model).__name__}, not a vision transformer vitlab reads (ViT, DeiT, Dinov2, CLIP or "
