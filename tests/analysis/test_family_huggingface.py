@@ -281,6 +281,24 @@ def test_measures_agree_with_timm(pairs, kind):
     assert ("cls_attention" in figures) == (kind != "siglip")
 
 
+def test_head_subsets_agree_with_timm(pairs):
+    """The cross-model head-subset comparison (analysis/measures/head_subsets.py) reads heads, prefix and patch size
+    through the family: a transformers ViT gives the timm twin's result."""
+    from timm.models.resnet import BasicBlock, ResNet
+
+    from analysis.measures.head_subsets import head_subset_cka
+
+    torch.manual_seed(1)
+    resnet = ResNet(block=BasicBlock, layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), num_classes=0).eval()
+    timm, hf = pairs["dinov2_reg"]
+    x = images(16, 4)
+    ra = head_subset_cka(timm, resnet, x, lambda t: t, batch_size=8, block=1)
+    rb = head_subset_cka(hf, resnet, x, lambda t: t, batch_size=8, block=1)
+    assert np.array_equal(ra["head_order"], rb["head_order"]) and ra["k"] == rb["k"] == HEADS // 2
+    for key in ("head_distance", "cka", "subset_cka", "subset_distance"):
+        assert_agree(rb[key], ra[key], key)
+
+
 def _eager(model: nn.Module) -> None:
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("eager")
