@@ -4,7 +4,9 @@ registers), and the vision towers of CLIP (``CLIPVisionModel``: ``pre_layrnorm``
 (``SiglipVisionModel``: no class token), in the module layouts of transformers 4.x and 5.x.
 
 ``import transformers`` happens in this file only, and only in :func:`load`: a model is recognised by the module its
-class comes from (``transformers.``) and by what its modules are, never by a version number. The model is found as
+class comes from (``transformers.``), its ``config.model_type`` (:data:`MODEL_TYPES`: those checked against timm; a
+look-alike such as BEiT, with ViT's module names but a relative position bias, is not read) and what its modules are,
+never by a version number. The model is found as
 its "core": the outermost module with ``embeddings`` that hold a patch convolution (``patch_embeddings.projection``
 or ``patch_embedding``) and an encoder layer list (``layers``, ``encoder.layer`` or ``encoder.layers``). Block i is
 layer i of that list, named ``blocks.{i}`` whatever transformers calls it (``layers.{i}``, ``encoder.layer.{i}``,
@@ -150,6 +152,7 @@ PROCESSOR_DEFAULTS = {
     "clip_vision_model": (*_CLIP, "bicubic", 1.0, "center"),  # CLIPImageProcessor: shortest edge 224, crop 224
     "siglip_vision_model": (*_HALF, "bilinear", 1.0, "squash"),  # SiglipImageProcessor: resize to 224 x 224
 }
+MODEL_TYPES = frozenset(PROCESSOR_DEFAULTS)  # config.model_type of the models this family reads
 _PIL = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
 
@@ -250,8 +253,11 @@ class HuggingFaceViT(Family):
     def matches(self, model: nn.Module) -> bool:
         # no import of transformers: its classes live in modules named transformers.*; a CLIP / SigLIP full model
         # (text tower too) does not take images alone: load() gives its vision tower
+        # the model types whose layers' meaning was checked against timm: a look-alike layout (BEiT: relative
+        # position bias, LayerScale after ViTSelfOutput) would give wrong taps, so it is not read
         return (
             type(model).__module__.startswith("transformers.")
+            and getattr(_config(model), "model_type", None) in MODEL_TYPES
             and not hasattr(model, "text_model")
             and core_of(model) is not None
         )
