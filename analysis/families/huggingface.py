@@ -5,13 +5,12 @@ registers), and the vision towers of CLIP (``CLIPVisionModel``: ``pre_layrnorm``
 
 ``import transformers`` happens in this file only, and only in :func:`load`: a model is recognised by the module its
 class comes from (``transformers.``), its ``config.model_type`` (:data:`MODEL_TYPES`: those checked against timm; a
-look-alike such as BEiT, with ViT's module names but a relative position bias, is not read) and what its modules are,
-never by a version number. The model is found as
-its "core": the outermost module with ``embeddings`` that hold a patch convolution (``patch_embeddings.projection``
-or ``patch_embedding``) and an encoder layer list (``layers``, ``encoder.layer`` or ``encoder.layers``). Block i is
-layer i of that list, named ``blocks.{i}`` whatever transformers calls it (``layers.{i}``, ``encoder.layer.{i}``,
-``vision_model.encoder.layers.{i}``, ``vit.layers.{i}``). A layer is read through the first of :data:`LAYOUTS` whose
-modules it has; its taps sit on::
+look-alike such as BEiT, with ViT's module names but a relative position bias, is not read) and what its modules
+are, never by a version number. The model is found as its "core": the outermost module with ``embeddings`` that hold
+a patch convolution (``patch_embeddings.projection`` or ``patch_embedding``) and an encoder layer list (``layers``,
+``encoder.layer`` or ``encoder.layers``). Block i is layer i of that list, named ``blocks.{i}`` whatever
+transformers calls it (``layers.{i}``, ``encoder.layer.{i}``, ``vision_model.encoder.layers.{i}``,
+``vit.layers.{i}``). A layer is read through the first of :data:`LAYOUTS` whose modules it has; its taps sit on::
 
     in           the layer's input (pre-hook: its first positional argument, else ``hidden_states=``)
     norm1        output of the first LayerNorm (layernorm_before / norm1 / layer_norm1)
@@ -36,13 +35,14 @@ modules it has; its taps sit on::
 
 ``attn_probs`` is RECOMPUTED, not read from the attention: the default attention implementation is SDPA (or flash
 attention), which returns no weights, and switching to eager inside the tap would go through
-``config._attn_implementation`` / ``set_attn_implementation``, whose name, place and effect (one config shared by
-every layer; the weights returned as a second output that 5.x layers drop) changed between versions. The query and
-key projections' outputs exist in every version and attention implementation, so the probabilities are the
-eager formula on them (``matmul(q, k^T) * scale``, softmax in float32, cast back), equal to ``output_attentions=True``
-under eager attention (to 1e-6, tests/analysis/test_family_huggingface.py), while the model's own forward runs with
-its own kernel untouched. Vision models have no attention mask or relative position bias; a model that adds one
-would need it here. The cost: one extra [T, T] product per probed layer.
+``config._attn_implementation`` / ``set_attn_implementation``, whose name, place and effect changed between versions
+(some 4.x releases pick the attention class, ``VIT_ATTENTION_CLASSES[...]``, when the model is built, so a later
+switch does nothing; one config is shared by every layer; 5.x layers drop the weights the attention returns). The
+query and key projections' outputs exist in every version and attention implementation, so the probabilities are the
+eager formula on them (``matmul(q, k^T) * scale``, softmax in float32, cast back), equal to
+``output_attentions=True`` under eager attention (to 1e-6, tests/analysis/test_family_huggingface.py), while the
+model's own forward runs with its own kernel untouched. Vision models have no attention mask or relative position
+bias; a model that adds one would need it here. The cost: one extra [T, T] product per probed layer.
 
 ``needs_internals``: ``ablation`` (it rewrites timm's Block / Attention forward). Every other measure reads taps only.
 
