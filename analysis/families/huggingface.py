@@ -251,10 +251,9 @@ class HuggingFaceViT(Family):
     needs_internals = frozenset({"ablation"})
 
     def matches(self, model: nn.Module) -> bool:
-        # no import of transformers: its classes live in modules named transformers.*; a CLIP / SigLIP full model
-        # (text tower too) does not take images alone: load() gives its vision tower
-        # the model types whose layers' meaning was checked against timm: a look-alike layout (BEiT: relative
-        # position bias, LayerScale after ViTSelfOutput) would give wrong taps, so it is not read
+        # no import of transformers: its classes live in modules named transformers.*; only the model types whose
+        # layers were checked against timm (a look-alike such as BEiT would give wrong taps); a CLIP / SigLIP full
+        # model (text tower too) does not take images alone: load() gives its vision tower
         return (
             type(model).__module__.startswith("transformers.")
             and getattr(_config(model), "model_type", None) in MODEL_TYPES
@@ -328,8 +327,12 @@ class HuggingFaceViT(Family):
         return _pair(getattr(_config(model), "image_size", 224))[0]
 
     def grid(self, model):
-        size, p = self.image_size(model), self.patch_size(model)
-        return (size // p, size // p)
+        p = self.patch_size(model)
+        if processor_config(model):  # the processor's square input
+            size = self.image_size(model)
+            return (size // p, size // p)
+        h, w = _pair(getattr(_config(model), "image_size", 224))  # a ViT config may give (height, width)
+        return (h // p, w // p)
 
     def preprocessing(self, model):
         cfg = _config(model)

@@ -287,6 +287,15 @@ def test_for_image_classification_and_full_clip():
         family_of(beit)  # ViT's module names, other computations (relative position bias, LayerScale)
 
 
+def test_non_square_vit_grid():
+    cfg = transformers.ViTConfig(**{**COMMON, "image_size": (32, 48)}, intermediate_size=2 * D)
+    m = transformers.ViTModel(cfg).eval()
+    assert family_of(m).grid(m) == (4, 6)
+    with torch.no_grad(), Taps(m, ["blocks.0.attn_probs"]) as cap:
+        m(torch.rand(2, 3, 32, 48))
+    assert cap["blocks.0.attn_probs"].shape == (2, HEADS, 1 + 24, 1 + 24)
+
+
 def test_dinov2_swiglu_taps():
     cfg = transformers.Dinov2Config(**COMMON, use_swiglu_ffn=True)
     m = transformers.Dinov2Model(cfg).eval()
