@@ -348,6 +348,19 @@ def test_head_subsets_agree_with_timm(pairs):
         assert_agree(rb[key], ra[key], key)
 
 
+def test_activations_agree_with_timm(pairs):
+    """vitlab.activations: the same tap patterns, the same tensors."""
+    from analysis.api import activations
+
+    timm, hf = pairs["deit"]
+    x = images(8, 5)
+    a = activations(timm, x, taps=["blocks.*.attn_probs", "blocks.2.out"], batch_size=4)
+    b = activations(hf, x, taps=["blocks.*.attn_probs", "blocks.2.out"], batch_size=4)
+    assert list(a) == list(b) == [*(f"blocks.{i}.attn_probs" for i in range(DEPTH)), "blocks.2.out", "labels"]
+    for k in a:
+        assert_agree(b[k], a[k], k)
+
+
 def rebuilt(hf: nn.Module, impl: str) -> nn.Module | None:
     """A copy of ``hf`` (same weights) with attention implementation ``impl``, None where this transformers has none
     for the model (4.40's ViT has no SDPA)."""
