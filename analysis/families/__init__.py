@@ -20,6 +20,7 @@ FAMILIES = (
     "analysis.families.timm_vit:TimmViT",
     "analysis.families.timm_resnet:TimmResNet",
     "analysis.families.openclip:OpenClipViT",
+    "analysis.families.huggingface:HuggingFaceViT",
 )
 
 KNOWN = (

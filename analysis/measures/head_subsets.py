@@ -100,7 +100,7 @@ def head_subset_cka(
     ``unit``, ``n_images``.
     """
     if not is_vit(vit):
-        raise ValueError(f"head_subset_cka needs a timm VisionTransformer first, got {type(vit).__name__}")
+        raise ValueError(f"head_subset_cka needs a vision transformer first, got {type(vit).__name__}")
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
     n = len(images)
@@ -111,21 +111,23 @@ def head_subset_cka(
             "unbiased CKA needs >= 4 per minibatch: change batch_size or the number of images."
         )
     layers = list(resnet_layers) if resnet_layers is not None else default_resnet_layers(resnet)
-    fam = family_of(vit)  # any ViT family (analysis/families/), not timm's attributes
-    heads = fam.block(vit, f"blocks.{block}").attn.num_heads
-    k = max(1, heads // 2) if k is None else int(k)
-    if not 1 <= k <= heads:
-        raise ValueError(f"subset size k={k} must be in 1..{heads}")
+    fam = family_of(vit)  # the model's family gives its tokens (timm and transformers ViTs alike)
     prefix = fam.prefix(vit)
     grid = grid_of(vit)
+    tap = f"blocks.{block}.attn_probs"
     vdev, rdev = next(vit.parameters()).device, next(resnet.parameters()).device
     modes = vit.training, resnet.training
     vit.eval()
     resnet.eval()
     try:
+        with Taps(vit, [tap]) as cap:  # the head count: the block's attention on one image
+            vit(normalize(images[:1].to(vdev)))
+        heads = int(cap[tap].shape[1])
+        k = max(1, heads // 2) if k is None else int(k)
+        if not 1 <= k <= heads:
+            raise ValueError(f"subset size k={k} must be in 1..{heads}")
         # pass 1: attention distances of the block's heads over all images
         ad = AttentionDistance(grid, fam.patch_size(vit), prefix)
-        tap = f"blocks.{block}.attn_probs"
         mb = Minibatches(n, batch_size, order_seed)  # the suite's minibatches (random: CKA's estimator assumes so)
         for j in mb.mine(accelerator):
             x = mb.take(images, j)
