@@ -366,6 +366,7 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
             out: dict = {
                 "meta": {
                     "arch": ctx.arch,
+                    "family": ctx.family.name if ctx.family is not None else None,
                     "blocks": list(ctx.blocks),
                     "num_prefix_tokens": ctx.prefix,
                     "n_images": len(data.analysis),

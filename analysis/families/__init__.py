@@ -1,27 +1,21 @@
 """Model families: one adapter file each (see analysis/families/base.py for what an adapter answers).
 
-:func:`family_of` finds a model's family: the adapters of ``FAMILIES`` in order, then those other packages publish
-under the entry-point group ``vitlab.families`` (``name = "package.module:FamilyClass"``).
+:func:`family_of` finds a model's family among the adapters found by the plug-in registry (vitlab/plugins.py): every
+``Family`` subclass defined in a module of this folder, and those other packages publish under the entry-point group
+``vitlab.families`` (``name = "package.module:FamilyClass"``). Adapters that recognise their library by the model's
+class (``Family.exact``: transformers, open_clip) are asked before the timm ones, which recognise a model by its
+modules.
 """
 
 from __future__ import annotations
 
 import functools
-from importlib import import_module
-from importlib.metadata import entry_points
+import inspect
 
 import torch.nn as nn
 
 from analysis.families.base import Family, TapError
-
-# module:class of every adapter shipped here, tried in this order (a Mixer before the ViT test of timm models)
-FAMILIES = (
-    "analysis.families.timm_mixer:TimmMixer",
-    "analysis.families.timm_vit:TimmViT",
-    "analysis.families.timm_resnet:TimmResNet",
-    "analysis.families.openclip:OpenClipViT",
-    "analysis.families.huggingface:HuggingFaceViT",
-)
+from vitlab.plugins import Registry
 
 KNOWN = (
     "timm VisionTransformer, MlpMixer and ResNet models (timm.create_model), transformers ViT, DeiT, Dinov2, CLIP "
@@ -29,17 +23,25 @@ KNOWN = (
 )
 
 
-def _load(spec: str) -> Family:
-    mod, cls = spec.split(":")
-    return getattr(import_module(mod), cls)()
+def _adapters(mod) -> list[type[Family]]:
+    """The Family subclasses a module of this folder defines (not those it imports)."""
+    return [
+        c
+        for _, c in inspect.getmembers(mod, inspect.isclass)
+        if issubclass(c, Family) and c is not Family and c.__module__ == mod.__name__
+    ]
+
+
+FAMILIES = Registry("model family", __name__, group="vitlab.families", module_plugin=lambda mod: bool(_adapters(mod)))
 
 
 @functools.cache
 def families() -> tuple[Family, ...]:
-    """Every adapter: those shipped here, then those of other packages (entry-point group ``vitlab.families``)."""
-    found = [_load(s) for s in FAMILIES]
-    found += [ep.load()() for ep in entry_points(group="vitlab.families")]
-    return tuple(found)
+    """Every adapter, those that know their library by the model's class first."""
+    found = []
+    for obj in FAMILIES.items().values():
+        found += [c() for c in (_adapters(obj) if inspect.ismodule(obj) else [obj])]
+    return tuple(sorted(found, key=lambda f: (not f.exact, type(f).__module__, type(f).__name__)))
 
 
 def family_of(model: nn.Module) -> Family:

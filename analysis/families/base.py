@@ -25,8 +25,8 @@ Tap kinds of a transformer block (z the residual stream, f the sublayer branches
     heads        the heads' outputs before the output projection, [B, T, H * dh] (channels h*dh:(h+1)*dh: head h)
     proj_in      what the output projection receives (``heads`` after any norm or head mask)
 
-Adding a family is one file here that defines a :class:`Family` subclass and lists it in ``FAMILIES`` of
-``analysis/families/__init__.py`` (or publishes it under the entry-point group ``vitlab.families``), and its test.
+Adding a family is one file here that defines a :class:`Family` subclass (found by the plug-in registry; another
+package publishes it under the entry-point group ``vitlab.families``), and its test.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class Family:
     name: str = ""  # how results and messages name the family, e.g. "timm ViT"
     arch: str = "vit"  # vit | mixer | resnet
     needs_internals: frozenset = frozenset()  # measures that rewrite the forward pass: they need timm's own modules
+    exact: bool = False  # matches() knows the model by its class (its library), not by the modules it has
 
     def matches(self, model: nn.Module) -> bool:
         raise NotImplementedError

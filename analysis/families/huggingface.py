@@ -247,6 +247,7 @@ class HuggingFaceViT(Family):
     """transformers ViT, DeiT, Dinov2 (with registers), CLIP and SigLIP vision models (module docstring)."""
 
     name = "transformers ViT"
+    exact = True  # known by its class's library
     arch = "vit"
     needs_internals = frozenset({"ablation"})
 

@@ -69,6 +69,7 @@ def _module_name(obj) -> str:
 
 class OpenClipViT(Family):
     name = "open_clip ViT"
+    exact = True  # known by its class's library
     arch = "vit"
     # ablation rewrites timm's Block / Attention forward (analysis/measures/ablation.py)
     needs_internals = frozenset({"ablation"})

@@ -12,7 +12,8 @@ suite the training-time callback and ``python -m analysis`` run. Notebooks and u
     res["results"]["cka"]["matrix"]                       # the arrays
     res["figures"]["cka/self"].savefig("cka.png")         # matplotlib figures
 
-``model`` is a timm VisionTransformer, ResNet or MLP-Mixer object, or a run folder (``"runs/default"``, or
+``model`` is a model of any family vitlab reads (analysis/families/: a timm VisionTransformer, ResNet or MLP-Mixer, a
+transformers ViT, DeiT, Dinov2, CLIP or SigLIP vision model, an open_clip visual tower), or a run folder (``"runs/default"``, or
 ``"runs/default:600"`` for a checkpoint), whose own analysis and probe-train images are used unless ``images`` are
 given; ``part`` picks the network of a self-supervised checkpoint (``"student"``, the default, or e.g. ``"teacher"``
 for DINO's EMA teacher: train/objectives). ``images`` is a tensor [N, C, H, W] (uint8 or float) or an iterable of
@@ -101,12 +102,13 @@ def _images(images, labels) -> TensorBatches:
 
 
 def _check_fits(model, data) -> None:
-    """ValueError (one sentence) unless ``model`` is a model the taps understand and takes the images: one image
+    """ValueError (one sentence) unless ``model`` is of a known family (analysis/families/) and takes the images: one image
     through it, in evaluation mode (a wrong channel count or image size fails there, in torch's or timm's words)."""
     try:
         arch_of(model)
     except TapError as e:
-        raise ValueError(f"{e} Pass one of those, or a run folder.") from None
+        hint = " Pass one of those, or a run folder." if str(e).startswith("vitlab reads") else ""
+        raise ValueError(f"{e}{hint}") from None
     x = data.analysis.images[:1]
     if len(x) == 0:
         raise ValueError(
@@ -306,7 +308,7 @@ def activations(
 ) -> dict:
     """The taps' tensors of ``model`` on ``images``: ``{tap: [N, ...], "labels": [N]}`` (labels -1 where unknown).
 
-    ``model``: a timm ViT / ResNet / MLP-Mixer object or a run folder (``"runs/default"``, ``"runs/default:600"``; its
+    ``model``: a model of any family (as in :func:`analyze`) or a run folder (``"runs/default"``, ``"runs/default:600"``; its
     own analysis images unless ``images`` are given; ``part`` as in :func:`analyze`). ``images``: a tensor
     [N, C, H, W] (uint8 or float) or an iterable of (images, labels) batches. ``taps``: tap names or glob patterns
     (:func:`tap_names`; default every block's output). The forward runs ``batch_size`` images at a time and each

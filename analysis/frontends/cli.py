@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from analysis.results.folders import AnalysisError, check_run_folder
+from analysis.sources.spec import check_model_spec
 from train.coerce import did_you_mean
 
 # The analysis stack (torch, timm, matplotlib: 5-20 s of imports on a loaded machine) is imported by the functions that
@@ -328,11 +329,7 @@ def check_target(args) -> None:
     """What can be said of the target without the analysis stack (torch): the arguments that name it, and a run
     folder that does not exist or is none (AnalysisError, one sentence)."""
     if args.model:
-        if not args.weights and not args.model.startswith("hf:"):
-            raise AnalysisError(
-                f"--model {args.model} needs --weights FILE.safetensors (or --weights pretrained with a network, for "
-                "timm)."
-            )
+        check_model_spec(args.model, args.weights)
         return
     if args.images or args.probe_images:
         raise AnalysisError(

@@ -95,7 +95,10 @@ def external_heading(run) -> str:
     not a training step): architecture, where the weights came from, and the images."""
     e = run.external
     w = e["weights"]
-    weights = "timm's pretrained weights" if w == "pretrained" else f"weights {Path(w).name}"
+    if w is None:  # a transformers folder or hub name carries its own weights
+        weights = "its own weights"
+    else:
+        weights = "timm's pretrained weights" if w == "pretrained" else f"weights {Path(w).name}"
     images = e.get("images")
     if images == BUNDLED:
         on = "the bundled photos"
@@ -127,7 +130,9 @@ def write_run_report(run) -> Path:
         src = (
             run._data.meta.get("source") if run.external.get("images") and run._data is not None else None
         ) or f"`{r.data.source}` data"
-        lines += [f"Model `{run.external['arch']}` with weights `{run.external['weights']}`, analysed on {src}.", ""]
+        w = run.external["weights"]
+        with_w = f" with weights `{w}`" if w else ""
+        lines += [f"Model `{run.external['arch']}`{with_w}, analysed on {src}.", ""]
     else:
         m = r.model
         desc = f"{m.arch}" + (

@@ -27,6 +27,7 @@ from analysis.results.runs import (
     Run,
     part_prefix,
 )
+from analysis.sources.spec import check_model_spec
 from train.checkpoint import (
     CheckpointError,
     fit_report,
@@ -40,8 +41,6 @@ from train.models import build_model
 from train.objectives import uses_labels
 from train.recipe import RecipeError, load_recipe
 from train.sources import hub_offline_mode, hub_state
-
-SOURCES = ("timm", "hf", "open_clip")  # --model KIND:NAME
 
 
 def external_run(
@@ -66,17 +65,7 @@ def external_run(
     (the train split stays on disk); ``preprocessing="model"`` normalises them with the model's mean and std,
     ``"recipe"`` with the data's own (as a run trained here on that recipe: needed to compare the two with
     --against)."""
-    kind, _, name = arch.partition(":")
-    if kind not in SOURCES or not name:
-        raise AnalysisError(
-            f"--model '{arch}' must look like timm:<architecture>, hf:<hub name or save_pretrained folder> or "
-            "open_clip:<architecture>, e.g. timm:vit_tiny_patch16_224."
-        )
-    if kind == "hf" and weights:
-        raise AnalysisError(
-            f"--weights goes with timm: and open_clip: models; {arch} carries its own weights (its folder or hub "
-            "name), so leave --weights out."
-        )
+    kind, name = check_model_spec(arch, weights)
     if kind != "hf" and weights != "pretrained" and not Path(str(weights)).is_file():
         raise AnalysisError(
             f"weights file '{weights}' does not exist: pass a .safetensors file (or 'pretrained' with a network)."
