@@ -13,16 +13,16 @@ suite the training-time callback and ``python -m analysis`` run. Notebooks and u
     res["figures"]["cka/self"].savefig("cka.png")         # matplotlib figures
 
 ``model`` is a model of any family vitlab reads (analysis/families/: a timm VisionTransformer, ResNet or MLP-Mixer, a
-transformers ViT, DeiT, Dinov2, CLIP or SigLIP vision model, an open_clip visual tower), or a run folder (``"runs/default"``, or
-``"runs/default:600"`` for a checkpoint), whose own analysis and probe-train images are used unless ``images`` are
-given; ``part`` picks the network of a self-supervised checkpoint (``"student"``, the default, or e.g. ``"teacher"``
-for DINO's EMA teacher: train/objectives). ``images`` is a tensor [N, C, H, W] (uint8 or float) or an iterable of
-``(images, labels)`` batches (a
-DataLoader); measures that read labels (probes, k-NN, clustering) need ``labels`` and, for probes and k-NN,
-``probe_images`` / ``probe_labels`` to train on. ``normalize`` maps a batch to model inputs (default: uint8 /
-255, float unchanged). ``images`` may also be a folder of image files (one subfolder per class gives labels) or
-``"photos"`` (the bundled photo set, labelled by photo: analysis/sources/images.py); these are resized, cropped and
-normalised by the model's own timm preprocessing, and ``probe_images`` may then be a folder too.
+transformers ViT, DeiT, Dinov2, CLIP or SigLIP vision model, an open_clip visual tower), or a run folder
+(``"runs/default"``, or ``"runs/default:600"`` for a checkpoint), whose own analysis and probe-train images are used
+unless ``images`` are given; ``part`` picks the network of a self-supervised checkpoint (``"student"``, the default, or
+e.g. ``"teacher"`` for DINO's EMA teacher: train/objectives). ``images`` is a tensor [N, C, H, W] (uint8 or float) or an
+iterable of ``(images, labels)`` batches (a DataLoader); measures that read labels (probes, k-NN, clustering) need
+``labels`` and, for probes and k-NN, ``probe_images`` / ``probe_labels`` to train on. ``normalize`` maps a batch to
+model inputs (default: uint8 / 255, float unchanged). ``images`` may also be a folder of image files (one subfolder per
+class gives labels) or ``"photos"`` (the bundled photo set, labelled by photo: analysis/sources/images.py); these are
+resized, cropped and normalised by the model's own preprocessing (its family's), and ``probe_images`` may then be a
+folder too.
 Bad input raises ``ValueError`` with one sentence, in this API's words (``probe_images=``, ``options=``: the
 vocabulary of analysis/engine/fixes.py), with the closest name for a mistyped measure, option or tap.
 
@@ -102,8 +102,9 @@ def _images(images, labels) -> TensorBatches:
 
 
 def _check_fits(model, data) -> None:
-    """ValueError (one sentence) unless ``model`` is of a known family (analysis/families/) and takes the images: one image
-    through it, in evaluation mode (a wrong channel count or image size fails there, in torch's or timm's words)."""
+    """ValueError (one sentence) unless ``model`` is of a known family (analysis/families/) and takes the images: one
+    image through it, in evaluation mode (a wrong channel count or image size fails there, in torch's or timm's
+    words)."""
     try:
         arch_of(model)
     except TapError as e:
@@ -308,14 +309,14 @@ def activations(
 ) -> dict:
     """The taps' tensors of ``model`` on ``images``: ``{tap: [N, ...], "labels": [N]}`` (labels -1 where unknown).
 
-    ``model``: a model of any family (as in :func:`analyze`) or a run folder (``"runs/default"``, ``"runs/default:600"``; its
-    own analysis images unless ``images`` are given; ``part`` as in :func:`analyze`). ``images``: a tensor
-    [N, C, H, W] (uint8 or float) or an iterable of (images, labels) batches. ``taps``: tap names or glob patterns
-    (:func:`tap_names`; default every block's output). The forward runs ``batch_size`` images at a time and each
-    minibatch's tensors go straight to their place: with ``out=None`` into one CPU tensor per tap; with ``out`` a
-    folder (it must not exist or be empty) onto disk, ``<out>/<tap>.npy`` per tap and ``labels.npy``, preallocated
-    and filled as the minibatches arrive (so activations larger than memory work), with ``index.json`` listing them;
-    the folder appears whole (written beside it, then renamed) and the returned arrays are read-only memory maps."""
+    ``model``: a model of any family (as in :func:`analyze`) or a run folder (``"runs/default"``,
+    ``"runs/default:600"``; its own analysis images unless ``images`` are given; ``part`` as in :func:`analyze`).
+    ``images``: a tensor [N, C, H, W] (uint8 or float) or an iterable of (images, labels) batches. ``taps``: tap names
+    or glob patterns (:func:`tap_names`; default every block's output). The forward runs ``batch_size`` images at a time
+    and each minibatch's tensors go straight to their place: with ``out=None`` into one CPU tensor per tap; with ``out``
+    a folder (it must not exist or be empty) onto disk, ``<out>/<tap>.npy`` per tap and ``labels.npy``, preallocated and
+    filled as the minibatches arrive (so activations larger than memory work), with ``index.json`` listing them; the
+    folder appears whole (written beside it, then renamed) and the returned arrays are read-only memory maps."""
     dest = None
     if out is not None:
         dest = Path(out)
