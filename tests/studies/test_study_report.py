@@ -165,7 +165,7 @@ def test_a_missing_pilot_is_said_but_a_missing_study_run_is_an_error(tmp_path):
     assert text.count("not started (no run folder): no attention distance to show") == 3
     (tmp_path / "b").mkdir()
     s2 = _study(tmp_path / "b")  # a second study with nothing trained: vit_cls missing is an error, not a pilot
-    with pytest.raises(R.O.AnalysisError, match="study run 'vit_cls_s0' is not trained yet"):
+    with pytest.raises(R.RF0.AnalysisError, match="study run 'vit_cls_s0' is not trained yet"):
         R.open_runs(s2)
 
 
