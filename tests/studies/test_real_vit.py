@@ -178,3 +178,11 @@ def test_the_report_shows_each_claim_from_its_record(tmp_path):
     back = C.read_json(out.with_suffix(".json"))
     assert back["paper"] == "real_vit" and back["claims"]["cls_phase"]["verdict"] == C.HELD
     assert back["uniform_px"] == UNIFORM and Path(out).with_suffix(".json").is_file()
+
+
+def test_run_claims_takes_a_context_without_training_runs():
+    """A claim that needs a configuration is not testable on per-image arrays, which have none (no AttributeError)."""
+    toy = C.Paper("toy", "t", C.Claims("toy"))
+    toy.claims.claim("x", figure="f", claim="c", source="s", passage="p", rule="r", needs=["vit_cls"])(lambda c: None)
+    ((_, r),) = C.run_claims(toy, ctx())
+    assert r.outcome == C.NOT_TESTABLE and "no runs of vit_cls" in r.why
