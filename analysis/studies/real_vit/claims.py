@@ -55,7 +55,8 @@ def _images(ctx) -> ImageContext:
     return ctx
 
 
-def _halves(n: int) -> tuple[np.ndarray, np.ndarray]:
+def halves(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The block indices of the first and of the second half (the second has the extra block when ``n`` is odd)."""
     return np.arange(n // 2), np.arange(n // 2, n)
 
 
@@ -78,7 +79,7 @@ def head_mix(ctx) -> Result:
     """Raghu Fig. 3 as the studies read it (analysis/studies/raghu2021/claims.py ``head_mix``), on per-image
     distances; precondition: the probe crops' most local head is local."""
     c = _images(ctx)
-    lo, hi = _halves(c.distance.shape[1])
+    lo, hi = halves(c.distance.shape[1])
     smallest, uniform = float(c.probe_distance.mean(0).min()), c.uniform
     pre = Precondition(
         "local head",
@@ -117,7 +118,7 @@ def upper_global(ctx) -> Result:
     """The upper half's most local head (chosen on the probe crops) attends above LOCAL_FRACTION x uniform on the
     analysis views."""
     c = _images(ctx)
-    _, hi = _halves(c.distance.shape[1])
+    _, hi = halves(c.distance.shape[1])
     pm = c.probe_distance.mean(0)[hi]
     bi, h = np.unravel_index(int(np.argmin(pm)), pm.shape)
     b = int(hi[bi])
@@ -148,7 +149,7 @@ def cls_phase(ctx) -> Result:
     eligible blocks in every half."""
     c = _images(ctx)
     L = c.log_gap.shape[2]
-    lo, hi = _halves(L)
+    lo, hi = halves(L)
     eligible = c.cls_input_spread > 1e-6  # [2, L]
     parts, counts = [], {}
     for s, sub in enumerate(("attention", "MLP")):
@@ -231,7 +232,7 @@ def depth_profile(ctx) -> Result:
     c = _images(ctx)
     L = c.distance.shape[1]
     mid = np.arange(2, min(6, L))
-    _, hi = _halves(L)
+    _, hi = halves(L)
 
     def first_vs_mid(x, axis):
         m = x.mean(axis).mean(-1)

@@ -11,7 +11,7 @@ from analysis.engine.taps import Taps, block_names, grid_of, num_prefix_tokens
 from analysis.measures.aligned_attention import MAX_OFFSET, MIN_MASS, WINDOW, offset_local_heads
 from analysis.measures.attention_distance import grid_distances
 from analysis.studies.locality import uniform_distance
-from analysis.studies.real_vit.claims import ImageContext, _halves
+from analysis.studies.real_vit.claims import ImageContext, halves
 
 
 @torch.no_grad()
@@ -96,7 +96,7 @@ def offset_windows(probe_mass: np.ndarray, offset: np.ndarray, peaks: np.ndarray
     with the most mass in its window (first half), and the head of the second half with the most mass in an offset
     window at most MAX_OFFSET away (whether or not it passes)."""
     L = probe_mass.shape[0]
-    lo, hi = _halves(L)
+    lo, hi = halves(L)
     out = {}
     for half, idx, need in (("first", lo, True), ("second", hi, False)):
         cand = [
