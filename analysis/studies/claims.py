@@ -276,10 +276,12 @@ def _not_testable(name: str, sentence: str, numbers: dict | None = None) -> Deci
 
 def run_claims(paper: Paper, ctx) -> list[tuple[Claim, Result]]:
     """Every claim of ``paper`` on the study ``ctx`` reads, in order: a claim whose ``needs`` the study lacks, or
-    whose runs lack a measure it reads (:class:`MissingResult`), is recorded as not testable, saying what is missing."""
+    whose runs lack a measure it reads (:class:`MissingResult`), is recorded as not testable, saying what is missing.
+    ``ctx`` is whatever the paper's claims read: a study's runs (study_report.Context), or one model's per-image
+    statistics (analysis/studies/real_vit/); only ``needs`` reads its ``configs``."""
     out = []
     for c in paper.claims:
-        missing = [n for n in c.needs if n not in ctx.configs]
+        missing = [n for n in c.needs if n not in getattr(ctx, "configs", {})]
         if missing:
             d = Decision(
                 NOT_TESTABLE,

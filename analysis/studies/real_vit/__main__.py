@@ -1,0 +1,52 @@
+"""``python -m analysis.studies.real_vit``: docs/real-vit.md (see the package's docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import analysis.studies.real_vit as package
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis.studies.real_vit", description=package.__doc__.split("\n")[0])
+    ap.add_argument(
+        "--root", default=str(ROOT / "runs" / "real-vit"), help="where the analysis is cached (default runs/real-vit)"
+    )
+    ap.add_argument(
+        "--out",
+        default=str(ROOT / "docs" / "real-vit.md"),
+        help="the report (default docs/real-vit.md; .json beside it)",
+    )
+    ap.add_argument("--views", type=int, default=16, help="analysis views per photo (default 16: 304 views)")
+    ap.add_argument(
+        "--erf", action="store_true", help="also the effective receptive fields (hours on a CPU at this width)"
+    )
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    from analysis.results.folders import AnalysisError  # the heavy imports after the options are read
+    from analysis.sources.pretrained import ConversionError
+    from analysis.studies.real_vit.report import build
+
+    out = Path(args.out)
+    try:
+        s = build(
+            Path(args.root),
+            out,
+            out.parent / "figures" / "real-vit",
+            views=args.views,
+            progress=not args.no_progress,
+            erf=args.erf,
+        )
+    except (AnalysisError, ConversionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{out}: " + ", ".join(f"{k} {c['verdict']}" for k, c in s["claims"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,249 @@
+"""The papers' claims that need a trained model, decided on one real ViT over its images: each declared once with
+:meth:`~analysis.studies.claims.Claims.claim` beside the code that decides it, through the claim engine's
+:func:`~analysis.studies.claims.judge` (analysis/studies/stats.py's rule).
+
+One model, so there are no seeds: a claim reads per-image statistics from an :class:`ImageContext` (reads.py computes
+them) and each part's 95% CI is a BCa bootstrap over the analysis images; the photo is the independent unit. A head a
+claim needs is chosen on the probe-train crops and tested on the analysis views, so the choice does not bias the test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from analysis.measures.aligned_attention import MIN_MASS
+from analysis.studies.claims import Claims, MissingResult, Result, judge
+from analysis.studies.locality import LOCAL_FRACTION
+from analysis.studies.stats import Precondition, bootstrap_part
+
+CLAIMS = Claims("real_vit")
+
+RAGHU_5, RAGHU_6 = "Raghu et al. 2021 §5", "Raghu et al. 2021 §6"
+
+
+@dataclass
+class ImageContext:
+    """What the claims read: per-image statistics of one model (reads.py, :func:`~.reads.per_image`), images on axis 0.
+
+    ``distance`` [N, L, H] and ``probe_distance`` [M, L, H]: each head's mean attention distance (px) on the analysis
+    views and on the probe-train crops; ``uniform``: uniform attention's distance (px); ``log_gap`` [N, 2, L]: log of
+    the CLS token's norm ratio minus the spatial tokens' mean log ratio (attention, MLP); ``cls_input_spread`` [2, L]:
+    how much the CLS token's skip input varies over the images; ``window_mass`` [N, K]: attention mass in each window
+    of ``windows`` ((block, head, (dr, dc)) triples), ``chosen``: the windows picked on the probe crops by half
+    ("first", "second")."""
+
+    distance: np.ndarray
+    probe_distance: np.ndarray
+    uniform: float
+    log_gap: np.ndarray
+    cls_input_spread: np.ndarray
+    window_mass: np.ndarray
+    windows: list = field(default_factory=list)
+    chosen: dict = field(default_factory=dict)
+
+
+def _images(ctx) -> ImageContext:
+    """The per-image statistics, or MissingResult (not testable) for a training study's context."""
+    if not isinstance(ctx, ImageContext):
+        raise MissingResult(
+            "these claims decide over one model's per-image statistics (python -m analysis.studies.real_vit), "
+            "not over a training study's runs"
+        )
+    return ctx
+
+
+def halves(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The block indices of the first and of the second half (the second has the extra block when ``n`` is odd)."""
+    return np.arange(n // 2), np.arange(n // 2, n)
+
+
+def _boot(name: str, values, statistic=np.mean, seed: int = 0):
+    """A bootstrap part over the images, built when the claim is judged."""
+    return partial(bootstrap_part, name, values, statistic, seed=seed)
+
+
+@CLAIMS.claim(
+    "head_mix",
+    figure="Raghu Fig. 3",
+    claim="Even the lowest layers mix local and global heads; higher layers attend globally",
+    source=RAGHU_5,
+    passage="we observe that even in the lowest layers of ViT, self-attention layers have a mix of local heads (small "
+    "distances) and global heads (large distances).",
+    rule="Lower layers mix local and global heads; higher layers attend globally (the studies' rule: spread of "
+    "head distances lower minus upper half, mean distance upper minus lower half)",
+)
+def head_mix(ctx) -> Result:
+    """Raghu Fig. 3 as the studies read it (analysis/studies/raghu2021/claims.py ``head_mix``), on per-image
+    distances; precondition: the probe crops' most local head is local."""
+    c = _images(ctx)
+    lo, hi = halves(c.distance.shape[1])
+    smallest, uniform = float(c.probe_distance.mean(0).min()), c.uniform
+    pre = Precondition(
+        "local head",
+        smallest < LOCAL_FRACTION * uniform,
+        f"a local head exists (probe crops: the most local head attends at {smallest:.1f} px = "
+        f"{smallest / uniform:.2f} x uniform attention's {uniform:.1f} px; local means below {LOCAL_FRACTION:g} x)",
+        {"smallest_px": smallest, "uniform_px": uniform},
+    )
+
+    def spread(x, axis):  # x [B, N, L, H] -> [B]: spread of the lower half's heads minus the upper half's
+        m = x.mean(axis)
+        s = m.max(-1) - m.min(-1)
+        return s[:, lo].mean(-1) - s[:, hi].mean(-1)
+
+    def mean_gap(x, axis):
+        m = x.mean(axis).mean(-1)
+        return m[:, hi].mean(-1) - m[:, lo].mean(-1)
+
+    parts = [
+        _boot("spread of head distances, lower half minus upper half (px)", c.distance, spread),
+        _boot("mean distance, upper half minus lower half (px)", c.distance, mean_gap, seed=1),
+    ]
+    return Result(judge(parts, [pre]))
+
+
+@CLAIMS.claim(
+    "upper_global",
+    figure="Raghu Fig. 3",
+    claim="At higher layers, every self-attention head is global",
+    source=RAGHU_5,
+    passage="At higher layers, all self-attention heads are global.",
+    rule="Every head of the upper half is global: its most local head (chosen on the probe crops) above "
+    f"{LOCAL_FRACTION:g} x uniform attention's distance",
+)
+def upper_global(ctx) -> Result:
+    """The upper half's most local head (chosen on the probe crops) attends above LOCAL_FRACTION x uniform on the
+    analysis views."""
+    c = _images(ctx)
+    _, hi = halves(c.distance.shape[1])
+    pm = c.probe_distance.mean(0)[hi]
+    bi, h = np.unravel_index(int(np.argmin(pm)), pm.shape)
+    b = int(hi[bi])
+    part = _boot(
+        f"block {b + 1} head {h} (the upper half's most local) minus {LOCAL_FRACTION:g} x uniform (px)",
+        c.distance[:, b, h] - LOCAL_FRACTION * c.uniform,
+    )
+    return Result(judge([part]), measured={"head": (b, int(h))})
+
+
+@CLAIMS.claim(
+    "cls_phase",
+    figure="Raghu Fig. 7",
+    claim="The CLS token is carried by the skip path in the first half and the spatial tokens by the long branch; "
+    "in the second half this is reversed",
+    source=RAGHU_6,
+    passage="in the first half of the network, the CLS token (token 0) representation is primarily propagated by "
+    "the skip connection branch (high norm ratio), while the spatial token representations have a large "
+    "contribution coming from the long branch (lower norm ratio). Strikingly, in the second half of the "
+    "network, this is reversed.",
+    rule="log(CLS norm ratio) minus the spatial tokens' mean log ratio, averaged over each half's blocks whose "
+    "CLS input depends on the image: above 0 in the first half, below 0 in the second (attention and MLP)",
+)
+def cls_phase(ctx) -> Result:
+    """Four parts (attention and MLP, each half), each averaged over the half's eligible blocks. A block whose CLS skip
+    input is the same vector for every image (relative spread < 1e-6: block 0's cls_token + pos_embed[0]) is left out
+    of that sublayer's average: its ratio says nothing about how images are propagated. Precondition: at least 4
+    eligible blocks in every half."""
+    c = _images(ctx)
+    L = c.log_gap.shape[2]
+    lo, hi = halves(L)
+    eligible = c.cls_input_spread > 1e-6  # [2, L]
+    parts, counts = [], {}
+    for s, sub in enumerate(("attention", "MLP")):
+        for half, idx in (("first", lo), ("second", hi)):
+            use = [i for i in idx if eligible[s, i]]
+            counts[f"{sub} {half} half"] = len(use)
+            gap = c.log_gap[:, s, use].mean(-1)  # in the paper's direction: CLS above in the first half, below after
+            what = (
+                "log CLS ratio minus spatial tokens' mean log ratio"
+                if half == "first"
+                else "spatial tokens' mean log ratio minus log CLS ratio"
+            )
+            span = f"blocks {use[0] + 1}-{use[-1] + 1}" if use else "no block"
+            parts.append(_boot(f"{sub}, {span}: {what}", gap if half == "first" else -gap, seed=len(parts)))
+    few = {k: v for k, v in counts.items() if v < 4}
+    left_out = [f"{('attention', 'MLP')[s]} of block {i + 1}" for s in range(2) for i in range(L) if not eligible[s, i]]
+    pre = Precondition(
+        "blocks per half",
+        not few,
+        "at least 4 blocks with an image-dependent CLS input in every half "
+        f"({', '.join(f'{k}: {v}' for k, v in counts.items())}; left out: {', '.join(left_out) or 'none'})",
+        counts,
+    )
+    return Result(judge(parts, [pre]), measured={"left_out": left_out})
+
+
+@CLAIMS.claim(
+    "offset_early",
+    figure="Walmer Fig. 3, 14; App. C.1",
+    claim="Offset local heads occur only in the first 3 to 6 layers",
+    source="Walmer et al. 2023 App. C.1",
+    passage="Offset Local Attention Heads typically only occur in the first 3 to 6 layers",
+    rule=f"The first half's best offset-local head puts at least {MIN_MASS:g} of its attention in its offset "
+    "window (3 x 3 tokens); the second half's best offset window holds less",
+)
+def offset_early(ctx) -> Result:
+    """Part 1: the first half's best offset-local head (chosen on the probe crops) puts at least MIN_MASS of its
+    attention in its offset window on the analysis views; part 2 (in the paper's direction): the second half's best
+    offset window holds less than MIN_MASS."""
+    c = _images(ctx)
+    parts = []
+    for half in ("first", "second"):
+        if half not in c.chosen:
+            continue
+        b, h, off = c.chosen[half]
+        mass = c.window_mass[:, c.windows.index((b, h, off))]
+        where = f"block {b + 1} head {h}, window at ({off[0]:+d}, {off[1]:+d})"
+        if half == "first":  # written in the paper's direction: positive = as Walmer says
+            parts.append(_boot(f"{where}: attention mass minus {MIN_MASS:g}", mass - MIN_MASS, seed=len(parts)))
+        else:
+            parts.append(_boot(f"{where}: {MIN_MASS:g} minus attention mass", MIN_MASS - mass, seed=len(parts)))
+    found = "first" in c.chosen
+    pre = Precondition(
+        "offset head",
+        found,
+        "some first-half head is offset-local on the probe crops"
+        if found
+        else "no head of the first half is offset-local on the probe crops",
+        {},
+    )
+    if not parts:
+        parts = [_boot("no window", np.zeros(c.window_mass.shape[0]))]
+    return Result(judge(parts, [pre]))
+
+
+@CLAIMS.claim(
+    "depth_profile",
+    figure="Walmer Fig. 4 right",
+    claim="Global heads in the first layer, shorter distances around layers 3-6, and distances trending up in the "
+    "later layers of a contrastive model",
+    source="Walmer et al. 2023 §4.3",
+    passage="In all models, we observe a greater number of global attention heads in the initial layers, "
+    "followed by decreased distances around layers 3-6. [...] For the models trained with explicit or "
+    "contrastive supervision, the Attention Distance trends upward in the later layers.",
+    rule="Mean head distance of layer 1 above layers 3-6, and of the later half above layers 3-6",
+)
+def depth_profile(ctx) -> Result:
+    """For a contrastive (DINO-family) model: the first layer more global than layers 3-6, and the later half trending
+    back up above layers 3-6 (layer n = block n - 1)."""
+    c = _images(ctx)
+    L = c.distance.shape[1]
+    mid = np.arange(2, min(6, L))
+    _, hi = halves(L)
+
+    def first_vs_mid(x, axis):
+        m = x.mean(axis).mean(-1)
+        return m[:, 0] - m[:, mid].mean(-1)
+
+    def late_vs_mid(x, axis):
+        m = x.mean(axis).mean(-1)
+        return m[:, hi].mean(-1) - m[:, mid].mean(-1)
+
+    parts = [
+        _boot("layer 1 minus layers 3-6, mean head distance (px)", c.distance, first_vs_mid),
+        _boot(f"layers {hi[0] + 1}-{hi[-1] + 1} minus layers 3-6 (px)", c.distance, late_vs_mid, seed=1),
+    ]
+    return Result(judge(parts))

@@ -1,0 +1,64 @@
+"""The real-ViT report's own figures: every head's attention distance against uniform attention's, and the CLS
+attention on a few photos."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from analysis.engine.figures import save, subplots
+from analysis.engine.taps import Taps, block_names, grid_of, num_prefix_tokens
+from analysis.studies.locality import LOCAL_FRACTION
+
+
+def distance_figure(dist_mean: np.ndarray, uniform: float, path: Path) -> None:
+    """ViT Fig. 7 / Raghu Fig. 3: every head's mean attention distance per block, against uniform attention's."""
+    L, H = dist_mean.shape
+    fig, ax = subplots(figsize=(6.4, 4))
+    for h in range(H):
+        ax.scatter(np.arange(L) + 1, dist_mean[:, h], s=18, label=f"head {h}")
+    ax.plot(np.arange(L) + 1, dist_mean.mean(1), color="k", lw=1, label="mean of heads")
+    ax.axhline(uniform, color="grey", ls="--", lw=1, label=f"uniform attention ({uniform:.0f} px)")
+    ax.axhline(LOCAL_FRACTION * uniform, color="grey", ls=":", lw=1, label=f"{LOCAL_FRACTION:g} x uniform: local below")
+    ax.set_xlabel("block (network depth)")
+    ax.set_ylabel("mean attention distance (px, 224 x 224 input)")
+    ax.set_ylim(0, 224 * 0.75)
+    ax.set_xticks(np.arange(L) + 1)
+    ax.set_title("Mean attention distance per head (cf. ViT Fig. 7, Raghu Fig. 3)")
+    ax.legend(fontsize=6, ncol=3, loc="lower right")
+    fig.tight_layout()
+    save(fig, path)
+
+
+@torch.no_grad()
+def cls_maps_figure(model, split, normalize, names: list, path: Path, n: int = 4, blocks=(5, 11)) -> None:
+    """Walmer Fig. 2: the CLS query's attention over the patches (mean over heads) on a few photos, one colour scale."""
+    idx = [
+        int(i) for i in np.flatnonzero(np.r_[True, np.diff(split.labels.numpy()) != 0])[:n]
+    ]  # each photo's whole view
+    bn, p = block_names(model), num_prefix_tokens(model)
+    gh, gw = grid_of(model)
+    with Taps(model, [f"{bn[b]}.attn_probs" for b in blocks]) as cap:
+        model(normalize(split.images[idx]))
+    maps = {b: cap.captures[f"{bn[b]}.attn_probs"][:, :, 0, p:].mean(1).reshape(-1, gh, gw).numpy() for b in blocks}
+    vmax = max(float(m.max()) for m in maps.values())
+    fig, axes = subplots(
+        len(idx), 1 + len(blocks), figsize=(2.2 * (1 + len(blocks)) + 0.6, 2.2 * len(idx)), squeeze=False
+    )
+    im = None
+    for r, i in enumerate(idx):
+        axes[r, 0].imshow(split.images[i].permute(1, 2, 0).numpy())
+        axes[r, 0].set_title(names[int(split.labels[i])], fontsize=8)
+        for c, b in enumerate(blocks):
+            im = axes[r, c + 1].imshow(maps[b][r], vmin=0, vmax=vmax, cmap="inferno")
+            axes[r, c + 1].set_title(f"block {b + 1}: CLS attention", fontsize=8)
+        for a in axes[r]:
+            a.set_xticks([])
+            a.set_yticks([])
+    fig.colorbar(
+        im, ax=axes.ravel().tolist(), fraction=0.03, label="share of the CLS query's attention (mean of heads)"
+    )
+    fig.suptitle("CLS attention maps on photos (cf. Walmer Fig. 2)", fontsize=10)
+    save(fig, path)

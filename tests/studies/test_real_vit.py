@@ -1,0 +1,188 @@
+"""The real-ViT report as a paper plug-in: found by analysis.studies.papers(), claiming no training study, and its five
+claims decided by the claim engine over synthetic per-image arrays whose answer is known (held, did not hold,
+inconclusive, not testable). The real model's run is python -m analysis.studies.real_vit (docs/real-vit.md)."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis import studies
+from analysis.studies import claims as C
+from analysis.studies.real_vit import PAPER
+from analysis.studies.real_vit.claims import CLAIMS, ImageContext
+
+N, L, H = 24, 12, 6
+UNIFORM = 80.0  # local below 0.5 x 80 = 40 px
+SIGN = np.where(np.arange(N) % 2 == 0, 1.0, -1.0)  # alternating images: a per-image effect whose mean is exactly 0
+
+
+def _profile() -> np.ndarray:
+    """[L, H] head distances (px) as a DINO-like ViT has them: block 1 mixed and more global than blocks 2-6, which
+    mix local and global heads; the upper half all global."""
+    d = np.empty((L, H))
+    d[0] = [15, 90, 110, 115, 120, 125]
+    d[1:6] = [10, 20, 40, 80, 100, 110]
+    d[6:] = [100, 105, 110, 115, 120, 125]
+    d[6, 0] = 90  # the upper half's most local head
+    return d
+
+
+def _noisy(profile: np.ndarray, seed: int, n: int = N) -> np.ndarray:
+    return profile[None] + np.random.default_rng(seed).normal(0, 2, size=(n, *profile.shape))
+
+
+def _flat() -> np.ndarray:
+    """Every statistic's per-image value is +x or -x on alternating images: mean exactly 0."""
+    return 2 * UNIFORM * 0.25 + SIGN[:, None, None] * (np.arange(L)[None, :, None] + 1) * np.ones((N, L, H))
+
+
+WINDOWS = [(3, 4, (-1, 0)), (7, 5, (0, 1))]
+
+
+def ctx(distance=None, probe=None, log_gap=None, spread=None, mass=None, chosen=None) -> ImageContext:
+    rng = np.random.default_rng(3)
+    if log_gap is None:
+        gap = np.where(np.arange(L) < L // 2, 1.0, -1.0)  # CLS above the spatial tokens in the first half only
+        log_gap = gap[None, None, :] + rng.normal(0, 0.1, size=(N, 2, L))
+    if spread is None:
+        spread = np.ones((2, L))
+        spread[0, 0] = 0.0  # block 1's attention: the same CLS input for every image
+    if mass is None:
+        mass = np.stack([0.7 + rng.normal(0, 0.03, N), 0.2 + rng.normal(0, 0.03, N)], 1)
+    return ImageContext(
+        distance=_noisy(_profile(), 0) if distance is None else distance,
+        probe_distance=_noisy(_profile(), 1, 36) if probe is None else probe,
+        uniform=UNIFORM,
+        log_gap=log_gap,
+        cls_input_spread=spread,
+        window_mass=mass,
+        windows=list(WINDOWS),
+        chosen=dict(zip(("first", "second"), WINDOWS)) if chosen is None else chosen,
+    )
+
+
+def outcomes(c) -> dict[str, str]:
+    return {claim.id: r.outcome for claim, r in C.run_claims(PAPER, c)}
+
+
+def test_the_plugin_is_found_and_claims_no_training_study():
+    assert studies.papers()["real_vit"] is PAPER
+    assert CLAIMS.ids() == ["head_mix", "upper_global", "cls_phase", "offset_early", "depth_profile"]
+    for configs in ({"vit_cls": [], "resnet": []}, {"vit_reg0": [], "vit_reg4": []}, {"supervised": [], "dino": []}):
+        assert not PAPER.applies(configs)
+        assert studies.paper_for(types.SimpleNamespace(name="mine", paper=None), configs).name != "real_vit"
+    assert studies.paper_for(types.SimpleNamespace(name="mine", paper=None), {"a": [], "b": []}) is None
+
+
+def test_a_dino_like_model_holds_the_claims():
+    out = C.run_claims(PAPER, ctx())
+    assert {c.id: r.outcome for c, r in out} == dict.fromkeys(CLAIMS.ids(), C.HELD)
+    by = {c.id: r for c, r in out}
+    assert by["upper_global"].measured["head"] == (6, 0)  # the upper half's most local head on the probe crops
+    assert by["cls_phase"].measured["left_out"] == ["attention of block 1"]
+    assert "blocks 2-6" in by["cls_phase"].decision.parts[0].name  # block 1 left out of the attention's first half
+    assert all(p.test == "bootstrap BCa" and p.n == (N,) for r in by.values() for p in r.decision.parts)
+    rec = [C.record(c, r) for c, r in out]
+    assert json.loads(json.dumps(rec))[0]["verdict"] == C.HELD and rec[0]["passage"].startswith("we observe")
+
+
+def test_the_reversed_model_does_not_hold_them():
+    rng = np.random.default_rng(5)
+    c = ctx(
+        distance=_noisy(_profile()[::-1], 0),  # local heads at the top, global ones at the bottom
+        probe=_noisy(_profile()[::-1], 1, 36),
+        log_gap=-ctx().log_gap,
+        mass=np.stack([0.2 + rng.normal(0, 0.03, N), 0.8 + rng.normal(0, 0.03, N)], 1),
+    )
+    assert outcomes(c) == dict.fromkeys(CLAIMS.ids(), C.NOT_HELD)
+
+
+def test_no_effect_is_inconclusive():
+    c = ctx(
+        distance=_flat(),
+        log_gap=SIGN[:, None, None] * np.ones((N, 2, L)),
+        mass=np.stack([0.5 + 0.1 * SIGN, 0.5 - 0.1 * SIGN], 1),
+    )
+    assert outcomes(c) == dict.fromkeys(CLAIMS.ids(), C.INCONCLUSIVE)
+
+
+def test_a_missing_precondition_makes_a_claim_not_testable():
+    spread = np.ones((2, L))
+    spread[1, :3] = 0.0  # the MLP's first half keeps 3 blocks: fewer than 4
+    c = ctx(probe=_noisy(_profile() + 60, 1, 36), spread=spread, chosen={"second": WINDOWS[1]})
+    out = {claim.id: r for claim, r in C.run_claims(PAPER, c)}
+    assert out["head_mix"].outcome == C.NOT_TESTABLE and "most local head attends at" in out["head_mix"].why
+    assert out["cls_phase"].outcome == C.NOT_TESTABLE and "MLP first half: 3" in out["cls_phase"].why
+    assert out["offset_early"].outcome == C.NOT_TESTABLE
+    assert "no head of the first half" in out["offset_early"].why.lower()
+    assert out["depth_profile"].outcome == C.HELD  # no precondition
+    none = {claim.id: r for claim, r in C.run_claims(PAPER, ctx(chosen={}))}["offset_early"]
+    assert none.outcome == C.NOT_TESTABLE and [p.name for p in none.decision.parts] == ["no window"]
+
+
+def test_a_training_study_that_names_the_paper_gets_not_testable_claims():
+    study_ctx = types.SimpleNamespace(configs={"vit_cls": []}, shared={})
+    out = C.run_claims(PAPER, study_ctx)
+    assert [r.outcome for _, r in out] == [C.NOT_TESTABLE] * 5
+    assert "per-image statistics" in out[0][1].why
+
+
+def test_the_windows_are_chosen_on_the_probe_crops():
+    from analysis.studies.real_vit.reads import offset_windows
+
+    mass = np.full((L, H), 0.1)
+    offset = np.zeros((L, H), bool)
+    peaks = np.zeros((L, H, 2), int)
+    mass[2, 1], offset[2, 1], peaks[2, 1] = 0.6, True, (1, 0)
+    mass[4, 3], offset[4, 3], peaks[4, 3] = 0.7, True, (0, -2)
+    mass[1, 0] = 0.9  # most mass, but not offset-local: not chosen for the first half
+    mass[9, 2], peaks[9, 2] = 0.3, (1, 1)  # the second half's best offset window, though not offset-local
+    assert offset_windows(mass, offset, peaks) == {"first": (4, 3, (0, -2)), "second": (9, 2, (1, 1))}
+    assert offset_windows(mass, np.zeros_like(offset), np.zeros_like(peaks)) == {}
+
+
+def test_the_report_shows_each_claim_from_its_record(tmp_path):
+    pytest.importorskip("matplotlib")
+    from analysis.studies.real_vit import report as R
+
+    results = C.run_claims(PAPER, ctx())
+    d = np.full(L, 50.0)
+    s = {
+        "model": "timm:toy",
+        "images": {"source": "toy photos", "preprocessing": {"size": 224}},
+        "uniform_px": UNIFORM,
+        "grid": [16, 16],
+        "patch": 14,
+        "n_analysis": N,
+        "n_probe": 36,
+        "wall_s": {"suite": 1.0, "claims": 2.0},
+        "computed": 0,
+        "reused": 11,
+        "claims": {c.id: C.record(c, r) for c, r in results},
+        "attention_distance": {"min_px": d.tolist(), "mean_px": d.tolist(), "max_px": d.tolist()},
+        "norm_ratio": {s: {"cls": d.tolist(), "spatial": d.tolist()} for s in ("attn", "mlp")},
+        "offset_local_heads": [],
+        "other_measures": {"knn": [0.5]},
+    }
+    out = tmp_path / "docs" / "real-vit.md"
+    R.write(s, out, out.parent / "figures" / "real-vit", ["cka_self.png"])
+    md = out.read_text()
+    assert "| head_mix | Raghu Fig. 3 | **held** | spread of head distances" in md
+    assert "### depth_profile (Walmer Fig. 4 right)" in md and "Verdict: **held**. Every part" in md
+    assert "![cka_self.png](figures/real-vit/cka_self.png)" in md and "- none" in md
+    back = C.read_json(out.with_suffix(".json"))
+    assert back["paper"] == "real_vit" and back["claims"]["cls_phase"]["verdict"] == C.HELD
+    assert back["uniform_px"] == UNIFORM and Path(out).with_suffix(".json").is_file()
+
+
+def test_run_claims_takes_a_context_without_training_runs():
+    """A claim that needs a configuration is not testable on per-image arrays, which have none (no AttributeError)."""
+    toy = C.Paper("toy", "t", C.Claims("toy"))
+    toy.claims.claim("x", figure="f", claim="c", source="s", passage="p", rule="r", needs=["vit_cls"])(lambda c: None)
+    ((_, r),) = C.run_claims(toy, ctx())
+    assert r.outcome == C.NOT_TESTABLE and "no runs of vit_cls" in r.why
