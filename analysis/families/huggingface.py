@@ -36,15 +36,14 @@ transformers calls it (``layers.{i}``, ``encoder.layer.{i}``, ``vision_model.enc
 ``attn_probs`` is RECOMPUTED, not read from the attention: the default attention implementation is SDPA (or flash
 attention), which returns no weights, and switching to eager inside the tap would go through
 ``config._attn_implementation`` / ``set_attn_implementation``, whose name, place and effect changed between versions
-(some 4.x releases pick the attention class, ``VIT_ATTENTION_CLASSES[...]``, when the model is built, so a later
-switch does nothing; one config is shared by every layer; 5.x layers drop the weights the attention returns). The
-query and key projections' outputs exist in every version and attention implementation, so the probabilities are the
-eager formula on them (``matmul(q, k^T) * scale``, softmax in float32, cast back), equal to
-``output_attentions=True`` under eager attention (to 1e-6, tests/analysis/test_family_huggingface.py), while the
-model's own forward runs with its own kernel untouched. Vision models have no attention mask or relative position
-bias; a model that adds one would need it here. The cost: one extra [T, T] product per probed layer.
-
-``needs_internals``: ``ablation`` (it rewrites timm's Block / Attention forward). Every other measure reads taps only.
+(some 4.x releases pick the attention class, ``VIT_ATTENTION_CLASSES[...]``, when the model is built, so a later switch
+does nothing; one config is shared by every layer; 5.x layers drop the weights the attention returns). The query and key
+projections' outputs exist in every version and attention implementation, so the probabilities are the eager formula on
+them (``matmul(q, k^T) * scale``, softmax in float32, cast back), equal to ``output_attentions=True`` under eager
+attention (to 1e-6, tests/analysis/families/test_family_huggingface.py), while the model's own forward runs with its own
+kernel untouched. Vision models have no attention mask or relative position bias; a model that adds one would need it
+here. The cost: one extra [T, T] product per probed layer.  ``needs_internals``: ``ablation`` (it rewrites timm's Block
+/ Attention forward). Every other measure reads taps only.
 
 The token grid is the input size over the patch size; the input size is the processor's crop (or resize) when the
 model came from a folder with a ``preprocessor_config.json`` (``model.name_or_path``), else ``config.image_size``.
