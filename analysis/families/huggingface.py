@@ -42,8 +42,9 @@ projections' outputs exist in every version and attention implementation, so the
 them (``matmul(q, k^T) * scale``, softmax in float32, cast back), equal to ``output_attentions=True`` under eager
 attention (to 1e-6, tests/analysis/families/test_family_huggingface.py), while the model's own forward runs with its own
 kernel untouched. Vision models have no attention mask or relative position bias; a model that adds one would need it
-here. The cost: one extra [T, T] product per probed layer.  ``needs_internals``: ``ablation`` (it rewrites timm's Block
-/ Attention forward). Every other measure reads taps only.
+here. The cost: one extra [T, T] product per probed layer.
+
+``needs_internals``: ``ablation`` (it rewrites timm's Block / Attention forward). Every other measure reads taps only.
 
 The token grid is the input size over the patch size; the input size is the processor's crop (or resize) when the
 model came from a folder with a ``preprocessor_config.json`` (``model.name_or_path``), else ``config.image_size``.
