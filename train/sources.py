@@ -10,7 +10,7 @@ before datasets falls back to its cache, so a machine without network waited abo
 copy). Unless HF_HUB_OFFLINE is set, one short request (:func:`hub_reachable`) first asks whether the Hub answers at
 all; when it does not, the data set is loaded in offline mode, from the cache at once or with one sentence saying what
 to do. A machine with network pays one HEAD request and nothing else changes. The same probe (:func:`hub_state`,
-:func:`hub_offline_mode`) guards timm's pretrained weights in analysis/frontends/runner.py.
+:func:`hub_offline_mode`) guards timm's pretrained weights in analysis/sources/models.py.
 """
 
 from __future__ import annotations

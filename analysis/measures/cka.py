@@ -2,7 +2,7 @@
 
 The estimator (unbiased HSIC_1 per minibatch, summed over minibatches, float64) is defined in
 analysis/estimators/similarity.py, which other measures and the cross-model comparison share. Which layers take part is
-option ``layers`` (:data:`LAYER_SETS`, :func:`cka_layers`); the cross-model comparison (analysis/frontends/runner.py
+option ``layers`` (:data:`LAYER_SETS`, :func:`cka_layers`); the cross-model comparison (analysis/reports/cross.py
 ``cross_cka``) uses the same option for both models.
 """
 

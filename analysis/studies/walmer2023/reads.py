@@ -71,7 +71,7 @@ def block_outputs(labels) -> np.ndarray:
 
 
 def cross_same_index(a, b, opts) -> np.ndarray | None:
-    """Linear CKA of the same block's outputs of a's and b's last checkpoints (analysis/frontends/runner.py against,
+    """Linear CKA of the same block's outputs of a's and b's last checkpoints (analysis/reports/cross.py against,
     cached)."""
     step = max(a.checkpoints)
     r = XC.against(a, b, max(b.checkpoints), [step], opts, progress=False)["results"][step]
