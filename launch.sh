@@ -14,6 +14,8 @@
 # code first on PYTHONPATH), install Debian's dataset-fashion-mnist if /usr/share/datasets/fashion-mnist is missing.
 # Paths on the command line are relative to the folder you call this from (test's: to the repository).
 # Multi-process on CPU: VITLAB_NPROC=2 ./launch.sh ...; on GPUs run 'accelerate config' once and it is used.
+# Stopping: SIGTERM / Ctrl-C to this script's pid (it execs the trainer or the launcher) stops the trainers at the end
+# of a step with a checkpoint, exit 0; SIGKILL to it stops them the same way (they die with their launcher).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's packages, whichever checkout installed .venv

@@ -7,11 +7,12 @@ naming the problem and what to do, before anything is written (a failed checkpoi
 Clean stops: SIGTERM (a preempted job, ``kill``, the launcher stopping) and SIGINT (Ctrl-C) finish the current
 step, checkpoint it, print ``stopped at step N; --resume continues`` and exit **0**: the run is intact and
 resumable, nothing failed, and ``accelerate launch`` / torchrun report any other exit code of their workers as
-a crash with a traceback. Further signals while stopping, and until the process has exited, are ignored
-(SIGKILL forces). Under a launcher (``accelerate launch``, torchrun) on Linux each trainer asks the kernel for
-SIGTERM when its launcher dies (``prctl(PR_SET_PDEATHSIG)``), so a launcher killed even with SIGKILL leaves no
-trainer behind: they checkpoint and stop. Not when started directly (``nohup python -m train`` must outlive its
-shell).
+a crash with a traceback. A signal that arrives before the run has set up (imports, reading the recipe) stops it
+before its first step, exit 0 (:class:`EarlySignals`). Further signals while stopping, and until the process has
+exited, are ignored (SIGKILL forces). Under a launcher (``accelerate launch``, torchrun, ``./launch.sh``'s
+``python -m train.launch``, a sweep) on Linux each trainer asks the kernel for SIGTERM when its launcher dies
+(``prctl(PR_SET_PDEATHSIG)``), so a launcher killed even with SIGKILL leaves no trainer behind: they checkpoint and
+stop. Not when started directly (``nohup python -m train`` must outlive its shell).
 """
 
 from __future__ import annotations
