@@ -90,13 +90,26 @@ run_accelerate() {
     exec "$VENV/bin/python" -m train.launch "$@"
 }
 
+stopped_before_start() {
+    echo "stopped before the trainers started; nothing was trained (run the same command to start)."
+    exit 0
+}
+
 accelerate_launch() {
     local nproc=${VITLAB_NPROC:-1}
     local cfg="${HF_HOME:-$HOME/.cache/huggingface}/accelerate/default_config.yaml"
     if [ "$nproc" -gt 1 ] || [ -f "$cfg" ] || [ -n "${ACCELERATE_CONFIG_FILE:-}" ]; then
         # several processes (or accelerate's own config): check the recipe first, so bad input is one sentence and
         # exit 2 here rather than one error per process and accelerate's traceback of the failed launch
-        "$VENV/bin/python" -m "${@:2}" --check || exit $?
+        # a stop meanwhile (Ctrl-C, SIGTERM to this script or to the whole job; the check exits 128 + the signal): a
+        # clean stop, exit 0, as nothing was started
+        trap stopped_before_start TERM INT HUP
+        "$VENV/bin/python" -m "${@:2}" --check || {
+            local rc=$?
+            case $rc in 129 | 130 | 143) stopped_before_start ;; esac
+            exit $rc
+        }
+        trap - TERM INT HUP
     fi
     if [ "$nproc" -gt 1 ] && ! command -v nvidia-smi >/dev/null 2>&1; then
         # CPU, several processes: the combination that really starts N ranks (see docs/training.md)

@@ -110,9 +110,11 @@ class EarlySignals:
         if self.signum is None:
             self.signum = signum
 
-    def install(self) -> None:
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, self)
+
+def exit_on_signal(signum, frame) -> None:
+    """``--check``'s SIGTERM / SIGINT: exit 128 + the signal (launch.sh reads it as a stop before anything started),
+    with no KeyboardInterrupt traceback and no shell's 'Terminated'."""
+    raise SystemExit(128 + signum)
 
 
 def die_with_launcher() -> bool:
@@ -190,9 +192,12 @@ def preflight(recipe, overrides: list, resume) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if argv is None and not args.check:  # the process entry point, not a call from Python
-        EarlySignals().install()  # a signal during the seconds of imports and set-up: stop before the first step
-    if argv is None:
+    if argv is None:  # the process entry point, not a call from Python
+        # a signal during the seconds of imports and set-up: stop before the first step; --check (launch.sh's, before
+        # it starts the launcher) ends at once, quietly
+        handler = exit_on_signal if args.check else EarlySignals()
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, handler)
         die_with_launcher()
     # deferred: after die_with_launcher(), so a launcher that dies while these seconds of imports run takes this
     # process with it; and a bad recipe is refused before torch, accelerate and timm are loaded at all
