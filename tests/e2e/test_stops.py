@@ -97,14 +97,15 @@ def paused(tmp_path: Path, proc: subprocess.Popen, nproc: int) -> list[int]:
     return [int((tmp_path / f"paused3.{r}").read_text()) for r in range(nproc)]
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    from train.launch import child_pids
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
-    out = [pid]
-    for child in child_pids(pid):
-        out += descendants(child)
-    return out
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it."""
+    procs = [int(d) for d in os.listdir("/proc") if d.isdigit() and _alive(int(d))]
+    children = [c for c in procs if _alive(c) and parent(c) == pid]
+    return [pid] + [d for c in children for d in descendants(c)]
 
 
 def assert_gone(pids: list[int], timeout=120) -> None:
@@ -130,14 +131,17 @@ def checkpoint_steps(run: Path) -> list[int]:
 
 @pytest.mark.multiprocess
 def test_sigterm_to_the_two_process_launch_sh_then_resume(probe_recipe, tmp_path):
-    """SIGTERM to ``VITLAB_NPROC=2 ./launch.sh`` (the pid a user or a script has: the launcher itself): the trainers
-    checkpoint step 3, one line, exit 0, no torch elastic traceback; ``--resume`` with 2 processes trains on to the
-    end, each step logged once."""
+    """SIGTERM to the launcher of ``VITLAB_NPROC=2 ./launch.sh`` (accelerate launch, the trainers' parent): the
+    trainers checkpoint step 3, one line, exit 0, no torch elastic traceback (was: exit 1, SignalException); that
+    launcher is ./launch.sh's own process (exec), the pid a user or a script has. ``--resume`` with 2 processes trains
+    on to the end, each step logged once."""
     p = probe_recipe()
     a = launch([p, "--no-progress"], tmp_path, 2)
     pids = paused(tmp_path, a, 2)
-    a.send_signal(signal.SIGTERM)
+    launcher = parent(pids[0])
+    os.kill(launcher, signal.SIGTERM)
     assert_clean_stop(*finish(a, timeout=120))
+    assert launcher == a.pid
     assert_gone(pids, timeout=10)
     run = tmp_path / "runs/tiny"
     assert checkpoint_steps(run) == [3]
