@@ -164,8 +164,9 @@ class _Runs:
         if log is not None:
             log.close()
         done = is_finished(run_dir) or (stop and reached(run_dir, stop))
-        # asked to stop: exit 0 (stopped with a checkpoint), or killed by the signal before its trainer started
-        if self.signum is not None and not done and proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
+        # asked to stop: exit 0 (stopped at a checkpoint), or killed by the signal before its trainer started
+        stopped = {0} | {-s for s in STOP_SIGNALS} | {128 + s for s in STOP_SIGNALS}
+        if self.signum is not None and not done and proc.returncode in stopped:
             self.stopped.append(run_dir.name)
             print(f"{label}: stopped; run the sweep again to resume it", flush=True)
         elif proc.returncode != 0 or not done:
@@ -213,7 +214,8 @@ def _stop_signals(handler):
 def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tuple[list, int, int]:
     """Train each (recipe, overrides, run_dir) of ``plan`` in its own ``./launch.sh`` process: finished runs are
     skipped, interrupted ones resume, a failed run is reported and the rest go on. Returns (failed [(name, exit
-    code)], started, skipped). A plan entry may carry a fourth item, a step: that run trains only to it
+    code)], started, skipped), or raises RunsStopped once the runs have stopped on a SIGTERM / SIGINT / SIGHUP. A plan
+    entry may carry a fourth item, a step: that run trains only to it
     (``--stop-after``) and counts as done, or is skipped, once it has a checkpoint there.
 
     ``jobs`` > 1 trains that many runs at once, each with an equal share of this machine's cores (VITLAB_THREADS),
@@ -229,7 +231,7 @@ def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tupl
     if runs.signum is not None:
         failed = f", {len(runs.failed)} failed" if runs.failed else ""
         raise RunsStopped(
-            f"stopped by {signal.Signals(runs.signum).name}: {len(runs.stopped)} run(s) stopped with a checkpoint"
+            f"stopped by {signal.Signals(runs.signum).name}: {len(runs.stopped)} run(s) stopped"
             f"{failed}, {len(todo) - runs.started} not started; run the same command to go on."
         )
     return runs.failed, len(todo), skipped

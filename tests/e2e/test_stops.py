@@ -233,7 +233,7 @@ def test_a_stopped_sweep_waits_for_its_trainer(how, nproc, probe_recipe, tmp_pat
     else:
         os.killpg(s.pid, signal.SIGINT)
     rc, out = finish(s, timeout=120)
-    last = "sweep: stopped by {}: 1 run(s) stopped with a checkpoint, 1 not started; run the same command to go on."
+    last = "sweep: stopped by {}: 1 run(s) stopped, 1 not started; run the same command to go on."
     assert_clean_stop(rc, out, last.format("SIGTERM" if how == "SIGTERM" else "SIGINT"))
     assert_gone(pids, timeout=10)
     runs = tmp_path / "runs"
