@@ -14,6 +14,8 @@
 # code first on PYTHONPATH), install Debian's dataset-fashion-mnist if /usr/share/datasets/fashion-mnist is missing.
 # Paths on the command line are relative to the folder you call this from (test's: to the repository).
 # Multi-process on CPU: VITLAB_NPROC=2 ./launch.sh ...; on GPUs run 'accelerate config' once and it is used.
+# Stopping: SIGTERM / Ctrl-C to this script's pid (it execs the trainer or the launcher) stops the trainers at the end
+# of a step with a checkpoint, exit 0; SIGKILL to it stops them the same way (they die with their launcher).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's packages, whichever checkout installed .venv
@@ -79,33 +81,18 @@ setup() {
     fi
 }
 
-# Runs `accelerate launch ARGS` and stays its parent: SIGTERM / SIGINT (Ctrl-C) to this script are forwarded as
-# SIGTERM to the trainers themselves (accelerate's children), which checkpoint and stop cleanly (exit 0), so the
-# launcher then exits 0 too. (accelerate launch itself does not forward signals: one process is Popen + wait, and
-# dies leaving its trainer; torchrun's agent does, but then reports its own exception.) The launcher runs in its
-# own process group (set -m) so Ctrl-C at the terminal reaches only this script. If this script or the launcher
-# is killed with SIGKILL, the trainers get SIGTERM from the kernel when their launcher dies (train/cli.py).
+# `accelerate launch ARGS`, exec'd (no shell left in between, so a signal, even SIGKILL, to this script's pid reaches
+# the launcher itself) through train.launch: the first SIGTERM / SIGINT (Ctrl-C) / SIGHUP to it is forwarded as
+# SIGTERM to the trainers, which checkpoint and stop cleanly (exit 0), and it exits 0 too, with no traceback (alone,
+# torch elastic's agent reports its own SignalException); a trainer's refusal is its one sentence and exit 2; and
+# trainers die with it, even by SIGKILL (they get SIGTERM from the kernel: train/cli.py).
 run_accelerate() {
-    set -m
-    "$VENV/bin/accelerate" launch "$@" &
-    local pid=$! rc=0 forwarded=0
-    set +m
-    forward() {
-        # once: the trainers are stopping; a second Ctrl-C must not reach the launcher itself once they have exited
-        # (torchrun's agent turns SIGTERM into a traceback)
-        # (no `return` here: in a trap handler it returns the interrupted wait's status, and set -e then exits 130)
-        if [ "$forwarded" = 0 ]; then
-            forwarded=1
-            pkill -TERM -P "$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-        fi
-    }
-    trap forward TERM INT HUP
-    while kill -0 "$pid" 2>/dev/null; do
-        wait "$pid" 2>/dev/null || true  # returns early when a trapped signal arrives: keep waiting
-    done
-    wait "$pid" || rc=$?  # the launcher's own exit status (not 128 + the signal that interrupted a wait)
-    trap - TERM INT HUP
-    exit "$rc"
+    exec "$VENV/bin/python" -m train.launch "$@"
+}
+
+stopped_before_start() {
+    echo "stopped before the trainers started; nothing was trained (run the same command to start)."
+    exit 0
 }
 
 accelerate_launch() {
@@ -114,7 +101,15 @@ accelerate_launch() {
     if [ "$nproc" -gt 1 ] || [ -f "$cfg" ] || [ -n "${ACCELERATE_CONFIG_FILE:-}" ]; then
         # several processes (or accelerate's own config): check the recipe first, so bad input is one sentence and
         # exit 2 here rather than one error per process and accelerate's traceback of the failed launch
-        "$VENV/bin/python" -m "${@:2}" --check || exit $?
+        # a stop meanwhile (Ctrl-C, SIGTERM to this script or to the whole job; the check exits 128 + the signal): a
+        # clean stop, exit 0, as nothing was started
+        trap stopped_before_start TERM INT HUP
+        "$VENV/bin/python" -m "${@:2}" --check || {
+            local rc=$?
+            case $rc in 129 | 130 | 143) stopped_before_start ;; esac
+            exit $rc
+        }
+        trap - TERM INT HUP
     fi
     if [ "$nproc" -gt 1 ] && ! command -v nvidia-smi >/dev/null 2>&1; then
         # CPU, several processes: the combination that really starts N ranks (see docs/training.md)

@@ -7,11 +7,12 @@ naming the problem and what to do, before anything is written (a failed checkpoi
 Clean stops: SIGTERM (a preempted job, ``kill``, the launcher stopping) and SIGINT (Ctrl-C) finish the current
 step, checkpoint it, print ``stopped at step N; --resume continues`` and exit **0**: the run is intact and
 resumable, nothing failed, and ``accelerate launch`` / torchrun report any other exit code of their workers as
-a crash with a traceback. Further signals while stopping, and until the process has exited, are ignored
-(SIGKILL forces). Under a launcher (``accelerate launch``, torchrun) on Linux each trainer asks the kernel for
-SIGTERM when its launcher dies (``prctl(PR_SET_PDEATHSIG)``), so a launcher killed even with SIGKILL leaves no
-trainer behind: they checkpoint and stop. Not when started directly (``nohup python -m train`` must outlive its
-shell).
+a crash with a traceback. A signal that arrives before the run has set up (imports, reading the recipe) stops it
+before its first step, exit 0 (:class:`EarlySignals`). Further signals while stopping, and until the process has
+exited, are ignored (SIGKILL forces). Under a launcher (``accelerate launch``, torchrun, ``./launch.sh``'s
+``python -m train.launch``, a sweep) on Linux each trainer asks the kernel for SIGTERM when its launcher dies
+(``prctl(PR_SET_PDEATHSIG)``), so a launcher killed even with SIGKILL leaves no trainer behind: they checkpoint and
+stop. Not when started directly (``nohup python -m train`` must outlive its shell).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import sys
 import warnings
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# set by vitlab's own launchers (train.launch, train.sweep) in their children's environment: their pid, so a child
+# whose parent is that process dies with it (die_with_launcher) whatever the launcher's command line looks like
+LAUNCHER_PID_ENV = "VITLAB_LAUNCHER_PID"
 LAUNCHER_RE = re.compile(r"(^|/)(accelerate|torchrun)$|^(torch\.distributed\.(run|launch)|accelerate\.commands\.\w+)$")
 
 
@@ -37,7 +41,7 @@ def is_launcher(cmdline: bytes) -> bool:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train", description="Train a ViT / ResNet from a recipe.")
-    p.add_argument("recipe_pos", nargs="?", metavar="RECIPE", help="recipe YAML (same as --recipe)")
+    p.add_argument("recipe_pos", nargs="*", metavar="RECIPE", help="recipe YAML (same as --recipe; one recipe only)")
     p.add_argument("--recipe", help="recipe YAML file, e.g. recipes/default.yaml")
     p.add_argument(
         "--set",
@@ -92,20 +96,43 @@ def fail(msg: str, code: int = 2) -> int:
     return code
 
 
+class EarlySignals:
+    """SIGTERM / SIGINT from the process's start until the run installs its own handlers
+    (:class:`train.run_folder.StopSignals`, which takes over the first signal caught here): a job stopped while its
+    trainers import torch and read their data stops before the first step, exit 0, rather than dying by the signal
+    (a crash to ``accelerate launch``) or with a KeyboardInterrupt traceback. Not under ``--check``, whose caller
+    (launch.sh) must not go on to train after a Ctrl-C."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    def __call__(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+
+def exit_on_signal(signum, frame) -> None:
+    """``--check``'s SIGTERM / SIGINT: exit 128 + the signal (launch.sh reads it as a stop before anything started),
+    with no KeyboardInterrupt traceback and no shell's 'Terminated'."""
+    raise SystemExit(128 + signum)
+
+
 def die_with_launcher() -> bool:
-    """On Linux, when the parent is ``accelerate launch`` / torchrun, have the kernel send SIGTERM (a clean stop)
-    when it dies. PR_SET_PDEATHSIG rather than a thread polling os.getppid(): delivered at once, costs nothing,
-    and covers SIGKILL of the launcher. Returns whether it was set."""
+    """On Linux, when the parent is a launcher (``accelerate launch``, torchrun, or one of vitlab's: ``./launch.sh``'s
+    ``python -m train.launch``, a sweep, which name themselves in VITLAB_LAUNCHER_PID), have the kernel send SIGTERM
+    (a clean stop) when it dies. PR_SET_PDEATHSIG rather than a thread polling os.getppid(): delivered at once,
+    costs nothing, and covers SIGKILL of the launcher. Returns whether it was set."""
     if not sys.platform.startswith("linux"):
         return False
     ppid = os.getppid()
-    try:
-        with open(f"/proc/{ppid}/cmdline", "rb") as f:
-            parent = f.read()
-    except OSError:
-        return False
-    if not is_launcher(parent):
-        return False
+    if os.environ.get(LAUNCHER_PID_ENV) != str(ppid):
+        try:
+            with open(f"/proc/{ppid}/cmdline", "rb") as f:
+                parent = f.read()
+        except OSError:
+            return False
+        if not is_launcher(parent):
+            return False
     try:
         if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
             return False
@@ -114,6 +141,25 @@ def die_with_launcher() -> bool:
     if os.getppid() != ppid:  # the launcher died before the request
         os.kill(os.getpid(), signal.SIGTERM)
     return True
+
+
+def command_line_problem(args: argparse.Namespace) -> str | None:
+    """The one sentence for a command line that cannot be what the user meant (before the recipe is read), or None:
+    no recipe, or several (the first would train, the others be ignored); an empty --name (it would fall back to the
+    recipe's folder); --stop-after below 1."""
+    recipes = ([args.recipe] if args.recipe else []) + args.recipe_pos
+    if not recipes:
+        return "no recipe given: pass one, e.g. --recipe recipes/default.yaml."
+    if len(recipes) > 1:
+        return (
+            f"{len(recipes)} recipes given ({', '.join(recipes)}): a command trains one recipe; run one command per "
+            "recipe, or ./launch.sh sweep for a grid."
+        )
+    if args.name is not None and not args.name.strip():
+        return "--name is empty: give the run folder a name (e.g. --name baseline), or leave --name out."
+    if args.stop_after is not None and args.stop_after < 1:
+        return f"--stop-after must be a step of at least 1, not {args.stop_after}."
+    return None
 
 
 def preflight(recipe, overrides: list, resume) -> None:
@@ -147,23 +193,24 @@ def preflight(recipe, overrides: list, resume) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if argv is None:  # the process entry point, not a call from Python
+        # a signal during the seconds of imports and set-up: stop before the first step; --check (launch.sh's, before
+        # it starts the launcher) ends at once, quietly
+        handler = exit_on_signal if args.check else EarlySignals()
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, handler)
         die_with_launcher()
     # deferred: after die_with_launcher(), so a launcher that dies while these seconds of imports run takes this
     # process with it; and a bad recipe is refused before torch, accelerate and timm are loaded at all
     from train.recipe import RecipeError, load_recipe
 
-    path = args.recipe or args.recipe_pos
-    if not path:
-        return fail("no recipe given: pass one, e.g. --recipe recipes/default.yaml.")
-    overrides = list(args.overrides)
-    if args.name:
-        overrides.append(f"run.name={args.name}")
+    problem = command_line_problem(args)
+    if problem:
+        return fail(problem)
+    overrides = list(args.overrides) + ([f"run.name={args.name}"] if args.name is not None else [])
     try:
-        recipe = load_recipe(path, overrides)
+        recipe = load_recipe(args.recipe or args.recipe_pos[0], overrides)
     except RecipeError as e:
         return fail(str(e))
-    if args.stop_after is not None and args.stop_after < 1:
-        return fail(f"--stop-after must be a step of at least 1, not {args.stop_after}.")
 
     from train.errors import TrainingDiverged, TrainingStopped, UserError
     from train.run_folder import StopSignals

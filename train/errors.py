@@ -46,3 +46,8 @@ class TrainingStopped(RuntimeError):
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
+
+
+class RunsStopped(RuntimeError):
+    """SIGTERM / SIGINT / SIGHUP to a sweep (or a study's training): its running trainers were stopped and each
+    checkpointed; the message is the one line to print (exit 0: the sweep resumes when run again)."""

@@ -171,6 +171,9 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._old[s] = signal.signal(s, self._handler)
+                early = getattr(self._old[s], "signum", None)  # caught before the run (train.cli.EarlySignals)
+                if early is not None:
+                    self._handler(early, None)
         return self
 
     def __exit__(self, *exc) -> None:

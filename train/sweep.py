@@ -5,7 +5,10 @@ final checkpoint exists) are skipped without starting anything; interrupted ones
 complete checkpoint, so a sweep can be stopped and started again safely. Every combination is validated
 before the first run starts. Values are YAML: ``--grid interventions.no_skip.blocks=[0],[3],[5]``. Without
 --grid, the recipe's ``sweep:`` section ({key: [values]}) is the grid (recipes/studies/ use this).
-"""
+
+SIGTERM, SIGINT (Ctrl-C) or SIGHUP stop a sweep as they stop a trainer: the runs training get SIGTERM, checkpoint
+and stop, no other run starts, and the sweep exits 0 once they have exited (run it again to go on). Its trainers
+also stop when the sweep is killed, even by SIGKILL (``train.cli.die_with_launcher``)."""
 
 from __future__ import annotations
 
@@ -13,13 +16,17 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from train.checkpoint import callbacks_done, list_checkpoints, read_meta
-from train.errors import UserError
+from train.cli import LAUNCHER_PID_ENV
+from train.errors import RunsStopped, UserError
 from train.recipe import RecipeError, load_recipe, run_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,22 +112,40 @@ def _todo(plan: list[tuple], dry_run: bool) -> tuple[list[tuple], int]:
     return todo, skipped
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class _Runs:
     """The runs training at once: started with their share of the cores, reaped as they end (a failure is
-    reported and the rest go on)."""
+    reported and the rest go on); on a stop signal (:meth:`stop`) the running ones get SIGTERM and no other starts."""
 
     def __init__(self, jobs: int):
         self.jobs = jobs
         self.env = os.environ.copy()
         if jobs > 1:
             self.env["VITLAB_THREADS"] = str(max(1, _cores() // jobs))
+        self.env[LAUNCHER_PID_ENV] = str(os.getpid())  # each trainer stops if this process dies, even by SIGKILL
         self.running: list[tuple[str, Path, subprocess.Popen, object, int | None]] = []
         self.failed: list[tuple[str, int]] = []
+        self.stopped: list[str] = []
+        self.started = 0
+        self.signum: int | None = None
+
+    def stop(self, signum, frame) -> None:
+        """The signal handler: the first signal asks every running run to checkpoint and stop (SIGTERM; those in a
+        terminal's process group got a Ctrl-C themselves too, which they take as the same request); later ones
+        change nothing."""
+        if self.signum is None:
+            self.signum = signum
+            for entry in list(self.running):
+                _terminate(entry[2])
 
     def start(self, label: str, cmd: list[str], run_dir: Path, stop: int | None) -> None:
-        while len(self.running) >= self.jobs:
+        while len(self.running) >= self.jobs and self.signum is None:
             self.reap(block=False)
-            time.sleep(1.0)
+            time.sleep(0.2)
+        if self.signum is not None:
+            return
         # decided at launch, not when planned: with jobs > 1 an earlier run may have written this folder meanwhile
         resume = bool(list_checkpoints(run_dir / "checkpoints", warn=False))
         print(f"{label}: {'resuming' if resume else 'starting'}", flush=True)
@@ -131,11 +156,20 @@ class _Runs:
         stderr = subprocess.STDOUT if log is not None else None
         proc = subprocess.Popen(cmd + (["--resume"] if resume else []), env=self.env, stdout=log, stderr=stderr)
         self.running.append((label, run_dir, proc, log, stop))
+        self.started += 1
+        if self.signum is not None:  # the signal came while it started, before stop() could see it
+            _terminate(proc)
 
     def _ended(self, label: str, run_dir: Path, proc: subprocess.Popen, log, stop: int | None) -> None:
         if log is not None:
             log.close()
-        if proc.returncode != 0 or not (is_finished(run_dir) or (stop and reached(run_dir, stop))):
+        done = is_finished(run_dir) or (stop and reached(run_dir, stop))
+        # asked to stop: exit 0 (stopped at a checkpoint), or killed by the signal before its trainer started
+        stopped = {0} | {-s for s in STOP_SIGNALS} | {128 + s for s in STOP_SIGNALS}
+        if self.signum is not None and not done and proc.returncode in stopped:
+            self.stopped.append(run_dir.name)
+            print(f"{label}: stopped; run the sweep again to resume it", flush=True)
+        elif proc.returncode != 0 or not done:
             self.failed.append((run_dir.name, proc.returncode))
             where = f"; its output is in {_log_path(run_dir)}" if log is not None else ""
             print(
@@ -154,18 +188,34 @@ class _Runs:
                 self.running.remove(entry)
                 self._ended(*entry)
             if block and self.running:
-                time.sleep(1.0)
+                time.sleep(0.2)
             block = block and bool(self.running)
 
-    def wait_all(self) -> None:
-        for entry in self.running:
-            entry[2].wait()
+
+def _terminate(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+
+
+@contextmanager
+def _stop_signals(handler):
+    """``handler`` for SIGTERM / SIGINT / SIGHUP meanwhile (main thread only: elsewhere signals stay as they are)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tuple[list, int, int]:
     """Train each (recipe, overrides, run_dir) of ``plan`` in its own ``./launch.sh`` process: finished runs are
     skipped, interrupted ones resume, a failed run is reported and the rest go on. Returns (failed [(name, exit
-    code)], started, skipped). A plan entry may carry a fourth item, a step: that run trains only to it
+    code)], started, skipped), or raises RunsStopped once the runs have stopped on a SIGTERM / SIGINT / SIGHUP. A plan
+    entry may carry a fourth item, a step: that run trains only to it
     (``--stop-after``) and counts as done, or is skipped, once it has a checkpoint there.
 
     ``jobs`` > 1 trains that many runs at once, each with an equal share of this machine's cores (VITLAB_THREADS),
@@ -174,13 +224,16 @@ def launch_runs(plan: list[tuple], dry_run: bool = False, jobs: int = 1) -> tupl
     run)."""
     todo, skipped = _todo(plan, dry_run)
     runs = _Runs(jobs)
-    try:
+    with _stop_signals(runs.stop):
         for entry in todo:
             runs.start(*entry)
         runs.reap(block=True)
-    except KeyboardInterrupt:  # the children got the same SIGINT: they checkpoint and stop; wait for them
-        runs.wait_all()
-        raise
+    if runs.signum is not None:
+        failed = f", {len(runs.failed)} failed" if runs.failed else ""
+        raise RunsStopped(
+            f"stopped by {signal.Signals(runs.signum).name}: {len(runs.stopped)} run(s) stopped"
+            f"{failed}, {len(todo) - runs.started} not started; run the same command to go on."
+        )
     return runs.failed, len(todo), skipped
 
 
@@ -236,6 +289,9 @@ def main(argv=None) -> int:
     except UserError as e:  # a run folder the plan cannot read (a malformed meta.json): one sentence
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunsStopped as e:
+        print(f"sweep: {e}", flush=True)
+        return 0
     print(f"sweep: {len(plan)} runs, {skipped} already finished, {started} started, {len(failed)} failed")
     return 1 if failed else 0
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from train.errors import RunsStopped
 from train.recipe import RecipeError, load_recipe
 from train.sweep import launch_runs
 
@@ -354,7 +355,11 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
             return 2
-        failed, started, skipped = train_stage(study, args.only, args.dry_run, args.jobs, args.no_go_no_go)
+        try:
+            failed, started, skipped = train_stage(study, args.only, args.dry_run, args.jobs, args.no_go_no_go)
+        except RunsStopped as e:  # SIGTERM / Ctrl-C: the runs checkpointed and stopped; nothing is analysed
+            print(f"study {study.name}: {e}", flush=True)
+            return 0
         n = sum(1 for r in study.runs.values() if not args.only or r.config in args.only)
         verb = "to start" if args.dry_run else "started"
         started = n - skipped - len(failed) if args.dry_run else started
