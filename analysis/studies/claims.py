@@ -138,8 +138,8 @@ class Paper:
     """A study plug-in: ``name`` (what a study file's ``paper:`` or ``study:`` says), ``title`` of its report, its
     ``claims``, ``sections`` (functions ``f(ctx)`` that write the paper's sections before the claims and may put what
     the claims need into ``ctx.shared``), ``applies(configs)`` (whether a study without a ``paper:`` key is this
-    paper's, from its configuration names) and ``defaults`` (study-file keys a study of this paper gets when it leaves
-    them out, e.g. seeds)."""
+    paper's, from its configuration names), ``defaults`` (study-file keys a study of this paper gets when it leaves
+    them out, e.g. seeds) and its ``pilot`` check (:class:`Pilot`), if its studies mark runs ``go_no_go``."""
 
     name: str
     title: str
@@ -148,6 +148,22 @@ class Paper:
     applies: Callable[[dict], bool] = lambda configs: False
     defaults: dict = field(default_factory=dict)
     source: str = ""  # the module that computes the numbers, named in the report
+    pilot: Pilot | None = None  # the go/no-go check of a study's configurations marked go_no_go (None: it has none)
+
+
+GO, NO_GO, UNDECIDED = "go", "no-go", "undecided"  # what a pilot check says
+
+
+@dataclass(frozen=True)
+class Pilot:
+    """A paper's go/no-go check of a pilot run: ``step(recipe)``, the step whose checkpoint it reads (the study trains
+    the first run of a configuration marked ``go_no_go`` that far first), ``check(run)``, (:data:`GO`,
+    :data:`NO_GO` or :data:`UNDECIDED`, one sentence with the numbers), and ``is_pilot(config)``, whether a
+    configuration is a pilot (its runs may be missing or unfinished when the study is analysed)."""
+
+    step: Callable
+    check: Callable
+    is_pilot: Callable = lambda config: False
 
 
 # ------------------------------------------------------------------------------------------------ results

@@ -273,12 +273,13 @@ def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, u
     checkpoint), beside the other runs; it trains on (every seed, to the end) only when the pilot check there says go
     (or undecided: nothing measured), and stops there on a no-go, saying so with the numbers. ``ungated``: no check."""
     from analysis.results.runs import open_run
-    from analysis.studies.locality import NO_GO, check_step, pilot_check
+    from analysis.studies.claims import NO_GO
 
     selected = [r for r in study.runs.values() if not only or r.config in only]
     configs = study.configs()
     gated = {} if ungated else {r.config: r for r in selected if r.go_no_go and r is configs[r.config][0]}
-    first = [(r.recipe, r.overrides, r.run_dir, check_step(load_recipe(r.recipe, r.overrides))) for r in gated.values()]
+    pilot = _pilot(study, configs) if gated else None
+    first = [(r.recipe, r.overrides, r.run_dir, pilot.step(load_recipe(r.recipe, r.overrides))) for r in gated.values()]
     rest = [(r.recipe, r.overrides, r.run_dir) for r in selected if r.config not in gated]
     held = [(r.recipe, r.overrides, r.run_dir) for r in selected if r.config in gated and r is not gated[r.config]]
     if dry_run and held:  # listed too: they train after a go at their configuration's pilot check
@@ -291,7 +292,7 @@ def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, u
     for config, r in gated.items():
         if r.run_dir.name in {name for name, _ in failed}:
             continue
-        outcome, why = pilot_check(open_run(r.run_dir))
+        outcome, why = pilot.check(open_run(r.run_dir))
         if outcome == NO_GO:
             print(
                 f"study {study.name}: {config}: no-go at the pilot check: {why}; its runs stop here (the report says "
@@ -304,6 +305,20 @@ def train_stage(study: Study, only=None, dry_run: bool = False, jobs: int = 1, u
         on += [(x.recipe, x.overrides, x.run_dir) for x in configs[config]]
     more = launch_runs(on, dry_run, jobs) if on else ([], 0, 0)
     return failed + more[0], started + more[1], skipped + more[2]
+
+
+def _pilot(study: Study, configs: dict):
+    """The go/no-go check of the paper that judges ``study`` (analysis/studies/<paper>/: its ``PAPER.pilot``);
+    RecipeError (one sentence) when the study marks runs ``go_no_go`` and its paper has none."""
+    from analysis.studies import paper_for
+
+    paper = paper_for(study, configs)
+    if paper is None or paper.pilot is None:
+        raise RecipeError(
+            f"study {study.name} marks runs go_no_go, but {'no paper judges it' if paper is None else paper.name} "
+            "defines no pilot check (PAPER.pilot): remove go_no_go, or name a paper that has one."
+        )
+    return paper.pilot
 
 
 def main(argv=None) -> int:

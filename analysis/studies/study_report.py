@@ -32,20 +32,26 @@ from analysis.results import runs as RF
 from analysis.studies import Paper, paper_for
 from analysis.studies import claims as C
 from analysis.studies import study_runs as R
-from analysis.studies.locality import NO_GO, is_pilot, pilot_check
 from analysis.studies.stats import ALPHA
 from train.run_folder import override_key
+
+
+def _pilot_of(study) -> C.Pilot:
+    """The pilot check of the paper that judges ``study``; a check that knows no pilot when it has none."""
+    paper = paper_for(study, study.configs())
+    return paper.pilot if paper is not None and paper.pilot is not None else C.Pilot(lambda r: 0, lambda run: ("", ""))
 
 
 def open_runs(study) -> tuple[dict, dict]:
     """The study's runs opened, and {run name: why it is absent} for the pilot runs not trained yet (other runs must
     have a checkpoint)."""
     runs, absent = {}, {}
+    pilot = _pilot_of(study)
     for name, r in study.runs.items():
         try:
             runs[name] = RF.open_run(r.run_dir)
         except RF0.AnalysisError as e:
-            if is_pilot(r.config):
+            if pilot.is_pilot(r.config):
                 absent[name] = "not started (no run folder)" if not r.run_dir.is_dir() else "no complete checkpoint yet"
                 continue
             raise RF0.AnalysisError(
@@ -55,7 +61,12 @@ def open_runs(study) -> tuple[dict, dict]:
         name
     ) in absent:  # a configuration whose first run stopped at a no-go: its other seeds are not trained, by design
         first = study.configs()[study.runs[name].config][0].name
-        if first in runs and first != name and not R.progress(runs[first])[0] and pilot_check(runs[first])[0] == NO_GO:
+        if (
+            first in runs
+            and first != name
+            and not R.progress(runs[first])[0]
+            and pilot.check(runs[first])[0] == C.NO_GO
+        ):
             absent[name] = f"not trained: its configuration stopped at the go/no-go check of {first}"
     return runs, absent
 
@@ -81,7 +92,7 @@ def analyze_study(study) -> int:
         for name, run in runs.items():
             RN.analyze_run(run, None, study.suite_options(study.every_checkpoint))  # default: the core four
             done, state = R.progress(run)
-            if not done and is_pilot(study.runs[name].config):
+            if not done and _pilot_of(study).is_pilot(study.runs[name].config):
                 print(
                     f"study {study.name}: pilot run {name} is {state}: its checkpoints are analysed, the study's "
                     "measures wait for its last step"

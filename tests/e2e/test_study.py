@@ -7,9 +7,9 @@ import yaml
 from conftest import ROOT, TINY, _merge
 
 from analysis.studies import claims as C
-from analysis.studies import locality as P
 from analysis.studies.raghu2021 import PAPER
 from analysis.studies.raghu2021 import numbers as N
+from analysis.studies.raghu2021 import pilots as P
 from analysis.studies.study import load_study, main
 from analysis.studies.study_report import unformatted
 from train.recipe import RecipeError, load_recipe

@@ -13,9 +13,10 @@ import pytest
 
 from analysis import studies
 from analysis.studies import claims as C
-from analysis.studies import locality as P
+from analysis.studies.locality import uniform_distance
 from analysis.studies.raghu2021 import PAPER
 from analysis.studies.raghu2021 import numbers as N
+from analysis.studies.raghu2021 import pilots as P
 from analysis.studies.study_report import unformatted
 
 CLAIMS = PAPER.claims
@@ -110,7 +111,7 @@ def test_checkpoint_selection_reads_validation_never_test():
 
 
 def test_go_no_go_reads_the_second_checkpoint():
-    u = P.uniform_distance(7, 4)  # 14.44 px; the threshold is 0.7 x = 10.11 px
+    u = uniform_distance(7, 4)  # 14.44 px; the threshold is 0.7 x = 10.11 px
     flat = np.full((6, 8), 14.0)
     local = flat.copy()
     local[1, 3] = 5.0

@@ -16,9 +16,10 @@ from analysis.engine.measure import save_result
 from analysis.engine.suite import make_context, run_suite, suite_options
 from analysis.estimators import baselines as B
 from analysis.measures.cka import cka_layers
-from analysis.studies import locality as C
 from analysis.studies import study_report as R
 from analysis.studies import study_runs as SR
+from analysis.studies.locality import uniform_distance
+from analysis.studies.raghu2021 import pilots as C
 from analysis.studies.study import load_study
 from train.checkpoint import step_dir_name
 from train.models import build_model
@@ -27,7 +28,7 @@ from train.recipe import dump, from_dict
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HEADS, DEPTH, STEPS = 4, 3, 4500
-UNIFORM = C.uniform_distance(7, 4)  # 14.44 px on the 7x7 grid of 4-pixel patches
+UNIFORM = uniform_distance(7, 4)  # 14.44 px on the 7x7 grid of 4-pixel patches
 
 
 def _recipe(tmp_path) -> str:

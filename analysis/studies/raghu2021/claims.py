@@ -30,15 +30,10 @@ from analysis.studies.claims import (
     seeds,
     slope_part,
 )
-from analysis.studies.locality import (
-    LOCAL_FRACTION,
-    LOCALITY,
-    LOCALITY_PRECONDITION,
-    locality_precondition,
-    uniform_of,
-)
+from analysis.studies.locality import LOCAL_FRACTION, LOCALITY_PRECONDITION, locality_precondition, uniform_of
 from analysis.studies.raghu2021 import numbers as N
 from analysis.studies.raghu2021.floors import floors_section, identity_mask, resnet_blocks
+from analysis.studies.raghu2021.pilots import LOCALITY
 from analysis.studies.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition
 from train.checkpoint import read_meta
 
