@@ -30,10 +30,9 @@ from typing import Any
 
 @functools.lru_cache(maxsize=64)
 def _group_entry_points(group: str, path: tuple[str, ...]) -> dict:
-    """{name: entry point} of an entry-point group, read once per ``sys.path``: importlib.metadata reads every
-    installed distribution's metadata on each call (~15-50 ms here), and a suite run asked 23 times, about 5% of
-    the analysis suite's time at a checkpoint. A package installed into the running process's path is seen by a
-    new process (a changed ``sys.path`` reads again)."""
+    """{name: entry point} of an entry-point group, read once per ``sys.path`` (importlib.metadata reads every
+    installed distribution on each call; docs/scaling.md has what that cost the suite). A package installed into the
+    running process's path is seen by a new process (a changed ``sys.path`` reads again)."""
     return {ep.name: ep for ep in entry_points(group=group)}
 
 

@@ -233,23 +233,11 @@ _MALLOC_SET = False
 def retain_freed_memory() -> None:
     """Once per process, on glibc: keep freed memory in the process instead of handing it back to the OS
     (mallopt M_TRIM_THRESHOLD -1: the heap is never trimmed; M_MMAP_MAX 0: no allocation gets its own mmap, so
-    large tensors come from the heap as well and are reused from it).
-
-    Why: the suite keeps every tapped tensor of a minibatch alive through the forward pass (36 taps of 4.9 MB
-    each on the default model, plus attention probabilities), so each minibatch needs hundreds of MB that the
-    plain forward would have reused; glibc returned them to the OS after each minibatch and took them back as
-    fresh zeroed pages: 215,000 page faults per pass over the default model's 1,024 analysis images against
-    5,000-12,000 for the plain forward, and about a third of the suite's cost beyond the forward. Trimming alone
-    (a 1 GiB threshold and glibc's largest mmap threshold, 32 MiB) fixed that, but not above 32 MiB: every larger
-    tensor was an mmap of fresh pages, freed with munmap. At ViT-S/16 width at 224 (a minibatch's attention maps
-    are 238 MB per block, its MLP activations 310 MB) a suite pass over 256 + 256 images at 2 threads took 11.4
-    million page faults and a plain forward 8.4 million: 48 s and 24 s of wall. With nothing mmapped and nothing
-    trimmed, from the second pass on (torch's aligned allocations need a few bytes more than a freed block of the
-    same size gives back, so the heap grows over the first passes): 0.15 million and none, 24 s and 19 s. The
-    process's resident size stays at its high-water mark (the analysis's own peak: on CPU, about the taps of one
-    minibatch); on GPU these tensors are not in host memory at all. Elsewhere (macOS, musl) nothing changes.
-    ``VITLAB_KEEP_FREED_MEMORY=0`` leaves glibc's defaults (a process that must shrink after an analysis, at the
-    cost of the faults)."""
+    large tensors come from the heap as well and are reused from it). The taps keep a minibatch's tensors alive, and
+    glibc's defaults handed that memory back after each minibatch only to fault it in again; the page faults and
+    timings that led here are in docs/scaling.md. The process's resident size stays at its high-water mark (about
+    the taps of one minibatch); elsewhere (macOS, musl) nothing changes. ``VITLAB_KEEP_FREED_MEMORY=0`` leaves
+    glibc's defaults."""
     global _MALLOC_SET
     if _MALLOC_SET:
         return
