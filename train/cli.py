@@ -29,6 +29,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # set by vitlab's own launchers (train.launch, train.sweep) in their children's environment: their pid, so a child
 # whose parent is that process dies with it (die_with_launcher) whatever the launcher's command line looks like
 LAUNCHER_PID_ENV = "VITLAB_LAUNCHER_PID"
+# what stops a launcher or a sweep (each forwards it to its trainers as SIGTERM): a user, a terminal, a scheduler
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 LAUNCHER_RE = re.compile(r"(^|/)(accelerate|torchrun)$|^(torch\.distributed\.(run|launch)|accelerate\.commands\.\w+)$")
 
 

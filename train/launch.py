@@ -27,9 +27,7 @@ import subprocess
 import sys
 import threading
 
-from train.cli import LAUNCHER_PID_ENV, die_with_launcher
-
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+from train.cli import LAUNCHER_PID_ENV, STOP_SIGNALS, die_with_launcher
 
 
 def child_pids(pid: int) -> list[int]:
@@ -75,7 +73,7 @@ class Forward:
                     os.kill(pid, signal.SIGTERM)
 
     def install(self) -> None:
-        for s in SIGNALS:
+        for s in STOP_SIGNALS:
             signal.signal(s, self)
 
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from train.checkpoint import callbacks_done, list_checkpoints, read_meta
-from train.cli import LAUNCHER_PID_ENV
+from train.cli import LAUNCHER_PID_ENV, STOP_SIGNALS
 from train.errors import RunsStopped, UserError
 from train.recipe import RecipeError, load_recipe, run_name
 
@@ -110,9 +110,6 @@ def _todo(plan: list[tuple], dry_run: bool) -> tuple[list[tuple], int]:
         cmd = [*launcher, str(recipe), "--set", *overrides, root, f"run.name={run_dir.name}"]
         todo.append((label, cmd + (["--stop-after", str(stop)] if stop else []), run_dir, stop))
     return todo, skipped
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class _Runs:

@@ -29,15 +29,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent  # the checkout (or site-packages) vitlab comes from
 PACKAGES = ("train", "analysis", "interventions")
 
+# the analysis names come through analysis's own public face (analysis/__init__.py), which knows their modules
 _LAZY = {
-    "analyze": ("analysis.frontends.api", "analyze"),
-    "activations": ("analysis.frontends.api", "activations"),
-    "iter_activations": ("analysis.frontends.api", "iter_activations"),
-    "tap_names": ("analysis.frontends.api", "tap_names"),
-    "Measure": ("analysis.engine.measure", "Measure"),
-    "register": ("analysis.engine.measure", "register"),
-    "Context": ("analysis.engine.measure", "Context"),
-    "MeasureError": ("analysis.engine.measure", "MeasureError"),
+    "analyze": ("analysis", "analyze"),
+    "activations": ("analysis", "activations"),
+    "iter_activations": ("analysis", "iter_activations"),
+    "tap_names": ("analysis", "tap_names"),
+    "Measure": ("analysis", "Measure"),
+    "register": ("analysis", "register"),
+    "Context": ("analysis", "Context"),
+    "MeasureError": ("analysis", "MeasureError"),
     "measures": ("analysis.engine.measure", "registry"),
     "load_recipe": ("train.recipe", "load_recipe"),
     "load_pretrained": ("analysis.sources.pretrained", "load"),

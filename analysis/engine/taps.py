@@ -21,18 +21,9 @@ import torch
 import torch.nn as nn
 
 from analysis.families import family_of
-from analysis.families.base import TRANSFORMER_KINDS, TapError, first_tensor
-from analysis.families.timm_mixer import MIXER_KINDS
-from analysis.families.timm_resnet import RESNET_INNER_KINDS, RESNET_KINDS, branch_end, resnet_blocks
-
-VIT_KINDS = TRANSFORMER_KINDS
-resnet_branch_end = branch_end
+from analysis.families.base import TapError, first_tensor
 
 __all__ = [
-    "MIXER_KINDS",
-    "RESNET_INNER_KINDS",
-    "RESNET_KINDS",
-    "VIT_KINDS",
     "TapError",
     "Taps",
     "arch_of",
@@ -42,8 +33,6 @@ __all__ = [
     "grid_of",
     "is_vit",
     "num_prefix_tokens",
-    "resnet_blocks",
-    "resnet_branch_end",
 ]
 
 

@@ -14,7 +14,7 @@ import inspect
 
 import torch.nn as nn
 
-from analysis.families.base import Family, TapError
+from analysis.families.base import Family, TapError, UnknownFamily
 from vitlab.plugins import Registry
 
 KNOWN = (
@@ -49,7 +49,7 @@ def family_of(model: nn.Module) -> Family:
     for fam in families():
         if fam.matches(model):
             return fam
-    raise TapError(f"vitlab reads {KNOWN}, not a {type(model).__name__}.")
+    raise UnknownFamily(f"vitlab reads {KNOWN}, not a {type(model).__name__}.")
 
 
-__all__ = ["Family", "TapError", "families", "family_of"]
+__all__ = ["Family", "TapError", "UnknownFamily", "families", "family_of"]

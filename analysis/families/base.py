@@ -52,6 +52,10 @@ class TapError(RuntimeError):
     """A requested tap is unknown for this model or never fired, or the model is of no known family."""
 
 
+class UnknownFamily(TapError):
+    """The model is of no family an adapter reads (the sentence lists those there are)."""
+
+
 class Family:
     """One family of models. Subclasses set ``name`` and ``arch`` and implement :meth:`matches`, :meth:`blocks`
     and :meth:`hook`; the token properties default to a model without tokens."""

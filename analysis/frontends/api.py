@@ -51,6 +51,7 @@ import torch
 
 from analysis.engine.suite import float32_forward, problem, run_suite, suite_options
 from analysis.engine.taps import TapError, Taps, arch_of, available_taps, block_kinds, block_names
+from analysis.families.base import UnknownFamily
 from analysis.results import publish, storage
 from analysis.results import runs as RF
 from analysis.sources import models as MS
@@ -108,7 +109,7 @@ def _check_fits(model, data) -> None:
     try:
         arch_of(model)
     except TapError as e:
-        hint = " Pass one of those, or a run folder." if str(e).startswith("vitlab reads") else ""
+        hint = " Pass one of those, or a run folder." if isinstance(e, UnknownFamily) else ""  # else: its own fix
         raise ValueError(f"{e}{hint}") from None
     x = data.analysis.images[:1]
     if len(x) == 0:

@@ -286,7 +286,7 @@ def parser() -> argparse.ArgumentParser:
         "--images",
         help="with --model: analyse these images instead of a recipe's: a folder (one subfolder per class "
         "for labels; a flat folder is unlabelled) or 'photos' (19 photos that ship with scikit-image and scikit-learn, "
-        "as seeded crops), prepared by the model's own timm preprocessing",
+        "as seeded crops), prepared by the model's own preprocessing",
     )
     p.add_argument(
         "--probe-images", help="with --images DIR: a folder with the same class subfolders to train probes and k-NN on"

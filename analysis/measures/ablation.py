@@ -93,9 +93,10 @@ from tqdm.auto import tqdm
 from analysis.engine.figures import finish_block_axes, subplots
 from analysis.engine.measure import Context, Measure, MeasureError, as_list, register
 from analysis.engine.reduce import all_reduce_tree, collect
-from analysis.engine.taps import Taps, resnet_branch_end
+from analysis.engine.taps import Taps
 from analysis.estimators.features import block_tag
 from analysis.estimators.similarity import hsic_gram
+from analysis.families.timm_resnet import branch_end
 from analysis.measures.erf import unwrap
 from train.knn import TEMPERATURE, K, knn_predict
 
@@ -581,7 +582,7 @@ class Ablation(Measure):
                     v[c] = v[c] + self._value(i, "shortcut", v[c], clean, skip=True) - s[c]
             return out
 
-        h.post(resnet_branch_end(blk), branch)
+        h.post(branch_end(blk), branch)
         if "shortcut" in kinds and not identity:
 
             def shortcut(mod, args, out):

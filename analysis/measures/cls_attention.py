@@ -24,6 +24,7 @@ from torch import Tensor
 
 from analysis.engine.measure import Context, as_list, register
 from analysis.estimators.attention_maps import BlockSums, block_label, check, entropy, map_grid, renormalise
+from analysis.estimators.features import has_class_token
 
 
 def cls_attention_sums(attn: Tensor, num_prefix_tokens: int) -> dict[str, Tensor]:
@@ -84,12 +85,7 @@ class ClsAttention(BlockSums):
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
-        return (
-            ctx.arch == "vit"
-            and ctx.prefix >= 1
-            and ctx.grid is not None
-            and bool(getattr(ctx.model, "has_class_token", True))
-        )
+        return ctx.arch == "vit" and ctx.prefix >= 1 and ctx.grid is not None and has_class_token(ctx.model, ctx.prefix)
 
     def _sums(self, attn: Tensor) -> dict[str, Tensor]:
         return cls_attention_sums(attn, self.prefix)

@@ -49,9 +49,10 @@ from torch import Tensor
 from analysis.engine.figures import subplots
 from analysis.engine.measure import as_list
 from analysis.engine.reduce import ORDER_SEED, Minibatches
-from analysis.engine.taps import Taps, grid_of, is_vit, resnet_blocks
+from analysis.engine.taps import Taps, grid_of, is_vit
 from analysis.estimators.similarity import MinibatchCKA, represent
 from analysis.families import family_of
+from analysis.families.timm_resnet import resnet_blocks
 from analysis.measures.attention_distance import UNITS, AttentionDistance
 
 

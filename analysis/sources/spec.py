@@ -27,4 +27,9 @@ def check_model_spec(model: str, weights: str | None) -> tuple[str, str]:
         raise AnalysisError(
             f"--model {model} needs --weights FILE.safetensors (or --weights pretrained with a network, for timm)."
         )
+    if kind == "open_clip" and weights == "pretrained":
+        raise AnalysisError(
+            f"--weights pretrained downloads timm's weights; {model} needs a weights file: pass --weights FILE (the "
+            "whole CLIP model's state dict or its image tower's, .safetensors, .bin or .pt)."
+        )
     return kind, name

@@ -36,10 +36,10 @@ from analysis.studies.stats import ALPHA
 from train.run_folder import override_key
 
 
-def _pilot_of(study) -> C.Pilot:
-    """The pilot check of the paper that judges ``study``; a check that knows no pilot when it has none."""
+def _pilot_of(study) -> C.Pilot | None:
+    """The pilot check of the paper that judges ``study`` (None: it has none, and no configuration is a pilot)."""
     paper = paper_for(study, study.configs())
-    return paper.pilot if paper is not None and paper.pilot is not None else C.Pilot(lambda r: 0, lambda run: ("", ""))
+    return paper.pilot if paper is not None else None
 
 
 def open_runs(study) -> tuple[dict, dict]:
@@ -51,15 +51,14 @@ def open_runs(study) -> tuple[dict, dict]:
         try:
             runs[name] = RF.open_run(r.run_dir)
         except RF0.AnalysisError as e:
-            if pilot.is_pilot(r.config):
+            if pilot is not None and pilot.is_pilot(r.config):
                 absent[name] = "not started (no run folder)" if not r.run_dir.is_dir() else "no complete checkpoint yet"
                 continue
             raise RF0.AnalysisError(
                 f"study run '{name}' is not trained yet ({e}); run the train stage first."
             ) from None
-    for (
-        name
-    ) in absent:  # a configuration whose first run stopped at a no-go: its other seeds are not trained, by design
+    # a configuration whose first run stopped at a no-go: its other seeds are not trained, by design
+    for name in absent:
         first = study.configs()[study.runs[name].config][0].name
         if (
             first in runs
@@ -87,12 +86,13 @@ def analyze_study(study) -> int:
     t0 = time.time()
     try:
         runs, absent = open_runs(study)
+        pilot = _pilot_of(study)
         for name, why in absent.items():
             print(f"study {study.name}: pilot run {name}: {why}; left out of the analysis")
         for name, run in runs.items():
             RN.analyze_run(run, None, study.suite_options(study.every_checkpoint))  # default: the core four
             done, state = R.progress(run)
-            if not done and _pilot_of(study).is_pilot(study.runs[name].config):
+            if not done and pilot is not None and pilot.is_pilot(study.runs[name].config):
                 print(
                     f"study {study.name}: pilot run {name} is {state}: its checkpoints are analysed, the study's "
                     "measures wait for its last step"

@@ -9,7 +9,6 @@ from conftest import ROOT
 from safetensors.torch import load_file
 
 from analysis.engine.taps import (
-    MIXER_KINDS,
     TapError,
     Taps,
     arch_of,
@@ -19,6 +18,7 @@ from analysis.engine.taps import (
     is_vit,
     num_prefix_tokens,
 )
+from analysis.families.timm_mixer import MIXER_KINDS
 from train.checkpoint import list_checkpoints
 from train.models import build_model
 from train.recipe import RecipeError, from_dict, load_recipe

@@ -60,6 +60,7 @@ def test_an_open_clip_tower_is_analysed_on_images(tiny_archs, tmp_path):  # noqa
         (["--model", "hf:google/vit-base-patch16-224"], "cannot be fetched from here"),
         (["--model", "hf:x", "--weights", "w.safetensors"], "leave --weights out"),
         (["--model", "open_clip:ViT-B-32"], "needs --weights"),
+        (["--model", "open_clip:ViT-B-32", "--weights", "pretrained"], "needs a weights file"),
         (["--model", "keras:vit"], "must look like timm:<architecture>, hf:"),
     ],
 )
