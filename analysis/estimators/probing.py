@@ -516,3 +516,75 @@ def expand_rows(
         full[rows.to(v.device)] = v
         out[k] = full
     return out, all_labels
+
+
+class StreamingRidge:
+    """A ridge classifier on standardised features, fit from streamed moments: the same classifier as scikit-learn's
+    ``make_pipeline(StandardScaler(), RidgeClassifier(alpha))`` on every row added (to float rounding), with memory
+    D x D + D x C float64 whatever the number of rows.
+
+    scikit-learn's RidgeClassifier encodes class c of C as +1 / -1 targets (one column per class present), fits a
+    ridge with an intercept on features standardised with the rows' mean and (population) standard deviation (a
+    constant feature keeps scale 1), and predicts the class of the largest score. With Z the standardised, hence
+    centred, rows and Y the targets, the weights are ``W = (Z^T Z + alpha I)^-1 Z^T Y`` and the intercept is the
+    targets' mean; ``Z^T Z`` and ``Z^T Y`` follow from the sums ``S1 = sum x``, ``S2 = sum x x^T`` and the per-class
+    sums ``Sc = sum_{y=c} x``, accumulated in float64 by :meth:`add` one chunk of rows at a time."""
+
+    def __init__(self, dim: int, num_classes: int, alpha: float = 1.0):
+        self.alpha, self.num_classes = float(alpha), int(num_classes)
+        self.n = torch.zeros((), dtype=torch.float64)
+        self.s1 = torch.zeros(dim, dtype=torch.float64)
+        self.s2 = torch.zeros(dim, dim, dtype=torch.float64)
+        self.sc = torch.zeros(dim, num_classes, dtype=torch.float64)
+        self.counts = torch.zeros(num_classes, dtype=torch.float64)
+
+    def state(self) -> dict[str, Tensor]:
+        """The sums, to reduce over processes (:func:`analysis.engine.reduce.all_reduce_tree`) and :meth:`load`."""
+        return {"n": self.n, "s1": self.s1, "s2": self.s2, "sc": self.sc, "counts": self.counts}
+
+    def load(self, state: dict[str, Tensor]) -> StreamingRidge:
+        self.n, self.s1, self.s2, self.sc, self.counts = (state[k] for k in ("n", "s1", "s2", "sc", "counts"))
+        return self
+
+    def add(self, x: Tensor, y: Tensor) -> None:
+        """Rows ``x`` [M, D] with classes ``y`` [M] (0 <= y < num_classes)."""
+        x = x.detach().to("cpu", torch.float64)
+        y = y.detach().to("cpu", torch.long)
+        self.n += x.shape[0]
+        self.s1 += x.sum(0)
+        self.s2 += x.T @ x
+        self.sc.index_add_(1, y, x.T)
+        self.counts += torch.bincount(y, minlength=self.num_classes).to(torch.float64)
+
+    def fit(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+        """(mean, scale, W [D, C'], intercept [C'], classes [C']) over the classes present, or None with fewer than
+        two classes (nothing to tell apart)."""
+        present = torch.nonzero(self.counts > 0).flatten()
+        if len(present) < 2:
+            return None
+        n = float(self.n)
+        mean = self.s1 / n
+        cov = self.s2 / n - torch.outer(mean, mean)  # population covariance, as StandardScaler's variance
+        var = torch.diagonal(cov).clamp_min(0)
+        scale = var.sqrt()
+        eps = 10 * torch.finfo(torch.float64).eps  # scikit-learn's _handle_zeros_in_scale: a ~constant feature keeps 1
+        scale = torch.where(scale < eps * mean.abs().clamp_min(1.0), torch.ones_like(scale), scale)
+        zz = n * cov / torch.outer(scale, scale)
+        counts = self.counts[present]
+        if len(present) == 2:  # scikit-learn's binary case: one column, +1 for the second class
+            zy = 2 * (self.sc[:, present[1:]] - torch.outer(mean, counts[1:])) / scale[:, None]
+            intercept = (2 * counts[1:] - n) / n
+        else:
+            zy = 2 * (self.sc[:, present] - torch.outer(mean, counts)) / scale[:, None]
+            intercept = (2 * counts - n) / n
+        w = torch.linalg.solve(zz + self.alpha * torch.eye(len(zz), dtype=torch.float64), zy)
+        return mean, scale, w, intercept, present
+
+    @staticmethod
+    def predict(fitted, x: Tensor) -> Tensor:
+        """The classes of rows ``x`` [M, D] under ``fitted`` (:meth:`fit`)."""
+        mean, scale, w, intercept, classes = fitted
+        s = ((x.detach().to("cpu", torch.float64) - mean) / scale) @ w + intercept
+        if len(classes) == 2:
+            return classes[(s[:, 0] > 0).long()]
+        return classes[s.argmax(1)]

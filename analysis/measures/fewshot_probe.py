@@ -36,7 +36,7 @@ from analysis.engine.figures import probe_plot
 from analysis.engine.measure import Measure, as_list, labels_problem, register
 from analysis.engine.reduce import collect
 from analysis.estimators.baselines import DEFAULT_BASELINE, noise_like
-from analysis.estimators.features import final_channels, has_class_token, resnet_patch_side
+from analysis.estimators.features import final_channels, has_class_token, resnet_patch_side, restored, stored
 from analysis.estimators.probing import (
     DEFAULT_METHOD,
     expand_rows,
@@ -104,6 +104,7 @@ class FewShotProbeMeasure(Measure):
     L], ``pools``, ``layers``, ``shots``, ``seeds``, ``chance``, ``method``, ``feature_dim`` [L]."""
 
     name = "fewshot_probe"
+    version = 2  # 2: per-image features kept as float16 (analysis.estimators.features.stored)
     uses_labels = "probe"
     Options = FewShotOptions
 
@@ -134,7 +135,7 @@ class FewShotProbeMeasure(Measure):
 
     def _feats(self, cap):
         return {
-            (t, p): pool_features(cap[t], p, self.ctx.prefix, self._patch(cap[t])).float().cpu()
+            (t, p): stored(pool_features(cap[t], p, self.ctx.prefix, self._patch(cap[t])))
             for t in self.layers
             for p in self.pools
         }
@@ -153,6 +154,7 @@ class FewShotProbeMeasure(Measure):
         o = self.opts
         test_x, test_y = collect(self.test, self.ctx.accelerator)
         pool_x, pool_y = collect(self.train, self.ctx.accelerator)
+        test_x, pool_x = restored(test_x), restored(pool_x)
         if self.probe_index is not None:  # only probe_rows were forwarded: full-size features, unread rows zero
             pool_x, pool_y = expand_rows(pool_x, pool_y, self.probe_index, self.ctx.data.probe_train.labels)
         shot_idx, val_idx = probe_split(pool_y)

@@ -74,6 +74,7 @@ class KNNMeasure(Measure):
     """
 
     name: ClassVar[str] = "knn"
+    version: ClassVar[int] = 2  # 2: per-image features kept as float16 (analysis.estimators.features.stored)
     uses_labels: ClassVar[str] = "probe"
     Options = KNNOptions
 

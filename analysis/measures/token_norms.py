@@ -59,9 +59,10 @@ from torch import Tensor
 
 from analysis.engine.figures import subplots
 from analysis.engine.measure import Context, Measure, as_list, register
-from analysis.engine.reduce import all_reduce_tree, collect
+from analysis.engine.reduce import all_reduce_tree, collect, gather_objects
 from analysis.estimators.attention_maps import block_label
 from analysis.estimators.features import has_class_token
+from analysis.estimators.probing import StreamingRidge
 
 QUANTILES = (0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
 BINS = 60
@@ -71,6 +72,7 @@ BINS = 60
 class TokenNormOptions:
     k: float = 4.0  # outlier: norm > k x the median norm of the image's spatial tokens
     probe_images: int = 512  # images whose tokens feed the position probe (0: no probe)
+    probe_scored: int = 32  # of each probed image, at most this many normal and this many outlier tokens are scored
     attention: bool = True  # attention mass on outliers and registers (needs attn_probs)
 
     def check(self) -> str | None:
@@ -78,6 +80,8 @@ class TokenNormOptions:
             return f"k ({self.k}) must be above 1: an outlier is a token k times the median norm."
         if self.probe_images < 0:
             return f"probe_images ({self.probe_images}) must be 0 or more."
+        if self.probe_scored < 1:
+            return f"probe_scored ({self.probe_scored}) must be 1 or more."
         return None
 
 
@@ -118,38 +122,61 @@ def load_run_results(run_path) -> dict:
     return out
 
 
-def _position_probe(feats: Tensor, masks: Tensor) -> tuple[float, float, int]:
-    """(top-1 on normal tokens, top-1 on outlier tokens or NaN, outliers scored) of the two-fold position probe of
-    the module docstring. ``feats`` [B, N, D], ``masks`` [B, N] bool (outliers)."""
-    from sklearn.linear_model import RidgeClassifier
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
+class PositionProbe:
+    """The two-fold position probe of the module docstring, streamed: for each fold (image parity) a ridge classifier
+    fit from the moments of EVERY normal token of its images (:class:`analysis.estimators.probing.StreamingRidge`:
+    D x D + D x N float64 per fold, whatever the number of images), scored on a bounded, seeded sample of the other
+    fold's tokens: of each image at most ``scored`` normal and ``scored`` outlier tokens (float16 on the CPU, so the
+    stored part is at most ``2 x scored x D x 2`` bytes per probed image and block)."""
 
-    b, n, _ = feats.shape
-    f = torch.nn.functional.normalize(feats.double(), dim=-1).numpy()
-    pos = np.broadcast_to(np.arange(n), (b, n))
-    m = masks.numpy()
-    img = np.arange(b)
-    hits = {"normal": [0, 0], "outlier": [0, 0]}
-    rng = np.random.default_rng(0)
-    for fold in (0, 1):
-        tr, te = img % 2 != fold, img % 2 == fold
-        if not tr.any() or not te.any():
-            continue
-        xtr, ytr = f[tr][~m[tr]], pos[tr][~m[tr]]
-        if len(np.unique(ytr)) < 2:
-            continue
-        if len(xtr) > 20000:  # bound the fit's cost; the subsample is seeded
-            keep = rng.choice(len(xtr), 20000, replace=False)
-            xtr, ytr = xtr[keep], ytr[keep]
-        clf = make_pipeline(StandardScaler(), RidgeClassifier(alpha=1.0)).fit(xtr, ytr)
-        for kind, sel in (("normal", ~m[te]), ("outlier", m[te])):
-            if sel.any():
-                pred = clf.predict(f[te][sel])
-                hits[kind][0] += int((pred == pos[te][sel]).sum())
+    def __init__(self, dim: int, positions: int, scored: int):
+        self.ridge = [StreamingRidge(dim, positions), StreamingRidge(dim, positions)]
+        self.scored, self.positions = int(scored), int(positions)
+        self.kept: list = []  # (image position, token positions [k], outlier flags [k], features [k, D] float16)
+
+    def add(self, feats: Tensor, masks: Tensor, first: int) -> None:
+        """``feats`` [B, N, D] of images at positions ``first..first+B-1`` (in the suite's minibatch order, the same
+        on 1 and N processes), ``masks`` [B, N] bool (outliers)."""
+        f = torch.nn.functional.normalize(feats.double(), dim=-1).cpu()
+        m = masks.cpu()
+        pos = torch.arange(self.positions).expand(f.shape[0], -1)
+        for parity in (0, 1):
+            sel = (torch.arange(first, first + f.shape[0]) % 2) == parity
+            normal = ~m[sel]
+            self.ridge[parity].add(f[sel][normal], pos[sel][normal])
+        for i in range(f.shape[0]):
+            order = torch.from_numpy(np.random.default_rng([0, first + i]).permutation(self.positions))
+            mi = m[i][order]
+            take = torch.cat([order[~mi][: self.scored], order[mi][: self.scored]])
+            self.kept.append((first + i, take, m[i][take], f[i][take].to(torch.float16)))
+
+    def state(self) -> dict:
+        return {"ridge": [r.state() for r in self.ridge]}
+
+    @staticmethod
+    def result(state: dict, kept: list) -> tuple[float, float, int]:
+        """(top-1 on normal tokens, top-1 on outlier tokens or NaN, outlier tokens scored) from the reduced sums and
+        every process's scored sample."""
+        fits = [StreamingRidge(1, 1).load(s).fit() for s in state["ridge"]]
+        hits = {"normal": [0, 0], "outlier": [0, 0]}
+        for img, take, out, f in kept:
+            fitted = fits[1 - img % 2]  # the probe of the other fold: it never saw this image
+            if fitted is None:
+                continue
+            pred = StreamingRidge.predict(fitted, f.double())
+            for kind, sel in (("normal", ~out), ("outlier", out)):
+                hits[kind][0] += int((pred[sel] == take[sel]).sum())
                 hits[kind][1] += int(sel.sum())
-    acc = {k: (h / t if t else math.nan) for k, (h, t) in hits.items()}
-    return acc["normal"], acc["outlier"], hits["outlier"][1]
+        acc = {k: (h / t if t else math.nan) for k, (h, t) in hits.items()}
+        return acc["normal"], acc["outlier"], hits["outlier"][1]
+
+
+def _position_probe(feats: Tensor, masks: Tensor, scored: int = 1 << 30) -> tuple[float, float, int]:
+    """The position probe of the module docstring on ``feats`` [B, N, D] held at once (``masks`` [B, N] bool
+    outliers); every token scored unless ``scored`` bounds it per image and kind."""
+    probe = PositionProbe(feats.shape[-1], feats.shape[1], scored)
+    probe.add(feats, masks, 0)
+    return probe.result(probe.state(), probe.kept)
 
 
 @register
@@ -162,6 +189,7 @@ class TokenNorms(Measure):
 
     name = "token_norms"
     Options = TokenNormOptions
+    version = 2  # 2: the position probe fits on every normal token (streamed sums) and scores a bounded sample
 
     @classmethod
     def applies(cls, ctx: Context) -> bool:
@@ -175,6 +203,8 @@ class TokenNorms(Measure):
         self.regs = self.p - int(self.cls)
         self.parts: list = []
         self.sums: dict[str, dict[str, Tensor]] = {}
+        self.probes: dict[str, PositionProbe] = {}
+        self._at = (-1, 0)  # (minibatch, images of it seen): a minibatch may come in several chunks
 
     def taps(self):
         t = {f"{b}.out" for b in self.blocks}
@@ -206,12 +236,19 @@ class TokenNorms(Measure):
 
     def update(self, j, cap, x, y):
         part = {}
-        keep_feats = j * self.ctx.batch_size < self.opts.probe_images
+        seen = self._at[1] if self._at[0] == j else 0
+        first = j * self.ctx.batch_size + seen  # the first image's position in minibatch order
+        self._at = (j, seen + len(y))
+        n_probe = min(len(y), max(0, self.opts.probe_images - first))
         for b in self.blocks:
             out = cap[f"{b}.out"]
-            part[f"norm|{b}"] = token_norms(out).cpu()
-            if keep_feats:
-                part[f"feat|{b}"] = out[:, self.p :].float().cpu()
+            norms = token_norms(out)
+            part[f"norm|{b}"] = norms.cpu()
+            if n_probe:
+                gh, gw = self.ctx.grid
+                probe = self.probes.setdefault(b, PositionProbe(out.shape[-1], gh * gw, self.opts.probe_scored))
+                mask = outlier_mask(norms[:n_probe].double(), self.p, self.opts.k)
+                probe.add(out[:n_probe, self.p :], mask, first)
             if self.opts.attention:
                 keys_out = outlier_mask(token_norms(cap[f"{b}.in"]), self.p, self.opts.k)
                 s = self._attention_sums(cap[f"{b}.attn_probs"], keys_out)
@@ -221,13 +258,17 @@ class TokenNorms(Measure):
         self.parts.append((j, part, y))
 
     def finish(self) -> dict:
-        # every process collects the norms; a minibatch's features are kept only when j * batch < probe_images
-        feats_parts = [(j, {k: v for k, v in d.items() if k.startswith("feat|")}, y) for j, d, y in self.parts]
-        norm_parts = [(j, {k: v for k, v in d.items() if k.startswith("norm|")}, y) for j, d, y in self.parts]
-        norms, _ = collect(norm_parts, self.ctx.accelerator)
-        kept = [fp for fp in feats_parts if fp[1]]  # minibatch 0 is kept (on some process) when probe_images > 0
-        feats = collect(kept, self.ctx.accelerator)[0] if self.opts.probe_images > 0 else {}
+        # every process collects the norms (N x L x T float32: what grows with the images); the position probes'
+        # sums are reduced and their scored samples gathered
+        norms, _ = collect(self.parts, self.ctx.accelerator)
         sums = all_reduce_tree(self.sums or None, self.ctx.accelerator) or {}
+        probing = self.opts.probe_images > 0
+        if probing:
+            states = all_reduce_tree({b: pr.state() for b, pr in self.probes.items()} or None, self.ctx.accelerator)
+            kept = gather_objects([(b, pr.kept) for b, pr in self.probes.items()], self.ctx.accelerator)
+            samples: dict = {}
+            for b, k_ in kept:
+                samples.setdefault(b, []).extend(k_)
         gh, gw = self.ctx.grid
         k, p, n_blocks = float(self.opts.k), self.p, len(self.blocks)
         nan = np.full(n_blocks, np.nan)
@@ -262,9 +303,8 @@ class TokenNorms(Measure):
             r["count"][i] = float(mask.double().sum(1).mean())
             r["outlier_map"][i] = mask.double().mean(0).reshape(gh, gw).numpy()
             r["max_over_median"][i] = float((sp.max(1).values / med.clamp_min(1e-12)).mean())
-            if f"feat|{b}" in feats:
-                fb = feats[f"feat|{b}"][: self.opts.probe_images]
-                acc_n, acc_o, n_o = _position_probe(fb, mask[: len(fb)])
+            if probing and states and b in states:
+                acc_n, acc_o, n_o = PositionProbe.result(states[b], samples.get(b, []))
                 r["probe_acc_normal"][i], r["probe_acc_outlier"][i], r["probe_n_outlier"][i] = acc_n, acc_o, n_o
         if self.opts.attention:
             for key, num, den in (

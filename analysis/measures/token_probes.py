@@ -55,7 +55,9 @@ from analysis.estimators.features import (
     has_class_token,
     layer_tag,
     resnet_patch_side,
+    restored,
     spatial_tokens,
+    stored,
 )
 from analysis.estimators.probing import (
     DEFAULT_METHOD,
@@ -155,6 +157,7 @@ class TokenProbes(Measure):
     ``resnet_patch`` (0: auto), ``resnet_max_side`` (7)."""
 
     name = "token_probes"
+    version = 2  # 2: per-image features kept as float16 (analysis.estimators.features.stored)
     uses_labels = "probe"
     Options = TokenProbeOptions
 
@@ -189,9 +192,9 @@ class TokenProbes(Measure):
             )
             tokens, grid = spatial_tokens(t, self.ctx.prefix, self.ctx.grid, self.max_side, p)
             feats[f"{lay}|grid"] = torch.tensor([grid], dtype=torch.long).expand(tokens.shape[0], 2)
-            feats[lay] = tokens[:, strided_positions(grid, self.stride).to(tokens.device)].float().cpu()
+            feats[lay] = stored(tokens[:, strided_positions(grid, self.stride).to(tokens.device)])
             if self.cls:
-                feats[f"{lay}|cls"] = t[:, 0].float().cpu()
+                feats[f"{lay}|cls"] = stored(t[:, 0])
         return feats
 
     @torch.no_grad()
@@ -210,6 +213,7 @@ class TokenProbes(Measure):
         acc = self.ctx.accelerator
         test_x, test_y = collect(self.test_parts, acc)
         pool_x, pool_y = collect(self.train_parts, acc)
+        test_x, pool_x = restored(test_x), restored(pool_x)
         if self.probe_index is not None:  # only probe_rows were forwarded: full-size features, unread rows zero
             pool_x, pool_y = expand_rows(pool_x, pool_y, self.probe_index, self.ctx.data.probe_train.labels)
         k = int(self.ctx.data.num_classes)
