@@ -1,6 +1,6 @@
 """Peak memory of the analysis suite against the number of images: each measure alone, in a fresh process.
 
-    .venv/bin/python bench/memory.py [--model default|vits|vitb] [--images 64,256] [--measures cka,token_norms|default|all]
+    .venv/bin/python bench/memory.py [--model default|vits|vitb] [--images 64,256] [--measures cka,token_norms]
         [--batch-size 32] [--max-memory 2GiB] [--threads 2]
 
 For every measure and image count, a child process builds the model (random weights; memory does not depend on
@@ -98,10 +98,8 @@ def main() -> None:
             row.append(r["peak"] / 2**20)
             secs.append(r["s"])
         growth = row[-1] / row[0] if row[0] else float("nan")
-        print(
-            f"{g:40s}" + "".join(f"{v:9.0f}" for v in row) + f"   {growth:5.2f}x  " + " ".join(f"{s:.0f}" for s in secs),
-            flush=True,
-        )
+        cells = "".join(f"{v:9.0f}" for v in row)
+        print(f"{g:40s}{cells}   {growth:5.2f}x  " + " ".join(f"{s:.0f}" for s in secs), flush=True)
     print(f"# load average {os.getloadavg()[0]:.2f}")
 
 
