@@ -138,6 +138,9 @@ class Measure:
     # images
     uses_labels: ClassVar[str] = ""
     version: ClassVar[int] = 1  # raise it when the definition changes: cached results of older versions are recomputed
+    # True: update() / update_probe() may get a minibatch in consecutive parts under the same j (per-image sums or
+    # rows), so a minibatch too large for memory is forwarded in chunks; False (minibatch CKA): the whole minibatch
+    chunkable: ClassVar[bool] = False
 
     def __init__(self, ctx: Context, opts: Any = None):  # opts: an instance of the measure's Options
         self.ctx = ctx

@@ -57,6 +57,10 @@ class SuiteOptions:
     # the analysis images' minibatches are runs of a permutation drawn from this seed (None: stored order), the same
     # for every measure and process count (analysis.engine.reduce.Minibatches)
     order_seed: int | None = ORDER_SEED
+    # bytes the analysis may take beyond the model and the images (None: MEMORY_SHARE of the memory available on the
+    # model's device): each minibatch's forward is cut into chunks that fit (:func:`plan_chunks`). Not part of a
+    # result's cache key: a chunk's images give the same per-image tensors, to float rounding, as the whole minibatch.
+    max_memory: int | None = None
 
     def of(self, name: str):
         """The Options of measure ``name``."""
@@ -163,6 +167,62 @@ def choose_minibatch(
     return next((b for b in range(bs, 3, -1) if batch_problem(n_images, b) is None), bs)
 
 
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20}
+_UNITS |= {"g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_memory(text) -> int:
+    """Bytes from ``4GiB``, ``512MiB``, ``1.5GB``, ``8G`` (binary: G = GiB) or a plain number of bytes; MeasureError
+    (one sentence) otherwise."""
+    import re
+
+    if isinstance(text, (int, float)) and not isinstance(text, bool) and text > 0:
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise MeasureError(f"memory '{text}' is not a size: write e.g. 4GiB, 512MiB or 8G.")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+# A measure's work on a minibatch's taps makes temporaries (a float64 copy of an attention map, a product beside
+# it): the chunk is sized so that its taps times this factor fit (measured: bench/memory.py).
+TEMPORARIES = 2.0
+
+
+def tap_bytes(model, x1: torch.Tensor, taps) -> dict[str, int]:
+    """{tap: bytes of one image's tensor} for ``taps`` (float32), from one forward of the one image ``x1``."""
+    names = sorted(taps)
+    if not names:
+        return {}
+    with torch.no_grad(), Taps(model, names) as cap:
+        model(x1[:1])
+    return {n: 4 * cap[n][:1].numel() for n in names}
+
+
+def plan_chunks(per_tap: dict[str, int], whole_taps, batch_size: int, budget: int) -> int | None:
+    """Images per forward within a minibatch of ``batch_size``, or None (the whole minibatch at once) when its taps
+    fit ``budget``. ``per_tap``: one image's bytes of every tap of the pass; ``whole_taps``: those read by measures
+    that need the whole minibatch at once (minibatch CKA), which are kept for every image of it while the others
+    are handled chunk by chunk. MeasureError (one sentence) when even those alone do not fit."""
+    every = sum(per_tap.values())
+    if batch_size * every * TEMPORARIES <= budget:
+        return None
+    whole = batch_size * sum(per_tap[t] for t in whole_taps)
+    chunk = int((budget - whole * TEMPORARIES) // max(every * TEMPORARIES, 1))
+    if chunk < 1:
+        fits = max(4, int(budget // max(TEMPORARIES * (sum(per_tap[t] for t in whole_taps) + every), 1)))
+        raise MeasureError(
+            f"minibatch CKA keeps {_size(whole)} of taps for a minibatch of {batch_size}, beyond the analysis's "
+            f"memory budget of {_size(budget)}: use a smaller analysis batch size (about {fits}) or a larger "
+            "memory budget (--max-memory / max_memory=)."
+        )
+    return min(chunk, batch_size)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.0f} MiB"
+
+
 def out_of_memory(e: BaseException) -> bool:
     """Whether ``e`` is an allocation that failed for lack of memory (torch on CPU or GPU, or Python's own)."""
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
@@ -255,11 +315,17 @@ def retain_freed_memory() -> None:
 
 
 @torch.no_grad()
-def _pass(ctx: Context, split, taps: list[str], on_batch, rows: np.ndarray | None = None) -> None:
+def _pass(ctx: Context, split, taps: list[str], on_batch, rows: np.ndarray | None = None, chunk=None, whole=None):
     """Run ``split`` through the model in fixed minibatches (sharded over processes), calling ``on_batch(j, captures,
     normalised inputs, labels)`` for each: the analysis images in ``ctx.minibatches`` (a seeded permutation's runs:
     the minibatch estimators assume random minibatches); another split in stored order, only its images ``rows``
-    when given (features of single images, in any order)."""
+    when given (features of single images, in any order).
+
+    With ``chunk`` (images per forward, :func:`plan_chunks`) a larger minibatch is forwarded in chunks: ``on_batch``
+    gets each chunk in turn under the same ``j`` (the measures that take a minibatch in parts:
+    :attr:`analysis.engine.measure.Measure.chunkable`), and ``whole = (taps, fn)`` gets ``fn(j, captures, inputs,
+    labels)`` once per minibatch with only ``taps``, filled chunk by chunk into one tensor each (minibatch CKA).
+    Without ``chunk`` both get the one forward's captures."""
     bs = ctx.batch_size
     if split is ctx.data.analysis and rows is None:
         mb = ctx.minibatches
@@ -271,11 +337,32 @@ def _pass(ctx: Context, split, taps: list[str], on_batch, rows: np.ndarray | Non
             for j in shard((n + bs - 1) // bs, ctx.accelerator)
         )
     for j, sel in parts:
-        x = ctx.data.normalize(split.images[sel].to(ctx.device))
-        y = split.labels[sel]
-        with Taps(ctx.model, taps) as cap:
-            ctx.model(x)
-        on_batch(j, cap.captures, x, y)
+        images, y = split.images[sel], split.labels[sel]
+        if chunk is None or chunk >= len(y):
+            x = ctx.data.normalize(images.to(ctx.device))
+            with Taps(ctx.model, taps) as cap:
+                ctx.model(x)
+            on_batch(j, cap.captures, x, y)
+            if whole is not None:
+                whole[1](j, cap.captures, x, y)
+            continue
+        kept: dict[str, torch.Tensor] = {}
+        xs = []
+        for lo in range(0, len(y), chunk):
+            x = ctx.data.normalize(images[lo : lo + chunk].to(ctx.device))
+            with Taps(ctx.model, taps) as cap:
+                ctx.model(x)
+            on_batch(j, cap.captures, x, y[lo : lo + chunk])
+            if whole is not None:
+                for t in whole[0]:
+                    v = cap.captures[t]
+                    if t not in kept:
+                        kept[t] = v.new_empty((len(y), *v.shape[1:]))
+                    kept[t][lo : lo + len(v)] = v
+                xs.append(x)
+            del cap
+        if whole is not None:
+            whole[1](j, kept, torch.cat(xs), y)
 
 
 def make_measures(ctx: Context, opts: SuiteOptions, names=None) -> list:
@@ -297,6 +384,41 @@ def probe_rows(ms, split) -> np.ndarray | None:
     if len(u) and (u[0] < 0 or u[-1] >= len(split)):
         raise ValueError(f"a measure's probe_rows names rows outside the {len(split)} probe-train images.")
     return None if len(u) == len(split) else u
+
+
+def memory_budget(ctx: Context, opts: SuiteOptions) -> int:
+    """The bytes a suite's passes may take for their taps: ``opts.max_memory``, else :data:`MEMORY_SHARE` of the memory
+    available on the model's device (4 GiB assumed where that cannot be told)."""
+    if opts.max_memory is not None:
+        return int(opts.max_memory)
+    avail = available_memory(ctx.device)
+    return int((avail if avail is not None else 4 * 2**30) * MEMORY_SHARE)
+
+
+def _measured_pass(ctx: Context, split, ms: list, kind: str, budget: int, what: str, on_stage, rows=None) -> None:
+    """One pass over ``split`` feeding the measures ``ms`` (``kind`` "": :meth:`Measure.update` with
+    :meth:`Measure.taps`; "probe_": ``update_probe`` with ``probe_taps``), its minibatches forwarded in chunks that fit
+    ``budget`` (:func:`plan_chunks`): the measures that take a minibatch in parts get each chunk, the others the whole
+    minibatch's taps at once."""
+    taps_of = {m: getattr(m, f"{kind}taps")() for m in ms}
+    update = {m: getattr(m, f"update{'_probe' if kind else ''}") for m in ms}
+    taps = sorted(set().union(*taps_of.values()))
+    parts, wholes = [m for m in ms if m.chunkable], [m for m in ms if not m.chunkable]
+    whole_taps = sorted(set().union(*(taps_of[m] for m in wholes)))
+    first = split.images[:1] if rows is None else split.images[torch.as_tensor(rows[:1])]
+    chunk = plan_chunks(
+        tap_bytes(ctx.model, ctx.data.normalize(first.to(ctx.device)), taps), whole_taps, ctx.batch_size, budget
+    )
+    on_stage(what if chunk is None else f"{what}, {chunk} images per forward to stay within {_size(budget)}")
+    _pass(
+        ctx,
+        split,
+        taps,
+        lambda j, cap, x, y: [update[m](j, cap, x, y) for m in parts],
+        rows,
+        chunk,
+        (whole_taps, lambda j, cap, x, y: [update[m](j, cap, x, y) for m in wholes]) if wholes else None,
+    )
 
 
 @contextmanager
@@ -336,21 +458,18 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
     try:
         with float32_forward(model):
             ms = make_measures(ctx, opts, names)
-            taps = sorted(set().union(*(m.taps() for m in ms))) if ms else []
-            if taps:
-                on_stage(f"pass over the analysis images ({', '.join(m.name for m in ms)})")
-                _pass(ctx, data.analysis, taps, lambda j, cap, x, y: [m.update(j, cap, x, y) for m in ms])
+            budget = memory_budget(ctx, opts)
+            if any(m.taps() for m in ms):
+                what = f"pass over the analysis images ({', '.join(m.name for m in ms)})"
+                _measured_pass(ctx, data.analysis, ms, "", budget, what, on_stage)
             pms = [m for m in ms if m.probe_taps()]
-            ptaps = sorted(set().union(*(m.probe_taps() for m in pms)))
-            if ptaps:
+            if pms:
                 rows = probe_rows(pms, data.probe_train)  # only the images some measure reads
                 for m in pms:
                     m.probe_index = rows
                 n = len(data.probe_train) if rows is None else len(rows)
-                on_stage(f"pass over the probe-train images ({n} of {len(data.probe_train)})")
-                _pass(
-                    ctx, data.probe_train, ptaps, lambda j, cap, x, y: [m.update_probe(j, cap, x, y) for m in pms], rows
-                )
+                what = f"pass over the probe-train images ({n} of {len(data.probe_train)})"
+                _measured_pass(ctx, data.probe_train, pms, "probe_", budget, what, on_stage, rows)
             out: dict = {
                 "meta": {
                     "arch": ctx.arch,

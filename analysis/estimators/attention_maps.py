@@ -59,6 +59,8 @@ class BlockSums(Measure):
     """Shared state of the attention-map measures: per block a dict of float64 sums over images (from ``_sums``
     on each block's ``attn_probs``), added per minibatch and summed over processes in one packed all-reduce."""
 
+    chunkable = True  # sums over images: a minibatch may come in chunks
+
     def __init__(self, ctx: Context, opts=None):
         super().__init__(ctx, opts)
         self.blocks = list(ctx.blocks)

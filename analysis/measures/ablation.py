@@ -269,6 +269,7 @@ class Ablation(Measure):
     in the module docstring)."""
 
     name: ClassVar[str] = "ablation"
+    chunkable: ClassVar[bool] = True  # per-image sums / rows: a minibatch may come in chunks
     Options = AblationOptions
 
     @classmethod

@@ -306,6 +306,7 @@ class AttentionDistanceMeasure(Measure):
     D.6); ``blocks`` [L]; ``patch_size``."""
 
     name = "attention_distance"
+    chunkable = True  # per-image sums / rows: a minibatch may come in chunks
 
     @classmethod
     def applies(cls, ctx):

@@ -210,6 +210,7 @@ class ClusteringMeasure(Measure):
     """
 
     name: ClassVar[str] = "clustering"
+    chunkable: ClassVar[bool] = True  # per-image sums / rows: a minibatch may come in chunks
     version: ClassVar[int] = 2  # 2: per-image features kept as float16 (analysis.estimators.features.stored)
     uses_labels: ClassVar[str] = "analysis"
     Options = ClusteringOptions

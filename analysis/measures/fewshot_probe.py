@@ -104,6 +104,7 @@ class FewShotProbeMeasure(Measure):
     L], ``pools``, ``layers``, ``shots``, ``seeds``, ``chance``, ``method``, ``feature_dim`` [L]."""
 
     name = "fewshot_probe"
+    chunkable = True  # per-image sums / rows: a minibatch may come in chunks
     version = 2  # 2: per-image features kept as float16 (analysis.estimators.features.stored)
     uses_labels = "probe"
     Options = FewShotOptions

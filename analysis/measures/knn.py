@@ -10,7 +10,10 @@ In the suite (:class:`KNNMeasure`, name ``"knn"``): the bank is the probe-train 
 split; the features of every block's output (tap ``<block>.out``) are pooled per image to one vector: ``"cls"`` (the CLS
 token, models with a prefix token only) and ``"mean_spatial"`` (mean of the tokens after the prefix; ResNet: the spatial
 mean over H, W). Walmer uses the CLS token; the spatial mean is the "average-pooled spatial tokens" variant of their
-§5.2 / Table 6. The random-chance baseline (Walmer App. B.3) is the same k-NN on random features of the same shapes,
+§5.2 / Table 6. The pooled features are kept as float16 until the pass ends (N x L x pools x D: the one part of
+the measure's memory that grows with the images; :func:`analysis.estimators.features.stored`), then compared in
+float32: a query whose nearest neighbours tie to 5e-4 may vote otherwise than with float32 features (one query of
+40 on the tiny test model). The random-chance baseline (Walmer App. B.3) is the same k-NN on random features of the same shapes,
 drawn for bank and queries together, with seed ``BASELINE_SEED + p * L + l`` for pool p and layer l (seed 0 for the
 first): by default standard Gaussian (:func:`analysis.estimators.baselines.gaussian_like`, Walmer's text), with option
 ``baseline: uniform`` uniform [0, 1) (:func:`analysis.estimators.baselines.uniform_like`, Walmer's code); why the text
@@ -74,6 +77,7 @@ class KNNMeasure(Measure):
     """
 
     name: ClassVar[str] = "knn"
+    chunkable: ClassVar[bool] = True  # per-image sums / rows: a minibatch may come in chunks
     version: ClassVar[int] = 2  # 2: per-image features kept as float16 (analysis.estimators.features.stored)
     uses_labels: ClassVar[str] = "probe"
     Options = KNNOptions

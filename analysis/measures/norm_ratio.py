@@ -103,6 +103,7 @@ class NormRatioMeasure(Measure):
     [1, L, 1]), ``sublayers``, ``blocks``, ``num_prefix_tokens``."""
 
     name = "norm_ratio"
+    chunkable = True  # per-image sums / rows: a minibatch may come in chunks
 
     def __init__(self, ctx, opts=None):
         super().__init__(ctx, opts)

@@ -188,6 +188,7 @@ class TokenNorms(Measure):
     ``attn_cls_on_registers`` / ``attn_patch_on_registers``."""
 
     name = "token_norms"
+    chunkable = True  # per-image sums / rows: a minibatch may come in chunks
     Options = TokenNormOptions
     version = 2  # 2: the position probe fits on every normal token (streamed sums) and scores a bounded sample
 

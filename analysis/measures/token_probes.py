@@ -157,6 +157,7 @@ class TokenProbes(Measure):
     ``resnet_patch`` (0: auto), ``resnet_max_side`` (7)."""
 
     name = "token_probes"
+    chunkable = True  # per-image sums / rows: a minibatch may come in chunks
     version = 2  # 2: per-image features kept as float16 (analysis.estimators.features.stored)
     uses_labels = "probe"
     Options = TokenProbeOptions
