@@ -76,10 +76,11 @@ class SuiteOptions:
         }
 
 
-def suite_options(measures=None, batch_size: int = 256, options: dict | None = None) -> SuiteOptions:
+def suite_options(measures=None, batch_size: int = 256, options: dict | None = None, max_memory=None) -> SuiteOptions:
     """SuiteOptions from user input: measure names (``None``: the default four; ``"all"`` or ``["all"]``: every
-    registered measure; ``package.module:Class`` for a measure from elsewhere) and ``options`` as
-    ``{measure: {option: value}}``. Raises MeasureError with one sentence for an unknown measure or option."""
+    registered measure; ``package.module:Class`` for a measure from elsewhere), ``options`` as
+    ``{measure: {option: value}}`` and ``max_memory`` (bytes or a size such as ``"4GiB"``: :func:`parse_memory`;
+    None: a share of the memory available). Raises MeasureError with one sentence for an unknown measure or option."""
     if measures in ("all", ["all"], ("all",)):
         names = tuple(sorted(registry()))
     else:
@@ -96,7 +97,8 @@ def suite_options(measures=None, batch_size: int = 256, options: dict | None = N
         if not isinstance(vals, dict):
             raise MeasureError(f"options of measure '{m}' must be a mapping {{option: value}}, not {vals!r}.")
         built[name] = make_options(registry()[name], vals)
-    return SuiteOptions(measures=names, batch_size=batch_size, options=built)
+    budget = None if max_memory is None else parse_memory(max_memory)
+    return SuiteOptions(measures=names, batch_size=batch_size, options=built, max_memory=budget)
 
 
 def parse_opt_args(items: list[str]) -> dict:

@@ -144,11 +144,14 @@ def analyze(
     batch_size: int = 256,
     figures: bool = True,
     part: str | None = None,
+    max_memory: int | str | None = None,
 ) -> dict[str, Any]:
     """Run ``measures`` (default: CKA, norm ratios, attention distances, few-shot probes; ``"all"`` for every one)
     with ``options`` ({measure: {option: value}}) on ``images``. Returns ``{"results": {measure: arrays},
-    "summary": {measure: key numbers}, "figures": {tag: matplotlib Figure}}`` (figures only if ``figures``)."""
-    opts = suite_options(measures, batch_size, options)  # MeasureError, a ValueError: its own sentence
+    "summary": {measure: key numbers}, "figures": {tag: matplotlib Figure}}`` (figures only if ``figures``).
+    ``max_memory`` (bytes or ``"4GiB"``; default half the memory available): the taps of a minibatch that do not fit
+    are forwarded in chunks (analysis.engine.suite.plan_chunks)."""
+    opts = suite_options(measures, batch_size, options, max_memory)  # MeasureError, a ValueError: its own sentence
     model, data = _model_and_data(model, images, labels, probe_images, probe_labels, normalize, num_classes, part)
     _check_fits(model, data)
     p = problem(data, opts, "api_folder" if isinstance(images, (str, Path)) else "api")

@@ -10,7 +10,9 @@
 key named after a measure holds that measure's options (analysis/measures/<name>.py, ``Options``). ``cka``,
 ``norm_ratio``, ``attention_distance`` and ``fewshot_probe`` run one measure each and take its options directly. Other
 keys: ``every`` (cadence), ``batch_size`` (analysis minibatch, >= 4), ``figures`` (draw figures for TensorBoard and PNG,
-default true). Results go to TensorBoard and to ``runs/<name>/analysis/step_XXXXXXX/`` (npz arrays, summary.json) and
+default true), ``max_memory`` (e.g. ``8GiB``: a minibatch whose taps do not fit is forwarded in chunks; default half
+the memory available on the device). Results go to TensorBoard and to ``runs/<name>/analysis/step_XXXXXXX/`` (npz
+arrays, summary.json) and
 ``runs/<name>/figures/step_XXXXXXX/`` (PNG); offline analysis (``python -m analysis``) calls the same
 :func:`analysis.engine.suite.run_suite` and reuses these results.
 
@@ -50,11 +52,17 @@ class AnalysisSuiteCallback(Callback):
     name = "analysis_suite"
 
     def __init__(
-        self, every: int | None = None, measures=None, batch_size: int = 256, figures: bool = True, **measure_options
+        self,
+        every: int | None = None,
+        measures=None,
+        batch_size: int = 256,
+        figures: bool = True,
+        max_memory=None,
+        **measure_options,
     ):
         super().__init__(every)
         # a wrong measure or option: MeasureError, the sentence of the code that found it, reaches the user as it is
-        self.opts = suite_options(DEFAULT if measures is None else measures, batch_size, measure_options)
+        self.opts = suite_options(DEFAULT if measures is None else measures, batch_size, measure_options, max_memory)
         self.figures = figures
         self._fingerprint: str | None = None
         self._pending: list[Future] = []

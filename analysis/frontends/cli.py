@@ -167,7 +167,8 @@ def options(args) -> S.SuiteOptions:
     :func:`sized_minibatch`)."""
     from analysis.engine import suite as S
 
-    return measure_options(args.measures, S.MAX_MINIBATCH if args.batch_size is None else args.batch_size, args.opt)
+    opts = measure_options(args.measures, S.MAX_MINIBATCH if args.batch_size is None else args.batch_size, args.opt)
+    return opts if args.max_memory is None else dataclasses.replace(opts, max_memory=S.parse_memory(args.max_memory))
 
 
 def sized_minibatch(run, model) -> int:
@@ -305,6 +306,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="analysis minibatch (also the CKA minibatch, >= 4; default 256, and for a --model one sized to the model "
         "and the memory available, printed)",
+    )
+    p.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        help="memory the analysis may take beyond the model and the images, e.g. 4GiB (default: half of what is "
+        "available): a minibatch whose taps do not fit is forwarded in chunks",
     )
     p.add_argument(
         "--opt",

@@ -13,7 +13,8 @@ mean over H, W). Walmer uses the CLS token; the spatial mean is the "average-poo
 §5.2 / Table 6. The pooled features are kept as float16 until the pass ends (N x L x pools x D: the one part of
 the measure's memory that grows with the images; :func:`analysis.estimators.features.stored`), then compared in
 float32: a query whose nearest neighbours tie to 5e-4 may vote otherwise than with float32 features (one query of
-40 on the tiny test model). The random-chance baseline (Walmer App. B.3) is the same k-NN on random features of the same shapes,
+40 on the tiny test model).
+The random-chance baseline (Walmer App. B.3) is the same k-NN on random features of the same shapes,
 drawn for bank and queries together, with seed ``BASELINE_SEED + p * L + l`` for pool p and layer l (seed 0 for the
 first): by default standard Gaussian (:func:`analysis.estimators.baselines.gaussian_like`, Walmer's text), with option
 ``baseline: uniform`` uniform [0, 1) (:func:`analysis.estimators.baselines.uniform_like`, Walmer's code); why the text

@@ -85,3 +85,44 @@ def test_memory_grows_only_by_the_documented_rows(name):
         pytest.skip(f"{name} does not apply to a ViT")
     per_image = (big - small) / 64
     assert per_image == pytest.approx(PER_IMAGE.get(name, 0), abs=1e-9), (name, small, big)
+
+
+# ---------------------------------------------------------------- a minibatch forwarded in chunks within a budget
+
+
+def test_plan_chunks_and_memory_sizes():
+    mib = 2**20
+    per = {"a.attn_probs": 3 * mib, "a.out": 1 * mib}  # one image's bytes per tap
+    assert S.plan_chunks(per, ["a.out"], 8, 64 * mib) is None  # 8 x 4 MiB x 2 fits 64 MiB
+    # CKA keeps a.out for all 8 images (8 MiB x 2); each chunk costs 4 MiB x 2: (40 - 16) // 8 = 3 images
+    assert S.plan_chunks(per, ["a.out"], 8, 40 * mib) == 3
+    with pytest.raises(S.MeasureError, match="smaller analysis batch size"):
+        S.plan_chunks(per, ["a.out"], 8, 16 * mib)
+    assert S.parse_memory("4GiB") == 4 * 2**30 == S.parse_memory("4g") and S.parse_memory("1.5GB") == 1_500_000_000
+    assert S.parse_memory("512 MiB") == 512 * mib and S.parse_memory(1000) == 1000
+    for bad in ("lots", "4 parsecs", "-1G", "0"):
+        with pytest.raises(S.MeasureError, match="is not a size"):
+            S.parse_memory(bad)
+
+
+def test_chunked_minibatches_give_the_same_results():
+    """Every measure that takes part in the one pass, with minibatches of 32 forwarded 9 images at a time within a
+    budget of 6 MB (minibatch CKA gets the whole minibatch's taps, assembled), equals the unchunked suite to float
+    rounding (1e-6 relative)."""
+    model, data = tiny_vit(), _data(64)
+    names = [n for n in sorted(registry()) if n not in ("erf", "ablation", "head_subsets")]
+    opts = S.suite_options(names, 32)
+    whole = S.run_suite(model, data, opts)
+    stages = []
+    opts.max_memory = 6_000_000
+    chunked = S.run_suite(model, data, opts, on_stage=stages.append)
+    assert any("images per forward to stay within" in s for s in stages), stages
+    for n in names:
+        for k, v in whole[n].items():
+            w = chunked[n][k]
+            if isinstance(v, np.ndarray) and v.dtype.kind == "f":
+                np.testing.assert_allclose(w, v, rtol=1e-6, atol=1e-9, err_msg=f"{n}.{k}")
+            elif isinstance(v, np.ndarray):
+                np.testing.assert_array_equal(w, v, err_msg=f"{n}.{k}")
+            else:
+                assert w == v, (n, k)
