@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import VITS, pin_one_thread_env
+from _common import SMOKE, VITS, pin_one_thread_env
 
 VITB = [*VITS[:2], "model.depth=12", "model.embed_dim=768", "model.num_heads=12", "model.mlp_ratio=4.0"]
 SHAPES = {"default": [], "vits": VITS, "vitb": VITB}
@@ -49,7 +49,8 @@ def child(a) -> None:
     from analysis.engine.suite import run_suite, suite_options
 
     n = a.images_one
-    data, model = default_model([*SHAPES[a.model], f"data.analysis_size={n}", f"data.probe_train_size={max(n, 200)}"])
+    shape = SMOKE if a.smoke else SHAPES[a.model]
+    data, model = default_model([*shape, f"data.analysis_size={n}", f"data.probe_train_size={max(n, 200)}"])
     names = None if a.measures == "default" else a.measures.split(",")
     opts = {m: o for m, o in CHEAP.items() if names and m in names}
     so = suite_options(names, a.batch_size, opts)
@@ -72,12 +73,16 @@ def main() -> None:
     p.add_argument("--max-memory", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--each", action="store_true", help="each measure alone (default: all of --measures together)")
+    p.add_argument("--smoke", action="store_true", help="the tiny model, 32 and 64 images (seconds)")
     p.add_argument("--images-one", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.images_one:
         return child(a)
+    if a.smoke:
+        a.images, a.measures, a.each, a.model = "32,64", "token_norms", True, "default"
     counts = [int(c) for c in a.images.split(",")]
     groups = a.measures.split(",") if a.each else [a.measures]
+    growths = {}
     print(f"# model {a.model}, minibatch {a.batch_size}, max_memory {a.max_memory}; peak MiB above the resident size")
     print(f"{'measures':40s}" + "".join(f"{c:>9d}" for c in counts) + "   growth   seconds")
     for g in groups:
@@ -85,7 +90,7 @@ def main() -> None:
         secs = []
         for c in counts:
             cmd = [sys.executable, __file__, "--model", a.model, "--measures", g, "--batch-size", str(a.batch_size)]
-            cmd += ["--threads", str(a.threads), "--images-one", str(c)]
+            cmd += ["--threads", str(a.threads), "--images-one", str(c)] + (["--smoke"] if a.smoke else [])
             if a.max_memory:
                 cmd += ["--max-memory", a.max_memory]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
@@ -98,9 +103,12 @@ def main() -> None:
             row.append(r["peak"] / 2**20)
             secs.append(r["s"])
         growth = row[-1] / row[0] if row[0] else float("nan")
+        growths[g] = growth
         cells = "".join(f"{v:9.0f}" for v in row)
         print(f"{g:40s}{cells}   {growth:5.2f}x  " + " ".join(f"{s:.0f}" for s in secs), flush=True)
     print(f"# load average {os.getloadavg()[0]:.2f}")
+    worst = max(growths, key=lambda g: growths[g])
+    print(f"RATIO memory model={a.model} images={a.images}: max_growth={growths[worst]:.2f} ({worst})")
 
 
 if __name__ == "__main__":

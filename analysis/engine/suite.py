@@ -192,12 +192,26 @@ TEMPORARIES = 2.0
 
 
 def tap_bytes(model, x1: torch.Tensor, taps) -> dict[str, int]:
-    """{tap: bytes of one image's tensor} for ``taps`` (float32), from one forward of the one image ``x1``."""
+    """{tap: bytes of one image's tensor} for ``taps`` (float32), from the shapes of one forward of the one image
+    ``x1``: on the meta device (the model's parameters stood in for by meta tensors: no arithmetic, no memory, no
+    forward counted by the model's own hooks' users), or, for a model whose forward needs real values there, on
+    the real one."""
+    from torch.func import functional_call
+
     names = sorted(taps)
     if not names:
         return {}
-    with torch.no_grad(), Taps(model, names) as cap:
-        model(x1[:1])
+    x = x1[:1]
+    with torch.no_grad():
+        try:
+            meta = {
+                k: torch.empty_like(v, device="meta") for k, v in (*model.named_parameters(), *model.named_buffers())
+            }
+            with Taps(model, names) as cap:
+                functional_call(model, meta, (x.to("meta"),))
+        except Exception:  # a forward that reads values (.item(), data-dependent shapes): run it for real
+            with Taps(model, names) as cap:
+                model(x)
     return {n: 4 * cap[n][:1].numel() for n in names}
 
 

@@ -171,22 +171,26 @@ def options(args) -> S.SuiteOptions:
     return opts if args.max_memory is None else dataclasses.replace(opts, max_memory=S.parse_memory(args.max_memory))
 
 
-def sized_minibatch(run, model) -> int:
-    """The analysis minibatch of a model from elsewhere when --batch-size is not given: what its taps keep of one
-    image and the memory available (:func:`analysis.engine.suite.choose_minibatch`), said in one line. A vitlab run
-    keeps the default (its models are small; its cached results were made with it)."""
+def sized_minibatch(run, model, opts) -> int:
+    """The analysis minibatch of a model from elsewhere when --batch-size is not given, said in one line: the largest
+    (up to the suite's default) whose taps for the measures that need a whole minibatch at once (minibatch CKA) fit
+    the memory budget (--max-memory, else half the memory available) with room for a chunk of the other taps
+    (:func:`analysis.engine.suite.plan_chunks`). A vitlab run keeps the default (its models are small; its cached
+    results were made with it)."""
     from analysis.engine import suite as S
     from analysis.sources import models as MS
 
     data = MS.load_data(run)
-    per = S.tap_bytes_per_image(model, data.normalize(data.analysis.images[:1]))
-    avail = S.available_memory(next(model.parameters()).device)  # the taps stay on the model's device
-    known = avail is not None
-    avail = avail if known else 4 * 2**30
-    bs = S.choose_minibatch(per, avail, len(data.analysis))
+    ctx = S.make_context(model, data, S.MAX_MINIBATCH)
+    ms = S.make_measures(ctx, opts)
+    per = S.tap_bytes(model, data.normalize(data.analysis.images[:1]), set().union(*(m.taps() for m in ms)))
+    whole = sum(per[t] for m in ms if not m.chunkable for t in m.taps())
+    budget = S.memory_budget(ctx, opts)
+    room = budget - S.TEMPORARIES * 4 * sum(per.values())  # a chunk of 4 images of every tap beside them
+    bs = S.choose_minibatch(int(S.TEMPORARIES * whole) or 1, max(int(room), 0), len(data.analysis), share=1.0)
     print(
-        f"{run.label}: minibatch {bs} (est. {_size(bs * per)} of {_size(avail)} "
-        f"{'available' if known else 'assumed available'}; --batch-size N to choose)",
+        f"{run.label}: minibatch {bs} (its minibatch-CKA taps {_size(bs * whole)}, within a memory budget of "
+        f"{_size(budget)}: --batch-size N / --max-memory SIZE to choose)",
         file=sys.stderr,
     )
     return bs
@@ -406,7 +410,7 @@ def analyse(args) -> tuple:
     if run.external:  # check that the weights fit before anything is written; size the minibatch to the model
         model = MS.load_model(run, 0, MS.load_data(run))
         if args.batch_size is None:
-            opts = dataclasses.replace(opts, batch_size=sized_minibatch(run, model))
+            opts = dataclasses.replace(opts, batch_size=sized_minibatch(run, model, opts))
         del model
     opts = runnable(run, opts, args.measures)
     progress = not args.no_progress

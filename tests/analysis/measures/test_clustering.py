@@ -153,7 +153,8 @@ def _features_at_once(model, split, tap, pool, prefix):
     with Taps(model, [tap]) as cap:
         model(split.images.float() / 255)
     t = cap.captures[tap]
-    return t.mean((2, 3)) if t.ndim == 4 else (t[:, 0] if pool == "cls" else t[:, prefix:].mean(1))
+    f = t.mean((2, 3)) if t.ndim == 4 else (t[:, 0] if pool == "cls" else t[:, prefix:].mean(1))
+    return f.half().float()  # the measure keeps per-image features as float16 (analysis.estimators.features.stored)
 
 
 def test_measure_end_to_end_cls_vit(tmp_path):

@@ -150,7 +150,7 @@ def test_cls_vit_through_the_protocol_equals_explicit_probes():
     for name, split in (("test", ctx.data.analysis), ("train", ctx.data.probe_train)):
         with Taps(ctx.model, ["blocks.1.out"]) as cap:
             ctx.model(ctx.data.normalize(split.images))
-        feats[name] = cap["blocks.1.out"]
+        feats[name] = cap["blocks.1.out"].half().float()  # kept as float16 by the measure (features.stored)
     shot, val = probe_halves(ctx.data.probe_train.labels)
     ytr = ctx.data.probe_train.labels
     for col, tok in ((4, 1 + 24), (None, 0)):
