@@ -41,9 +41,13 @@ SHARD_BYTES = 256 * 2**20  # the default shard holds at most this many bytes (or
 # ------------------------------------------------------------------------------------------------------------ hashes
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    """A tensor's raw bytes, any dtype (bfloat16 too), as stored in memory (C order)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def _hash_tensor(h, t: torch.Tensor) -> None:
+    """Feed a tensor's shape, dtype and raw bytes (any dtype, bfloat16 too; C order) to ``h``, 64 MiB at a time (no
+    copy of a large CPU tensor)."""
+    h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    for i in range(0, len(raw), 2**26):
+        h.update(raw[i : i + 2**26])
 
 
 def model_hash(net: torch.nn.Module) -> str:
@@ -54,8 +58,8 @@ def model_hash(net: torch.nn.Module) -> str:
     for name, m in net.named_modules():
         h.update(f"{name}:{type(m).__module__}.{type(m).__qualname__};".encode())
     for name, t in sorted(net.state_dict().items()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(_tensor_bytes(t))
+        h.update(f"{name};".encode())
+        _hash_tensor(h, t)
     return h.hexdigest()
 
 
@@ -65,8 +69,7 @@ def images_hash(images: torch.Tensor, labels: torch.Tensor, normalized: torch.Te
     known)."""
     h = hashlib.sha256()
     for t in (images, labels, normalized, *[torch.as_tensor(s) for s in stats if s is not None]):
-        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(_tensor_bytes(t))
+        _hash_tensor(h, t)
     return h.hexdigest()
 
 
@@ -272,6 +275,9 @@ class Activations(Mapping):
 
     def __len__(self) -> int:
         return len(self.taps) + 1
+
+    def __contains__(self, key) -> bool:  # without reading the tap
+        return key == "labels" or key in self.index["taps"]
 
     def _file(self, key: str) -> str:
         if key == "labels":
