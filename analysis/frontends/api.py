@@ -401,6 +401,7 @@ def _to_disk(model, images, labels, taps, batch_size, normalize, part, dtype, de
                     index = {**want, "taps": {k: _tap_entry(k, r) for k, r in rows.items() if k != "labels"}}
                     per_image = sum(r[0].nbytes for r in rows.values())
                     index["shard_images"] = shard_images or AS.default_shard_images(per_image, batch_size)
+                    AS.write_index(dest, index)  # before any shard is in place: a folder with shards has an index
                 if shard is None:
                     number, size = len(index["shards"]), index["shard_images"]
                     shard = AS.ShardWriter(dest, number, start, min(start + size, len(split)), index)
@@ -416,7 +417,7 @@ def _to_disk(model, images, labels, taps, batch_size, normalize, part, dtype, de
 
 
 def _tap_entry(name: str, rows: np.ndarray) -> dict:
-    return {"file": f"{name}.npy", "shape": list(rows.shape[1:]), "dtype": str(rows.dtype)}
+    return {"file": f"{name.replace('/', '_')}.npy", "shape": list(rows.shape[1:]), "dtype": str(rows.dtype)}
 
 
 def _and(parts: list[str]) -> str:

@@ -12,7 +12,9 @@ the forward reaches them), ``taps_requested`` (the names or patterns given), ``m
 ``images_hash`` (:func:`images_hash`) and ``shards`` ([{dir, start, stop}], in order, contiguous from 0). A shard is
 written into a hidden temporary folder and renamed into place, then listed in the index: a shard counts as done only
 once it is listed, so a folder interrupted anywhere (Ctrl-C, a kill, a full disk) holds whole shards only and an
-extraction with the same arguments continues after the last one. The writer holds ``DIR/.lock`` (flock) while it writes.
+extraction with the same arguments continues after the last one. The index is first written when the first minibatch
+gives the taps' shapes (no shard listed yet), so a folder with a shard in place always has one; until then the folder
+holds only hidden leftovers and counts as empty. The writer holds ``DIR/.lock`` (flock) while it writes.
 
 A folder written before the format had shards (``index.json`` with ``arrays``: one ``<tap>.npy`` per tap at the top)
 reads back as one shard; it cannot be continued (it records no hashes).

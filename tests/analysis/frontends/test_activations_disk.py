@@ -149,3 +149,17 @@ def test_open_activations_is_public():
     import vitlab
 
     assert vitlab.open_activations is analysis.open_activations is AS.open_activations
+
+
+def test_an_extraction_stopped_inside_its_first_shard_starts_again(tmp_path, monkeypatch):
+    model, a = tiny_vit(), class_split(25, 0)
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 1)  # one minibatch of the first shard's two
+        with pytest.raises(KeyboardInterrupt):
+            activations(model, a.images, a.labels, out=tmp_path / "acts", **KW)
+    assert [p.name for p in (tmp_path / "acts").iterdir()] == ["index.json"]  # the taps' shapes, no shard yet
+    part = AS.open_activations(tmp_path / "acts")
+    assert (part.done, part.n_images) == (0, 25) and part["blocks.1.out"].shape == (0, 50, 32)
+    assert list(part.iter(batch_size=4)) == []
+    acts = activations(model, a.images, a.labels, out=tmp_path / "acts", **KW)
+    assert acts.complete and [s["start"] for s in acts.index["shards"]] == [0, 10, 20]
