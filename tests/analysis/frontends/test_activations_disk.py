@@ -163,3 +163,47 @@ def test_an_extraction_stopped_inside_its_first_shard_starts_again(tmp_path, mon
     assert list(part.iter(batch_size=4)) == []
     acts = activations(model, a.images, a.labels, out=tmp_path / "acts", **KW)
     assert acts.complete and [s["start"] for s in acts.index["shards"]] == [0, 10, 20]
+
+
+def test_a_killed_writer_leaves_whole_shards_that_a_rerun_completes(tmp_path):
+    """SIGKILL in the middle of the second shard (no finally runs): the lock file and the half shard stay behind; the
+    rerun takes the lock (flock died with the process), clears them and completes the folder."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = f"""
+import os, signal, sys
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+import torch
+torch.set_num_threads(1)
+from conftest import class_split, tiny_vit
+from analysis.frontends import api
+stream = api._stream
+def killed(*args, **kw):
+    for i, item in enumerate(stream(*args, **kw)):
+        if i == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield item
+api._stream = killed
+a = class_split(25, 0)
+api.activations(tiny_vit(), a.images, a.labels, out={str(tmp_path / "acts")!r}, **{KW!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert proc.returncode == -9
+    left = sorted(p.name for p in (tmp_path / "acts").iterdir())
+    assert left[0] == ".lock" and left[1].startswith(".shard_00001.") and left[1].endswith(".tmp")
+    assert left[2:] == ["index.json", "shard_00000"]
+    assert AS.open_activations(tmp_path / "acts").done == 10
+    model, a = tiny_vit(), class_split(25, 0)
+    acts = activations(model, a.images, a.labels, out=tmp_path / "acts", **KW)
+    assert acts.complete and sorted(p.name for p in (tmp_path / "acts").iterdir()) == [
+        "index.json",
+        "shard_00000",
+        "shard_00001",
+        "shard_00002",
+    ]
+    whole = activations(model, a.images, a.labels, taps=TAPS, batch_size=5)
+    np.testing.assert_allclose(acts["blocks.1.out"], whole["blocks.1.out"].numpy(), rtol=1e-6, atol=1e-7)
