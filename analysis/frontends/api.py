@@ -353,6 +353,7 @@ def _to_disk(model, images, labels, taps, batch_size, normalize, part, dtype, de
         )
     if dtype == torch.bfloat16:
         raise ValueError("numpy files cannot hold bfloat16: give dtype=torch.float16 or torch.float32 with out=.")
+    net, data, names = _prepare(model, images, labels, taps, batch_size, normalize, part)
     if shard_images is not None and (
         not isinstance(shard_images, int)
         or isinstance(shard_images, bool)
@@ -363,7 +364,6 @@ def _to_disk(model, images, labels, taps, batch_size, normalize, part, dtype, de
             f"shard_images must be a positive multiple of batch_size ({batch_size}), not {shard_images!r}, so that "
             "a continued extraction runs the same minibatches."
         )
-    net, data, names = _prepare(model, images, labels, taps, batch_size, normalize, part)
     split = data.analysis
     want = {
         "format": AS.FORMAT,

@@ -207,3 +207,18 @@ api.activations(tiny_vit(), a.images, a.labels, out={str(tmp_path / "acts")!r}, 
     ]
     whole = activations(model, a.images, a.labels, taps=TAPS, batch_size=5)
     np.testing.assert_allclose(acts["blocks.1.out"], whole["blocks.1.out"].numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_folder_of_the_layout_before_shards_reads_back_and_is_not_continued(tmp_path):
+    x, y = np.arange(24, dtype=np.float32).reshape(4, 2, 3), np.arange(4)
+    np.save(tmp_path / "blocks.0.out.npy", x)
+    np.save(tmp_path / "labels.npy", y)
+    arrays = {"blocks.0.out": [4, 2, 3], "labels": [4]}
+    index = {"n_images": 4, "batch_size": 2, "arrays": {k: {"file": f"{k}.npy", "shape": v} for k, v in arrays.items()}}
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    old = AS.open_activations(tmp_path)
+    assert old.complete and old.taps == ["blocks.0.out"]
+    np.testing.assert_array_equal(old["blocks.0.out"], x)
+    assert [(s, b["labels"].tolist()) for s, b in old.iter(batch_size=3)] == [(0, [0, 1, 2]), (3, [3])]
+    with pytest.raises(ValueError, match="were made by an older vitlab, which recorded no hash of their model"):
+        activations(tiny_vit(), class_split(4, 0).images, taps="blocks.0.out", batch_size=2, out=tmp_path)
