@@ -26,6 +26,8 @@ _LAZY = {
     "activations": "analysis.frontends.api",
     "iter_activations": "analysis.frontends.api",
     "tap_names": "analysis.frontends.api",
+    "open_activations": "analysis.results.activation_store",
+    "Activations": "analysis.results.activation_store",
     "Measure": "analysis.engine.measure",
     "register": "analysis.engine.measure",
     "Context": "analysis.engine.measure",

@@ -12,7 +12,8 @@ notebook would be imported in their place. ``import vitlab`` checks that each of
 itself comes from, and says in one sentence which file is in the way otherwise (:func:`check_packages`).
 
 The attributes are loaded when first used (``import vitlab`` imports no torch): :func:`analyze`, :func:`activations`,
-:func:`iter_activations`, :func:`tap_names` (analysis/frontends/api.py), :class:`Measure`, :func:`register`,
+:func:`iter_activations`, :func:`tap_names` (analysis/frontends/api.py), :func:`open_activations` (a folder
+activations(out=) wrote: analysis/results/activation_store.py), :class:`Measure`, :func:`register`,
 :class:`Context`, :func:`measures` (analysis/engine/measure.py: a measure of your own), :func:`load_recipe`,
 :func:`train` (a recipe, from Python), :func:`load_pretrained` (the bundled real ViT-S/14:
 analysis/sources/pretrained.py).
@@ -35,6 +36,7 @@ _LAZY = {
     "activations": ("analysis", "activations"),
     "iter_activations": ("analysis", "iter_activations"),
     "tap_names": ("analysis", "tap_names"),
+    "open_activations": ("analysis", "open_activations"),
     "Measure": ("analysis", "Measure"),
     "register": ("analysis", "register"),
     "Context": ("analysis", "Context"),

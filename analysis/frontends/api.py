@@ -33,14 +33,13 @@ streamed minibatch by minibatch to the CPU, into one tensor per tap or onto disk
 
     acts = vitlab.activations(model, images, taps=["blocks.*.attn_probs", "blocks.5.out"], batch_size=128)
     acts["blocks.3.attn_probs"]                  # Tensor [N, heads, T, T]; acts["labels"]: [N] (-1 where unknown)
-    acts = vitlab.activations("runs/default", taps="blocks.*.out", out="acts/")  # acts/blocks.0.out.npy ... (mmapped)
+    acts = vitlab.activations("runs/default", taps="blocks.*.out", out="acts/")  # sharded .npy files, resumable
+    for start, batch in acts.iter(batch_size=512): ...  # read back a minibatch at a time (memory maps)
 """
 
 from __future__ import annotations
 
 import fnmatch
-import json
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +51,7 @@ import torch
 from analysis.engine.suite import float32_forward, problem, run_suite, suite_options
 from analysis.engine.taps import TapError, Taps, arch_of, available_taps, block_kinds, block_names
 from analysis.families.base import UnknownFamily
+from analysis.results import activation_store as AS
 from analysis.results import publish, storage
 from analysis.results import runs as RF
 from analysis.sources import models as MS
@@ -283,14 +283,17 @@ def _prepare(model, images, labels, taps, batch_size, normalize, part):
     return net, data, tap_names(net, taps)
 
 
-def _stream(net, data, names: list[str], batch_size: int, dtype) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+def _stream(
+    net, data, names: list[str], batch_size: int, dtype, first: int = 0
+) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """The minibatches from image ``first`` on (a multiple of ``batch_size``)."""
     split = data.analysis
     device = next(net.parameters()).device
     was_training = net.training
     net.eval()
     try:
         with float32_forward(net), torch.no_grad():
-            for start in range(0, len(split), batch_size):
+            for start in range(first, len(split), batch_size):
                 x = data.normalize(split.images[start : start + batch_size].to(device))
                 with Taps(net, names, to="cpu", dtype=dtype) as cap:
                     net(x)
@@ -310,63 +313,115 @@ def activations(
     part: str | None = None,
     dtype: torch.dtype | None = None,
     out: str | Path | None = None,
-) -> dict:
+    shard_images: int | None = None,
+):
     """The taps' tensors of ``model`` on ``images``: ``{tap: [N, ...], "labels": [N]}`` (labels -1 where unknown).
 
     ``model``: a model of any family (as in :func:`analyze`) or a run folder (``"runs/default"``,
     ``"runs/default:600"``; its own analysis images unless ``images`` are given; ``part`` as in :func:`analyze`).
     ``images``: a tensor [N, C, H, W] (uint8 or float) or an iterable of (images, labels) batches. ``taps``: tap names
     or glob patterns (:func:`tap_names`; default every block's output). The forward runs ``batch_size`` images at a time
-    and each minibatch's tensors go straight to their place: with ``out=None`` into one CPU tensor per tap; with ``out``
-    a folder (it must not exist or be empty) onto disk, ``<out>/<tap>.npy`` per tap and ``labels.npy``, preallocated and
-    filled as the minibatches arrive (so activations larger than memory work), with ``index.json`` listing them; the
-    folder appears whole (written beside it, then renamed) and the returned arrays are read-only memory maps."""
-    dest = None
-    if out is not None:
-        dest = Path(out)
-        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise ValueError(
-                f"the activations folder {dest} already exists and is not empty: choose a new or empty folder."
-            )
-        if dtype == torch.bfloat16:
-            raise ValueError("numpy files cannot hold bfloat16: give dtype=torch.float16 or torch.float32 with out=.")
-    net, data, names = _prepare(model, images, labels, taps, batch_size, normalize, part)
-    n = len(data.analysis)
-    bufs: dict = {}
-    tmp = dest.with_name(dest.name + ".partial") if dest is not None else None
-    if tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    try:
+    and each minibatch's tensors go straight to their place (``dtype``: e.g. torch.float16; float32 by default).
+
+    With ``out=None``: a dict of CPU tensors. With ``out`` a folder: onto disk in shards (analysis/results/
+    activation_store.py: ``shard_XXXXX/<tap>.npy`` and ``labels.npy``, ``shard_images`` images each, by default the most
+    whole minibatches within 256 MiB), each written whole and then listed in ``index.json`` with the sha256 of the
+    model's weights and of the images, so activations larger than memory work and an interrupted extraction (Ctrl-C, a
+    kill) continues where it stopped when called again with the same arguments; a folder made by another model, other
+    images, taps, dtype, batch_size or shard_images is refused (ValueError, one sentence) and left as it is, as is a
+    non-empty folder without an index. bfloat16 is refused (numpy files cannot hold it). Returns
+    :class:`~analysis.results.activation_store.Activations`, a lazy reader: ``acts[tap]`` (a memory map, or the shards
+    concatenated in memory), ``acts.iter(batch_size=...)`` (streams shard by shard)."""
+    if out is None:
+        if shard_images is not None:
+            raise ValueError("shard_images= sets the shards of a folder: give out= too, or leave it out.")
+        bufs: dict = {}
+        net, data, names = _prepare(model, images, labels, taps, batch_size, normalize, part)
         for start, part_ in _stream(net, data, names, batch_size, dtype):
-            if not bufs:  # the first minibatch gives each tap's per-image shape and dtype
-                for k, t in part_.items():
-                    shape = (n, *t.shape[1:])
-                    if tmp is None:
-                        bufs[k] = torch.empty(shape, dtype=t.dtype)
-                    else:
-                        bufs[k] = np.lib.format.open_memmap(
-                            tmp / f"{k}.npy", mode="w+", dtype=t.numpy().dtype, shape=shape
-                        )
             for k, t in part_.items():
-                bufs[k][start : start + len(t)] = t if tmp is None else t.numpy()
-        if tmp is None:
-            return bufs
-        index = {
-            "n_images": n,
-            "batch_size": batch_size,
-            "arrays": {k: {"file": f"{k}.npy", "shape": list(v.shape), "dtype": str(v.dtype)} for k, v in bufs.items()},
-        }
-        for v in bufs.values():
-            v.flush()
-        bufs.clear()
-        (tmp / "index.json").write_text(json.dumps(index, indent=1))
-        if dest.exists():
-            dest.rmdir()  # empty (checked above)
-        tmp.rename(dest)
-        return {k: np.load(dest / f["file"], mmap_mode="r") for k, f in index["arrays"].items()}
-    except BaseException:
-        bufs.clear()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                if k not in bufs:  # the first minibatch gives each tap's per-image shape and dtype
+                    bufs[k] = torch.empty((len(data.analysis), *t.shape[1:]), dtype=t.dtype)
+                bufs[k][start : start + len(t)] = t
+        return bufs
+    return _to_disk(model, images, labels, taps, batch_size, normalize, part, dtype, Path(out), shard_images)
+
+
+def _to_disk(model, images, labels, taps, batch_size, normalize, part, dtype, dest: Path, shard_images):
+    """:func:`activations` with ``out=``: check the folder, hash, then write the shards not yet done."""
+    index = AS.read_index(dest) if dest.is_dir() else None
+    if index is None and not AS.is_fresh(dest):
+        raise ValueError(
+            f"the activations folder {dest} already exists and is not empty (and holds no {AS.INDEX}): choose a new "
+            "or empty folder."
+        )
+    if dtype == torch.bfloat16:
+        raise ValueError("numpy files cannot hold bfloat16: give dtype=torch.float16 or torch.float32 with out=.")
+    net, data, names = _prepare(model, images, labels, taps, batch_size, normalize, part)
+    if shard_images is not None and (
+        not isinstance(shard_images, int)
+        or isinstance(shard_images, bool)
+        or shard_images < 1
+        or shard_images % batch_size
+    ):
+        raise ValueError(
+            f"shard_images must be a positive multiple of batch_size ({batch_size}), not {shard_images!r}, so that "
+            "a continued extraction runs the same minibatches."
+        )
+    split = data.analysis
+    want = {
+        "format": AS.FORMAT,
+        "n_images": len(split),
+        "batch_size": batch_size,
+        "shard_images": shard_images,
+        "dtype": str(dtype or torch.float32).removeprefix("torch."),
+        "taps": {n: None for n in names},
+        "taps_requested": [taps] if isinstance(taps, str) else list(taps),
+        "model_hash": AS.model_hash(net),
+        "images_hash": AS.images_hash(
+            split.images,
+            split.labels,
+            data.normalize(split.images[:2]).float(),
+            (getattr(data, "mean", None), getattr(data, "std", None)),
+        ),
+        "shards": [],
+    }
+    dest.mkdir(parents=True, exist_ok=True)
+    with AS.writer_lock(dest):
+        index = AS.read_index(dest)  # as it is now that this process holds the folder
+        diffs = AS.differences(index, want) if index is not None else []
+        if diffs:
+            raise ValueError(
+                f"the activations in {dest} were made {_and(diffs)}: pass the arguments they were made with to "
+                "continue, or choose a new folder (or delete this one)."
+            )
+        AS.clear_leftovers(dest, index)
+        first = index["shards"][-1]["stop"] if index and index["shards"] else 0
+        shard = None
+        try:
+            for start, rows in _stream(net, data, names, batch_size, dtype, first=first):
+                rows = {k: t.numpy() for k, t in rows.items()}
+                if index is None:  # the first minibatch gives each tap's per-image shape and dtype
+                    index = {**want, "taps": {k: _tap_entry(k, r) for k, r in rows.items() if k != "labels"}}
+                    per_image = sum(r[0].nbytes for r in rows.values())
+                    index["shard_images"] = shard_images or AS.default_shard_images(per_image, batch_size)
+                    AS.write_index(dest, index)  # before any shard is in place: a folder with shards has an index
+                if shard is None:
+                    number, size = len(index["shards"]), index["shard_images"]
+                    shard = AS.ShardWriter(dest, number, start, min(start + size, len(split)), index)
+                shard.put(start, rows)
+                if start + len(rows["labels"]) >= shard.stop:
+                    index["shards"].append(shard.commit())
+                    AS.write_index(dest, index)
+                    shard = None
+        finally:
+            if shard is not None:
+                shard.discard()
+    return AS.Activations(dest)
+
+
+def _tap_entry(name: str, rows: np.ndarray) -> dict:
+    return {"file": f"{name.replace('/', '_')}.npy", "shape": list(rows.shape[1:]), "dtype": str(rows.dtype)}
+
+
+def _and(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]

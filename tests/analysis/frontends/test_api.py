@@ -176,16 +176,17 @@ def test_activations_stream_the_taps_to_a_dict_and_to_disk(tmp_path):
         dtype=torch.float16,
     )
     index = json.loads((tmp_path / "acts" / "index.json").read_text())
-    assert index["n_images"] == 25 and sorted(index["arrays"]) == sorted([*names, "labels"])
+    assert index["n_images"] == 25 and sorted(index["taps"]) == sorted(names) and len(index["shards"]) == 1
+    assert list(disk) == [*names, "labels"] and disk.done == 25 and disk.complete
     assert disk["blocks.1.out"].dtype == np.float16 and not disk["blocks.1.out"].flags.writeable
     np.testing.assert_allclose(disk["blocks.1.out"], acts["blocks.1.out"].numpy(), atol=2e-3, rtol=2e-3)
     np.testing.assert_array_equal(disk["labels"], a.labels.numpy())
-    assert not (tmp_path / "acts.partial").exists()
-    # a folder that holds files is not touched; a pattern that matches nothing is one sentence
+    assert sorted(p.name for p in (tmp_path / "acts").iterdir()) == ["index.json", "shard_00000"]
+    # a folder that holds other files is not touched; a pattern that matches nothing is one sentence
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="already exists and is not empty"):
-        activations(model, a.images, taps="blocks.0.out", out=tmp_path / "acts")
-    assert sorted(p.name for p in (tmp_path / "acts").iterdir()) == sorted(
-        [f"{n}.npy" for n in [*names, "labels"]] + ["index.json"]
-    )
+        activations(model, a.images, taps="blocks.0.out", out=tmp_path / "other")
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["notes.txt"]
     with pytest.raises(ValueError, match="matches no tap.*kinds in, attn_branch"):
         activations(model, a.images, taps="blocks.*.attention")
