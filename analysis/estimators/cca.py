@@ -20,8 +20,9 @@ an orthonormal basis of X's column space (CCA is invariant to any invertible lin
   code's when X's neurons are already uncorrelated with equal variance (a test checks that case).
 
 Both need more examples than directions: with rank X + rank Y > n the column spaces intersect and canonical
-correlations of 1 appear whatever the data (reduce first: SVCCA does). Directions whose variance is below
-``_RANK_TOL`` of the largest are rounding and dropped.
+correlations of 1 appear whatever the data (reduce first: SVCCA does); PWCCA is then not even well defined, as the
+weights of tied correlations depend on which basis of their shared subspace the SVD returns. Directions whose
+variance is below ``_RANK_TOL`` of the largest are rounding and dropped.
 
 Computation: Q_X and the singular values come from the eigendecomposition of the centred float64 Gram X X^T,
 streamed over column chunks: O(n^2 p + n^3) time, O(n^2) memory, never p x p. PWCCA also forms Q_X^T X [r, p] for
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from analysis.estimators.kernels import as_rows, gram64
+from analysis.estimators.kernels import as_rows, chunk_columns, gram64
 
 _RANK_TOL = 1e-12
 
@@ -78,7 +79,7 @@ def neuron_loadings(x, q: torch.Tensor) -> torch.Tensor:
     """Q^T X_c [r, p] (float64, X centred), over column chunks."""
     x = as_rows(x)
     n, p = x.shape
-    cols = max(1, (1 << 22) // max(n, 1))
+    cols = chunk_columns(n)
     out = torch.empty(q.shape[1], p, dtype=torch.float64, device=x.device)
     for c in range(0, p, cols):
         b = x[:, c : c + cols].to(torch.float64)

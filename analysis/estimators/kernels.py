@@ -39,6 +39,11 @@ def as_rows(x) -> torch.Tensor:
     return x.reshape(x.shape[0], -1)
 
 
+def chunk_columns(n: int) -> int:
+    """Columns per float64 chunk of an [n, p] representation (``_CHUNK_ELEMENTS`` elements)."""
+    return max(1, _CHUNK_ELEMENTS // max(n, 1))
+
+
 @torch.no_grad()
 def gram64(x, rows: slice | None = None, centre: bool = False) -> torch.Tensor:
     """X[rows] X^T in float64, [r, n], for x [n, ...] (flattened per example); ``centre`` subtracts the column means
@@ -46,7 +51,7 @@ def gram64(x, rows: slice | None = None, centre: bool = False) -> torch.Tensor:
     multiply-adds, memory O(r n + n * chunk)."""
     x = as_rows(x)
     n, p = x.shape
-    cols = max(1, _CHUNK_ELEMENTS // max(n, 1))
+    cols = chunk_columns(n)
     sel = slice(None) if rows is None else rows
     out = None
     for c in range(0, p, cols):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from analysis.estimators.kernels import as_rows, gram64, permute_gram
+from analysis.estimators.kernels import as_rows, chunk_columns, gram64, permute_gram
 
 # Rows of the similarity matrix formed at once when finding neighbours: memory _ROW_BLOCK x n float64.
 _ROW_BLOCK = 1024
@@ -37,7 +37,7 @@ _ROW_BLOCK = 1024
 def _norms(x: torch.Tensor) -> torch.Tensor:
     """||x_i||, float64 [n], clamped as torch's F.normalize (a zero row keeps zero similarities)."""
     sq = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
-    cols = max(1, (1 << 22) // max(x.shape[0], 1))
+    cols = chunk_columns(x.shape[0])
     for c in range(0, x.shape[1], cols):
         sq += x[:, c : c + cols].to(torch.float64).square().sum(1)
     return sq.sqrt().clamp_min(1e-12)
