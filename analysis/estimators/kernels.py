@@ -114,5 +114,8 @@ def rbf_cka(x, y, threshold: float = 1.0, unbiased: bool = False) -> float:
 def permute_gram(g: torch.Tensor, perms: torch.Tensor) -> torch.Tensor:
     """The Gram of the examples reordered by each permutation: ``g[perm][:, perm]`` for each row of ``perms``
     [B, n], [B, n, n]. Both centrings commute with it (U(P K P^T) = P U(K) P^T), so a centred Gram is permuted
-    as is."""
+    as is. On CPU by numpy's indexing: torch's, at 2 threads on a loaded 2-core host, took 2-70x as long."""
+    if g.device.type == "cpu":
+        p = perms.numpy()
+        return torch.from_numpy(g.numpy()[p[:, :, None], p[:, None, :]])
     return g[perms[:, :, None], perms[:, None, :]]
