@@ -18,7 +18,8 @@ permutation reorders the examples of every layer of Y alike (so cells keep their
 error over cells is controlled by the max statistic (Westfall and Young 1993; Nichols and Holmes 2002): with each
 cell standardised by its own mean and SD over the observed and permuted scores (cells differ in null mean and
 spread, e.g. by width), the adjusted p of a cell is (1 + #{permutations whose largest standardised score over
-all cells >= the cell's}) / (n_perm + 1). A cell with adjusted p <= alpha is significant with family-wise error at most alpha.
+all cells >= the cell's}) / (n_perm + 1). A cell with adjusted p <= alpha is significant with family-wise error at
+most alpha.
 
 Cost. Every estimator known here (:data:`analysis.similarity` lists them) is split into what one representation
 needs, computed once (its centred Gram, k-NN table, Procrustes factor or CCA basis), and the score of a pair with
