@@ -263,7 +263,9 @@ def permutation_test(score: Callable, x, y, n_perm: int = 1000, seed: int = 0) -
     """The permutation null of ``score(x, y)`` (module docstring): y's examples permuted ``n_perm`` times (seeded);
     returns the score, null mean and SD, calibrated score and excess, and the +1-corrected p-value. ``score`` is
     one of the estimators of :mod:`analysis.similarity` (options by ``functools.partial``, e.g.
-    ``partial(rbf_cka, threshold=0.5)``), each permuted without a pass over the features, or any callable."""
+    ``partial(rbf_cka, threshold=0.5)``), each permuted without a pass over the features, or any callable
+    ``score(x, y)`` (called on ``y[perm]``; one whose smaller values mean more alike says so by an attribute
+    ``lower_is_closer = True``)."""
     if n_perm < 2:
         raise ValueError(f"permutation_test needs n_perm >= 2 to estimate the null's spread, got {n_perm}.")
     n = _nrows(x)
@@ -340,8 +342,10 @@ class PermutedMinibatchCKA(MinibatchCKA):
     within that minibatch, and each permutation's HSIC sums accumulate like CKA's. One permutation reorders every
     layer of y alike; a permutation's null CKA map is its sums over the unchanged denominators. :meth:`compute` is
     CKA exactly as :class:`MinibatchCKA`'s; :meth:`result` adds the null (a :class:`PermutedMap`, family-wise p by
-    the max statistic). Per minibatch the null costs L_y gathers of n^2 entries and L_x L_y n^2 multiply-adds per
-    permutation, against CKA's (L_x + L_y) n^2 p / 2 for the Grams."""
+    the max statistic). Per minibatch and permutation the null gathers n(n - 1)/2 entries of every layer of y and
+    costs L_x L_y n^2 / 2 multiply-adds (:class:`GramHalves`), against CKA's (L_x + L_y) n^2 p / 2 for the Grams;
+    it holds n_perm L_x L_y float64 sums. Processes seeded alike draw the same permutations for their own
+    minibatches: still a valid null, as each minibatch's examples are permuted uniformly."""
 
     def __init__(self, unbiased: bool = True, n_perm: int = 1000, seed: int = 0):
         super().__init__(unbiased)
