@@ -306,6 +306,25 @@ def _map_result(score: np.ndarray, null: np.ndarray, lower: bool) -> PermutedMap
     return PermutedMap(**_summary(score, null, lower), p_fwer=fwer_adjusted(score, null, lower), null=null, lower=lower)
 
 
+def _gram_map(sxs: list, sys_: list, perms: torch.Tensor, n: int) -> PermutedMap:
+    """permutation_map for the Gram-based CKAs: the layers' centred Grams stacked into one :class:`GramHalves` per
+    side, so a batch of permutations gathers each entry of every layer of y once (as :class:`PermutedMinibatchCKA`)."""
+
+    def stacked(sides):
+        grams = torch.stack([h.entries[:, 0] for (h, _) in sides])  # [L, n*n]
+        return GramHalves(grams, n), torch.stack([norm for (_, norm) in sides])
+
+    hx, nx = stacked(sxs)
+    hy, ny = (hx, nx) if sys_ is sxs else stacked(sys_)
+    scale = nx[:, None] * ny[None, :]
+    observed = (hx.products(hy, _identity(n))[0] / scale).cpu().numpy()
+    draws = np.empty((perms.shape[0], len(sxs), len(sys_)))
+    step = max(1, _BATCH_ELEMENTS // 2 // (n * n * len(sys_)))
+    for b in range(0, perms.shape[0], step):
+        draws[b : b + step] = (hx.products(hy, perms[b : b + step]) / scale).cpu().numpy()
+    return _map_result(observed, draws, lower=False)
+
+
 def permutation_map(
     score: Callable, xs: list, ys: list | None = None, n_perm: int = 1000, seed: int = 0
 ) -> PermutedMap:
@@ -322,6 +341,8 @@ def permutation_map(
     sxs = [null.side(x, **options) for x in xs]
     sys_ = sxs if ys is xs else [null.side(y, **options) for y in ys]
     perms = _permutations(n, n_perm, seed)
+    if null.pair is _gram_pair:  # Gram-based: every layer pair of a batch of permutations in one product
+        return _gram_map(sxs, sys_, perms, n)
     observed = np.empty((len(xs), len(ys)))
     draws = np.empty((n_perm, len(xs), len(ys)))
     step = _batch(n)
