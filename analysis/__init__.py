@@ -6,7 +6,8 @@ The package is laid out by role, each depending only on those above it:
 
     families/    one adapter per model family: what the engine knows of its blocks, taps, tokens, preprocessing
     engine/      the measure protocol and registry, the suite, the taps, minibatch order and reductions
-    estimators/  CKA and HSIC, linear probes, pooled features, attention-map reductions, noise floors
+    estimators/  CKA and HSIC, other similarity scores and their permutation nulls (public from
+                 analysis.similarity), linear probes, pooled features, attention-map reductions, noise floors
     measures/    one measure per file, registered by name
     results/     run folders, result storage and caching, TensorBoard and figures
     sources/     where models and images come from (run checkpoints, timm / transformers / open_clip, photos)

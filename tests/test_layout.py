@@ -87,3 +87,17 @@ def test_other_libraries_are_imported_in_their_adapter_only():
                 if any(n == lib or n.startswith(lib + ".") for n in names):
                     users.append(f.relative_to(ROOT).as_posix())
         assert sorted(set(users)) == [f"analysis/families/{home}"], (lib, users)
+
+
+# Public modules at analysis/'s top, outside the rooms: each re-exports one room's names (its public place, whatever
+# the layout of the rooms becomes) and no room imports it.
+PUBLIC = {"analysis.similarity": "estimators"}
+
+
+def test_public_modules_re_export_their_room_only():
+    modules = _modules()
+    for public, room in PUBLIC.items():
+        assert public in modules, public
+        assert modules[public] and all(_room(d) == room for d in modules[public]), (public, modules[public])
+        users = [m for m, deps in modules.items() if public in deps and _room(m)]
+        assert not users, (public, users)

@@ -1,0 +1,62 @@
+"""Representational similarity: the public place of the estimators and their permutation nulls.
+
+    from analysis.similarity import cka, rbf_cka, mutual_knn, permutation_test
+
+Scores of two representations X [n, ...] and Y [n, ...] of the same n examples (features flattened per example;
+torch tensors or numpy arrays), each defined, sourced and costed in its module's docstring:
+
+    cka(X, Y, unbiased=True)               linear CKA (Kornblith et al. 2019), unbiased HSIC_1 (Song et al. 2012)
+    MinibatchCKA(unbiased=True)            all-pairs linear CKA summed over minibatches (Nguyen et al. 2021)
+    represent(tokens, how)                 a layer's tokens -> one row per example (flatten, cls, mean_spatial)
+    hsic_gram(X, unbiased)                 one minibatch's centred linear Gram and its HSIC scale
+    rbf_cka(X, Y, threshold=1.0, unbiased=False)
+                                           CKA with Kornblith et al. 2019's RBF kernel (median-distance bandwidth)
+    mutual_knn(X, Y, k=10)                 mutual k-NN alignment (Huh et al. 2024)
+    cknna(X, Y, k=10)                      CKNNA, as Huh et al. 2024's code defines it
+    procrustes_distance(X, Y)              2 - 2 ||X^T Y||_* (Ding et al. 2021); smaller is more alike
+    procrustes_angle(X, Y)                 arccos ||X^T Y||_* (Williams et al. 2021); smaller is more alike
+    svcca(X, Y, keep=0.99)                 SVCCA (Raghu et al. 2017)
+    pwcca(X, Y)                            projection-weighted CCA (Morcos et al. 2018)
+
+Their permutation nulls (analysis/estimators/permutation.py):
+
+    permutation_test(score, X, Y, n_perm=1000, seed=0)   -> Permuted: score, null mean / SD, z, excess, p
+    permutation_map(score, Xs, Ys, n_perm=1000, seed=0)  -> PermutedMap: layer x layer maps, p and FWER-adjusted p
+    PermutedMinibatchCKA(unbiased, n_perm, seed)         minibatch CKA and its null in one pass
+
+Options go by keyword through ``functools.partial``: ``permutation_test(partial(mutual_knn, k=5), X, Y)``.
+"""
+
+from analysis.estimators.cca import pwcca, svcca
+from analysis.estimators.kernels import rbf_cka
+from analysis.estimators.neighbours import cknna, mutual_knn
+from analysis.estimators.permutation import (
+    Permuted,
+    PermutedMap,
+    PermutedMinibatchCKA,
+    fwer_adjusted,
+    permutation_map,
+    permutation_test,
+)
+from analysis.estimators.procrustes import procrustes_angle, procrustes_distance
+from analysis.estimators.similarity import MinibatchCKA, cka, hsic_gram, represent
+
+__all__ = [
+    "MinibatchCKA",
+    "Permuted",
+    "PermutedMap",
+    "PermutedMinibatchCKA",
+    "cka",
+    "cknna",
+    "fwer_adjusted",
+    "hsic_gram",
+    "mutual_knn",
+    "permutation_map",
+    "permutation_test",
+    "procrustes_angle",
+    "procrustes_distance",
+    "pwcca",
+    "rbf_cka",
+    "represent",
+    "svcca",
+]
