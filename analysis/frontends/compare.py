@@ -20,7 +20,14 @@ from pathlib import Path
 import numpy as np
 
 from analysis.engine import suite as S
-from analysis.engine.figures import attention_distance_panels, every_nth, layer_ticks, save, subplots
+from analysis.engine.figures import (
+    attention_distance_panels,
+    every_nth,
+    layer_ticks,
+    norm_ratio_axes,
+    save,
+    subplots,
+)
 from analysis.engine.measure import MeasureError, as_list
 from analysis.frontends import runner as RN
 from analysis.frontends.cli import measure_options
@@ -44,10 +51,24 @@ def _panels(n: int, w: float = 3.2, h: float = 2.8, **kw):
     return fig, list(axes.flat[:n])
 
 
-def cka_grid(results: dict, path: Path) -> Path:
+def cka_grid(results: dict, path: Path) -> Path | None:
+    """:func:`cka_grid_figure` saved to ``path``."""
+    return _save(cka_grid_figure(results), path)
+
+
+def _save(fig, path: Path) -> Path | None:
+    if fig is None:
+        return None
+    save(fig, path)
+    return path
+
+
+def cka_grid_figure(results: dict):
     """Every run's CKA between its layers, one panel each (origin bottom-left), one colourbar from 0 to 1, every layer
     named (every n-th beyond analysis.engine.figures.MAX_TICK_LABELS, said in the axis labels)."""
     items = [(k, r["cka"]) for k, r in results.items() if "cka" in r]
+    if not items:
+        return None
     fig, axes = _panels(len(items), w=3.6, h=3.6, layout="constrained")
     im = None
     for ax, (name, r) in zip(axes, items):
@@ -60,11 +81,15 @@ def cka_grid(results: dict, path: Path) -> Path:
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.8).set_label("CKA")
     fig.suptitle("CKA between layers")
-    save(fig, path)
-    return path
+    return fig
 
 
 def depth_lines(curves: dict, ylabel: str, path: Path, ylim: float = 1.0, chance: float | None = None) -> Path | None:
+    """:func:`depth_figure` saved to ``path``."""
+    return _save(depth_figure(curves, ylabel, ylabel, ylim, chance), path)
+
+
+def depth_figure(curves: dict, ylabel: str, title: str, ylim: float = 1.0, chance: float | None = None):
     """One line per run against normalised depth (Raghu Fig. 11 right, 12, 13); ``curves`` {label: [L]}."""
     if not curves:
         return None
@@ -73,16 +98,22 @@ def depth_lines(curves: dict, ylabel: str, path: Path, ylim: float = 1.0, chance
         ax.plot(np.linspace(0, 1, len(v)), v, marker="o", ms=3, label=name)
     if chance is not None:
         ax.axhline(chance, color="grey", ls=":", lw=1, label="chance")
-    ax.set_xlabel("normalised depth")
+    ax.set_xlabel("normalised depth (0 = first block, 1 = last)")
     ax.set_ylabel(ylabel)
     ax.set_ylim(0, ylim)
     ax.legend(fontsize=6)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    save(fig, path)
-    return path
+    return fig
 
 
 def probe_lines(results: dict, path: Path) -> Path | None:
+    """:func:`probe_figure` saved to ``path``."""
+    return _save(probe_figure(results), path)
+
+
+def probe_figure(results: dict):
+    """Each run's few-shot probe top-1 against normalised depth (its CLS pool, else mean of the spatial tokens)."""
     items = [(k, r["fewshot_probe"]) for k, r in results.items() if "fewshot_probe" in r]
     if not items:
         return None
@@ -91,10 +122,18 @@ def probe_lines(results: dict, path: Path) -> Path | None:
         pools = as_list(r["pools"])
         pool = "cls" if "cls" in pools else "mean_spatial" if "mean_spatial" in pools else pools[0]
         curves[f"{name} ({pool})"] = np.asarray(r["mean"])[pools.index(pool)]
-    return depth_lines(curves, f"{int(items[0][1]['shots'])}-shot top-1", path, chance=float(items[0][1]["chance"]))
+    shots = int(items[0][1]["shots"])
+    return depth_figure(
+        curves, f"{shots}-shot top-1 (fraction)", f"{shots}-shot linear probe", chance=float(items[0][1]["chance"])
+    )
 
 
 def attention_panels(results: dict, path: Path) -> Path | None:
+    """:func:`attention_figure` saved to ``path``."""
+    return _save(attention_figure(results), path)
+
+
+def attention_figure(results: dict):
     """Raghu Fig. 3 vs 4: each ViT's mean attention distance per head (coloured by head, named in the legend) and
     block, and uniform attention's distance on its grid (dotted)."""
     panels = {
@@ -104,29 +143,39 @@ def attention_panels(results: dict, path: Path) -> Path | None:
     }
     if not panels:
         return None
-    save(attention_distance_panels(panels, unit="px"), path)
-    return path
+    return attention_distance_panels(panels, unit="px")
 
 
 def norm_ratio_panels(results: dict, path: Path) -> Path | None:
+    """:func:`norm_ratio_figure` saved to ``path``."""
+    return _save(norm_ratio_figure(results), path)
 
+
+def norm_ratio_figure(results: dict):
+    """Raghu Fig. 7 right for several runs: each run's norm ratio ||z|| / ||f(z)|| (skip path over branch) per block,
+    of the CLS token and the mean over the spatial tokens, for each sublayer, on one log scale; dotted: ratio 1."""
     items = [(k, NormRatioMeasure.curves(r["norm_ratio"])) for k, r in results.items() if "norm_ratio" in r]
     if not items:
         return None
-    fig, axes = _panels(len(items), sharey=True)
-    for ax, (name, curves) in zip(axes, items):
-        for k, v in curves.items():
-            ax.plot(range(len(v)), v, marker="o", ms=2, label=k)
-        ax.set_yscale("log")
+    fig, axes = _panels(len(items), w=3.6, h=3.2, sharey=True)
+    for i, (ax, (name, curves)) in enumerate(zip(axes, items)):
+        norm_ratio_axes(ax, curves, legend_size=5)
         ax.set_title(name, fontsize=8)
-        ax.legend(fontsize=5)
+        if i % 4:  # the y scale is shared: labelled once a row
+            ax.set_ylabel("")
+    fig.suptitle("norm ratio ||z|| / ||f(z)|| per block: the CLS token and the mean of the spatial tokens", fontsize=9)
     fig.tight_layout()
-    save(fig, path)
-    return path
+    return fig
 
 
 def reference_lines(same: dict, ref_name: str, path: Path) -> Path | None:
-    return depth_lines(same, f"CKA to {ref_name}, same layer", path, ylim=1.02)
+    """:func:`reference_figure` saved to ``path``."""
+    return _save(reference_figure(same, ref_name), path)
+
+
+def reference_figure(same: dict, ref_name: str):
+    """Raghu Fig. 12: each run's CKA with ``ref_name`` at the same layer index, against normalised depth."""
+    return depth_figure(same, f"CKA to {ref_name}, same layer", f"similarity to {ref_name} per layer", ylim=1.02)
 
 
 def compare(

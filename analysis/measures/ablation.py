@@ -841,7 +841,7 @@ def sublayer_plot(r: dict, metric: np.ndarray, label: str, title: str):
     skip-vs-branch norm ratios and Fig. 8's no-skip blocks, here as test-time removals); right: CKA of the LAST
     block's output with the unablated model's after each of those ablations."""
     blocks = as_list(r["blocks"])
-    fig, axes = subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = subplots(1, 2, figsize=(10, 4.4), layout="constrained")
     curves = per_block(r, metric)
     cka_last = per_block(r, np.asarray(r["cka"], dtype=float)[:, -1])
     for kind, v in curves.items():
@@ -863,7 +863,7 @@ def sublayer_plot(r: dict, metric: np.ndarray, label: str, title: str):
         blocks,
         _UNITS[label],
         f"{_how(r)}-ablation (skip paths: {np.asarray(r['skip'])!s}): {_NAMES[label]}",
-        legend_size=6,
+        legend=False,
     )
     finish_block_axes(
         fig,
@@ -872,10 +872,11 @@ def sublayer_plot(r: dict, metric: np.ndarray, label: str, title: str):
         "CKA(last block, unablated last block)",
         "representation kept at the last block",
         ylim=(-0.05, 1.05),
-        legend_size=6,
+        legend=False,
     )
+    # one legend for both panels, below them, where it covers no line
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
     return fig
 
 
