@@ -40,6 +40,18 @@ def sig(v, digits: int = 3) -> str:
     return str(v)
 
 
+def rounded(x, digits: int = 3):
+    """``x`` (nested dicts and lists) with every float rounded to ``digits`` significant digits, for JSON shown to a
+    reader (the files keep every digit)."""
+    if isinstance(x, dict):
+        return {k: rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [rounded(v, digits) for v in (x.tolist() if isinstance(x, np.ndarray) else x)]
+    if isinstance(x, (float, np.floating)) and np.isfinite(x):
+        return float(sig(x, digits))
+    return x
+
+
 def _summary_rows(summary: dict) -> list[str]:
     """One row per number of each measure's summary; nested keys (clustering's metric/pool/statistic) joined by /."""
     rows = ["| measure | key | value (per layer where a list) |", "| --- | --- | --- |"]

@@ -16,6 +16,7 @@ from analysis.engine.measure import load_result
 from analysis.engine.taps import grid_of
 from analysis.frontends import runner as RN
 from analysis.measures.aligned_attention import MAX_OFFSET, MIN_MASS
+from analysis.reports.run_report import rounded
 from analysis.results import folders as RF0
 from analysis.results import runs as RF
 from analysis.sources import models as MS
@@ -212,7 +213,7 @@ def measure_numbers(res: dict) -> dict:
             for i, s in enumerate(("attn", "mlp"))
         },
         "offset_local_heads": [
-            f"block {b + 1} head {h} ({int(al['peak_offset'][b, h, 0]):+d}, {int(al['peak_offset'][b, h, 1]):+d}): "
+            f"block {b} head {h} ({int(al['peak_offset'][b, h, 0]):+d}, {int(al['peak_offset'][b, h, 1]):+d}): "
             f"{float(al['peak_mass'][b, h]):.2f} of its attention in the window"
             for b, h in zip(*np.nonzero(np.asarray(al["offset_local"])))
         ],
@@ -284,15 +285,15 @@ def _distance(s: dict, rel) -> list[str]:
         "",
         f"Uniform attention over the {s['grid'][0]} x {s['grid'][1]} grid: {u:.1f} px between patch centres. "
         "Raghu Fig. 3 (ViT-L/H, JFT): the lowest blocks mix heads near zero distance with heads near image size; "
-        "higher blocks are all global. Walmer Fig. 4 (ViT-B/16, DINO among others): more global heads in layer 1, "
-        "a dip around layers 3-6, distances trending up in the later layers.",
+        "higher blocks are all global. Walmer Fig. 4 (ViT-B/16, DINO among others): more global heads in layer 1 "
+        "(block 0 here), a dip around layers 3-6 (blocks 2-5), distances trending up in the later layers.",
         "",
         "| block | smallest head (px) | x uniform | mean of heads (px) | largest head (px) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for b in range(len(ad["mean_px"])):
         lines.append(
-            f"| {b + 1} | {ad['min_px'][b]:.1f} | {ad['min_px'][b] / u:.2f} | {ad['mean_px'][b]:.1f} | "
+            f"| {b} | {ad['min_px'][b]:.1f} | {ad['min_px'][b] / u:.2f} | {ad['mean_px'][b]:.1f} | "
             f"{ad['max_px'][b]:.1f} |"
         )
     return [*lines, "", f"![attention distance]({rel('attention_distance_vs_uniform.png')})", ""]
@@ -318,10 +319,10 @@ def _norm_ratios(s: dict) -> list[str]:
         "",
         "‖z‖ / ‖f(z)‖ with f(z) the branch as added to the residual (after LayerScale), mean over images; spatial: "
         "mean over the spatial tokens. Raghu: CLS high (carried by the skip path) in the first half, the spatial "
-        "tokens' higher in the second half. Block 1's attention sublayer has a CLS input that is the same for "
+        "tokens' higher in the second half. Block 0's attention sublayer has a CLS input that is the same for "
         "every image (cls_token + pos_embed[0]).",
         "",
-        "| block | " + " | ".join(str(b + 1) for b in range(L)) + " |",
+        "| block | " + " | ".join(str(b) for b in range(L)) + " |",
         "| --- |" + " --- |" * L,
     ]
     for sub in ("attn", "mlp"):
@@ -341,7 +342,8 @@ def _claims(s: dict) -> list[str]:
         "did not hold = a significant reversal after Holm). A head a claim needs is chosen on the probe-train crops "
         "and tested on the analysis views. The CI is about this model on these images.",
         "",
-        "Blocks are numbered from 1, as in the tables above. Each part's effect is written in the paper's direction: "
+        "Blocks are numbered from 0, as in the tables above, the figures and TensorBoard (the papers' layer n is "
+        "block n - 1). Each part's effect is written in the paper's direction: "
         "positive is what the paper says.",
         "",
         "| claim | figure | verdict | parts: effect in the paper's direction [95% CI] |",
@@ -387,8 +389,10 @@ def _other_measures(s: dict) -> list[str]:
     return [
         "## Other measures on this model (key numbers per block)",
         "",
+        "Lists run over the blocks from block 0, rounded to 3 significant digits (every digit: real-vit.json).",
+        "",
         "```",
-        json.dumps(s["other_measures"], indent=None, default=float)[:6000],
+        json.dumps(rounded(s["other_measures"]), indent=None, default=float)[:6000],
         "```",
         "",
     ]
