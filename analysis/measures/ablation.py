@@ -783,15 +783,16 @@ _LABELS = {
     "shortcut": "shortcut (skip path)",
 }
 _UNITS = {
-    "top1_drop": "top-1 drop (points)",
-    "knn_drop": "k-NN top-1 drop (points)",
+    "top1_drop": "top-1 drop (fraction of images)",
+    "knn_drop": "k-NN top-1 drop (fraction of images)",
     "loss_increase": "loss increase (nats)",
 }
 _NAMES = {"top1_drop": "top-1 drop", "knn_drop": "k-NN top-1 drop", "loss_increase": "loss increase"}
 
 
 def _scale(label: str) -> float:
-    return 1.0 if label == "loss_increase" else 100.0
+    """Drawn as stored: top-1 as a fraction (as every accuracy in the summaries and reports), loss in nats."""
+    return 1.0
 
 
 def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
@@ -810,7 +811,7 @@ def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
                 ax.text(
                     hh,
                     b,
-                    f"{m[b, hh]:.1f}" if label != "loss_increase" else f"{m[b, hh]:.2f}",
+                    f"{m[b, hh]:.3f}",
                     ha="center",
                     va="center",
                     fontsize=6,
@@ -828,8 +829,7 @@ def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
     )
     ax.set_title(
         f"{title}\n(unablated {'loss' if label == 'loss_increase' else 'top-1'} "
-        f"{clean * (1 if label == 'loss_increase' else 100):.1f}"
-        f"{'' if label == 'loss_increase' else '%'}, {int(np.asarray(r['n_images']))} images)",
+        f"{clean:.3f}{' nats' if label == 'loss_increase' else ''}, {int(np.asarray(r['n_images']))} images)",
         fontsize=8,
     )
     fig.tight_layout()

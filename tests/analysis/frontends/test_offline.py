@@ -94,6 +94,13 @@ def test_against_itself_gives_a_cka_diagonal_of_one_and_a_whole_report(runs, tmp
     text = report.read_text()
     assert "## Step 8" in text and "## Step 4" in text and "Against other runs" in text and text.count("![") >= 10
     assert check_report(report) == []
+    # a reader's report: the checkpoints' table first, the conventions once, every figure captioned, long lists last
+    assert text.index("## Checkpoints at a glance") < text.index("## Step 8") < text.index("## Step 4")
+    assert "| 8 | " in text and "| 4 | " in text and text.count("numbered from 0") == 1
+    lines = text.splitlines()
+    figures = [i for i, line in enumerate(lines) if line.startswith("![")]
+    assert all(lines[i + 2].startswith("*") and lines[i + 2].endswith("*") for i in figures)
+    assert "## Appendix" not in text or text.index("## Appendix") > text.index("Against other runs")
 
 
 def test_against_a_resnet_gives_the_cross_architecture_map(runs, tmp_path):

@@ -113,3 +113,13 @@ def test_compare_figures_are_labelled(results):
     nr = figs["norm_ratio"]
     assert nr.axes[0].get_xlabel() == BLOCK_AXIS and "ratio" in nr.axes[0].get_ylabel()
     assert any(line.get_label().startswith("ratio 1") for line in nr.axes[0].get_lines())  # the reference line
+
+
+def test_every_measure_figure_has_a_caption_in_the_run_report(results):
+    from analysis.reports.run_report import CAPTIONS, caption
+
+    reg = registry()
+    tags = [tag for name in sorted(reg) for tag in reg[name].figures(results[name], None)]
+    stems = [tag.replace("/", "_") for tag in tags]
+    assert not [s for s in stems if caption(s) == s.replace("_", " ") + "."], "a figure without a caption"
+    assert len({caption(s) for s in stems}) > len(CAPTIONS) // 2  # not one caption for everything
