@@ -8,7 +8,8 @@ computed with the offline suite), then the comparison draws into ``--out`` (defa
 - ``attention_distance.png``  attention distance per head and block, one panel per ViT (Fig. 3 vs 4)
 - ``norm_ratio.png``      CLS and spatial-token norm ratios per run (Fig. 7)
 - ``similarity_to_reference.png``  with --reference: CKA of same-index layers to the reference run (Fig. 12)
-- ``report.md``           a table of each run's top-1 and key numbers, and the figures.
+- ``report.md``           which step of each run was compared, a table of each run's top-1 and key numbers, and
+                          the figures, each with a caption.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from analysis.frontends.cli import measure_options
 from analysis.measures.attention_distance import AttentionDistanceMeasure
 from analysis.measures.norm_ratio import NormRatioMeasure
 from analysis.reports import cross as XC
-from analysis.reports.run_report import fmt
+from analysis.reports.run_report import LONG, sig
 from analysis.results import folders as RF0
 from analysis.results import runs as RF
 from analysis.results import storage
@@ -193,9 +194,10 @@ def compare(
     if len(set(names)) != len(names):
         raise RF0.AnalysisError(f"two runs have the same folder name ({names}): copy or rename one to compare them.")
     out = Path(out) if out else runs[0].path.parent / ("compare-" + "-".join(names))[:120]
-    results, top1, same = {}, {}, {}
+    results, top1, same, steps = {}, {}, {}, {}
     for run in runs:
         s = run.step(step)
+        steps[run.name] = None if run.external is not None else s  # a model from elsewhere: its weights, no step
         RN.analyze_run(run, [s], opts, progress=progress)
         results[run.name] = storage.load_results(RF.step_dir(run, s), opts.measures)
         if run.external is None:
@@ -221,9 +223,27 @@ def compare(
     if reference is not None:
         figs.append(reference_lines(same, reference[0].name, out / "similarity_to_reference.png"))
     figs = [f for f in figs if f is not None]
-    res = {"results": results, "same_index": same, "top1": top1, "figures": figs, "out": out}
+    res = {"results": results, "same_index": same, "top1": top1, "figures": figs, "out": out, "steps": steps}
     write_compare_report(res, reference)
     return res
+
+
+CAPTIONS = {
+    "cka_grid": "CKA between every pair of layers of each run, one panel per run (Raghu Fig. 1, 8).",
+    "probes": "Few-shot linear probe top-1 against normalised depth, one line per run (its CLS pool, else the mean of "
+    "the spatial tokens); chance dotted (Raghu Fig. 11 right, 13).",
+    "attention_distance": "Mean attention distance per head and block, one panel per ViT; dotted: uniform attention "
+    "on its grid (Raghu Fig. 3, 4).",
+    "norm_ratio": "Norm ratio ||z|| / ||f(z)|| per block, CLS token and mean of the spatial tokens, one panel per run; "
+    "dotted: ratio 1, above it the skip path dominates (Raghu Fig. 7).",
+    "similarity_to_reference": "CKA of each run's layer with the reference run's layer of the same index, against "
+    "normalised depth (Raghu Fig. 12).",
+}
+
+
+def _at(res: dict, name: str) -> str:
+    s = res.get("steps", {}).get(name)
+    return "its weights (not trained here)" if s is None else f"step {s}"
 
 
 def write_compare_report(res: dict, reference=None) -> Path:
@@ -231,8 +251,16 @@ def write_compare_report(res: dict, reference=None) -> Path:
     lines = [
         "# Comparison",
         "",
-        "| run | top-1 | CKA mean off-diag | probe, last block | mean attention distance (px) |",
-        "| --- | --- | --- | --- | --- |",
+        "Compared: "
+        + "; ".join(f"{name} at {_at(res, name)}" for name in res["results"])
+        + (f"; reference {reference[0].name} at step {reference[1]}" if reference is not None else "")
+        + ".",
+        "",
+        "Blocks are numbered from 0 in the figures; numbers are rounded to 3 significant digits; top-1 and probe "
+        "accuracies are fractions of images, distances pixels of the input.",
+        "",
+        "| run | step | eval top-1 | CKA mean off-diagonal | probe top-1, last block | mean attention distance (px) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in res["results"].items():
         summ = storage.summary_of(r)
@@ -240,14 +268,27 @@ def write_compare_report(res: dict, reference=None) -> Path:
         pool = next((p for p in ("cls", "mean_spatial", "mean") if p in probe), None)
         ad = summ.get("attention_distance", {}).get("mean_px")
         cka = summ.get("cka", {}).get("mean_offdiag", float("nan"))
+        step, top1 = res.get("steps", {}).get(name), res["top1"].get(name)
         lines.append(
-            f"| {name} | {fmt(res['top1'].get(name, float('nan')))} | {fmt(cka)} | "
-            f"{fmt(probe[pool][-1]) if pool else 'n/a'} | {fmt(np.mean(ad)) if ad else 'n/a'} |"
+            f"| {name} | {'n/a' if step is None else step} | {'n/a' if top1 is None else sig(top1)} | {sig(cka)} | "
+            f"{f'{sig(probe[pool][-1])} ({pool})' if pool else 'n/a'} | "
+            f"{sig(float(np.mean(ad))) if ad else 'n/a'} |"
         )
+    same = [""]
     if res["same_index"]:
-        lines += ["", f"CKA of same-index layers to {reference[0].name} (step {reference[1]}):", ""]
-        lines += [f"- {k}: {fmt(v)}" for k, v in res["same_index"].items()]
-    lines += [""] + [f"![{p.stem}]({p.name})" for p in res["figures"]]
+        same = ["", f"CKA of same-index layers to {reference[0].name} (step {reference[1]}), from block 0:", ""]
+        same += [f"- {k}: {sig(v)}" for k, v in res["same_index"].items()]
+        long = max(np.asarray(v).size for v in res["same_index"].values()) > LONG
+        if long:  # after the figures, which show them
+            lines += ["", "The CKA of same-index layers to the reference, layer by layer: in the appendix."]
+    else:
+        long = False
+    if not long:
+        lines += same
+    for p in res["figures"]:
+        lines += ["", f"![{p.stem}]({p.name})", "", f"*{CAPTIONS.get(p.stem, p.stem.replace('_', ' '))}*"]
+    if long:
+        lines += ["", "## Appendix", *same]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -137,7 +137,10 @@ def test_compare_draws_runs_side_by_side(runs, tmp_path):
     ):
         assert (out / f).is_file(), f
     assert check_report(out / "report.md") == []
-    assert "| vit |" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "| vit | 8 |" in text and "| resnet | 8 |" in text  # each run at its last step, said
+    assert "Compared: vit at step 8; resnet at step 8; reference vit at step 4." in text
+    assert text.count("![") == text.count("\n*") == 5  # every figure captioned
 
 
 def test_compare_on_runs_too_small_for_the_probe_is_one_sentence(runs, tmp_path, capsys):
