@@ -4,6 +4,8 @@ wherever colour is a value, and no "step" in the title of a model from elsewhere
 Small multiples may label their axes once for the grid (``fig.supxlabel`` / ``fig.supylabel``), or on the panel at
 the foot of a column and the start of a row, as a paper's grid does."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -123,3 +125,26 @@ def test_every_measure_figure_has_a_caption_in_the_run_report(results):
     stems = [tag.replace("/", "_") for tag in tags]
     assert not [s for s in stems if caption(s) == s.replace("_", " ") + "."], "a figure without a caption"
     assert len({caption(s) for s in stems}) > len(CAPTIONS) // 2  # not one caption for everything
+
+
+def test_study_figures_are_labelled(monkeypatch, tmp_path):
+    """The figures the study plug-ins draw themselves (Walmer's objectives side by side, the real ViT's distances),
+    on made-up numbers: 3 objectives x 2 seeds, 4 blocks x 2 heads."""
+    from analysis.studies.real_vit import figures as RV
+    from analysis.studies.walmer2023 import sections as W
+
+    drawn = {}
+    for module in (W, RV):
+        monkeypatch.setattr(module, "save", lambda fig, path: drawn.__setitem__(Path(path).stem, fig))
+    rng = np.random.default_rng(0)
+    objectives = ("supervised", "dino", "mae")
+    W._attention_figure({o: [rng.uniform(0.1, 0.6, (4, 2)) for _ in range(2)] for o in objectives}, tmp_path / "a.png")
+    curves = {o: [rng.uniform(0, 1, 4) for _ in range(2)] for o in objectives}
+    W._panels_figure({"k-NN": (curves, "top-1 (fraction)", {"random": [rng.uniform(0, 0.2, 4)]}, (0, 1))}, "t", "p")
+    m = np.eye(3) + 0.5 * (1 - np.eye(3))
+    W._cka_last_figure({"CLS token": m, "all tokens": m}, list(objectives), tmp_path / "c.png")
+    RV.distance_figure(rng.uniform(10, 100, (4, 2)), 80.0, tmp_path / "d.png")
+    assert set(drawn) == {"a", "p", "c", "d"}
+    bad = {name: problems(fig) for name, fig in drawn.items() if problems(fig)}
+    assert not bad, bad
+    assert drawn["d"].axes[0].get_xlabel() == BLOCK_AXIS and drawn["d"].axes[0].get_xticks()[0] == 0  # from block 0
