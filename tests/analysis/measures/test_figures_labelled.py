@@ -24,19 +24,24 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DATA = {"train_size": 256, "eval_size": 128, "probe_train_size": 200, "analysis_size": 64}
 
 
-@pytest.fixture(scope="module")
-def results():
-    """Every registered measure on a 3-block ViT with a CLS token (about 10 s)."""
+def _suite(model_cfg: dict) -> dict:
+    """Every registered measure that applies, on a 3-block model of ``model_cfg`` (one thread)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        r = from_dict({"data": DATA, "model": {"depth": 3, "embed_dim": 32, "num_heads": 2}})
+        r = from_dict({"data": DATA, "model": {"depth": 3, "embed_dim": 32, "num_heads": 2, **model_cfg}})
         torch.manual_seed(0)
         model, data = build_model(r, 10), build_data(r)
         opts = suite_options(None, 32, {"fewshot_probe": {"seeds": [0]}, "token_probes": {"seeds": [0]}})
         return run_suite(model, data, opts, measures=sorted(registry()))
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def results():
+    """Every registered measure on a 3-block ViT with a CLS token (about 10 s)."""
+    return _suite({})
 
 
 def _colourbars(fig) -> list:
@@ -95,6 +100,16 @@ def test_every_measure_figure_is_labelled(results):
                     p.append("the step is not in the title")
                 if p:
                     bad[f"{tag} (step {step})"] = p
+    assert not bad, bad
+
+
+def test_a_resnets_figures_are_labelled():
+    """The figures drawn differently for a ResNet (one "block" sublayer, shortcuts, stages as layers), about 10 s."""
+    res = _suite({"arch": "resnet", "resnet_layers": [1, 1, 1, 1], "resnet_channels": [8, 8, 16, 16]})
+    reg = registry()
+    figs = {tag: fig for name in res if name in reg for tag, fig in reg[name].figures(res[name], 600).items()}
+    assert {"norm_ratio/lines", "erf/maps", "ablation/sublayers"} <= set(figs)
+    bad = {tag: problems(fig) for tag, fig in figs.items() if problems(fig)}
     assert not bad, bad
 
 
