@@ -289,7 +289,7 @@ def token_patch_maps(cka: np.ndarray, grid: tuple[int, int], tokens: list[int] |
     tokens = example_tokens((gh, gw)) if tokens is None else tokens
     cols = min(3, len(tokens))
     rows = -(-len(tokens) // cols)
-    fig, axes = subplots(rows, cols, figsize=(2.0 * cols + 0.8, 2.0 * rows + 0.5), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(2.0 * cols + 1.2, 2.0 * rows + 0.8), squeeze=False, layout="constrained")
     m = np.asarray(cka, dtype=np.float64)
     finite = m[np.isfinite(m)]
     vmax = max(float(finite.max()), 1e-6) if finite.size else 1.0

@@ -358,7 +358,7 @@ def token_maps(acc: np.ndarray, grids: np.ndarray, token_index: np.ndarray, laye
     n = len(layers)
     cols = min(4, n)
     rows = -(-n // cols)
-    fig, axes = subplots(rows, cols, figsize=(2.0 * cols + 0.8, 2.0 * rows + 0.5), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(2.0 * cols + 1.2, 2.0 * rows + 0.8), squeeze=False, layout="constrained")
     vmax = max(float(np.nanmax(acc)), 1e-6) if np.isfinite(acc).any() else 1.0
     im = None
     for i, ax in enumerate(axes.flat):
