@@ -90,7 +90,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import Attention, Block
 from tqdm.auto import tqdm
 
-from analysis.engine.figures import finish_block_axes, subplots
+from analysis.engine.figures import finish_block_axes, subplots, wrap
 from analysis.engine.measure import Context, Measure, MeasureError, as_list, register
 from analysis.engine.reduce import all_reduce_tree, collect
 from analysis.engine.taps import Taps
@@ -800,7 +800,7 @@ def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
     each cell annotated; a diverging colour scale centred on 0 (red: the model gets worse)."""
     m = hm * _scale(label)
     nb, nh = m.shape
-    fig, ax = subplots(figsize=(1.0 + 0.55 * nh + 1.2, 1.2 + 0.4 * nb))
+    fig, ax = subplots(figsize=(max(4.2, 1.0 + 0.6 * nh + 1.4), 1.6 + 0.4 * nb), layout="constrained")
     lim = float(np.nanmax(np.abs(m))) if np.isfinite(m).any() else 1.0
     im = ax.imshow(m, cmap="RdBu_r", vmin=-lim or -1, vmax=lim or 1, aspect="auto")
     cb = fig.colorbar(im, ax=ax, fraction=0.046)
@@ -815,6 +815,7 @@ def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
                     ha="center",
                     va="center",
                     fontsize=6,
+                    color="white" if abs(m[b, hh]) > 0.6 * (lim or 1) else "black",  # readable on the dark ends
                 )
     ax.set_xticks(range(nh))
     ax.set_yticks(range(nb), [f"block {b}" for b in range(nb)], fontsize=7)
@@ -827,12 +828,12 @@ def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
         if label == "knn_drop"
         else _f(r["clean_loss"])
     )
+    chars = int(0.65 * fig.get_figwidth() * 72 / (8 * 0.55))  # 8-pt characters across the axes (not the colourbar)
     ax.set_title(
-        f"{title}\n(unablated {'loss' if label == 'loss_increase' else 'top-1'} "
+        wrap(title, chars) + f"\n(unablated {'loss' if label == 'loss_increase' else 'top-1'} "
         f"{clean:.3f}{' nats' if label == 'loss_increase' else ''}, {int(np.asarray(r['n_images']))} images)",
         fontsize=8,
     )
-    fig.tight_layout()
     return fig
 
 
