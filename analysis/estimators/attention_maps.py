@@ -104,12 +104,14 @@ def map_grid(
     shared: bool = True,
     scale_label: str = "attention weight",
     cell: tuple[str, str] = ("key patch column", "key patch row"),
+    uniform: float | None = None,
 ):
     """Grid of maps [L, H, h, w]: rows are blocks, columns heads (Walmer Fig. 2, 3, 17, 18). ``shared``: one colour
     scale from 0 to the largest value of any map, shown by a colourbar labelled ``scale_label``, so panels compare;
     otherwise each map divided by its own maximum, on one colourbar from 0 to 1 (the map's maximum). ``marked`` [L, H]
     heads get a red frame and their ``peaks`` offset as title; ``midlines`` draws the canvas centre lines (Walmer's red
-    mid-lines). ``cell``: what x and y are inside one map, said with the rows (blocks, from 0) and columns (heads)."""
+    mid-lines). ``cell``: what x and y are inside one map, said with the rows (blocks, from 0) and columns (heads);
+    ``uniform``: uniform attention's weight, marked on a shared colourbar."""
     m = np.asarray(maps, dtype=float)
     if not shared:
         top = np.nanmax(np.where(np.isfinite(m), m, np.nan), axis=(2, 3), keepdims=True) if np.isfinite(m).any() else 1
@@ -149,6 +151,11 @@ def map_grid(
         cb = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=min(1.0, 0.4 + 0.1 * n_l), aspect=30)
         cb.set_label(scale_label if shared else f"{scale_label}\n/ the map's maximum", fontsize=7)
         cb.ax.tick_params(labelsize=6)
+        if shared and uniform is not None and 0 < uniform <= top_all:
+            cb.ax.axhline(uniform, color="white", lw=1.2, ls=":")
+            cb.ax.text(
+                -0.3, uniform, "uniform", transform=cb.ax.get_yaxis_transform(), ha="right", va="center", fontsize=6
+            )
     grid_labels(fig, f"columns: heads; in each map: {cell[0]}", f"rows: blocks (0 = first); in each map: {cell[1]}", 6)
     chars = max(30, int(fig.get_figwidth() * 72 / (8 * 0.55)))  # characters of 8-pt text across the figure
     fig.suptitle("\n".join(wrap(line, chars) for line in title.split("\n")), fontsize=8)
