@@ -21,16 +21,6 @@ from analysis.sources.images import BUNDLED
 from train.checkpoint import CheckpointError, read_meta
 
 
-def fmt(v, digits: int = 3) -> str:
-    """Numbers for tables: floats rounded, lists of floats joined."""
-    if isinstance(v, (list, tuple, np.ndarray)):
-        v = list(np.asarray(v).reshape(-1))
-        return " ".join(fmt(x, digits) for x in v)
-    if isinstance(v, (float, np.floating)):
-        return f"{float(v):.{digits}f}"
-    return str(v)
-
-
 def _rel(path: Path, base: Path) -> str:
     return path.resolve().relative_to(base.resolve()).as_posix()
 
