@@ -196,7 +196,8 @@ CAPTIONS = [  # (file-name pattern, what the figure shows): one line under each 
         "Single-token probe top-1 averaged over the spatial tokens, and the CLS token's, per layer "
         "(Raghu Fig. 11 left).",
     ),
-    (r"cross_cka", "CKA between every layer of this run and every layer of the other run."),
+    (r"cross_cka", "CKA between every layer of this run and every layer of the other run (Raghu Fig. 2)."),
+    (r"same_index", "CKA of each layer with the other run's layer of the same index (Raghu Fig. 12)."),
     (
         r"head_subsets",
         "CKA of subsets of heads, ordered by attention distance, with the other run's layers (Raghu Fig. 5).",
