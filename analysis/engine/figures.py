@@ -8,6 +8,7 @@ renders them off the training path, analysis/frontends/callbacks.py) and nothing
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 import threading
 
@@ -28,6 +29,8 @@ def subplots(nrows: int = 1, ncols: int = 1, figsize=None, layout=None, **kw):
     return fig, fig.subplots(nrows, ncols, **kw)
 
 
+BLOCK_AXIS = "block (0 = first)"  # one block numbering everywhere: from 0, as in TensorBoard tags, tables and reports
+RATIO_LABEL = "norm ratio ||z|| / ||f(z)||\n(skip / branch, unitless, log scale)"
 MAX_TICK_LABELS = 40  # layer names per axis that 6-pt labels fit on a 4-inch axis; more: every n-th, said
 
 
@@ -79,10 +82,10 @@ def norm_ratio_heatmap(ratio: np.ndarray, blocks: list[str], title: str, max_tok
     fig, ax = subplots(figsize=(5, 4))
     im = ax.imshow(np.log10(np.maximum(r, 1e-6)), origin="upper", aspect="auto", cmap="viridis")
     cb = fig.colorbar(im, ax=ax, fraction=0.046)
-    cb.set_label("log10 norm ratio")
+    cb.set_label("log10 norm ratio ||z|| / ||f(z)||")
     ax.set_xticks(range(len(blocks)), blocks, rotation=90, fontsize=6)
     ax.set_ylabel(f"{shown or 'token'} (0 = CLS)" if has_cls else shown or "token")
-    ax.set_xlabel("block")
+    ax.set_xlabel(BLOCK_AXIS)
     ax.set_title(title)
     fig.tight_layout()
     return fig
@@ -98,24 +101,42 @@ def _depth_axis(ax, labels: list[str], xlabel: str, ylabel: str, ylim=None) -> N
     ax.set_ylabel(ylabel)
 
 
-def finish_block_axes(fig, ax, blocks: list[str], ylabel: str, title: str, ylim=None, legend_size: int = 7):
-    """The common end of a per-block line figure: block names on x (at most ~12 shown), labels, legend, title."""
-    _depth_axis(ax, blocks, "block", ylabel, ylim)
-    ax.legend(fontsize=legend_size)
+def finish_block_axes(
+    fig, ax, blocks: list[str], ylabel: str, title: str, ylim=None, legend_size: int = 7, legend: bool = True
+):
+    """The common end of a per-block line figure: block names on x (at most ~12 shown), labels, legend (``legend``:
+    on the axes; else the caller draws one for the figure), title."""
+    _depth_axis(ax, blocks, BLOCK_AXIS, ylabel, ylim)
+    if legend:
+        ax.legend(fontsize=legend_size)
     ax.set_title(title)
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     return fig
+
+
+def ratio_one(ax) -> None:
+    """The norm ratio 1 (skip path and branch equally large), dotted: above it the skip path dominates."""
+    ax.axhline(1.0, color="k", ls=":", lw=1, label="ratio 1 (skip = branch)")
+
+
+def norm_ratio_axes(ax, curves: dict[str, np.ndarray], legend_size: float = 7) -> None:
+    """Norm-ratio curves on ``ax`` (log y, integer blocks from 0), the ratio-1 line, labels and legend."""
+    for name, v in curves.items():
+        ax.plot(range(len(v)), v, marker="o", ms=3, label=name)
+    ratio_one(ax)
+    ax.set_yscale("log")
+    n = max((len(v) for v in curves.values()), default=0)
+    ax.set_xticks(range(0, n, max(1, n // 12)))
+    ax.set_xlabel(BLOCK_AXIS)
+    ax.set_ylabel(RATIO_LABEL, fontsize=8)
+    ax.legend(fontsize=legend_size)
 
 
 def norm_ratio_lines(curves: dict[str, np.ndarray], title: str = "norm ratio ||z|| / ||f(z)||"):
     """Raghu Fig. 7 right: norm ratio per block, e.g. {'attn CLS': [...], 'attn spatial': [...], ...}."""
     fig, ax = subplots(figsize=(5, 3.5))
-    for name, v in curves.items():
-        ax.plot(range(len(v)), v, marker="o", ms=3, label=name)
-    ax.set_yscale("log")
-    ax.set_xlabel("block")
-    ax.set_ylabel("norm ratio")
-    ax.legend(fontsize=7)
+    norm_ratio_axes(ax, curves)
     ax.set_title(title)
     fig.tight_layout()
     return fig
@@ -155,7 +176,7 @@ def attention_distance_plot(
     top = max([float(np.nanmax(d)) if np.isfinite(d).any() else 1.0, uniform or 0.0])
     ax.set_ylim(0, 1.08 * top)
     ax.set_xticks(range(d.shape[0]))
-    ax.set_xlabel("block (by depth)")
+    ax.set_xlabel(BLOCK_AXIS)
     ax.set_ylabel(f"mean attention distance\n({unit})", fontsize=9)
     if sc is not None:
         fig.colorbar(sc, ax=ax, fraction=0.046).set_label("head")
@@ -171,7 +192,7 @@ def attention_distance_panels(
     unit: str = "pixels",
 ):
     """Raghu Fig. 3 / Fig. 4 (ViT Fig. 7 right) for several runs: one panel per run ``{title: (dist [blocks, heads],
-    uniform)}``, x = block (by depth), y = each head's mean attention distance (one dot per head, coloured by head),
+    uniform)}``, x = block (from 0), y = each head's mean attention distance (one dot per head, coloured by head),
     dotted line = uniform attention's distance on the run's grid, dashed = ``threshold`` x uniform when given."""
     n = max(1, len(panels))
     cols = min(4, n)
@@ -188,7 +209,7 @@ def attention_distance_panels(
         ax.set_xticks(range(d.shape[0]))
         top = float(np.nanmax(d)) if np.isfinite(d).any() else 1.0
         ax.set_ylim(0, max(1.15 * (uniform or 0.0), 1.05 * top))
-        ax.set_xlabel("block (by depth)")
+        ax.set_xlabel(BLOCK_AXIS)
         ax.set_ylabel(f"mean distance ({unit})", fontsize=8)
         ax.set_title(name, fontsize=8)
         if i == 0:
@@ -251,6 +272,21 @@ def depth_plot(panels: dict[str, tuple[np.ndarray, np.ndarray]], pools: list[str
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def wrap(text: str, width: int) -> str:
+    """``text`` in lines of at most ``width`` characters, never breaking "step 600" or "block 3" (a number stays with
+    the word before it)."""
+    glued = re.sub(r"\b(step|block|head|token|tokens|of) (\d)", "\\1\u00a0\\2", text)  # textwrap splits on ASCII
+    return textwrap.fill(glued, width).replace("\u00a0", " ")  # whitespace only
+
+
+def grid_labels(fig, x: str, y: str, fontsize: float = 7) -> None:
+    """One x and one y label for a grid of small multiples (what the rows, the columns and each panel's axes are),
+    wrapped to the figure's width and height."""
+    w, h = fig.get_size_inches()
+    fig.supxlabel(wrap(x, max(20, int(w * 72 / (fontsize * 0.6)))), fontsize=fontsize)
+    fig.supylabel(wrap(y, max(20, int(h * 72 / (fontsize * 0.6)))), fontsize=fontsize)
 
 
 def save(fig, path) -> None:

@@ -11,13 +11,12 @@ per-block float64 sums reduced over processes (:class:`BlockSums`), entropy and 
 from __future__ import annotations
 
 import re
-import textwrap
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from analysis.engine.figures import subplots
+from analysis.engine.figures import grid_labels, subplots, wrap
 from analysis.engine.measure import Context, Measure
 from analysis.engine.reduce import all_reduce_tree
 
@@ -106,18 +105,25 @@ def map_grid(
     midlines: bool = False,
     shared: bool = True,
     scale_label: str = "attention weight",
+    cell: tuple[str, str] = ("key patch column", "key patch row"),
+    uniform: float | None = None,
 ):
     """Grid of maps [L, H, h, w]: rows are blocks, columns heads (Walmer Fig. 2, 3, 17, 18). ``shared``: one colour
     scale from 0 to the largest value of any map, shown by a colourbar labelled ``scale_label``, so panels compare;
-    otherwise each map on its own scale from 0 to its maximum (said in the title). ``marked`` [L, H] heads get a red
-    frame and their ``peaks`` offset as title; ``midlines`` draws the canvas centre lines (Walmer's red mid-lines)."""
-    m = np.asarray(maps)
+    otherwise each map divided by its own maximum, on one colourbar from 0 to 1 (the map's maximum). ``marked`` [L, H]
+    heads get a red frame and their ``peaks`` offset as title; ``midlines`` draws the canvas centre lines (Walmer's red
+    mid-lines). ``cell``: what x and y are inside one map, said with the rows (blocks, from 0) and columns (heads);
+    ``uniform``: uniform attention's weight, marked on a shared colourbar."""
+    m = np.asarray(maps, dtype=float)
+    if not shared:
+        top = np.nanmax(np.where(np.isfinite(m), m, np.nan), axis=(2, 3), keepdims=True) if np.isfinite(m).any() else 1
+        m = m / np.where(np.isfinite(top) & (top > 0), top, 1.0)
     n_l, n_h = m.shape[:2]
     size = min(1.1, 14.0 / max(n_l, n_h))
     fig, axes = subplots(
         n_l,
         n_h,
-        figsize=(0.6 + size * n_h + (0.9 if shared else 0), 0.9 + size * n_l),
+        figsize=(1.5 + size * n_h, 1.3 + size * n_l),
         squeeze=False,
         layout="constrained",
     )
@@ -126,7 +132,7 @@ def map_grid(
     for i in range(n_l):
         for h in range(n_h):
             ax = axes[i, h]
-            top = top_all if shared else (float(np.nanmax(m[i, h])) if np.isfinite(m[i, h]).any() else 1.0)
+            top = top_all if shared else 1.0
             im = ax.imshow(m[i, h], cmap="viridis", interpolation="nearest", vmin=0.0, vmax=top if top > 0 else 1.0)
             ax.set_xticks([])
             ax.set_yticks([])
@@ -143,12 +149,16 @@ def map_grid(
                 ax.set_ylabel(block_label(blocks[i], i), fontsize=6)
             if i == n_l - 1:
                 ax.set_xlabel(f"head {h}", fontsize=6)
-    if shared and im is not None:
+    if im is not None:
         cb = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=min(1.0, 0.4 + 0.1 * n_l), aspect=30)
-        cb.set_label(scale_label, fontsize=7)
+        cb.set_label(scale_label if shared else f"{scale_label}\n/ the map's maximum", fontsize=7)
         cb.ax.tick_params(labelsize=6)
-    else:
-        title += "\n(each map on its own colour scale, 0 to its maximum)"
+        if shared and uniform is not None and 0 < uniform <= top_all:
+            cb.ax.axhline(uniform, color="white", lw=1.2, ls=":")
+            cb.ax.text(
+                -0.3, uniform, "uniform", transform=cb.ax.get_yaxis_transform(), ha="right", va="center", fontsize=6
+            )
+    grid_labels(fig, f"columns: heads; in each map: {cell[0]}", f"rows: blocks (0 = first); in each map: {cell[1]}", 6)
     chars = max(30, int(fig.get_figwidth() * 72 / (8 * 0.55)))  # characters of 8-pt text across the figure
-    fig.suptitle("\n".join(textwrap.fill(line, chars) for line in title.split("\n")), fontsize=8)
+    fig.suptitle("\n".join(wrap(line, chars) for line in title.split("\n")), fontsize=8)
     return fig

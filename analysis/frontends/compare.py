@@ -8,7 +8,8 @@ computed with the offline suite), then the comparison draws into ``--out`` (defa
 - ``attention_distance.png``  attention distance per head and block, one panel per ViT (Fig. 3 vs 4)
 - ``norm_ratio.png``      CLS and spatial-token norm ratios per run (Fig. 7)
 - ``similarity_to_reference.png``  with --reference: CKA of same-index layers to the reference run (Fig. 12)
-- ``report.md``           a table of each run's top-1 and key numbers, and the figures.
+- ``report.md``           which step of each run was compared, a table of each run's top-1 and key numbers, and
+                          the figures, each with a caption.
 """
 
 from __future__ import annotations
@@ -20,14 +21,21 @@ from pathlib import Path
 import numpy as np
 
 from analysis.engine import suite as S
-from analysis.engine.figures import attention_distance_panels, every_nth, layer_ticks, save, subplots
+from analysis.engine.figures import (
+    attention_distance_panels,
+    every_nth,
+    layer_ticks,
+    norm_ratio_axes,
+    save,
+    subplots,
+)
 from analysis.engine.measure import MeasureError, as_list
 from analysis.frontends import runner as RN
 from analysis.frontends.cli import measure_options
 from analysis.measures.attention_distance import AttentionDistanceMeasure
 from analysis.measures.norm_ratio import NormRatioMeasure
 from analysis.reports import cross as XC
-from analysis.reports.run_report import fmt
+from analysis.reports.run_report import LONG, sig
 from analysis.results import folders as RF0
 from analysis.results import runs as RF
 from analysis.results import storage
@@ -44,10 +52,24 @@ def _panels(n: int, w: float = 3.2, h: float = 2.8, **kw):
     return fig, list(axes.flat[:n])
 
 
-def cka_grid(results: dict, path: Path) -> Path:
+def cka_grid(results: dict, path: Path) -> Path | None:
+    """:func:`cka_grid_figure` saved to ``path``."""
+    return _save(cka_grid_figure(results), path)
+
+
+def _save(fig, path: Path) -> Path | None:
+    if fig is None:
+        return None
+    save(fig, path)
+    return path
+
+
+def cka_grid_figure(results: dict):
     """Every run's CKA between its layers, one panel each (origin bottom-left), one colourbar from 0 to 1, every layer
     named (every n-th beyond analysis.engine.figures.MAX_TICK_LABELS, said in the axis labels)."""
     items = [(k, r["cka"]) for k, r in results.items() if "cka" in r]
+    if not items:
+        return None
     fig, axes = _panels(len(items), w=3.6, h=3.6, layout="constrained")
     im = None
     for ax, (name, r) in zip(axes, items):
@@ -60,11 +82,15 @@ def cka_grid(results: dict, path: Path) -> Path:
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.8).set_label("CKA")
     fig.suptitle("CKA between layers")
-    save(fig, path)
-    return path
+    return fig
 
 
 def depth_lines(curves: dict, ylabel: str, path: Path, ylim: float = 1.0, chance: float | None = None) -> Path | None:
+    """:func:`depth_figure` saved to ``path``."""
+    return _save(depth_figure(curves, ylabel, ylabel, ylim, chance), path)
+
+
+def depth_figure(curves: dict, ylabel: str, title: str, ylim: float = 1.0, chance: float | None = None):
     """One line per run against normalised depth (Raghu Fig. 11 right, 12, 13); ``curves`` {label: [L]}."""
     if not curves:
         return None
@@ -73,16 +99,22 @@ def depth_lines(curves: dict, ylabel: str, path: Path, ylim: float = 1.0, chance
         ax.plot(np.linspace(0, 1, len(v)), v, marker="o", ms=3, label=name)
     if chance is not None:
         ax.axhline(chance, color="grey", ls=":", lw=1, label="chance")
-    ax.set_xlabel("normalised depth")
+    ax.set_xlabel("normalised depth (0 = first block, 1 = last)")
     ax.set_ylabel(ylabel)
     ax.set_ylim(0, ylim)
     ax.legend(fontsize=6)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    save(fig, path)
-    return path
+    return fig
 
 
 def probe_lines(results: dict, path: Path) -> Path | None:
+    """:func:`probe_figure` saved to ``path``."""
+    return _save(probe_figure(results), path)
+
+
+def probe_figure(results: dict):
+    """Each run's few-shot probe top-1 against normalised depth (its CLS pool, else mean of the spatial tokens)."""
     items = [(k, r["fewshot_probe"]) for k, r in results.items() if "fewshot_probe" in r]
     if not items:
         return None
@@ -91,10 +123,18 @@ def probe_lines(results: dict, path: Path) -> Path | None:
         pools = as_list(r["pools"])
         pool = "cls" if "cls" in pools else "mean_spatial" if "mean_spatial" in pools else pools[0]
         curves[f"{name} ({pool})"] = np.asarray(r["mean"])[pools.index(pool)]
-    return depth_lines(curves, f"{int(items[0][1]['shots'])}-shot top-1", path, chance=float(items[0][1]["chance"]))
+    shots = int(items[0][1]["shots"])
+    return depth_figure(
+        curves, f"{shots}-shot top-1 (fraction)", f"{shots}-shot linear probe", chance=float(items[0][1]["chance"])
+    )
 
 
 def attention_panels(results: dict, path: Path) -> Path | None:
+    """:func:`attention_figure` saved to ``path``."""
+    return _save(attention_figure(results), path)
+
+
+def attention_figure(results: dict):
     """Raghu Fig. 3 vs 4: each ViT's mean attention distance per head (coloured by head, named in the legend) and
     block, and uniform attention's distance on its grid (dotted)."""
     panels = {
@@ -104,29 +144,39 @@ def attention_panels(results: dict, path: Path) -> Path | None:
     }
     if not panels:
         return None
-    save(attention_distance_panels(panels, unit="px"), path)
-    return path
+    return attention_distance_panels(panels, unit="px")
 
 
 def norm_ratio_panels(results: dict, path: Path) -> Path | None:
+    """:func:`norm_ratio_figure` saved to ``path``."""
+    return _save(norm_ratio_figure(results), path)
 
+
+def norm_ratio_figure(results: dict):
+    """Raghu Fig. 7 right for several runs: each run's norm ratio ||z|| / ||f(z)|| (skip path over branch) per block,
+    of the CLS token and the mean over the spatial tokens, for each sublayer, on one log scale; dotted: ratio 1."""
     items = [(k, NormRatioMeasure.curves(r["norm_ratio"])) for k, r in results.items() if "norm_ratio" in r]
     if not items:
         return None
-    fig, axes = _panels(len(items), sharey=True)
-    for ax, (name, curves) in zip(axes, items):
-        for k, v in curves.items():
-            ax.plot(range(len(v)), v, marker="o", ms=2, label=k)
-        ax.set_yscale("log")
+    fig, axes = _panels(len(items), w=3.6, h=3.2, sharey=True)
+    for i, (ax, (name, curves)) in enumerate(zip(axes, items)):
+        norm_ratio_axes(ax, curves, legend_size=5)
         ax.set_title(name, fontsize=8)
-        ax.legend(fontsize=5)
+        if i % 4:  # the y scale is shared: labelled once a row
+            ax.set_ylabel("")
+    fig.suptitle("norm ratio ||z|| / ||f(z)|| per block: the CLS token and the mean of the spatial tokens", fontsize=9)
     fig.tight_layout()
-    save(fig, path)
-    return path
+    return fig
 
 
 def reference_lines(same: dict, ref_name: str, path: Path) -> Path | None:
-    return depth_lines(same, f"CKA to {ref_name}, same layer", path, ylim=1.02)
+    """:func:`reference_figure` saved to ``path``."""
+    return _save(reference_figure(same, ref_name), path)
+
+
+def reference_figure(same: dict, ref_name: str):
+    """Raghu Fig. 12: each run's CKA with ``ref_name`` at the same layer index, against normalised depth."""
+    return depth_figure(same, f"CKA to {ref_name}, same layer", f"similarity to {ref_name} per layer", ylim=1.02)
 
 
 def compare(
@@ -144,9 +194,10 @@ def compare(
     if len(set(names)) != len(names):
         raise RF0.AnalysisError(f"two runs have the same folder name ({names}): copy or rename one to compare them.")
     out = Path(out) if out else runs[0].path.parent / ("compare-" + "-".join(names))[:120]
-    results, top1, same = {}, {}, {}
+    results, top1, same, steps = {}, {}, {}, {}
     for run in runs:
         s = run.step(step)
+        steps[run.name] = None if run.external is not None else s  # a model from elsewhere: its weights, no step
         RN.analyze_run(run, [s], opts, progress=progress)
         results[run.name] = storage.load_results(RF.step_dir(run, s), opts.measures)
         if run.external is None:
@@ -172,9 +223,27 @@ def compare(
     if reference is not None:
         figs.append(reference_lines(same, reference[0].name, out / "similarity_to_reference.png"))
     figs = [f for f in figs if f is not None]
-    res = {"results": results, "same_index": same, "top1": top1, "figures": figs, "out": out}
+    res = {"results": results, "same_index": same, "top1": top1, "figures": figs, "out": out, "steps": steps}
     write_compare_report(res, reference)
     return res
+
+
+CAPTIONS = {
+    "cka_grid": "CKA between every pair of layers of each run, one panel per run (Raghu Fig. 1, 8).",
+    "probes": "Few-shot linear probe top-1 against normalised depth, one line per run (its CLS pool, else the mean of "
+    "the spatial tokens); chance dotted (Raghu Fig. 11 right, 13).",
+    "attention_distance": "Mean attention distance per head and block, one panel per ViT; dotted: uniform attention "
+    "on its grid (Raghu Fig. 3, 4).",
+    "norm_ratio": "Norm ratio ||z|| / ||f(z)|| per block, CLS token and mean of the spatial tokens, one panel per run; "
+    "dotted: ratio 1, above it the skip path dominates (Raghu Fig. 7).",
+    "similarity_to_reference": "CKA of each run's layer with the reference run's layer of the same index, against "
+    "normalised depth (Raghu Fig. 12).",
+}
+
+
+def _at(res: dict, name: str) -> str:
+    s = res.get("steps", {}).get(name)
+    return "its weights (not trained here)" if s is None else f"step {s}"
 
 
 def write_compare_report(res: dict, reference=None) -> Path:
@@ -182,8 +251,16 @@ def write_compare_report(res: dict, reference=None) -> Path:
     lines = [
         "# Comparison",
         "",
-        "| run | top-1 | CKA mean off-diag | probe, last block | mean attention distance (px) |",
-        "| --- | --- | --- | --- | --- |",
+        "Compared: "
+        + "; ".join(f"{name} at {_at(res, name)}" for name in res["results"])
+        + (f"; reference {reference[0].name} at step {reference[1]}" if reference is not None else "")
+        + ".",
+        "",
+        "Blocks are numbered from 0 in the figures; numbers are rounded to 3 significant digits; top-1 and probe "
+        "accuracies are fractions of images, distances pixels of the input.",
+        "",
+        "| run | step | eval top-1 | CKA mean off-diagonal | probe top-1, last block | mean attention distance (px) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in res["results"].items():
         summ = storage.summary_of(r)
@@ -191,14 +268,27 @@ def write_compare_report(res: dict, reference=None) -> Path:
         pool = next((p for p in ("cls", "mean_spatial", "mean") if p in probe), None)
         ad = summ.get("attention_distance", {}).get("mean_px")
         cka = summ.get("cka", {}).get("mean_offdiag", float("nan"))
+        step, top1 = res.get("steps", {}).get(name), res["top1"].get(name)
         lines.append(
-            f"| {name} | {fmt(res['top1'].get(name, float('nan')))} | {fmt(cka)} | "
-            f"{fmt(probe[pool][-1]) if pool else 'n/a'} | {fmt(np.mean(ad)) if ad else 'n/a'} |"
+            f"| {name} | {'n/a' if step is None else step} | {'n/a' if top1 is None else sig(top1)} | {sig(cka)} | "
+            f"{f'{sig(probe[pool][-1])} ({pool})' if pool else 'n/a'} | "
+            f"{sig(float(np.mean(ad))) if ad else 'n/a'} |"
         )
+    same = [""]
     if res["same_index"]:
-        lines += ["", f"CKA of same-index layers to {reference[0].name} (step {reference[1]}):", ""]
-        lines += [f"- {k}: {fmt(v)}" for k, v in res["same_index"].items()]
-    lines += [""] + [f"![{p.stem}]({p.name})" for p in res["figures"]]
+        same = ["", f"CKA of same-index layers to {reference[0].name} (step {reference[1]}), from block 0:", ""]
+        same += [f"- {k}: {sig(v)}" for k, v in res["same_index"].items()]
+        long = max(np.asarray(v).size for v in res["same_index"].values()) > LONG
+        if long:  # after the figures, which show them
+            lines += ["", "The CKA of same-index layers to the reference, layer by layer: in the appendix."]
+    else:
+        long = False
+    if not long:
+        lines += same
+    for p in res["figures"]:
+        lines += ["", f"![{p.stem}]({p.name})", "", f"*{CAPTIONS.get(p.stem, p.stem.replace('_', ' '))}*"]
+    if long:
+        lines += ["", "## Appendix", *same]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

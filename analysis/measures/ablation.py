@@ -90,7 +90,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import Attention, Block
 from tqdm.auto import tqdm
 
-from analysis.engine.figures import finish_block_axes, subplots
+from analysis.engine.figures import finish_block_axes, subplots, wrap
 from analysis.engine.measure import Context, Measure, MeasureError, as_list, register
 from analysis.engine.reduce import all_reduce_tree, collect
 from analysis.engine.taps import Taps
@@ -784,15 +784,16 @@ _LABELS = {
     "shortcut": "shortcut (skip path)",
 }
 _UNITS = {
-    "top1_drop": "top-1 drop (points)",
-    "knn_drop": "k-NN top-1 drop (points)",
+    "top1_drop": "top-1 drop (fraction of images)",
+    "knn_drop": "k-NN top-1 drop (fraction of images)",
     "loss_increase": "loss increase (nats)",
 }
 _NAMES = {"top1_drop": "top-1 drop", "knn_drop": "k-NN top-1 drop", "loss_increase": "loss increase"}
 
 
 def _scale(label: str) -> float:
-    return 1.0 if label == "loss_increase" else 100.0
+    """Drawn as stored: top-1 as a fraction (as every accuracy in the summaries and reports), loss in nats."""
+    return 1.0
 
 
 def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
@@ -800,7 +801,7 @@ def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
     each cell annotated; a diverging colour scale centred on 0 (red: the model gets worse)."""
     m = hm * _scale(label)
     nb, nh = m.shape
-    fig, ax = subplots(figsize=(1.0 + 0.55 * nh + 1.2, 1.2 + 0.4 * nb))
+    fig, ax = subplots(figsize=(max(4.2, 1.0 + 0.6 * nh + 1.4), 1.6 + 0.4 * nb), layout="constrained")
     lim = float(np.nanmax(np.abs(m))) if np.isfinite(m).any() else 1.0
     im = ax.imshow(m, cmap="RdBu_r", vmin=-lim or -1, vmax=lim or 1, aspect="auto")
     cb = fig.colorbar(im, ax=ax, fraction=0.046)
@@ -811,10 +812,11 @@ def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
                 ax.text(
                     hh,
                     b,
-                    f"{m[b, hh]:.1f}" if label != "loss_increase" else f"{m[b, hh]:.2f}",
+                    f"{m[b, hh]:.3f}",
                     ha="center",
                     va="center",
                     fontsize=6,
+                    color="white" if abs(m[b, hh]) > 0.6 * (lim or 1) else "black",  # readable on the dark ends
                 )
     ax.set_xticks(range(nh))
     ax.set_yticks(range(nb), [f"block {b}" for b in range(nb)], fontsize=7)
@@ -827,13 +829,12 @@ def head_importance_map(hm: np.ndarray, r: dict, label: str, title: str):
         if label == "knn_drop"
         else _f(r["clean_loss"])
     )
+    chars = int(0.65 * fig.get_figwidth() * 72 / (8 * 0.55))  # 8-pt characters across the axes (not the colourbar)
     ax.set_title(
-        f"{title}\n(unablated {'loss' if label == 'loss_increase' else 'top-1'} "
-        f"{clean * (1 if label == 'loss_increase' else 100):.1f}"
-        f"{'' if label == 'loss_increase' else '%'}, {int(np.asarray(r['n_images']))} images)",
+        wrap(title, chars) + f"\n(unablated {'loss' if label == 'loss_increase' else 'top-1'} "
+        f"{clean:.3f}{' nats' if label == 'loss_increase' else ''}, {int(np.asarray(r['n_images']))} images)",
         fontsize=8,
     )
-    fig.tight_layout()
     return fig
 
 
@@ -842,7 +843,7 @@ def sublayer_plot(r: dict, metric: np.ndarray, label: str, title: str):
     skip-vs-branch norm ratios and Fig. 8's no-skip blocks, here as test-time removals); right: CKA of the LAST
     block's output with the unablated model's after each of those ablations."""
     blocks = as_list(r["blocks"])
-    fig, axes = subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = subplots(1, 2, figsize=(10, 4.4), layout="constrained")
     curves = per_block(r, metric)
     cka_last = per_block(r, np.asarray(r["cka"], dtype=float)[:, -1])
     for kind, v in curves.items():
@@ -864,7 +865,7 @@ def sublayer_plot(r: dict, metric: np.ndarray, label: str, title: str):
         blocks,
         _UNITS[label],
         f"{_how(r)}-ablation (skip paths: {np.asarray(r['skip'])!s}): {_NAMES[label]}",
-        legend_size=6,
+        legend=False,
     )
     finish_block_axes(
         fig,
@@ -873,10 +874,11 @@ def sublayer_plot(r: dict, metric: np.ndarray, label: str, title: str):
         "CKA(last block, unablated last block)",
         "representation kept at the last block",
         ylim=(-0.05, 1.05),
-        legend_size=6,
+        legend=False,
     )
+    # one legend for both panels, below them, where it covers no line
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
     return fig
 
 

@@ -333,6 +333,8 @@ class AlignedAttention(BlockSums):
 
     @staticmethod
     def figures(r: dict, step: int | None = None) -> dict:
+        OFFSETS = ("key column offset dc (patches; 0 = the query's own column)", "key row offset dr (patches)")
+        SCALE = ("share of the attention", "mean attention weight")
         blocks, suffix = as_list(r["blocks"]), (f", step {step}" if step is not None else "")
         mark = np.asarray(r["offset_local"], bool)
         peaks = np.asarray(r["peak_offset"])
@@ -347,6 +349,8 @@ class AlignedAttention(BlockSums):
                 peaks=peaks,
                 midlines=True,
                 shared=False,
+                scale_label=SCALE[0],
+                cell=OFFSETS,
             ),
             "aligned_attention/maps": map_grid(
                 np.asarray(r["maps"]),
@@ -356,5 +360,7 @@ class AlignedAttention(BlockSums):
                 peaks=peaks,
                 midlines=True,
                 shared=False,
+                scale_label=SCALE[1],
+                cell=OFFSETS,
             ),
         }

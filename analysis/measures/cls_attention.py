@@ -132,5 +132,9 @@ class ClsAttention(BlockSums):
         title = "average CLS attention (renormalised over spatial keys)" + (
             f", step {step}" if step is not None else ""
         )
-        maps = map_grid(np.asarray(r["maps"]), as_list(r["blocks"]), title, scale_label="CLS attention weight")
+        m = np.asarray(r["maps"])  # [L, H, gh, gw], each map sums to 1 over the spatial keys
+        title += "; dotted on the scale: uniform attention"
+        maps = map_grid(
+            m, as_list(r["blocks"]), title, scale_label="CLS attention weight", uniform=1.0 / (m.shape[2] * m.shape[3])
+        )
         return {"cls_attention/maps": maps}

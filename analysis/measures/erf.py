@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 from matplotlib.patches import Rectangle
 
-from analysis.engine.figures import finish_block_axes, subplots
+from analysis.engine.figures import finish_block_axes, grid_labels, subplots
 from analysis.engine.measure import Context, Measure, as_list, register
 from analysis.engine.reduce import all_reduce_sum, shard
 from analysis.engine.taps import Taps, block_names
@@ -370,8 +370,8 @@ def assemble(
 
 
 def erf_grid(r: dict, title: str = "effective receptive fields"):
-    """Raghu Fig. 6 / C.1-C.4: one ERF map per block (columns) and variant (rows), each on its own colour scale,
-    with the centre location's input window outlined."""
+    """Raghu Fig. 6 / C.1-C.4: one ERF map per block (columns) and variant (rows), each divided by its own maximum
+    (one colourbar from 0 to 1), with the centre location's input window outlined."""
     blocks = as_list(r["blocks"])
     rows = [
         ("post-residual" + (" (block out)" if "attn_erf" in r else ""), np.asarray(r["erf"])[:, 0]),
@@ -386,21 +386,30 @@ def erf_grid(r: dict, title: str = "effective receptive fields"):
         ]
     win = np.asarray(r["window"])
     nb = len(blocks)
-    fig, axes = subplots(len(rows), nb, figsize=(1.3 * nb + 1.2, 1.35 * len(rows) + 0.6), squeeze=False)
+    fig, axes = subplots(
+        len(rows), nb, figsize=(1.3 * nb + 2.0, 1.35 * len(rows) + 1.0), squeeze=False, layout="constrained"
+    )
+    im = None
     for i, (label, maps) in enumerate(rows):
         for b in range(nb):
             ax = axes[i, b]
-            ax.imshow(maps[b], cmap="viridis", interpolation="nearest")
+            m = np.asarray(maps[b], dtype=float)
+            top = float(np.nanmax(m)) if np.isfinite(m).any() else 1.0
+            im = ax.imshow(m / (top if top > 0 else 1.0), cmap="viridis", interpolation="nearest", vmin=0, vmax=1)
             r0, r1, c0, c1 = (int(v) for v in win[b])
             ax.add_patch(Rectangle((c0 - 0.5, r0 - 0.5), c1 - c0, r1 - r0, fill=False, ec="w", lw=0.6, ls=":"))
             ax.set_xticks([])
             ax.set_yticks([])
             if i == 0:
-                ax.set_title(blocks[b], fontsize=6)
+                ax.set_title(f"block {b}", fontsize=6)
             if b == 0:
                 ax.set_ylabel(label, fontsize=6)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
+    if im is not None:
+        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, aspect=30).set_label(
+            "gradient magnitude / the map's maximum", fontsize=7
+        )
+    grid_labels(fig, "columns: blocks (0 = first); in each map: input pixel column", "in each map: input pixel row", 6)
+    fig.suptitle(f"{title}\ndotted: the centre location's own input window", fontsize=8)
     return fig
 
 

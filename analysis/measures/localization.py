@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from matplotlib.patches import Rectangle
 
-from analysis.engine.figures import subplots
+from analysis.engine.figures import grid_labels, subplots
 from analysis.engine.measure import Context, Measure, as_list, register
 from analysis.engine.reduce import all_reduce_sum, gather_objects
 from analysis.estimators.features import DEFAULT_MAX_SIDE, final_channels, layer_tag, resnet_patch_side, spatial_tokens
@@ -289,7 +289,7 @@ def token_patch_maps(cka: np.ndarray, grid: tuple[int, int], tokens: list[int] |
     tokens = example_tokens((gh, gw)) if tokens is None else tokens
     cols = min(3, len(tokens))
     rows = -(-len(tokens) // cols)
-    fig, axes = subplots(rows, cols, figsize=(2.0 * cols + 0.8, 2.0 * rows + 0.5), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(2.0 * cols + 1.2, 2.0 * rows + 0.8), squeeze=False, layout="constrained")
     m = np.asarray(cka, dtype=np.float64)
     finite = m[np.isfinite(m)]
     vmax = max(float(finite.max()), 1e-6) if finite.size else 1.0
@@ -306,8 +306,9 @@ def token_patch_maps(cka: np.ndarray, grid: tuple[int, int], tokens: list[int] |
         ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, ec="cyan", lw=1.2))
         ax.set_title(f"token {t} ({r},{c})", fontsize=7)
     if im is not None:
-        fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.03)
-    fig.suptitle(title, fontsize=8)
+        fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.03).set_label("CKA with the input patch", fontsize=7)
+    grid_labels(fig, "input patch column", "input patch row")
+    fig.suptitle(f"{title}\ncyan: the token's own patch", fontsize=8)
     return fig
 
 
@@ -328,6 +329,7 @@ def score_plot(
         ax.plot(x, chance, color="grey", ls=":", lw=1, label="chance share")
     ax.set_xticks(x, [lay.rsplit(".", 1)[0] for lay in layers], rotation=90, fontsize=6)
     ax.set_xlabel("layer")
+    ax.set_ylabel("share of tokens (fraction)\nor CKA difference", fontsize=8)
     ax.set_ylim(min(0.0, float(np.nanmin(contrast)) if np.isfinite(contrast).any() else 0.0) - 0.05, 1.05)
     ax.legend(fontsize=7)
     ax.set_title(title)

@@ -57,7 +57,7 @@ import torch
 from matplotlib.ticker import NullFormatter
 from torch import Tensor
 
-from analysis.engine.figures import subplots
+from analysis.engine.figures import grid_labels, subplots
 from analysis.engine.measure import Context, Measure, as_list, register
 from analysis.engine.reduce import all_reduce_tree, collect, gather_objects
 from analysis.estimators.attention_maps import block_label
@@ -447,7 +447,8 @@ def outlier_maps(r: dict, blocks: list[str], at: str = ""):
         ax.set_xticks([])
         ax.set_yticks([])
         ax.set_title(f"{block_label(blocks[i], i)}: {float(np.asarray(r['count'])[i]):.2f}/image", fontsize=7)
-    fig.colorbar(im, ax=list(axes[: len(blocks)]), fraction=0.03)
+    fig.colorbar(im, ax=list(axes[: len(blocks)]), fraction=0.03).set_label("share of images", fontsize=7)
+    grid_labels(fig, "patch column", "patch row")
     fig.suptitle(
         f"where the high-norm outlier tokens are (norm > {float(r['k']):g} x the image's median){at}\n"
         "share of images whose patch token there is an outlier; title: outliers per image",

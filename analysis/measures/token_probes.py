@@ -46,7 +46,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from analysis.engine.figures import subplots
+from analysis.engine.figures import grid_labels, subplots
 from analysis.engine.measure import Context, Measure, as_list, labels_problem, register
 from analysis.engine.reduce import collect
 from analysis.estimators.features import (
@@ -348,7 +348,7 @@ def layer_token_heatmap(acc: np.ndarray, layers: list[str], title: str = ""):
         vmin=0,
         vmax=max(float(np.nanmax(acc)), 1e-6) if np.isfinite(acc).any() else 1,
     )
-    fig.colorbar(im, ax=ax, fraction=0.046).set_label("top-1")
+    fig.colorbar(im, ax=ax, fraction=0.046).set_label("top-1 (fraction)")
     ax.set_yticks(range(len(layers)), [lay.rsplit(".", 1)[0] for lay in layers], fontsize=6)
     ax.set_xlabel("token (spatial, row-major)")
     ax.set_ylabel("layer")
@@ -363,7 +363,7 @@ def token_maps(acc: np.ndarray, grids: np.ndarray, token_index: np.ndarray, laye
     n = len(layers)
     cols = min(4, n)
     rows = -(-n // cols)
-    fig, axes = subplots(rows, cols, figsize=(2.0 * cols + 0.8, 2.0 * rows + 0.5), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(2.0 * cols + 1.2, 2.0 * rows + 0.8), squeeze=False, layout="constrained")
     vmax = max(float(np.nanmax(acc)), 1e-6) if np.isfinite(acc).any() else 1.0
     im = None
     for i, ax in enumerate(axes.flat):
@@ -379,7 +379,8 @@ def token_maps(acc: np.ndarray, grids: np.ndarray, token_index: np.ndarray, laye
         im = ax.imshow(np.ma.masked_invalid(m.reshape(gh, gw)), vmin=0, vmax=vmax, cmap="viridis")
         ax.set_title(layers[i].rsplit(".", 1)[0], fontsize=7)
     if im is not None:
-        fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.03)
+        fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.03).set_label("top-1 (fraction)", fontsize=7)
+    grid_labels(fig, "patch column", "patch row")
     fig.suptitle(title, fontsize=8)
     return fig
 

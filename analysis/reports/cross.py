@@ -177,6 +177,7 @@ def draw_cross(res: dict, fig_dir: Path, name_a: str, name_b: str, heads: dict |
         ax.plot(range(len(v)), v, marker="o", ms=3)
         ax.set_xticks(range(len(v)), as_list(res["labels_a"]), rotation=90, fontsize=6)
         ax.set_ylim(0, 1.02)
+        ax.set_xlabel(f"layer of {name_a} (block 0 first)")
         ax.set_ylabel("CKA, same layer")
         ax.set_title(f"{name_a} vs {name_b}, layer by layer")
         fig.tight_layout()

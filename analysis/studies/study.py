@@ -4,7 +4,7 @@ A study file names runs (a recipe plus overrides each), a root folder and a repo
 
     study: raghu2021
     root: runs/study-raghu2021
-    report: docs/reproduction.md     # and docs/reproduction.json beside it
+    report: docs/reproduction.md     # and docs/reproduction.json beside it: the committed report (below)
     set: ["callbacks=[]"]            # overrides shared by every run
     seeds: [0, 1]                    # every run once per seed: vit_cls_s0, vit_cls_s1, ... (recipe key seed=S)
     options: {cka: {layers: paper}}  # measure options for every analysis of the study {measure: {option: value}}
@@ -28,6 +28,11 @@ CONFIG ...`` those configurations only), ``analyze`` (the offline suite on every
 (``--stop-after``), where its training-time attention distance callback decides (analysis/studies/claims.py
 ``go_no_go``): on a go every seed trains to the end, on a no-go the configuration stops there and the report says why. A
 study thereby spends its hours on a long regime only when that regime shows what it was chosen for.
+
+Where the report goes: ``--report FILE`` when given; else the study file's ``report`` unless it lies in the
+repository's committed ``docs/`` (then it is the study's *committed* report, rewritten only when ``--report`` names
+it, e.g. ``--report docs/reproduction.md``); else ``ROOT/report.md`` beside the study's runs (figures in
+``ROOT/figures/<study>/``). A rerun thereby never overwrites the committed documents by accident.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ if TYPE_CHECKING:
     from analysis.engine.suite import SuiteOptions
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is analysis/studies/study.py)
+DOCS = ROOT / "docs"  # the committed documents: a study writes there only when --report names the file
 
 
 @dataclass
@@ -70,12 +76,29 @@ class Study:
     name: str
     path: Path
     root: Path
-    report: Path | None
+    report: Path | None  # where the report is written (module docstring: --report, the file's, or ROOT/report.md)
     runs: dict[str, StudyRun] = field(default_factory=dict)
     measures: list[str] | None = None  # measured at every run's last checkpoint (None: every registered measure)
     options: dict = field(default_factory=dict)  # {measure: {option: value}} for every analysis of the study
     every_checkpoint: list[str] | None = None  # measured at every checkpoint of every run (None: the core four)
     paper: str | None = None  # the paper plug-in that judges it (analysis/studies/<paper>/); None: found by name
+    committed: Path | None = None  # the study file's report in docs/, not written unless --report names it
+
+    def committed_note(self) -> str:
+        """`` (the committed docs/... is left as it is: --report docs/... rewrites it)`` when the study file's report
+        lies in docs/ and this run writes elsewhere, else ``''``."""
+        if self.committed is None:
+            return ""
+        rel = self.committed.relative_to(ROOT) if self.committed.is_relative_to(ROOT) else self.committed
+        return f" (the committed {rel} is left as it is: --report {rel} rewrites it)"
+
+    def command(self) -> str:
+        """The command that writes this report: ``./launch.sh study FILE``, with ``--report`` when it goes to docs/."""
+        rel = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        cmd = f"./launch.sh study {rel}"
+        if self.report is not None and self.report.is_relative_to(DOCS):
+            cmd += f" --report {self.report.relative_to(ROOT)}"
+        return cmd
 
     def suite_options(self, measures=None) -> SuiteOptions:
         """The suite options of an analysis of this study: ``measures`` with the study's measure options."""
@@ -129,7 +152,13 @@ def load_study(path: str | Path, root: str | Path | None = None, report: str | P
     else:
         root = Path(d.get("root") or f"runs/study-{d.get('study', path.stem)}")
         root = root if root.is_absolute() else ROOT / root
-    report = Path(report).resolve() if report is not None else d.get("report")
+    committed = (ROOT / d["report"]).resolve() if d.get("report") else None
+    if report is not None:
+        report = Path(report).resolve()
+    elif committed is not None and not committed.is_relative_to(DOCS):
+        report = committed
+    else:
+        report = root / "report.md"
     measures = _measures(d.get("measures"), path)
     options = _options(d.get("options"), path)
     seeds = _seeds(d.get("seeds"), f"study file '{path}'")
@@ -137,11 +166,12 @@ def load_study(path: str | Path, root: str | Path | None = None, report: str | P
         str(d.get("study", path.stem)),
         path,
         root,
-        (ROOT / report) if report else None,
+        report,
         paper=paper,
         measures=measures,
         options=options,
         every_checkpoint=_measures(d.get("every_checkpoint"), path),
+        committed=committed if committed is not None and committed != report else None,
     )
     for name, spec in d["runs"].items():
         _add_runs(study, name, spec, path, shared, seeds)
@@ -347,8 +377,8 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--report",
-        help="where to write the report (and its JSON twin), instead of the study file's "
-        "report (e.g. to leave the committed docs/ as they are)",
+        help="where to write the report (and its JSON twin); default: the study file's report unless it is in docs/ "
+        "(the committed one, written only when named here), else ROOT/report.md",
     )
     args = p.parse_args(argv)
     if args.jobs < 1:
@@ -380,7 +410,7 @@ def main(argv=None) -> int:
         started = n - skipped - len(failed) if args.dry_run else started
         print(
             f"study {study.name}: {n} runs, {skipped} already finished, {started} {verb}, {len(failed)} failed; "
-            f"runs in {study.root}, report {study.report or study.root / 'report.md'}"
+            f"runs in {study.root}, report {study.report or study.root / 'report.md'}" + study.committed_note()
         )
         if failed:
             return 1

@@ -90,9 +90,13 @@ def test_study_files_are_checked_before_anything_runs(tmp_path, capsys):
         assert [c.name for c in r.callbacks] == ["attention_distance"] and r.data.augment.mixup_alpha == mixup
         assert (r.model.num_heads, r.train.steps, r.train.checkpoint_every) == (8, 9000, 1500)
     assert [r.seed for r in s.configs()["vit_cls"]] == [0, 1, 2] and s.runs["vit_cls_s1"].overrides[-1] == "seed=1"
-    assert (
-        s.report == ROOT / "docs" / "reproduction.md" and s.root == ROOT / "runs" / "study-raghu2021"
-    )  # the repository's
+    assert s.root == ROOT / "runs" / "study-raghu2021"  # the repository's
+    # the committed report in docs/ is written only when --report names it: by default the report goes beside the runs
+    assert s.report == s.root / "report.md" and s.committed == ROOT / "docs" / "reproduction.md"
+    assert s.command() == "./launch.sh study recipes/studies/raghu2021.yaml"
+    again = load_study(ROOT / "recipes" / "studies" / "raghu2021.yaml", report=ROOT / "docs" / "reproduction.md")
+    assert again.report == ROOT / "docs" / "reproduction.md" and again.committed is None
+    assert again.command().endswith("raghu2021.yaml --report docs/reproduction.md")
     assert (
         "erf" in s.runs["vit_cls_s0"].measures
         and "localization" in s.runs["resnet_s0"].measures

@@ -22,7 +22,7 @@ SIGN = np.where(np.arange(N) % 2 == 0, 1.0, -1.0)  # alternating images: a per-i
 
 
 def _profile() -> np.ndarray:
-    """[L, H] head distances (px) as a DINO-like ViT has them: block 1 mixed and more global than blocks 2-6, which
+    """[L, H] head distances (px) as a DINO-like ViT has them: block 0 mixed and more global than blocks 1-5, which
     mix local and global heads; the upper half all global."""
     d = np.empty((L, H))
     d[0] = [15, 90, 110, 115, 120, 125]
@@ -51,7 +51,7 @@ def ctx(distance=None, probe=None, log_gap=None, spread=None, mass=None, chosen=
         log_gap = gap[None, None, :] + rng.normal(0, 0.1, size=(N, 2, L))
     if spread is None:
         spread = np.ones((2, L))
-        spread[0, 0] = 0.0  # block 1's attention: the same CLS input for every image
+        spread[0, 0] = 0.0  # block 0's attention: the same CLS input for every image
     if mass is None:
         mass = np.stack([0.7 + rng.normal(0, 0.03, N), 0.2 + rng.normal(0, 0.03, N)], 1)
     return ImageContext(
@@ -84,8 +84,8 @@ def test_a_dino_like_model_holds_the_claims():
     assert {c.id: r.outcome for c, r in out} == dict.fromkeys(CLAIMS.ids(), C.HELD)
     by = {c.id: r for c, r in out}
     assert by["upper_global"].measured["head"] == (6, 0)  # the upper half's most local head on the probe crops
-    assert by["cls_phase"].measured["left_out"] == ["attention of block 1"]
-    assert "blocks 2-6" in by["cls_phase"].decision.parts[0].name  # block 1 left out of the attention's first half
+    assert by["cls_phase"].measured["left_out"] == ["attention of block 0"]
+    assert "blocks 1-5" in by["cls_phase"].decision.parts[0].name  # block 0 left out of the attention's first half
     assert all(p.test == "bootstrap BCa" and p.n == (N,) for r in by.values() for p in r.decision.parts)
     rec = [C.record(c, r) for c, r in out]
     assert json.loads(json.dumps(rec))[0]["verdict"] == C.HELD and rec[0]["passage"].startswith("we observe")

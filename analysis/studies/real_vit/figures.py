@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from analysis.engine.figures import save, subplots
+from analysis.engine.figures import BLOCK_AXIS, grid_labels, save, subplots
 from analysis.engine.taps import Taps, block_names, grid_of, num_prefix_tokens
 from analysis.studies.locality import LOCAL_FRACTION
 
@@ -18,14 +18,14 @@ def distance_figure(dist_mean: np.ndarray, uniform: float, path: Path) -> None:
     L, H = dist_mean.shape
     fig, ax = subplots(figsize=(6.4, 4))
     for h in range(H):
-        ax.scatter(np.arange(L) + 1, dist_mean[:, h], s=18, label=f"head {h}")
-    ax.plot(np.arange(L) + 1, dist_mean.mean(1), color="k", lw=1, label="mean of heads")
+        ax.scatter(np.arange(L), dist_mean[:, h], s=18, label=f"head {h}")
+    ax.plot(np.arange(L), dist_mean.mean(1), color="k", lw=1, label="mean of heads")
     ax.axhline(uniform, color="grey", ls="--", lw=1, label=f"uniform attention ({uniform:.0f} px)")
     ax.axhline(LOCAL_FRACTION * uniform, color="grey", ls=":", lw=1, label=f"{LOCAL_FRACTION:g} x uniform: local below")
-    ax.set_xlabel("block (network depth)")
+    ax.set_xlabel(BLOCK_AXIS)
     ax.set_ylabel("mean attention distance (px, 224 x 224 input)")
     ax.set_ylim(0, 224 * 0.75)
-    ax.set_xticks(np.arange(L) + 1)
+    ax.set_xticks(np.arange(L))
     ax.set_title("Mean attention distance per head (cf. ViT Fig. 7, Raghu Fig. 3)")
     ax.legend(fontsize=6, ncol=3, loc="lower right")
     fig.tight_layout()
@@ -53,12 +53,13 @@ def cls_maps_figure(model, split, normalize, names: list, path: Path, n: int = 4
         axes[r, 0].set_title(names[int(split.labels[i])], fontsize=8)
         for c, b in enumerate(blocks):
             im = axes[r, c + 1].imshow(maps[b][r], vmin=0, vmax=vmax, cmap="inferno")
-            axes[r, c + 1].set_title(f"block {b + 1}: CLS attention", fontsize=8)
+            axes[r, c + 1].set_title(f"block {b}: CLS attention", fontsize=8)
         for a in axes[r]:
             a.set_xticks([])
             a.set_yticks([])
     fig.colorbar(
         im, ax=axes.ravel().tolist(), fraction=0.03, label="share of the CLS query's attention (mean of heads)"
     )
+    grid_labels(fig, "in each map: patch column (left: the photo)", "in each map: patch row; rows: photos")
     fig.suptitle("CLS attention maps on photos (cf. Walmer Fig. 2)", fontsize=10)
     save(fig, path)

@@ -11,7 +11,7 @@ import json
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from analysis.engine.figures import save, subplots
+from analysis.engine.figures import BLOCK_AXIS, save, subplots
 from analysis.studies.walmer2023 import controls as K
 from analysis.studies.walmer2023 import numbers as N
 from analysis.studies.walmer2023 import reads as R
@@ -307,7 +307,7 @@ def _curves(ax, curves: dict[str, list], ylabel: str, title: str, baseline: dict
         if cs:
             ax.plot(np.arange(len(cs[0])), np.mean(cs, 0), color="grey", ls=(":", "--", "-.")[j % 3], lw=1, label=name)
     ax.set_xticks(range(max(len(cs[0]) for cs in curves.values())))
-    ax.set_xlabel("block")
+    ax.set_xlabel(BLOCK_AXIS)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     if ylim is not None:
@@ -333,11 +333,12 @@ def _attention_figure(dist: dict[str, list], path) -> None:
                 label=o if s == 0 else None,
             )
     a.set_xticks(range(max(len(d) for ds in dist.values() for d in ds)))
-    a.set_xlabel("block")
+    a.set_xlabel(BLOCK_AXIS)
     a.set_ylabel("attention distance (unit square)")
     a.set_title("every head (o seed 0, x other seeds)", fontsize=9)
     a.legend(fontsize=6)
-    _curves(b, {o: [N.head_mean(d) for d in ds] for o, ds in dist.items()}, "", "mean over heads")
+    mean = {o: [N.head_mean(d) for d in ds] for o, ds in dist.items()}
+    _curves(b, mean, "attention distance (unit square)", "mean over heads")
     fig.suptitle("Average attention distance by block and objective (cf. Walmer Fig. 4)", fontsize=10)
     fig.tight_layout()
     save(fig, path)
@@ -355,9 +356,12 @@ def _panels_figure(panels: dict[str, tuple], title: str, path) -> None:
 
 def _cka_last_figure(mats: dict[str, np.ndarray], names: list[str], path) -> None:
     """Walmer Fig. 6: last-block CKA between the objectives' models (mean over seeds), a heatmap per representation."""
-    fig, axes = subplots(1, len(mats), figsize=(3.6 * len(mats), 3.3), squeeze=False)
+    fig, axes = subplots(1, len(mats), figsize=(3.6 * len(mats) + 0.8, 3.5), squeeze=False, layout="constrained")
+    im = None
     for ax, (title, m) in zip(axes[0], mats.items()):
-        ax.imshow(m, vmin=0, vmax=1, cmap="magma")
+        im = ax.imshow(m, vmin=0, vmax=1, cmap="magma")
+        ax.set_xlabel("objective", fontsize=8)
+        ax.set_ylabel("objective", fontsize=8)
         ax.set_xticks(range(len(names)), names, fontsize=7)
         ax.set_yticks(range(len(names)), names, fontsize=7)
         for i, j in np.ndindex(m.shape):
@@ -365,8 +369,9 @@ def _cka_last_figure(mats: dict[str, np.ndarray], names: list[str], path) -> Non
                 color = "black" if m[i, j] > 0.5 else "white"
                 ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize=7, color=color)
         ax.set_title(title, fontsize=9)
+    if im is not None:
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8).set_label("CKA (mean over seeds)")
     fig.suptitle("Last-block CKA between objectives (cf. Walmer Fig. 6)", fontsize=10)
-    fig.tight_layout()
     save(fig, path)
 
 

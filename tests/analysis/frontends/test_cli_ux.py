@@ -450,3 +450,17 @@ def test_measures_all_runs_what_can_run_and_names_each_skipped_measure(few_probe
     assert "skipped fewshot_probe: " in err and "probe-train" in err
     summary = yaml.safe_load((run / "analysis" / "step_0000008" / "summary.json").read_text())
     assert set(summary) >= set(M.registry()) - skipped - {"meta"} and not skipped & set(summary)
+
+
+def test_report_moves_long_lists_to_the_appendix_and_says_its_conventions_once():
+    from analysis.reports.run_report import CONVENTIONS, LONG, _split_summary
+
+    per_block = [0.8668000102043152 + i / 100 for i in range(24)]
+    rows, appendix = _split_summary(
+        {"ablation": {"heads_drop": [per_block[:12], per_block[12:]], "clean": {"top1": 0.8668000102043152}}}
+    )
+    assert "| ablation | clean/top1 | 0.867 |" in rows and not any("0.8668000" in r for r in rows + appendix)
+    (heads,) = [r for r in rows if "heads_drop" in r]
+    assert "min 0.867, mean 0.982, max 1.1; all 2 x 12: appendix" in heads and len(heads.split()) < 3 * LONG
+    assert appendix == ["| ablation | heads_drop (2 x 12) | " + " ".join(f"{v:.3g}" for v in per_block) + " |"]
+    assert "numbered from 0" in CONVENTIONS

@@ -94,6 +94,13 @@ def test_against_itself_gives_a_cka_diagonal_of_one_and_a_whole_report(runs, tmp
     text = report.read_text()
     assert "## Step 8" in text and "## Step 4" in text and "Against other runs" in text and text.count("![") >= 10
     assert check_report(report) == []
+    # a reader's report: the checkpoints' table first, the conventions once, every figure captioned, long lists last
+    assert text.index("## Checkpoints at a glance") < text.index("## Step 8") < text.index("## Step 4")
+    assert "| 8 | " in text and "| 4 | " in text and text.count("numbered from 0") == 1
+    lines = text.splitlines()
+    figures = [i for i, line in enumerate(lines) if line.startswith("![")]
+    assert all(lines[i + 2].startswith("*") and lines[i + 2].endswith("*") for i in figures)
+    assert "## Appendix" not in text or text.index("## Appendix") > text.index("Against other runs")
 
 
 def test_against_a_resnet_gives_the_cross_architecture_map(runs, tmp_path):
@@ -130,7 +137,10 @@ def test_compare_draws_runs_side_by_side(runs, tmp_path):
     ):
         assert (out / f).is_file(), f
     assert check_report(out / "report.md") == []
-    assert "| vit |" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "| vit | 8 |" in text and "| resnet | 8 |" in text  # each run at its last step, said
+    assert "Compared: vit at step 8; resnet at step 8; reference vit at step 4." in text
+    assert text.count("![") == text.count("\n*") == 5  # every figure captioned
 
 
 def test_compare_on_runs_too_small_for_the_probe_is_one_sentence(runs, tmp_path, capsys):
