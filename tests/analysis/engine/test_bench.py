@@ -27,6 +27,10 @@ RATIO = {  # what each script's RATIO line must hold
         r"^RATIO input size=224: lazy=\d+/s timm=\d+/s lazy/timm=[\d.]+( tv=\d+/s lazy/tv=[\d.]+)? "
         r"workers_for_3000/s=\d+$"
     ),
+    "cka_null_speed.py": (
+        r"^RATIO \w+ \(\d+ x \d+ = \d+ features, \d+ images\) (\d+ x \d+ map|one pair): CKA [\d.]+ s, CKA \+ null "
+        r"of \d+ permutations [\d.]+ s: null / CKA = -?[\d.]+$"
+    ),
     "memory.py": r"^RATIO memory model=\w+ images=[\d,]+: max_growth=([\d.]+|nan) \([\w,]+\)$",
     "suite_speed.py": (
         r"^RATIO suite threads=1: suite/forward=[\d.]+ suite/forward_read=[\d.]+ suite/suite_all_rows=[\d.]+ "
