@@ -188,9 +188,10 @@ def sized_minibatch(run, model, opts) -> int:
     budget = S.memory_budget(ctx, opts)
     room = budget - S.TEMPORARIES * 4 * sum(per.values())  # a chunk of 4 images of every tap beside them
     bs = S.choose_minibatch(int(S.TEMPORARIES * whole) or 1, max(int(room), 0), len(data.analysis), share=1.0)
+    what = f"its minibatch-CKA taps {_size(bs * whole)}" if whole else "its taps forwarded in chunks"
     print(
-        f"{run.label}: minibatch {bs} (its minibatch-CKA taps {_size(bs * whole)}, within a memory budget of "
-        f"{_size(budget)}: --batch-size N / --max-memory SIZE to choose)",
+        f"{run.label}: minibatch {bs} ({what}, within a memory budget of {_size(budget)}: --batch-size N / "
+        "--max-memory SIZE to choose)",
         file=sys.stderr,
     )
     return bs

@@ -77,11 +77,17 @@ def tiny(tmp_path):
 
 
 def test_a_model_from_elsewhere_gets_a_minibatch_sized_to_it(tiny, tmp_path, monkeypatch, capsys):
-    # memory for the taps of 8 images in half of it: 12 images in minibatches of 8 (a last one of 4)
+    # half of the memory available is the budget; attention distances take a minibatch in chunks, so all 12 images
+    # make one minibatch
     monkeypatch.setattr(S, "available_memory", lambda device=None: 2 * 8 * 1_212_480 + 1)
     assert main([*tiny, "--out", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err
-    assert re.search(r"minibatch 8 \(est\. 9 MiB of 19 MiB available; --batch-size N to choose\)", err), err
+    assert "minibatch 12 (its taps forwarded in chunks, within a memory budget of 9 MiB: --batch-size N" in err, err
+    # minibatch CKA keeps its taps of a whole minibatch: a budget that holds those of 8 images beside a chunk of the
+    # others gives 12 images in minibatches of 8 (a last one of 4)
+    assert main([*tiny, "--out", str(tmp_path / "c"), "--measures", "cka", "--max-memory", "4.5MiB"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"minibatch 8 \(its minibatch-CKA taps \d+ MiB, within a memory budget of 4 MiB", err), err
     assert main([*tiny, "--out", str(tmp_path / "b"), "--batch-size", "4"]) == 0  # given: it wins, nothing said
     assert "minibatch" not in capsys.readouterr().err
 
