@@ -30,11 +30,15 @@ gh * gw spatial tokens in row-major grid order), the norm of token t of image b 
   outlier), ``max_over_median`` [L] (mean over images of max_t n / median_t n over spatial tokens).
 - Local information (Darcet Fig. 5b): a linear classifier of a spatial token's own grid position (N classes) from its
   block-i features, each token L2-normalised first (its direction: the norm alone would tell outliers apart). It is
-  fit (sklearn RidgeClassifier, features standardised) on the NORMAL tokens of half of the probed images and scored
-  on the normal and on the outlier tokens of the other half, and the other way round (two folds by image parity, so
-  no token is scored by a probe that saw its image). ``probe_acc_normal`` / ``probe_acc_outlier`` [L] (top-1,
-  NaN without outliers), ``probe_n_outlier`` [L] (outliers scored), ``probe_chance`` = 1 / N. The first
-  ``probe_images`` images (option) are probed.
+  fit (scikit-learn's RidgeClassifier on standardised features, alpha 1) on the NORMAL tokens of half of the probed
+  images and scored on the normal and on the outlier tokens of the other half, and the other way round (two folds by
+  image parity, so no token is scored by a probe that saw its image). ``probe_acc_normal`` / ``probe_acc_outlier``
+  [L] (top-1, NaN without outliers), ``probe_n_outlier`` [L] (outliers scored), ``probe_chance`` = 1 / N. The first
+  ``probe_images`` images (option) are probed. Streamed (:class:`PositionProbe`): each fold's classifier is fit from
+  float64 sums over every normal token of its images (:class:`analysis.estimators.probing.StreamingRidge`, the same
+  classifier as scikit-learn's to rounding), and of each probed image a seeded sample of at most ``probe_scored``
+  normal and ``probe_scored`` outlier tokens is kept (float16) to be scored, so the probe's memory does not grow
+  with the tokens; the scores are means over those samples.
 - Attention absorbed: block i's attention ``A = blocks.i.attn_probs`` [B, H, T, T] reads block i's INPUT, so its
   outlier keys are the outliers of ``blocks.i.in`` by the same rule (block i-1's output; for block 0 the
   embeddings). Over the images with at least one outlier key: ``attn_cls_on_outliers`` [L] (mass of the CLS query's

@@ -158,3 +158,30 @@ def test_across_checkpoints_at_training_time_and_offline(write_recipe):
             np.testing.assert_array_equal(np.asarray(v), np.asarray(offline[step][key]), err_msg=key)
     step = first_outlier_step(offline)
     assert step is None or step in (4, 8)
+
+
+def test_streamed_ridge_is_scikit_learns_ridge_classifier():
+    """StreamingRidge fit from sums of chunks predicts as make_pipeline(StandardScaler(), RidgeClassifier(1.0)) fit on
+    all the rows at once: two classes (scikit-learn's one-column case), several, and a constant feature."""
+    from sklearn.linear_model import RidgeClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from analysis.estimators.probing import StreamingRidge
+
+    g = torch.Generator().manual_seed(0)
+    for classes in (2, 3, 7):
+        x = torch.randn(400, 12, generator=g, dtype=torch.float64) + 3
+        x[:, 4] = 2.0
+        y = torch.randint(0, classes, (400,), generator=g)
+        x += 0.8 * torch.nn.functional.one_hot(y, 12).double()  # some signal
+        ridge = StreamingRidge(12, classes + 2)  # two classes never seen: left out as scikit-learn does
+        for lo in range(0, 400, 64):
+            ridge.add(x[lo : lo + 64], y[lo : lo + 64])
+        xt = torch.randn(300, 12, generator=g, dtype=torch.float64) + 3
+        xt[:, 4] = 2.0
+        ref = make_pipeline(StandardScaler(), RidgeClassifier(alpha=1.0)).fit(x.numpy(), y.numpy())
+        mean, scale, w, b, present = ridge.fit()
+        scores = ((xt - mean) / scale) @ w + b
+        np.testing.assert_allclose(scores.numpy().squeeze(), ref.decision_function(xt.numpy()), rtol=1e-9, atol=1e-9)
+        assert (StreamingRidge.predict(ridge.fit(), xt).numpy() == ref.predict(xt.numpy())).all()
