@@ -181,7 +181,7 @@ def test_streamed_ridge_is_scikit_learns_ridge_classifier():
         xt = torch.randn(300, 12, generator=g, dtype=torch.float64) + 3
         xt[:, 4] = 2.0
         ref = make_pipeline(StandardScaler(), RidgeClassifier(alpha=1.0)).fit(x.numpy(), y.numpy())
-        mean, scale, w, b, present = ridge.fit()
+        mean, scale, w, b, _present = ridge.fit()
         scores = ((xt - mean) / scale) @ w + b
         np.testing.assert_allclose(scores.numpy().squeeze(), ref.decision_function(xt.numpy()), rtol=1e-9, atol=1e-9)
         assert (StreamingRidge.predict(ridge.fit(), xt).numpy() == ref.predict(xt.numpy())).all()
