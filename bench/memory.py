@@ -1,6 +1,6 @@
 """Peak memory of the analysis suite against the number of images: each measure alone, in a fresh process.
 
-    .venv/bin/python bench/memory.py [--model default|vits|vitb] [--images 64,256] [--measures cka,token_norms]
+    .venv/bin/python bench/memory.py [--model default|vits|vits14|vitb] [--images 64,256] [--measures cka,token_norms]
         [--batch-size 32] [--max-memory 2GiB] [--threads 2]
 
 For every measure and image count, a child process builds the model (random weights; memory does not depend on
@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import SMOKE, VITS, pin_one_thread_env
 
 VITB = [*VITS[:2], "model.depth=12", "model.embed_dim=768", "model.num_heads=12", "model.mlp_ratio=4.0"]
-SHAPES = {"default": [], "vits": VITS, "vitb": VITB}
+VITS14 = [*VITS, "model.patch_size=14"]  # DINOv2 ViT-S/14's shape at 224: 257 tokens
+SHAPES = {"default": [], "vits": VITS, "vits14": VITS14, "vitb": VITB}
 CHEAP = {  # the expensive measures at a size whose memory still shows (their own image counts are options)
     "erf": {"images": 2},
     "ablation": {"targets": ["skip"], "knn": False},

@@ -422,8 +422,9 @@ def _measured_pass(ctx: Context, split, ms: list, kind: str, budget: int, what: 
     parts, wholes = [m for m in ms if m.chunkable], [m for m in ms if not m.chunkable]
     whole_taps = sorted(set().union(*(taps_of[m] for m in wholes)))
     first = split.images[:1] if rows is None else split.images[torch.as_tensor(rows[:1])]
+    largest = min(ctx.batch_size, len(split) if rows is None else len(rows))  # the largest minibatch of this pass
     chunk = plan_chunks(
-        tap_bytes(ctx.model, ctx.data.normalize(first.to(ctx.device)), taps), whole_taps, ctx.batch_size, budget
+        tap_bytes(ctx.model, ctx.data.normalize(first.to(ctx.device)), taps), whole_taps, largest, budget
     )
     on_stage(what if chunk is None else f"{what}, {chunk} images per forward to stay within {_size(budget)}")
     _pass(
