@@ -14,12 +14,10 @@ summed in float64, one triangle of each by BLAS ssyrk, all pairs from one produc
               Gram per layer per minibatch (its forward hooks), then HSIC_1 of every (i, j) pair from a batched
               product of the two zero-diagonal Grams (n^3 per pair), float32 throughout;
 - ``half``:   the floor: one triangle of X X^T in float32 for every layer by BLAS ssyrk (a symmetric rank-k
-              update, n^2 p / 2 multiply-adds), on the raw features, and nothing else: no method that forms the
-              Grams beats it. Two BLAS are timed, scipy's OpenBLAS (``half``) and the MKL linked into torch
-              (``half_mkl``, x86 wheels; absent elsewhere), and the ratio is to the faster of the two. It is a
-              floor of time, not a method: its Grams, U-centred and summed in float64, give CKA ~4e-7 from
-              float64 on features with large channel means (printed as ``half`` under agreement), where vitlab's
-              centred products stay within 1e-8;
+              update, n^2 p / 2 multiply-adds, scipy's OpenBLAS), on the raw features, and nothing else: no
+              method that forms the Grams beats it. It is a floor of time, not a method: its Grams, U-centred and
+              summed in float64, give CKA ~4e-7 from float64 on features with large channel means (printed as
+              ``half`` under agreement), where vitlab's centred products stay within 1e-8;
 - ``full``:   the whole X X^T in float32 for every layer (torch.mm), the floor of methods that form all of it.
 
 ``old`` runs once per width (at the first thread count, outside the rotation: at the ViT widths it takes minutes),
@@ -74,9 +72,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.estimators.similarity import MinibatchCKA, _BlasThreads, _torch_mkl_syrk, center_unbiased, represent  # noqa: E402
+from analysis.estimators.similarity import MinibatchCKA, _BlasThreads, center_unbiased, represent  # noqa: E402
 
-VARIANTS = ("new", "numpee", "half", "full") + (("half_mkl",) if _torch_mkl_syrk() else ())  # rotated; "old" once
+VARIANTS = ("new", "numpee", "half", "full")  # rotated; "old" once
 WIDTHS = {"default": (50, 96), "vits": (197, 384), "vitb": (197, 768)}
 SMOKE_WIDTHS = {"default": (10, 32), "vits": (20, 64), "vitb": (20, 128)}
 DISTINCT = {"default": 2, "vits": 2, "vitb": 1}  # synthetic minibatches cycled (memory)
@@ -246,16 +244,6 @@ class HalfFloor:
         return None
 
 
-class HalfFloorMKL(HalfFloor):
-    """The same triangle by the ssyrk of the MKL linked into torch (torch's own thread pool)."""
-
-    def update(self, reps):
-        syrk = _torch_mkl_syrk()[torch.float32]
-        g = torch.zeros(reps[0].shape[0], reps[0].shape[0])
-        for r in reps:
-            syrk(r.reshape(len(r), -1), g)
-
-
 class FloorGramsCKA(MinibatchCKA):
     """MinibatchCKA with the half floor's own Grams (raw float32 ssyrk, no centring) in place of its centred ones,
     U-centred and summed in float64 as usual: for the agreement figure only (untimed), what the floor would give as
@@ -274,7 +262,6 @@ def make(variant: str):
         "old": OldMinibatchCKA,
         "numpee": NumpeeStyleCKA,
         "half": HalfFloor,
-        "half_mkl": HalfFloorMKL,
         "full": FullFloor,
         "half_grams": FloorGramsCKA,
     }[variant]()
@@ -425,7 +412,7 @@ def main() -> None:
     for w in a.widths:
         for t in a.threads:
             s = out["seconds_min"][f"{w}/{t}thr"]
-            half = min(s["half"], s.get("half_mkl", s["half"]))  # the faster BLAS's triangle
+            half = s["half"]
             print(
                 f"RATIO cka {w} threads={t}: new/half={s['new'] / half:.3f} new/full={s['new'] / s['full']:.3f} "
                 f"numpee/new={s['numpee'] / s['new']:.2f} old/new={old[w] / s['new']:.2f} new={s['new']:.3f}s "

@@ -17,9 +17,6 @@ analysis/results/storage.py.
 
 from __future__ import annotations
 
-import ctypes
-import os
-import platform
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -303,33 +300,6 @@ def make_context(model, data, batch_size: int = 256, accelerator=None, order_see
     )
 
 
-_MALLOC_SET = False
-
-
-def retain_freed_memory() -> None:
-    """Once per process, on glibc: keep freed memory in the process instead of handing it back to the OS
-    (mallopt M_TRIM_THRESHOLD -1: the heap is never trimmed; M_MMAP_MAX 0: no allocation gets its own mmap, so
-    large tensors come from the heap as well and are reused from it). The taps keep a minibatch's tensors alive, and
-    glibc's defaults handed that memory back after each minibatch only to fault it in again; the page faults and
-    timings that led here are in docs/scaling.md. The process's resident size stays at its high-water mark (about
-    the taps of one minibatch); elsewhere (macOS, musl) nothing changes. ``VITLAB_KEEP_FREED_MEMORY=0`` leaves
-    glibc's defaults."""
-    global _MALLOC_SET
-    if _MALLOC_SET:
-        return
-    _MALLOC_SET = True
-    if os.environ.get("VITLAB_KEEP_FREED_MEMORY", "1") == "0":  # the user's choice: memory handed back as glibc likes
-        return
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(-1, -1)  # M_TRIM_THRESHOLD: never trim ("-1 disables trimming completely", mallopt(3))
-    mallopt(-4, 0)  # M_MMAP_MAX: no allocation by mmap
-
-
 @torch.no_grad()
 def _pass(ctx: Context, split, taps: list[str], on_batch, rows: np.ndarray | None = None, chunk=None, whole=None):
     """Run ``split`` through the model in fixed minibatches (sharded over processes), calling ``on_batch(j, captures,
@@ -469,7 +439,6 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
     p = model_problem(ctx, opts, names)
     if p:
         raise MeasureError(p)
-    retain_freed_memory()
     was_training = model.training
     model.eval()
     try:

@@ -21,12 +21,6 @@ result); every other sum is float64. A layer's representation of one image is, b
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
-import os
-from pathlib import Path
-
 import torch
 
 from analysis.engine.reduce import all_reduce_tree
@@ -60,7 +54,7 @@ def gram(x: torch.Tensor) -> torch.Tensor:
 
 # Elements per chunk in _centred_gram (16 MiB of float32; p is cut into equal chunks of at most this many n x cols
 # elements), so a chunk is centred into a buffer that is still in cache when it is multiplied; centring all of X
-# into a buffer first costs 1.4x (memory traffic). With MKL's syrk on the Intel host, alone, minibatches of 256, as
+# into a buffer first costs 1.4x (memory traffic). With a syrk on the Intel host, alone, minibatches of 256, as
 # multiples of the raw syrk at 1 / 2 threads: 4 MiB 1.29 / 1.46x, 8 MiB 1.24 / 1.33x, 16 MiB 1.25 / 1.29x, 32 MiB
 # 1.27 / 1.28x at a ViT-S/16 width; 1.18 / 1.25x (8 MiB) against 1.18 / 1.21x (16 MiB) at ViT-B/16. (With OpenBLAS
 # beside a training run, 8 MiB had beaten 4 MiB: 1.21x against 1.31x at ViT-S/16.)
@@ -71,13 +65,12 @@ _SHIFT_ROWS = 16
 # Below this many features per example the whole Gram is cheap (about 0.3 ms at n = 256, p = 96 in float64, one
 # thread), so it stays float64 there, exact as before; float32 products (~1e-9 relative on CKA) only where they pay.
 _FLOAT32_MIN_FEATURES = 256
-# K is symmetric, so only one triangle needs forming: on CPU a symmetric rank-k update (BLAS ?syrk) forms the upper
-# triangle alone, n^2 p / 2 multiply-adds, about half the time of X X^T. The syrk is the MKL that torch's x86 wheels
-# link (:func:`_torch_mkl_syrk`), threaded by torch's own OpenMP pool at any thread count: on the Intel host, alone,
-# 1.6x faster than torch.mm's whole X X^T at 2 threads and 1.1x faster than scipy's OpenBLAS ssyrk at 1. Without it
-# (no MKL in torch: ARM, macOS) scipy's OpenBLAS ssyrk serves one thread; with more, a second thread pool
-# (OpenBLAS's beside torch's spinning OpenMP workers) oversubscribed the cores (at 2 threads on a loaded 2-core host,
-# 4-20x slower than one thread), so there, and on CUDA (torch exposes no syrk), torch's own products form it. On
+# K is symmetric, so only one triangle needs forming: on CPU at one thread a symmetric rank-k update (BLAS ?syrk,
+# scipy's OpenBLAS through scipy's public interface) forms the upper triangle alone, n^2 p / 2 multiply-adds, about
+# half the time of X X^T. With more threads a second thread pool (OpenBLAS's beside torch's spinning OpenMP workers)
+# oversubscribed the cores (at 2 threads on a loaded 2-core host, 4-20x slower than one thread), so there, and on
+# CUDA (torch exposes no syrk), torch's own products form it. (An MKL syrk reached inside torch's library through
+# ctypes was removed: a private symbol, worth under 10% of a ViT-S/16 analysis: docs/scaling.md.) On
 # CUDA only the upper block triangle is multiplied: rows cut into this many blocks, block row r times rows r.. (the
 # diagonal block and those right of it), (B + 1) / 2B of the full product's flops: 0.625 at 4. On CPU each chunk is
 # one whole product: every block product is a parallel region ending in a barrier, and on the loaded 2-core host
@@ -85,64 +78,6 @@ _FLOAT32_MIN_FEATURES = 256
 # Below the minimum row count the product is too small for blocking to pay.
 _GRAM_ROW_BLOCKS = 4
 _GRAM_BLOCKED_MIN_ROWS = 64
-
-
-@functools.cache
-def _torch_mkl_syrk() -> dict | None:
-    """``{torch.float32: ssyrk, torch.float64: dsyrk}`` from the MKL linked into torch, or None where there is none.
-
-    torch's x86 Linux wheels link MKL statically and export its BLAS layer (``mkl_blas_ssyrk``, the routine behind
-    the Fortran ``ssyrk``: uplo, trans, n, k, alpha, a, lda, beta, c, ldc, all by reference, 32-bit integers); torch
-    exposes no syrk itself. It runs in torch's OpenMP pool with torch's thread count (``torch.set_num_threads``
-    sets MKL's too), so no second pool competes for the cores. Each found routine must reproduce a small integer
-    Gram exactly before it is used (a changed calling convention is refused, not trusted);
-    ``VITLAB_MKL_SYRK=0`` turns it off."""
-    if os.environ.get("VITLAB_MKL_SYRK", "1") == "0" or not torch.backends.mkl.is_available():
-        return None
-    lib_dir = Path(torch.__file__).parent / "lib"
-    found = {}
-    for dtype, name, c_real in ((torch.float32, "ssyrk", ctypes.c_float), (torch.float64, "dsyrk", ctypes.c_double)):
-        for lib in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll"):
-            try:
-                fn = getattr(ctypes.CDLL(str(lib_dir / lib)), "mkl_blas_" + name)
-            except (OSError, AttributeError):
-                continue
-            fn.restype = None
-            syrk = functools.partial(_call_syrk, fn, c_real)
-            if _syrk_works(syrk, dtype):
-                found[dtype] = syrk
-            break
-    return found if len(found) == 2 else None
-
-
-def _syrk_works(syrk, dtype: torch.dtype) -> bool:
-    """Whether ``syrk(a, c)`` puts the upper triangle of a a^T, and nothing else, into column-major ``c``: on small
-    integers, where every product and sum is exact."""
-    a = torch.arange(15, dtype=dtype).reshape(3, 5) - 7
-    c = torch.zeros(3, 3, dtype=dtype)
-    syrk(a, c)
-    return torch.equal(c.T.triu(), (a @ a.T).triu()) and not c.T.tril(-1).any()
-
-
-def _call_syrk(fn, c_real, a: torch.Tensor, c: torch.Tensor) -> None:
-    """C <- A A^T for a contiguous row-major ``a`` [n, k]: that memory is the column-major [k, n] matrix B, and syrk
-    with uplo='U', trans='T' forms the upper triangle of B^T B = A A^T in column-major ``c`` [n, n], i.e. the lower
-    triangle of row-major ``c`` (its strict upper part untouched: zero it once)."""
-    n, k = a.shape
-    ref = ctypes.byref
-    ints = [ctypes.c_int(v) for v in (n, k, k, n)]
-    fn(
-        ctypes.c_char_p(b"U"),
-        ctypes.c_char_p(b"T"),
-        ref(ints[0]),
-        ref(ints[1]),
-        ref(c_real(1.0)),
-        ctypes.c_void_p(a.data_ptr()),
-        ref(ints[2]),
-        ref(c_real(0.0)),
-        ctypes.c_void_p(c.data_ptr()),
-        ref(ints[3]),
-    )
 
 
 class _BlasThreads:
@@ -199,7 +134,7 @@ def _centred_gram(x: torch.Tensor, exact: bool = True) -> torch.Tensor:
     cols = -(-p // chunks)  # equal chunks
     buf = torch.empty(n * cols, dtype=dt, device=x.device)
     shift = x[:_SHIFT_ROWS].to(dt).mean(0)  # near the column means: the Gram of X - shift keeps float32 precision
-    cpu_syrk = _torch_mkl_syrk() is not None or torch.get_num_threads() == 1  # comment at _GRAM_ROW_BLOCKS
+    cpu_syrk = torch.get_num_threads() == 1  # comment at _GRAM_ROW_BLOCKS
     upper = _upper_gram_syrk if x.device.type == "cpu" and cpu_syrk else _upper_gram_blocked
     k = upper(x, buf, cols, shift)
     k = k.triu() + k.triu(1).T  # the upper triangle (all computed) mirrored: K exactly symmetric
@@ -220,24 +155,24 @@ def _centred_chunk(x: torch.Tensor, buf: torch.Tensor, c: int, cols: int, shift:
 
 
 def _upper_gram_syrk(x: torch.Tensor, buf: torch.Tensor, cols: int, shift: torch.Tensor) -> torch.Tensor:
-    """The upper triangle of the centred Gram by BLAS ?syrk, chunk by chunk (the lower triangle is left 0): torch's
-    MKL where it has one, else scipy's OpenBLAS (one thread). Each syrk writes the row-major lower triangle of
-    ``g`` (:func:`_call_syrk`), added contiguously to the float64 sum, whose transpose is the upper triangle."""
+    """The upper triangle of the centred Gram by scipy's BLAS ?syrk (one thread), chunk by chunk (the lower triangle
+    is left 0). Each syrk writes the row-major lower triangle of ``g`` (:func:`_openblas_syrk`), added contiguously
+    to the float64 sum, whose transpose is the upper triangle."""
     n, p = x.shape
-    mkl = _torch_mkl_syrk()
-    syrk = mkl[buf.dtype] if mkl is not None else functools.partial(_openblas_syrk, buf.dtype)
     k = torch.zeros(n, n, dtype=torch.float64)
     g = torch.zeros(n, n, dtype=buf.dtype)
-    with contextlib.nullcontext() if mkl is not None else _BlasThreads():
+    with _BlasThreads():
         for c in range(0, p, cols):
-            syrk(_centred_chunk(x, buf, c, cols, shift), g)
+            _openblas_syrk(buf.dtype, _centred_chunk(x, buf, c, cols, shift), g)
             k += g
     return k.T  # K[i, j] for i <= j
 
 
 def _openblas_syrk(dtype: torch.dtype, a: torch.Tensor, c: torch.Tensor) -> None:
-    """:func:`_call_syrk`'s contract by scipy's OpenBLAS ?syrk: row-major ``a`` [n, k] is the column-major [k, n]
-    matrix A (no copy), and trans=1 forms A^T A into the column-major view of ``c``."""
+    """C <- A A^T for a contiguous row-major ``a`` [n, k] by scipy's BLAS ?syrk (scipy's public interface): that
+    memory is the column-major [k, n] matrix B (no copy), and trans=1 forms B^T B = A A^T's upper triangle into the
+    column-major view of ``c`` [n, n], i.e. the lower triangle of row-major ``c`` (its strict upper part untouched:
+    zero it once)."""
     from scipy.linalg.blas import dsyrk, ssyrk
 
     cn = c.numpy().T  # column-major [n, n]

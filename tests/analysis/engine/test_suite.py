@@ -306,46 +306,6 @@ def test_probe_rows_read_treats_a_one_element_grid_as_fixed_like_select_l2():
     assert probe_rows_read(labels, 5, (0, 1), None).tolist() == picked and len(picked) > len(fixed)
 
 
-_TOUCH = """
-import resource, torch
-from analysis.engine.suite import retain_freed_memory
-retain_freed_memory()
-faults = []
-for _ in range(12):
-    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t = torch.empty(100 << 18)  # 100 MiB of float32: above glibc's largest mmap threshold (32 MiB)
-    t.fill_(1.0)
-    del t
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-print(*faults)
-"""
-
-
-@pytest.mark.skipif(
-    __import__("platform").libc_ver()[0] != "glibc", reason="the allocator settings are glibc's (Linux)"
-)
-def test_a_freed_large_tensor_is_reused_without_page_faults():
-    """After retain_freed_memory, freed 100 MiB tensors' memory serves the next ones (no fresh pages) once the heap
-    holds enough of it (torch's 64-byte-aligned allocations need a few bytes more than a freed one gives back, so
-    the heap grows for the first few; measured: faults at 8 of the first 9, none after); with
-    VITLAB_KEEP_FREED_MEMORY=0 glibc maps and unmaps every one (a page fault per 4 KiB page)."""
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[3]
-
-    def faults(**env):
-        r = subprocess.run(
-            [sys.executable, "-c", _TOUCH], cwd=root, env={**os.environ, **env}, capture_output=True, text=True
-        )
-        assert r.returncode == 0, r.stderr[-2000:]
-        return [int(v) for v in r.stdout.split()]
-
-    assert sum(faults()[-3:]) < 1000
-    assert min(faults(VITLAB_KEEP_FREED_MEMORY="0")[-3:]) > 20000  # 25,600 pages of 4 KiB (fewer with huge pages)
-
-
 def test_minibatches_are_runs_of_one_seeded_permutation_on_every_host_and_process_count():
     from analysis.engine.reduce import Minibatches
 
