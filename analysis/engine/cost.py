@@ -19,6 +19,7 @@ from analysis.engine.measure import Context, registry
 from analysis.engine.taps import Taps
 
 CONFIRM_S = 600.0  # past this estimate, python -m analysis asks for --yes (and names the cheaper options)
+SAY_S = 60.0  # from this estimate on, python -m analysis says it even when no measure has work of its own
 TIMING_IMAGES = 8  # images in the timed minibatch
 
 
@@ -169,4 +170,3 @@ def cheaper(est: Estimate, opts) -> list[str]:
     if est.measures.get("ablation", 0) > budget / 2:
         out.append("--opt ablation.targets=[branches,skip] (no single heads)")
     return out
-

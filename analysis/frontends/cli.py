@@ -449,7 +449,8 @@ def analyse(args) -> tuple:
 
 def check_cost(run, data, opts: S.SuiteOptions, todo: dict, yes: bool) -> None:
     """Say what the measures still to compute (``todo``: {step: [measures]}) will cost (analysis/engine/cost.py:
-    their work times a forward and a backward of this model timed here), on stderr; past
+    their work times a forward and a backward of this model timed here), on stderr, when a measure has work of its own
+    (erf, ablation) or the whole takes a minute or more; past
     :data:`analysis.engine.cost.CONFIRM_S` without ``yes``, refuse (AnalysisError, one sentence with the estimate,
     --yes and the cheaper options)."""
     if not todo:
@@ -461,6 +462,9 @@ def check_cost(run, data, opts: S.SuiteOptions, todo: dict, yes: bool) -> None:
     first = min(todo)
     model = MS.load_model(run, first, data)
     ctx = S.make_context(model, data, opts.batch_size, None, opts.order_seed)
+    problem = S.model_problem(ctx, opts, sorted({n for names in todo.values() for n in names}))
+    if problem:  # the runner's sentence, before the estimate of an analysis that cannot run
+        raise AnalysisError(f"run {run.path}: {problem}")
     est, timing = None, None
     for _, names in sorted(todo.items()):
         e = C.estimate(ctx, opts, names, timing)
@@ -475,8 +479,9 @@ def check_cost(run, data, opts: S.SuiteOptions, todo: dict, yes: bool) -> None:
         f"{'1 checkpoint' if len(steps) == 1 else f'{len(steps)} checkpoints'} of {run.label}, "
         f"{len(data.analysis)} images"
     )
-    for line in C.lines(est, what):
-        print(line, file=sys.stderr)
+    if est.total >= C.SAY_S or est.measures:  # the minutes of erf and ablation, or a long shared pass
+        for line in C.lines(est, what):
+            print(line, file=sys.stderr)
     if est.total > C.CONFIRM_S and not yes:
         costly = ", ".join(f"{n} ~{C.duration(s)}" for n, s in sorted(est.measures.items(), key=lambda kv: -kv[1]))
         cheaper = C.cheaper(est, opts)
