@@ -26,6 +26,9 @@ and a second pass over the probe-train split only when some measure asks for it.
 - reduces over processes and returns its result in :meth:`Measure.finish` (sums through
   :func:`analysis.engine.reduce.all_reduce_sum`; per-image features through :func:`analysis.engine.reduce.collect`); it
   may also run its own passes there (e.g. gradients), on ``ctx.model`` and ``ctx.data``,
+- when it runs the model in :meth:`Measure.finish`, declares that work (:meth:`Measure.cost`, in image-forwards and
+  image-backwards of the model, from its options, the image count and the model's shape: what python -m analysis
+  turns into an estimate before it starts) and shows its progress through ``ctx.bar`` (the front end's bar),
 - turns a result into key numbers, TensorBoard scalars and figures (static methods, so that results loaded
   back from disk are drawn by the same code).
 
