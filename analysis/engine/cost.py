@@ -20,7 +20,8 @@ from analysis.engine.taps import Taps
 
 CONFIRM_S = 600.0  # past this estimate, python -m analysis asks for --yes (and names the cheaper options)
 SAY_S = 60.0  # from this estimate on, python -m analysis says it even when no measure has work of its own
-TIMING_IMAGES = 8  # images in the timed minibatch
+TIMING_IMAGES = 64  # at most this many images in the timed minibatch
+TIMING_CALL_S = 0.2  # or fewer, once one forward takes this long
 
 
 @dataclass
@@ -59,8 +60,9 @@ class Estimate:
                 mine[part] += w.get(part, 0.0)
 
 
-def _best(fn, repeats: int = 2) -> float:
-    """The shortest of ``repeats`` timed calls of ``fn`` after one untimed call (allocations, lazy set-up)."""
+def _best(fn, repeats: int = 3) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn`` after one untimed call (allocations, lazy set-up): the
+    machine may be shared, and the shortest call is the one least disturbed."""
     fn()
     out = float("inf")
     for _ in range(repeats):
@@ -70,25 +72,33 @@ def _best(fn, repeats: int = 2) -> float:
     return out
 
 
-def time_model(ctx: Context, taps: list[str], probe_taps: list[str] | None = None) -> Timing:
-    """Seconds per image of ``ctx.model`` on the first :data:`TIMING_IMAGES` analysis images: with ``taps``
-    captured, a plain forward, and a forward and backward to the input (eval mode, parameters frozen, both
-    restored)."""
+def time_model(ctx: Context, taps: list[str]) -> Timing:
+    """Seconds per image of ``ctx.model`` on its first analysis images: a plain forward, one with ``taps`` captured,
+    and the backward to the input (eval mode, parameters frozen, both restored). The minibatch grows from 1 image
+    (x4) until a forward takes :data:`TIMING_CALL_S` or holds :data:`TIMING_IMAGES` images: a small model's time per
+    image is that of the large batches erf and ablation run (not of its per-call overhead), a large model's is timed
+    in a few seconds. The backward is at least half a forward (a shared machine's noise can make the difference of
+    two timings vanish)."""
     model, data = ctx.model, ctx.data
-    x = data.normalize(data.analysis.images[: min(TIMING_IMAGES, len(data.analysis))].to(ctx.device)).float()
-    n = x.shape[0]
     was_training = model.training
     flags = [(p, p.requires_grad) for p in model.parameters()]
     model.eval()
     try:
-        with torch.no_grad():
-            plain = _best(lambda: model(x))
+        n = 1
+        while True:
+            x = data.normalize(data.analysis.images[:n].to(ctx.device)).float()
+            with torch.no_grad():
+                plain = _best(lambda x=x: model(x))
+            if plain >= TIMING_CALL_S or n >= min(TIMING_IMAGES, len(data.analysis)):
+                break
+            n = min(4 * n, TIMING_IMAGES, len(data.analysis))
+        n = x.shape[0]
 
-            def tapped():
-                with Taps(model, taps):
-                    model(x)
+        def tapped():
+            with torch.no_grad(), Taps(model, taps):
+                model(x)
 
-            shared = _best(tapped) if taps else plain
+        shared = _best(tapped) if taps else plain
         for p, _ in flags:
             p.requires_grad_(False)
 
@@ -99,12 +109,12 @@ def time_model(ctx: Context, taps: list[str], probe_taps: list[str] | None = Non
                 out = out if isinstance(out, torch.Tensor) else next(iter(out.values()))
                 torch.autograd.grad(out.float().sum(), xr)
 
-        fb = _best(both, repeats=1)
+        fb = _best(both)
     finally:
         for p, f in flags:
             p.requires_grad_(f)
         model.train(was_training)
-    return Timing(shared / n, plain / n, max(fb - plain, 0.0) / n, ctx.device.type)
+    return Timing(max(shared, plain) / n, plain / n, max(fb - plain, plain / 2) / n, ctx.device.type)
 
 
 def estimate(ctx: Context, opts, names, timing: Timing | None = None) -> Estimate:
