@@ -3,9 +3,9 @@
 times the seconds of one image's forward and backward, timed on this model, here, on a small minibatch.
 
 The shared pass over the analysis images (and the probe-train images where a measure reads them) is timed with the
-taps the requested measures capture; a measure that runs the model again in its ``finish`` (erf's input gradients,
-ablation's forwards from each target on) adds its own forwards and backwards. What a measure computes from its taps
-(CKA's Gram matrices, probes) is not counted: those are seconds beside the minutes of erf and ablation.
+taps the requested measures capture and their updates; a measure that runs the model again in its ``finish`` (erf's
+input gradients, ablation's forwards from each target on) adds its own forwards and backwards. What a measure computes
+in its ``finish`` from what it accumulated (probes, clustering) is not counted.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ TIMING_CALL_S = 0.2  # or fewer, once one forward takes this long
 
 @dataclass
 class Timing:
-    """Seconds per image of this model here: a forward with the suite's taps (``shared``), a plain forward
-    (``forward``) and the backward of the input's gradient alone, parameters frozen (``backward``)."""
+    """Seconds per image of this model here: a forward with the suite's taps and the measures' updates (``shared``),
+    a plain forward (``forward``) and the backward of the input's gradient alone, parameters frozen (``backward``)."""
 
     shared: float
     forward: float
@@ -72,19 +72,21 @@ def _best(fn, repeats: int = 3) -> float:
     return out
 
 
-def time_model(ctx: Context, taps: list[str]) -> Timing:
-    """Seconds per image of ``ctx.model`` on its first analysis images: a plain forward, one with ``taps`` captured,
-    and the backward to the input (eval mode, parameters frozen, both restored). The minibatch grows from 1 image
-    (x4) until a forward takes :data:`TIMING_CALL_S` or holds :data:`TIMING_IMAGES` images: a small model's time per
-    image is that of the large batches erf and ablation run (not of its per-call overhead), a large model's is timed
-    in a few seconds. The backward is at least half a forward (a shared machine's noise can make the difference of
-    two timings vanish)."""
+def time_model(ctx: Context, taps: list[str], measures: list | None = None) -> Timing:
+    """Seconds per image of ``ctx.model`` on its first analysis images: a plain forward, one with ``taps`` captured and
+    read by ``measures``' ``update`` (throwaway measures, what they accumulate dropped; a measure whose update
+    cannot take the timed minibatch, e.g. CKA's under 4 images, is left out of the timing), and the backward to the
+    input (eval mode, parameters frozen, both restored). The minibatch grows from 4 images (x4) until a forward takes
+    :data:`TIMING_CALL_S` or holds :data:`TIMING_IMAGES` images: a small model's time per image is that of the large
+    batches erf and ablation run (not of its per-call overhead), a large model's is timed in a few seconds. The
+    backward is at least half a forward (a shared machine's noise can make the difference of two timings vanish)."""
     model, data = ctx.model, ctx.data
+    measures = list(measures or [])
     was_training = model.training
     flags = [(p, p.requires_grad) for p in model.parameters()]
     model.eval()
     try:
-        n = 1
+        n = min(4, len(data.analysis))  # 4: the least minibatch the measures' updates take (minibatch CKA)
         while True:
             x = data.normalize(data.analysis.images[:n].to(ctx.device)).float()
             with torch.no_grad():
@@ -94,9 +96,16 @@ def time_model(ctx: Context, taps: list[str]) -> Timing:
             n = min(4 * n, TIMING_IMAGES, len(data.analysis))
         n = x.shape[0]
 
+        y = data.analysis.labels[:n]
+
         def tapped():
-            with torch.no_grad(), Taps(model, taps):
+            with torch.no_grad(), Taps(model, taps) as cap:
                 model(x)
+                for m in list(measures):
+                    try:
+                        m.update(0, cap.captures, x, y)
+                    except Exception:
+                        measures.remove(m)
 
         shared = _best(tapped) if taps else plain
         for p, _ in flags:
@@ -126,7 +135,7 @@ def estimate(ctx: Context, opts, names, timing: Timing | None = None) -> Estimat
     ms = make_measures(ctx, opts, names)
     taps = sorted(set().union(*(m.taps() for m in ms))) if ms else []
     ptaps = sorted(set().union(*(m.probe_taps() for m in ms))) if ms else []
-    timing = timing or time_model(ctx, taps)
+    timing = timing or time_model(ctx, taps, [m for m in ms if m.taps()])
     est = Estimate(timing)
     if taps:
         est.shared += len(ctx.data.analysis) * timing.shared
