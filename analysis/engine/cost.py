@@ -62,8 +62,12 @@ class Estimate:
 
 def _best(fn, repeats: int = 3) -> float:
     """The shortest of ``repeats`` timed calls of ``fn`` after one untimed call (allocations, lazy set-up): the
-    machine may be shared, and the shortest call is the one least disturbed."""
+    machine may be shared, and the shortest call is the one least disturbed. A call of over a second is timed once
+    more only (a large model: the estimate must not cost minutes itself)."""
+    t0 = time.perf_counter()
     fn()
+    if time.perf_counter() - t0 > 1.0:
+        repeats = 1
     out = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
