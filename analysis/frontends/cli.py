@@ -19,8 +19,8 @@ timed here: analysis/engine/cost.py); past 10 minutes it asks for --yes and name
 (erf, ablation) show their own progress with an ETA. Ctrl-C or SIGTERM stops it: the results that finished are kept
 (each is written as its measure finishes), one line says how many, exit 0; the same command again continues.
 
-Exit codes: 0 done, or stopped; 2 bad input (one sentence on stderr naming the problem; nothing is written), or an
-estimate past 10 minutes without --yes.
+Exit codes: 0 done, or stopped; 2 bad input, or an estimate past 10 minutes without --yes (one sentence on stderr
+naming the problem; nothing is written).
 """
 
 from __future__ import annotations
