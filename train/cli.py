@@ -41,6 +41,54 @@ def is_launcher(cmdline: bytes) -> bool:
     return any(LAUNCHER_RE.search(a) for a in argv[:3])
 
 
+def asked_processes(argv: list[str]) -> int | None:
+    """The ``--num_processes N`` (or ``--num-processes=N``) of an ``accelerate launch`` command line, read up to the
+    script it launches (``-m MODULE`` or a file), or None."""
+    for i, a in enumerate(argv):
+        if a in ("-m", "--module") or (a.endswith(".py") and not a.startswith("-")):
+            return None
+        key, eq, val = a.partition("=")
+        if key in ("--num_processes", "--num-processes"):
+            val = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            return int(val) if val.isdigit() else None
+    return None
+
+
+def fewer_processes(num_processes: int, environ=None, parent_cmdline: bytes | None = None) -> str | None:
+    """One sentence when this trainer's launcher was asked for more processes than started: ``accelerate launch
+    --cpu --num_processes 2`` (or without --multi_gpu) runs accelerate's simple launcher, which starts ONE process
+    whatever --num_processes says and tells it nothing of the count (no WORLD_SIZE; only MASTER_ADDR). Told from the
+    parent's command line (``/proc/PPID/cmdline``, Linux; ``parent_cmdline`` for tests) when the parent is ``accelerate
+    launch`` and set no WORLD_SIZE; else None."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" in env:  # a launcher that starts several processes says how many; the trainer checks it
+        return None
+    if parent_cmdline is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                parent_cmdline = f.read()
+        except OSError:
+            return None
+    argv = parent_cmdline.decode(errors="replace").split("\0")
+    rest = None
+    for i, a in enumerate(argv[:3]):
+        if a == "accelerate.commands.launch":  # python -m accelerate.commands.launch ARGS
+            rest = argv[i + 1 :]
+        elif re.search(r"(^|/)accelerate$", a) and argv[i + 1 : i + 2] == ["launch"]:
+            rest = argv[i + 2 :]
+    if rest is None:
+        return None
+    asked = asked_processes(rest)
+    if asked is None or asked <= num_processes:
+        return None
+    return (
+        f"accelerate launch was asked for {asked} processes but started {num_processes} (with --cpu, or without "
+        f"--multi_gpu, it runs one process whatever --num_processes says): this run trains on {num_processes}; for "
+        f"{asked} CPU processes use VITLAB_NPROC={asked} ./launch.sh, or ACCELERATE_USE_CPU=true accelerate launch "
+        f"--multi_gpu --num_processes {asked} --num_machines 1."
+    )
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train", description="Train a ViT / ResNet from a recipe.")
     p.add_argument("recipe_pos", nargs="*", metavar="RECIPE", help="recipe YAML (same as --recipe; one recipe only)")

@@ -39,6 +39,7 @@ from interventions import describe
 from train import compiling, init_from, memory
 from train.callbacks import CallbackList, TrainContext, build_callbacks
 from train.checkpoint import callbacks_done, list_checkpoints, mark_callbacks_done, save_checkpoint
+from train.cli import fewer_processes
 from train.collective import any_process, broadcast, gather_floats
 from train.data import DataBundle, EpochBatchSampler, augment, batch_collate, build_data
 from train.errors import (  # noqa: F401  (RunExists, RunFolderError: re-exported for callers of train.trainer)
@@ -131,6 +132,9 @@ def make_accelerator(recipe: Recipe, run_dir: Path | None = None, log: bool = Tr
             "float32): use bf16 or no on a CPU."
         )
     _cpu_threads(acc)
+    fewer = fewer_processes(acc.num_processes)
+    if fewer and acc.is_main_process:
+        print(f"warning: {fewer}", file=sys.stderr, flush=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if acc.num_processes != world:
         raise RuntimeError(

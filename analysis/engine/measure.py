@@ -26,6 +26,9 @@ and a second pass over the probe-train split only when some measure asks for it.
 - reduces over processes and returns its result in :meth:`Measure.finish` (sums through
   :func:`analysis.engine.reduce.all_reduce_sum`; per-image features through :func:`analysis.engine.reduce.collect`); it
   may also run its own passes there (e.g. gradients), on ``ctx.model`` and ``ctx.data``,
+- when it runs the model in :meth:`Measure.finish`, declares that work (:meth:`Measure.cost`, in image-forwards and
+  image-backwards of the model, from its options, the image count and the model's shape: what python -m analysis
+  turns into an estimate before it starts) and shows its progress through ``ctx.bar`` (the front end's bar),
 - turns a result into key numbers, TensorBoard scalars and figures (static methods, so that results loaded
   back from disk are drawn by the same code).
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -98,11 +102,36 @@ class Context:
     patch_size: int | None = None  # input pixels per token side for token models
     batch_size: int = 256
     order_seed: int | None = ORDER_SEED
+    # how a long measure shows its progress: ``progress(total=, desc=, unit=)`` gives a bar (tqdm's ``update(n)``,
+    # ``close()``); None: no bar. Set by the front end (python -m analysis: tqdm on the main process, off with
+    # --no-progress); a measure asks for one through :meth:`bar`
+    progress: Callable[..., Any] | None = None
+
+    def bar(self, total: float, desc: str, unit: str = "it"):
+        """A progress bar of ``total`` units for a measure's own long work (ERF images, ablation forwards), with its
+        ETA; one that does nothing when the front end asked for none. Close it when done (``with ctx.bar(...)``)."""
+        return _NoBar() if self.progress is None else self.progress(total=total, desc=desc, unit=unit)
 
     @functools.cached_property
     def minibatches(self) -> Minibatches:
         """How the analysis images are cut into minibatches (the same for every measure and process count)."""
         return Minibatches(len(self.data.analysis), self.batch_size, self.order_seed)
+
+
+class _NoBar:
+    """A progress bar that shows nothing."""
+
+    def update(self, n: float = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -170,6 +199,17 @@ class Measure:
         option that reads a class token the model lacks). ``ctx.model`` may be on the meta device (no weights):
         read its structure only. Checked before anything is written, at training time before the first step."""
         return None
+
+    @classmethod
+    def cost(cls, ctx: Context, opts: Any, n_images: int) -> dict[str, float]:
+        """What this measure costs beyond the suite's shared pass over the images, on the model of ``ctx`` with
+        ``opts`` and ``n_images`` analysis images: ``{"forwards": F, "backwards": B}`` in image-forwards of the whole
+        model and image-backwards of the whole model (gradients of the input only), which
+        :mod:`analysis.engine.cost` turns into seconds with a timed forward and backward of this model. The default:
+        nothing beyond the shared pass (the measure only reads taps and reduces them). A measure that runs the model
+        in :meth:`finish` (erf, ablation) says how often; ``ctx.model`` is the model itself (read its shape, run no
+        pass)."""
+        return {"forwards": 0.0, "backwards": 0.0}
 
     def taps(self) -> set[str]:
         return set()

@@ -424,11 +424,23 @@ def float32_forward(model):
             model.forward = patched
 
 
-def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, measures=None, on_stage=None) -> dict:
+def run_suite(
+    model,
+    data,
+    opts: SuiteOptions | None = None,
+    accelerator=None,
+    measures=None,
+    on_stage=None,
+    on_result=None,
+    progress=None,
+) -> dict:
     """The requested measures (``measures`` or ``opts.measures``; those that do not apply to the model, e.g. attention
     measures on a ResNet, are left out) of ``model`` on ``data.analysis`` (and ``data.probe_train``). Returns ``{"meta":
     {...}, <measure>: result}`` (results as in analysis/engine/measure.py). ``on_stage(text)``, when given, is called as
-    each stage starts: the passes over the images, then each measure's name (its finish)."""
+    each stage starts: the passes over the images, then each measure's name (its finish). ``on_result(name, result,
+    meta)``, when given, is called as each measure finishes, so a front end can keep it before the next one runs (a
+    stop midway keeps what finished). ``progress``: the bar factory of the measures' own long work
+    (:attr:`analysis.engine.measure.Context.progress`)."""
     on_stage = on_stage or (lambda text: None)
     opts = opts or SuiteOptions()
     names = resolve_all(measures if measures is not None else opts.measures)
@@ -436,6 +448,7 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
     if p:
         raise MeasureError(p)
     ctx = make_context(model, data, opts.batch_size, accelerator, opts.order_seed)
+    ctx.progress = progress
     p = model_problem(ctx, opts, names)
     if p:
         raise MeasureError(p)
@@ -469,6 +482,8 @@ def run_suite(model, data, opts: SuiteOptions | None = None, accelerator=None, m
                 on_stage(m.name)
                 with torch.no_grad():
                     out[m.name] = m.finish()
+                if on_result is not None:
+                    on_result(m.name, out[m.name], out["meta"])
     finally:
         model.train(was_training)
     return out

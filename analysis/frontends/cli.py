@@ -14,7 +14,13 @@ checkpoints, cached, with figures, TensorBoard and report.md.
     python -m analysis --model timm:vit_small_patch14_dinov2 --weights FILE --images photos
                                                               a published ViT on the bundled photos (or --images DIR)
 
-Exit codes: 0 done; 2 bad input (one sentence on stderr naming the problem; nothing is written).
+Before it computes, it says what each measure will cost on this model and these images (a forward and a backward
+timed here: analysis/engine/cost.py); past 10 minutes it asks for --yes and names cheaper options. Long measures
+(erf, ablation) show their own progress with an ETA. Ctrl-C or SIGTERM stops it: the results that finished are kept
+(each is written as its measure finishes), one line says how many, exit 0; the same command again continues.
+
+Exit codes: 0 done, or stopped; 2 bad input, or an estimate past 10 minutes without --yes (one sentence on stderr
+naming the problem; nothing is written).
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import dataclasses
 import inspect
 import re
 import shutil
+import signal
 import sys
 import textwrap
+import threading
 import typing
 import warnings
 from pathlib import Path
@@ -328,7 +336,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="recompute even when cached results exist")
     p.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard events (files and report only)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--yes",
+        action="store_true",
+        help="go on when the estimated cost is past 10 minutes (without it such an analysis is refused, with the "
+        "estimate and cheaper options)",
+    )
     p.add_argument(
         "--list",
         action="store_true",
@@ -416,9 +430,18 @@ def analyse(args) -> tuple:
     opts = runnable(run, opts, args.measures)
     progress = not args.no_progress
     try:
-        stats = RN.analyze_run(
-            run, steps, opts, force=args.force, tensorboard=not args.no_tensorboard, progress=progress
-        )
+        try:
+            stats = RN.analyze_run(
+                run,
+                steps,
+                opts,
+                force=args.force,
+                tensorboard=not args.no_tensorboard,
+                progress=progress,
+                before=lambda data, todo: check_cost(run, data, opts, todo, args.yes),
+            )
+        except RN.AnalysisStopped as e:
+            return run, {**e.stats, "stopped": e.total}
         for other, ostep in others:
             a = XC.against(run, other, ostep, steps[-1:] if steps else None, opts, force=args.force, progress=progress)
             for step, res in a["results"].items():
@@ -436,10 +459,96 @@ def analyse(args) -> tuple:
     return run, stats
 
 
+def check_cost(run, data, opts: S.SuiteOptions, todo: dict, yes: bool) -> None:
+    """Say what the measures still to compute (``todo``: {step: [measures]}) will cost (analysis/engine/cost.py:
+    their work times a forward and a backward of this model timed here), on stderr, when a measure has work of its own
+    (erf, ablation) or the whole takes a minute or more; past
+    :data:`analysis.engine.cost.CONFIRM_S` without ``yes``, refuse (AnalysisError, one sentence with the estimate,
+    --yes and the cheaper options)."""
+    if not todo:
+        return
+    from analysis.engine import cost as C
+    from analysis.engine import suite as S
+    from analysis.sources import models as MS
+
+    first = min(todo)
+    model = MS.load_model(run, first, data)
+    ctx = S.make_context(model, data, opts.batch_size, None, opts.order_seed)
+    problem = S.model_problem(ctx, opts, sorted({n for names in todo.values() for n in names}))
+    if problem:  # the runner's sentence, before the estimate of an analysis that cannot run
+        raise AnalysisError(f"run {run.path}: {problem}")
+    est, timing = None, None
+    for _, names in sorted(todo.items()):
+        e = C.estimate(ctx, opts, names, timing)
+        timing = e.timing
+        if est is None:
+            est = e
+        else:
+            est.add(e)
+    del model, ctx
+    steps = sorted(todo)
+    what = (
+        f"{'1 checkpoint' if len(steps) == 1 else f'{len(steps)} checkpoints'} of {run.label}, "
+        f"{len(data.analysis)} images"
+    )
+    if est.total >= C.SAY_S or est.measures:  # the minutes of erf and ablation, or a long shared pass
+        for line in C.lines(est, what):
+            print(line, file=sys.stderr)
+    if est.total > C.CONFIRM_S and not yes:
+        costly = ", ".join(f"{n} ~{C.duration(s)}" for n, s in sorted(est.measures.items(), key=lambda kv: -kv[1]))
+        cheaper = C.cheaper(est, opts)
+        raise AnalysisError(
+            f"this analysis would take about {C.duration(est.total)} here ({costly or 'the shared pass'}): pass --yes "
+            "to go on, or make it cheaper"
+            + (f" with {' or '.join(cheaper)}" if cheaper else "")
+            + " or fewer --measures, --steps or images."
+        )
+
+
+class StopSignals:
+    """SIGTERM (a scheduler, ``kill``) stops an analysis as Ctrl-C does: the first of them raises KeyboardInterrupt
+    (the results that finished are kept), the others are ignored while it stops (SIGKILL forces). Main thread only;
+    the handlers before are restored on exit."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.old: dict = {}
+
+    def __call__(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.old = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+
+def say_stopped(run, stats: dict) -> None:
+    """The run report of what was kept, and the one line of a stop."""
+    from analysis.reports.run_report import write_run_report
+    from analysis.results import runs as RF
+
+    kept = len(stats["computed"]) + len(stats["reused"])
+    where = RF.step_dir(run, stats["steps"][0]).parent if stats.get("steps") else run.path
+    if stats["computed"] or stats["reused"]:
+        write_run_report(run)
+    print(f"stopped: {kept} of {stats['stopped']} results kept in {where}; run the same command again to continue.")
+
+
 def say_done(run, stats: dict) -> None:
     """The closing lines: measures that did not apply, steps pruned meanwhile, counts and where the report is."""
     from analysis.reports.run_report import write_run_report
     from analysis.results import runs as RF
+
+    if stats.get("stopped") is not None:
+        say_stopped(run, stats)
+        return
 
     if stats["not_applicable"]:
         print(
@@ -466,6 +575,15 @@ def say_done(run, stats: dict) -> None:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    with StopSignals():
+        try:
+            return _main(args)
+        except KeyboardInterrupt:  # before any result was computed (imports, checks, the estimate)
+            print("stopped: nothing computed yet; run the same command again to start.")
+            return 0
+
+
+def _main(args) -> int:
     try:
         if args.list:
             from analysis.engine.measure import MeasureError

@@ -3,10 +3,16 @@
 A measure whose saved result carries the same cache key (checkpoint weights' sha256, analysis images, batch size and
 its own options: :func:`analysis.results.storage.cache_key`) is not recomputed; results go to
 ``analysis/step_XXXXXXX/``, figures to ``figures/step_XXXXXXX/`` and scalars and images to the run's TensorBoard at the
-checkpoint's step.
+checkpoint's step, each measure's as soon as it finishes (the suite's ``on_result``). A stop (KeyboardInterrupt: Ctrl-C,
+or the SIGTERM python -m analysis turns into one) keeps what finished: :class:`AnalysisStopped` says how much, and the
+same call again reuses it.
 """
 
 from __future__ import annotations
+
+import contextlib
+import signal
+import threading
 
 import torch
 from tqdm.auto import tqdm
@@ -59,6 +65,33 @@ class _Writer:
             self.w.close()
 
 
+class AnalysisStopped(KeyboardInterrupt):
+    """A stop during :func:`analyze_run` (a KeyboardInterrupt still, for callers that stop on one): ``stats`` as
+    analyze_run returns them so far (what was computed and kept, what was reused), ``total`` the results asked."""
+
+    def __init__(self, stats: dict, total: int):
+        super().__init__(f"stopped: {len(stats['computed']) + len(stats['reused'])} of {total} results kept")
+        self.stats, self.total = stats, total
+
+
+@contextlib.contextmanager
+def held_signals():
+    """SIGINT and SIGTERM wait while a measure's result is written (its arrays, cache key, figures): a stop then
+    comes right after, with that result whole. In the main thread only (elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if got:
+            signal.raise_signal(got[0])
+
+
 def analyze_run(
     run: Run,
     steps=None,
@@ -66,10 +99,15 @@ def analyze_run(
     force: bool = False,
     tensorboard: bool = True,
     progress: bool = True,
+    before=None,
 ) -> dict:
     """Run the suite on ``steps`` (default: every checkpoint) of ``run``, reusing cached results.
     Returns {"computed": [(step, measure)], "reused": [(step, measure)], "steps": [...], "skipped": [...]}: steps whose
-    checkpoint was deleted while this ran (pruned by a trainer still running) are skipped, not reported as damaged."""
+    checkpoint was deleted while this ran (pruned by a trainer still running) are skipped, not reported as damaged.
+    ``before(data, todo)``, when given, is called once the checkpoints are checked and before anything is computed,
+    with ``todo`` = {step: [measures not cached]} (python -m analysis estimates their cost there, and may refuse).
+    Each result is written as its measure finishes; a KeyboardInterrupt becomes :class:`AnalysisStopped`, with what
+    was kept."""
     opts = opts or S.SuiteOptions()
     check_writable(run)
     data, fp = load_data(run), fingerprint(run)
@@ -90,12 +128,18 @@ def analyze_run(
     wkeys = _checked_weights(run, steps, data, stats)
     if not wkeys:
         raise all_gone
+    keys = {step: {n: storage.cache_key(wkeys[step], fp, opts.settings(n), n) for n in opts.measures} for step in wkeys}
+    if before is not None:
+        todo = {step: _todo(run, step, opts, keys[step], force) for step in wkeys}
+        before(data, {step: t for step, t in todo.items() if t})
     writer = _Writer(run, tensorboard)
     bar = tqdm(total=len(wkeys) * len(opts.measures), desc=f"analyse {run.name}", disable=not progress, unit="measure")
+    bars = (lambda **kw: tqdm(**kw, leave=False)) if progress else None  # the measures' own (Context.bar)
     try:
         for step in list(wkeys):
-            keys = {n: storage.cache_key(wkeys[step], fp, opts.settings(n), n) for n in opts.measures}
-            _analyse_step(run, step, data, opts, keys, force, stats, writer, bar)
+            _analyse_step(run, step, data, opts, keys[step], force, stats, writer, bar, bars)
+    except KeyboardInterrupt:
+        raise AnalysisStopped(stats, len(wkeys) * len(opts.measures)) from None
     finally:
         writer.close()
         bar.close()
@@ -131,10 +175,17 @@ def _checked_weights(run: Run, steps: list[int], data, stats: dict) -> dict[int,
     return wkeys
 
 
-def _analyse_step(run: Run, step: int, data, opts: S.SuiteOptions, keys: dict, force: bool, stats: dict, writer, bar):
-    """The measures of one checkpoint that are not cached (all with ``force``): computed and published; ``bar``
-    ticks once per measure and shows the stage under way."""
-    todo = [n for n in opts.measures if force or not storage.is_cached(step_dir(run, step), n, keys[n])]
+def _todo(run: Run, step: int, opts: S.SuiteOptions, keys: dict, force: bool) -> list[str]:
+    """The measures of checkpoint ``step`` with no cached result under ``keys`` (all of them with ``force``)."""
+    return [n for n in opts.measures if force or not storage.is_cached(step_dir(run, step), n, keys[n])]
+
+
+def _analyse_step(
+    run: Run, step: int, data, opts: S.SuiteOptions, keys: dict, force: bool, stats: dict, writer, bar, bars=None
+):
+    """The measures of one checkpoint that are not cached (all with ``force``): computed, and each published as it
+    finishes; ``bar`` ticks once per measure and shows the stage under way; ``bars`` makes the measures' own."""
+    todo = _todo(run, step, opts, keys, force)
     stats["reused"] += [(step, n) for n in opts.measures if n not in todo]
     bar.update(len(opts.measures) - len(todo))  # cached: done at once
     if not todo:
@@ -146,8 +197,24 @@ def _analyse_step(run: Run, step: int, data, opts: S.SuiteOptions, keys: dict, f
             raise
         stats["skipped"].append(step)
         return
+
+    def keep(name: str, result: dict, meta: dict) -> None:  # written at once: a stop after it keeps it
+        with held_signals():
+            stages(f"{name}: figures, TensorBoard")
+            publish_step(run, step, {"meta": meta, name: result}, writer.get(), {name: keys[name]})
+            stats["computed"].append((step, name))
+            stages.done(name)
+
     try:
-        res = S.run_suite(model, data, opts, measures=todo, on_stage=(stages := _Stages(bar, step, todo)))
+        res = S.run_suite(
+            model,
+            data,
+            opts,
+            measures=todo,
+            on_stage=(stages := _Stages(bar, step, todo)),
+            on_result=keep,
+            progress=bars,
+        )
     except MeasureError as e:  # an option the model cannot serve (cka.repr=cls without a class token)
         raise AnalysisError(f"run {run.path}: {e}") from None
     meta = res["meta"]
@@ -160,24 +227,21 @@ def _analyse_step(run: Run, step: int, data, opts: S.SuiteOptions, keys: dict, f
             f"run {run.path}: {' and '.join(todo)} {'does' if len(todo) == 1 else 'do'} not apply to this model "
             f"({stats['model']}): see python -m analysis --list for what each measure needs."
         )
-    stats["computed"] += [(step, n) for n in res if n != "meta"]
-    stages("figures, TensorBoard")
-    publish_step(run, step, res, writer.get(), {n: keys[n] for n in res if n != "meta"})
     bar.update(len(todo) - sum(1 for n in todo if n in res))  # measures that do not apply to this model
 
 
 class _Stages:
-    """The suite's ``on_stage`` for the offline progress bar: the stage under way as its postfix (``step 600: cka``)
-    and one tick per measure as it finishes (the passes over the images tick nothing)."""
+    """The suite's ``on_stage`` for the offline progress bar: the stage under way as its postfix (``step 600: cka``),
+    and one tick per measure as its result is kept (:meth:`done`)."""
 
     def __init__(self, bar, step: int, measures: list[str]):
-        self.bar, self.step, self.measures, self.current = bar, step, set(measures), None
+        self.bar, self.step, self.measures = bar, step, set(measures)
 
     def __call__(self, stage: str) -> None:
-        if self.current in self.measures:
-            self.bar.update(1)
-        self.current = stage
         self.bar.set_postfix_str(f"step {self.step}: {stage}")
+
+    def done(self, name: str) -> None:
+        self.bar.update(1)
 
 
 def publish_step(run: Run, step: int, res: dict, writer, keys: dict) -> None:

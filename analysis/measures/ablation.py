@@ -88,7 +88,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.models.vision_transformer import Attention, Block
-from tqdm.auto import tqdm
 
 from analysis.engine.figures import finish_block_axes, subplots, wrap
 from analysis.engine.measure import Context, Measure, MeasureError, as_list, register
@@ -276,6 +275,17 @@ class Ablation(Measure):
     def applies(cls, ctx: Context) -> bool:
         return ctx.arch in ("vit", "resnet")
 
+    @classmethod
+    def cost(cls, ctx: Context, opts, n_images: int) -> dict[str, float]:
+        """Per analysis image: one unablated forward, and for each target a forward from its block on (the blocks
+        before it are not recomputed): (L - block) / L of a whole forward. The means and the k-NN bank come from the
+        suite's shared passes."""
+        model = unwrap(ctx.model)
+        blocks = list(ctx.blocks)
+        targets = parse_targets(opts.targets, ctx.arch, blocks, [model.get_submodule(b) for b in blocks], ctx.prefix)
+        L = max(len(blocks), 1)
+        return {"forwards": n_images * (1 + sum((L - t.block) / L for t in targets)), "backwards": 0.0}
+
     def __init__(self, ctx: Context, opts=None):
         super().__init__(ctx, opts)
         self.model = unwrap(ctx.model)
@@ -394,9 +404,10 @@ class Ablation(Measure):
         }  # clean: correct, loss, knn correct, images
         mb = ctx.minibatches  # the suite's minibatches: the CKA read-out is a minibatch estimator
         mine = list(mb.mine(acc))
-        main = acc is None or bool(getattr(acc, "is_main_process", getattr(acc, "process_index", 0) == 0))
         plans = [self._plan(len(mb.rows(j))) for j in mine]
-        bar = tqdm(total=sum(len(p) for p in plans), desc="ablation", unit="forward", disable=not main, leave=False)
+        # one tick per target and minibatch (the front end's bar, analysis.engine.measure.Context.bar)
+        total = sum(len(members) for plan in plans for _, _, members in plan)
+        bar = ctx.bar(total, f"ablation: {len(self.targets)} targets x {len(mine)} minibatches", "target")
         try:
             for j, plan in zip(mine, plans):
                 x = ctx.data.normalize(mb.take(split.images, j).to(ctx.device))
@@ -470,7 +481,7 @@ class Ablation(Measure):
                     st["xy"][n, jj] += s * float((g * g_ref).sum())
                     st["xx"][n, jj] += s * float((g * g).sum())
                     st["yy"][n, jj] += s * float((g_ref * g_ref).sum())
-            bar.update(1)
+            bar.update(len(members))
 
     def _value(self, i: int, site: str, like: torch.Tensor, clean: dict, skip: bool = False) -> torch.Tensor:
         """The replacement of activation ``site`` of block i for one copy, shaped like ``like`` [B, ...]: zero, the

@@ -228,6 +228,13 @@ def mean_distance(erf: torch.Tensor, window: tuple[int, int, int, int]) -> float
 # ---------------------------------------------------------------- the measure
 
 
+def targets_of(ctx: Context) -> list[tuple[str, str, str]]:
+    """(block, variant, tap name) in a fixed order (VIT_TAPS / RESNET_TAPS order within a block)."""
+    blocks = list(ctx.blocks) or block_names(unwrap(ctx.model))
+    taps = VIT_TAPS if ctx.arch == "vit" else RESNET_TAPS
+    return [(b, v, f"{b}.{k}") for b in blocks for v, k in taps.items()]
+
+
 @dataclass(frozen=True)
 class ERFOptions:
     images: int = 32  # the first analysis images whose gradients are averaged
@@ -261,11 +268,29 @@ class EffectiveReceptiveField(Measure):
         return ctx.arch in ("vit", "resnet")
 
     def _targets(self) -> list[tuple[str, str, str]]:
-        """(block, variant, tap name) in a fixed order (VIT_TAPS / RESNET_TAPS order within a block)."""
-        ctx = self.ctx
-        blocks = list(ctx.blocks) or block_names(unwrap(ctx.model))
-        taps = VIT_TAPS if ctx.arch == "vit" else RESNET_TAPS
-        return [(b, v, f"{b}.{k}") for b in blocks for v, k in taps.items()]
+        return targets_of(self.ctx)
+
+    @classmethod
+    def cost(cls, ctx: Context, opts, n_images: int) -> dict[str, float]:
+        """As :func:`erf_sums` works: per chunk of b images, k = forward_images // b copies (at most the channels D),
+        ceil(D / k) rounds of one forward of k b images and, per tapped tensor, one backward of them from that tensor
+        down to the input: a tensor of block i (of L) costs (i + 1) / L of a whole backward. The channel counts come
+        from one no-grad forward of one image."""
+        model = unwrap(ctx.model)
+        targets = targets_of(ctx)
+        names = [t[2] for t in targets]
+        shapes = feature_shapes(model, ctx.data.normalize(ctx.data.analysis.images[:1].to(ctx.device)), names)
+        dims = [s[0] if len(s) == 3 else s[-1] for s in (shapes[n] for n in names)]
+        blocks = list(dict.fromkeys(t[0] for t in targets))
+        depth = [(blocks.index(t[0]) + 1) / len(blocks) for t in targets]
+        n = min(opts.images, n_images)
+        forwards = backwards = 0.0
+        for start in range(0, n, opts.batch):
+            b = min(opts.batch, n - start)
+            k = max(1, min(max(dims), opts.forward_images // b))
+            forwards += -(-max(dims) // k) * k * b
+            backwards += sum(-(-d // k) * k * b * f for d, f in zip(dims, depth))
+        return {"forwards": forwards, "backwards": backwards}
 
     def finish(self) -> dict:
         ctx = self.ctx
@@ -284,11 +309,15 @@ class EffectiveReceptiveField(Measure):
         sums = torch.zeros(len(names), *hw, dtype=torch.float64, device=ctx.device)
         count = torch.zeros(1, dtype=torch.float64, device=ctx.device)
         shapes = None
-        for k in shard((n + bs - 1) // bs, ctx.accelerator):
-            x = ctx.data.normalize(images[k * bs : min(n, (k + 1) * bs)].to(ctx.device))
-            s, shapes = effective_receptive_fields(model, x, names, ctx.prefix, grid, per_forward)
-            sums += torch.stack([s[nm] for nm in names])
-            count += x.shape[0]
+        chunks = list(shard((n + bs - 1) // bs, ctx.accelerator))
+        mine = sum(min(n, (k + 1) * bs) - k * bs for k in chunks)
+        with ctx.bar(mine, f"erf: {mine} images x {len(names)} maps", "image") as bar:
+            for k in chunks:
+                x = ctx.data.normalize(images[k * bs : min(n, (k + 1) * bs)].to(ctx.device))
+                s, shapes = effective_receptive_fields(model, x, names, ctx.prefix, grid, per_forward)
+                sums += torch.stack([s[nm] for nm in names])
+                count += x.shape[0]
+                bar.update(x.shape[0])
         if shapes is None:  # a process without images still needs the feature-map shapes (for the windows)
             shapes = feature_shapes(model, ctx.data.normalize(images[:1].to(ctx.device)), names)
         flat = all_reduce_sum(torch.cat([sums.reshape(-1), count]), ctx.accelerator)

@@ -214,7 +214,9 @@ def test_the_offline_bar_names_the_measure_being_computed(tiny_run, tmp_path, ca
     shutil.copytree(tiny_run, run)
     assert main([str(run), "--measures", "cka,norm_ratio", "--batch-size", "32", "--no-tensorboard"]) == 0
     err = capsys.readouterr().err
-    for stage in ("pass over the analysis images (cka, norm_ratio)", "cka", "norm_ratio", "figures, TensorBoard"):
+    # each measure's figures and TensorBoard as it finishes (kept at once: a stop keeps it)
+    stages = ("pass over the analysis images (cka, norm_ratio)", "cka", "norm_ratio", "cka: figures, TensorBoard")
+    for stage in (*stages, "norm_ratio: figures, TensorBoard"):
         for step in (4, 8):
             assert f"step {step}: {stage}" in err, (stage, step)
     assert "4/4 [" in err and "1/4 [" in err and "measure" in err  # one tick per measure, not per checkpoint

@@ -86,7 +86,7 @@ def test_cli_unlabelled_folder_runs_what_needs_no_labels_and_names_the_rest(
         publish, "make_figures", lambda res, step=None, part=None: titled.append(step) or draw(res, step)
     )
     assert analysis_main([*base, "--out", str(tmp_path / "b"), "--measures", "attention_distance,norm_ratio"]) == 0
-    assert titled == [None]  # its figures name no training step ("step 0") either
+    assert titled == [None, None]  # drawn as each measure finishes; they name no training step ("step 0") either
     s = json.loads((tmp_path / "b" / "analysis" / "step_0000000" / "summary.json").read_text())
     assert set(s) >= {"attention_distance", "norm_ratio"}
     report = (tmp_path / "b" / "report.md").read_text()
