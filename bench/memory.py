@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's analysis, before any installed one
 from _common import SMOKE, VITS, pin_one_thread_env
 
 VITB = [*VITS[:2], "model.depth=12", "model.embed_dim=768", "model.num_heads=12", "model.mlp_ratio=4.0"]
