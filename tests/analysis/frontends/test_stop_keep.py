@@ -92,6 +92,17 @@ def _stop_midway(run: Path, tmp_path: Path, signum: int) -> tuple[int, str, str]
     return p.returncode, out, err
 
 
+@pytest.fixture(autouse=True)
+def _forget_the_slow_measure():
+    """The slow measure is registered by name when a test imports it: forgotten afterwards, so that other tests'
+    ``--measures all`` and registry counts do not meet it."""
+    yield
+    from analysis.engine.measure import MEASURES
+
+    MEASURES.known.pop("slow_probe", None)
+    sys.modules.pop("slow_probe", None)
+
+
 def _kept(run: Path) -> dict:
     return json.loads((run / "analysis" / "step_0000002" / "cache.json").read_text())
 
