@@ -10,6 +10,8 @@ pinned:
 
 - ``forward``: one plain forward pass over the analysis and probe-train images in the suite's minibatches, no
   hooks (the whole probe-train split: what an analysis reading every image must pay at least);
+- ``intermediates``: the same as ``forward`` through timm's ``forward_intermediates``, collecting every block's
+  output (what a user's own feature extraction of the same blocks costs, without the suite's other taps);
 - ``forward_read``: the same over the analysis images and only the probe-train images the suite reads
   (:func:`analysis.engine.suite.probe_rows`: the few-shot probes' shots and held-out half), the floor of ``suite``;
 - ``suite``:   :func:`analysis.engine.suite.run_suite` with the default measures (CKA, norm ratios, attention
@@ -51,7 +53,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--model", choices=("default", "vits"), default="default")
+    p.add_argument("--model", choices=("default", "vits", "vitb"), default="default")
     p.add_argument("--images", type=int, default=512, help="analysis and probe-train images of --model vits")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (seconds)")
     a = p.parse_args()
@@ -59,8 +61,9 @@ def main() -> None:
         p.error(f"--images {a.images}: the suite needs at least 4 analysis images.")
     torch.set_num_threads(a.threads)
     over = SMOKE if a.smoke else []
-    if a.model == "vits" and not a.smoke:
-        over = [*VITS, f"data.analysis_size={a.images}", f"data.probe_train_size={a.images}"]
+    if a.model in ("vits", "vitb") and not a.smoke:
+        shape = VITS if a.model == "vits" else [*VITS, "model.embed_dim=768", "model.num_heads=12"]  # ViT-B/16
+        over = [*shape, f"data.analysis_size={a.images}", f"data.probe_train_size={max(a.images, 256)}"]
     data, model = default_model(over)
     opts = suite_options(None, 32 if a.smoke else 256)
     bs = opts.batch_size
@@ -75,6 +78,13 @@ def main() -> None:
         for images in (data.analysis.images, probe_images):
             for j in range(0, len(images), bs):
                 model(data.normalize(images[j : j + bs]))
+
+    @torch.no_grad()
+    def intermediates():
+        blocks = list(range(len(model.blocks)))
+        for images in (data.analysis.images, data.probe_train.images):
+            for j in range(0, len(images), bs):
+                model.forward_intermediates(data.normalize(images[j : j + bs]), indices=blocks, intermediates_only=True)
 
     def suite_all_rows():
         rows = S.probe_rows
@@ -95,6 +105,7 @@ def main() -> None:
 
     variants = {
         "forward": forward,
+        "intermediates": intermediates,
         "forward_read": lambda: forward(read_images),
         "suite": lambda: run_suite(model, data, opts),
         "suite_all_rows": suite_all_rows,
@@ -118,7 +129,8 @@ def main() -> None:
         f"RATIO suite threads={a.threads}: suite/forward={best['suite'] / best['forward']:.2f} "
         f"suite/forward_read={best['suite'] / best['forward_read']:.2f} "
         f"suite/suite_all_rows={best['suite'] / best['suite_all_rows']:.2f} "
-        f"(suite+figures)/forward={(best['suite'] + best['figures']) / best['forward']:.2f}"
+        f"(suite+figures)/forward={(best['suite'] + best['figures']) / best['forward']:.2f} "
+        f"suite/intermediates={best['suite'] / best['intermediates']:.2f}"
     )
 
 

@@ -34,7 +34,7 @@ RATIO = {  # what each script's RATIO line must hold
     "memory.py": r"^RATIO memory model=\w+ images=[\d,]+: max_growth=([\d.]+|nan) \([\w,]+\)$",
     "suite_speed.py": (
         r"^RATIO suite threads=1: suite/forward=[\d.]+ suite/forward_read=[\d.]+ suite/suite_all_rows=[\d.]+ "
-        r"\(suite\+figures\)/forward=[\d.]+$"
+        r"\(suite\+figures\)/forward=[\d.]+ suite/intermediates=[\d.]+$"
     ),
     "train_speed.py": r"^RATIO train threads=1: harness/bare fp32=[\d.]+ bf16=[\d.]+; bf16/fp32 harness=[\d.]+$",
 }
