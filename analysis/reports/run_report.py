@@ -73,7 +73,12 @@ def _split_summary(summary: dict) -> tuple[list[str], list[str]]:
         shape = np.asarray(v).shape if n > 1 else ()
         if n > LONG:
             dims = " x ".join(map(str, shape))
-            rows.append(f"| {name} | {key} | {_brief(np.asarray(v, dtype=float))}; all {dims}: appendix |")
+            try:
+                brief = _brief(np.asarray(v, dtype=float))
+            except (TypeError, ValueError):  # a list of names (layers, targets): its first and last
+                flat = [str(x) for x in np.asarray(v).reshape(-1)]
+                brief = f"{flat[0]} ... {flat[-1]}"
+            rows.append(f"| {name} | {key} | {brief}; all {dims}: appendix |")
             long_rows.append(f"| {name} | {key} ({dims}) | {sig(v)} |")
         else:
             rows.append(f"| {name} | {key} | {sig(v)} |")

@@ -466,3 +466,6 @@ def test_report_moves_long_lists_to_the_appendix_and_says_its_conventions_once()
     assert "min 0.867, mean 0.982, max 1.1; all 2 x 12: appendix" in heads and len(heads.split()) < 3 * LONG
     assert appendix == ["| ablation | heads_drop (2 x 12) | " + " ".join(f"{v:.3g}" for v in per_block) + " |"]
     assert "numbered from 0" in CONVENTIONS
+    names = [f"blocks.{i}.out" for i in range(LONG + 4)]  # a long list of names (a measure's layers): no crash
+    rows, appendix = _split_summary({"token_probes": {"layers": names}})
+    assert any("blocks.0.out ... blocks.11.out; all 12: appendix" in r for r in rows) and "blocks.5.out" in appendix[0]
