@@ -378,13 +378,7 @@ class PermutedMinibatchCKA(MinibatchCKA):
 
     @torch.no_grad()
     def update(self, xs: list[torch.Tensor], ys: list[torch.Tensor] | None = None) -> None:
-        n = xs[0].shape[0]
-        if n < 4:
-            raise ValueError(
-                f"MinibatchCKA needs minibatches of at least 4 examples, got {n}: raise the analysis batch size."
-            )
-        if any(r.shape[0] != n for r in xs + (ys or [])):
-            raise ValueError("every layer's representation in a minibatch must hold the same examples.")
+        n = self._examples(xs, ys)
         scale = 1.0 / (n * (n - 3)) if self.unbiased else 1.0 / (n - 1) ** 2
         gx = self._centred(xs)  # [Lx, n*n], one Gram per layer as MinibatchCKA
         gy = gx if ys is None else self._centred(ys)

@@ -285,8 +285,9 @@ class MinibatchCKA:
     def _centred(self, reps: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([hsic_gram(r, self.unbiased)[0].reshape(-1) for r in reps])  # [L, n*n]
 
-    @torch.no_grad()
-    def update(self, xs: list[torch.Tensor], ys: list[torch.Tensor] | None = None) -> None:
+    @staticmethod
+    def _examples(xs: list[torch.Tensor], ys: list[torch.Tensor] | None) -> int:
+        """The minibatch's number of examples; ValueError (one sentence) below 4 or when the layers disagree."""
         n = xs[0].shape[0]
         if n < 4:
             raise ValueError(
@@ -294,6 +295,11 @@ class MinibatchCKA:
             )
         if any(r.shape[0] != n for r in xs + (ys or [])):
             raise ValueError("every layer's representation in a minibatch must hold the same examples.")
+        return n
+
+    @torch.no_grad()
+    def update(self, xs: list[torch.Tensor], ys: list[torch.Tensor] | None = None) -> None:
+        n = self._examples(xs, ys)
         scale = _hsic_scale(n, self.unbiased)
         gx = self._centred(xs)
         if ys is None:

@@ -23,15 +23,9 @@ from analysis.similarity import (
     svcca,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small matrices, one thread: on a loaded 2-core host torch's 2-thread parallel regions (e.g. the triu and
-    syrk of linear CKA's Gram) took ~40 ms on a 20 x 3 input against 0.13 ms at one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# small matrices, one thread (conftest's fixture): on a loaded 2-core host torch's 2-thread parallel regions (the triu
+# of linear CKA's Gram) took ~40 ms on a 20 x 3 input against 0.13 ms at one thread
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- Kornblith et al. 2019, the authors' notebook
