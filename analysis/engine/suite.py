@@ -17,9 +17,6 @@ analysis/results/storage.py.
 
 from __future__ import annotations
 
-import ctypes
-import os
-import platform
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -303,38 +300,6 @@ def make_context(model, data, batch_size: int = 256, accelerator=None, order_see
     )
 
 
-# glibc's defaults of the two settings :func:`freed_memory_kept` changes (mallopt(3)): M_TRIM_THRESHOLD 128 KiB,
-# M_MMAP_MAX 65536
-_GLIBC_DEFAULTS = ((-1, 128 * 1024), (-4, 65536))
-
-
-@contextmanager
-def freed_memory_kept():
-    """Opt-in (``VITLAB_KEEP_FREED_MEMORY=1``), on glibc only, and only while one suite runs: keep freed memory in the
-    process instead of handing it back to the OS (mallopt M_TRIM_THRESHOLD -1: the heap is never trimmed; M_MMAP_MAX
-    0: no allocation gets its own mmap), so that the next minibatch's taps reuse the last one's pages instead of
-    faulting fresh ones in. Afterwards glibc's default values are set again (its thresholds then stay fixed instead
-    of adapting) and the memory kept is handed back (malloc_trim). Measured on a ViT-S/16 analysis at 2 threads:
-    10-30% less time on one AMD host, 4% with the minibatches forwarded in chunks (docs/scaling.md); a library does
-    not change a process's allocator unasked, so it is off by default."""
-    lib = None
-    if os.environ.get("VITLAB_KEEP_FREED_MEMORY", "0") == "1" and platform.libc_ver()[0] == "glibc":
-        try:
-            lib = ctypes.CDLL("libc.so.6")
-        except OSError:
-            lib = None
-    if lib is not None:
-        lib.mallopt(-1, -1)
-        lib.mallopt(-4, 0)
-    try:
-        yield
-    finally:
-        if lib is not None:
-            for param, value in _GLIBC_DEFAULTS:
-                lib.mallopt(param, value)
-            lib.malloc_trim(0)
-
-
 @torch.no_grad()
 def _pass(ctx: Context, split, taps: list[str], on_batch, rows: np.ndarray | None = None, chunk=None, whole=None):
     """Run ``split`` through the model in fixed minibatches (sharded over processes), calling ``on_batch(j, captures,
@@ -490,7 +455,7 @@ def run_suite(
     was_training = model.training
     model.eval()
     try:
-        with float32_forward(model), freed_memory_kept():
+        with float32_forward(model):
             ms = make_measures(ctx, opts, names)
             budget = memory_budget(ctx, opts)
             if any(m.taps() for m in ms):
