@@ -61,9 +61,10 @@ def child(a) -> None:
 
         so.max_memory = parse_memory(a.max_memory)
     before = _status("VmRSS")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run_suite(model, data, so)
-    print(json.dumps({"peak": _status("VmHWM") - before, "base": before, "s": time.perf_counter() - t0}))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(json.dumps({"peak": _status("VmHWM") - before, "base": before, "s": wall, "cpu": cpu}))
 
 
 def main() -> None:
@@ -86,7 +87,7 @@ def main() -> None:
     groups = a.measures.split(",") if a.each else [a.measures]
     growths = {}
     print(f"# model {a.model}, minibatch {a.batch_size}, max_memory {a.max_memory}; peak MiB above the resident size")
-    print(f"{'measures':40s}" + "".join(f"{c:>9d}" for c in counts) + "   growth   seconds")
+    print(f"{'measures':40s}" + "".join(f"{c:>9d}" for c in counts) + "   growth   seconds (wall/cpu)")
     for g in groups:
         row = []
         secs = []
@@ -99,15 +100,15 @@ def main() -> None:
             if out.returncode:
                 print(out.stderr[-2000:], file=sys.stderr)
                 row.append(float("nan"))
-                secs.append(float("nan"))
+                secs.append("nan")
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
             row.append(r["peak"] / 2**20)
-            secs.append(r["s"])
+            secs.append(f"{r['s']:.0f}/{r['cpu']:.0f}")
         growth = row[-1] / row[0] if row[0] else float("nan")
         growths[g] = growth
         cells = "".join(f"{v:9.0f}" for v in row)
-        print(f"{g:40s}{cells}   {growth:5.2f}x  " + " ".join(f"{s:.0f}" for s in secs), flush=True)
+        print(f"{g:40s}{cells}   {growth:5.2f}x  " + " ".join(secs), flush=True)
     print(f"# load average {os.getloadavg()[0]:.2f}")
     worst = max(growths, key=lambda g: growths[g])
     print(f"RATIO memory model={a.model} images={a.images}: max_growth={growths[worst]:.2f} ({worst})")
