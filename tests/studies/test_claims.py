@@ -110,17 +110,31 @@ def test_checkpoint_selection_reads_validation_never_test():
     assert N.select_checkpoint(metas)[0] == 600
 
 
-def test_go_no_go_reads_the_second_checkpoint():
-    u = uniform_distance(7, 4)  # 14.44 px; the threshold is 0.7 x = 10.11 px
+def test_go_no_go_reads_the_second_checkpoint_with_the_claims_own_threshold():
+    u = uniform_distance(7, 4)  # 14.44 px; the claims' locality threshold is 0.8 x = 11.55 px
     flat = np.full((6, 8), 14.0)
     local = flat.copy()
     local[1, 3] = 5.0
     late = flat.copy()
-    late[4, 0] = 2.0  # a local head, but in block 4: not an early block
+    late[4, 0] = 2.0  # a local head in block 4: the claims count any block, so the pilot does too
     out, why = P.go_no_go({1500: flat, 3000: local, 4500: local}, u)
     assert out == P.GO and "step 3000" in why and "block 1, head 3" in why and "0.35 x" in why
     out, why = P.go_no_go({1500: local, 3000: late}, u)
-    assert out == P.NO_GO and "0.97 x" in why and "10.11 px" in why
+    assert out == P.GO and "block 4, head 0" in why and "11.55 px" in why
+    # vit_local_nomix_s0 (the issue's case): a block-2 head at 11.3 px = 0.78 x, falling from 0.87 x: go (below 0.8 x)
+    nomix0, nomix1 = flat.copy(), flat.copy()
+    nomix0[2, 1], nomix1[2, 1] = 0.87 * u, 11.3
+    assert P.go_no_go({1500: nomix0, 3000: nomix1}, u)[0] == P.GO  # the old check (0.7 x, blocks 0-1) said no-go
+    # not below 0.8 x, but the most local head still falling by 10% or more of its distance: trains on
+    falling0, falling1 = flat.copy(), flat.copy()
+    falling0[3, 0], falling1[3, 0] = 0.97 * u, 0.85 * u  # a fall of 14% of 0.85 x
+    out, why = P.go_no_go({1500: falling0, 3000: falling1}, u)
+    assert out == P.GO and "still falling" in why and "14%" in why
+    slow = falling1.copy()
+    slow[3, 0] = 0.90 * u  # 0.97 -> 0.90: a fall of 8%, below the 10% that trains on
+    out, why = P.go_no_go({1500: falling0, 3000: slow}, u)
+    assert out == P.NO_GO and "0.90 x" in why and "11.55 px" in why and "not falling by 10%" in why
+    assert P.go_no_go({1500: flat, 3000: flat}, u)[0] == P.NO_GO
     assert P.go_no_go({1500: local}, u)[0] == P.UNDECIDED
     assert P.go_no_go({1500: flat, 3000: None}, u)[0] == P.UNDECIDED
 
@@ -149,8 +163,11 @@ def test_cls_phase_four_outcomes(tmp_path):
     r = run([_phase(-1.0, 1.0, noise=0.05) for _ in range(3)])
     assert r.outcome == C.NOT_HELD and "Holm" in r.why
     assert run([_phase(0.0, 0.0, noise=0.5) for _ in range(3)]).outcome == C.INCONCLUSIVE
-    six = run([_phase(1.0, -1.0, depth=6, noise=0.05) for _ in range(3)])  # 2 kept blocks in the first half
-    assert six.outcome == C.NOT_TESTABLE and "halves keep 2 and 3 blocks" in six.why
+    six = run([_phase(1.0, -1.0, depth=6, noise=0.05) for _ in range(3)])  # 2 kept blocks in the first half: enough
+    assert six.outcome == C.HELD
+    four = run([_phase(1.0, -1.0, depth=4, noise=0.05) for _ in range(3)])  # block 1 alone in the first half
+    assert four.outcome == C.NOT_TESTABLE and "halves keep 1 and 2 blocks" in four.why
+    assert C.ungated(four).outcome == C.HELD  # what the parts say with the gate off, reported beside it
     assert run(paper[:1]).outcome == C.NOT_TESTABLE  # one seed: no seed-to-seed variation
 
 

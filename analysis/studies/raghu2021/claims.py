@@ -21,6 +21,7 @@ from analysis.frontends.compare import compare
 from analysis.reports import cross as XC
 from analysis.results import storage
 from analysis.studies.claims import (
+    MIN_SEEDS,
     Claims,
     Result,
     compare_part,
@@ -34,12 +35,12 @@ from analysis.studies.locality import LOCAL_FRACTION, LOCALITY_PRECONDITION, loc
 from analysis.studies.raghu2021 import numbers as N
 from analysis.studies.raghu2021.floors import floors_section, identity_mask, resnet_blocks
 from analysis.studies.raghu2021.pilots import LOCALITY
+from analysis.studies.raghu2021.preregistered import MIN_BLOCKS_PER_HALF, PREREGISTERED
 from analysis.studies.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition
 from train.checkpoint import read_meta
 
-CLAIMS = Claims("raghu2021")
+CLAIMS = Claims("raghu2021", PREREGISTERED)  # every threshold a verdict reads: preregistered.py
 SOURCE = "Raghu et al. 2021"
-MIN_BLOCKS_PER_HALF = 4  # the CLS/spatial phase transition is judged on at least this many blocks per half
 DEMO_POSITIVE_CONTROL = (
     'A "not testable" or "did not hold" here rests on detectors with a positive control: heads forced local / offset '
     "by interventions.local_attention are found by attention distance, aligned attention and head subsets "
@@ -858,7 +859,12 @@ def offset_heads(ctx) -> Result:
             "cannot appear",
             {"heads": heads},
         ),
-        Precondition("runs", len(al) >= 2, f"{len(al)} ViT runs measured (the rule needs two)", {"runs": len(al)}),
+        Precondition(
+            "runs",
+            len(al) >= MIN_SEEDS,
+            f"{len(al)} ViT runs measured (the rule needs {MIN_SEEDS})",
+            {"runs": len(al)},
+        ),
     )
     have = [c["count"] > 0 for c in counts.values()]
     if not all(c.passed for c in conds):
