@@ -201,7 +201,8 @@ class Preregistration:
         }
 
 
-def _checkpoints(shape: dict) -> int:
+def checkpoints_of(shape: dict) -> int:
+    """How many checkpoints a study configuration of ``shape`` writes (its steps over checkpoint_every)."""
     return int(shape["steps"] // shape["checkpoint_every"]) if shape.get("checkpoint_every") else 1
 
 
@@ -210,7 +211,7 @@ CONVERGED = Threshold(
     "converged",
     "a claim's statistic must have changed by less than this share between the runs' last two checkpoints",
     Fixed("2026-11-24", "b991488", "2026-11-24T20:39:05+00:00"),
-    feasible=lambda shape: _checkpoints(shape) >= 2,  # two checkpoints to compare (else: passes, not checked)
+    feasible=lambda shape: checkpoints_of(shape) >= 2,  # two checkpoints to compare (else: passes, not checked)
 )
 MIN_SEEDS = Threshold(
     2,

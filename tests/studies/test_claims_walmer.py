@@ -335,7 +335,7 @@ class FakeCtx:
     def __init__(self, configs):
         self.configs, self.shared, self.notes = configs, {}, []
 
-    def last(self, run, measure, step=None):
+    def last(self, run, measure, step=None, optional=False):
         return run.results.get(measure)
 
     def previous(self, run, measure):

@@ -867,19 +867,28 @@ def offset_heads(ctx) -> Result:
         ),
     )
     have = [c["count"] > 0 for c in counts.values()]
+    counted = (
+        Decision(
+            HELD if all(have) else NOT_HELD if not any(have) else INCONCLUSIVE,
+            f"{sum(have)} of {len(have)} ViT runs have an offset local head.",
+            (),
+            (),
+        )
+        if have
+        else Decision(NOT_TESTABLE, "No ViT run has an aligned_attention result to count.", (), ())
+    )
     if not all(c.passed for c in conds):
         failed = "; ".join(c.sentence for c in conds if not c.passed)
-        out, why = NOT_TESTABLE, failed[0].upper() + failed[1:] + "."
+        d = Decision(NOT_TESTABLE, failed[0].upper() + failed[1:] + ".", (), (), conds)
     else:
-        out = HELD if all(have) else NOT_HELD if not any(have) else INCONCLUSIVE
-        why = f"{sum(have)} of {len(have)} ViT runs have an offset local head."
-    d = Decision(out, why, (), (), conds)
+        d = Decision(counted.outcome, counted.why, (), (), conds)
     d_fig = storage.step_dir(lruns[0].path, max(lruns[0].checkpoints), "figures")
     return Result(
         d,
         ours=f"{sum(have)} of {len(have)} runs with an offset local head; {sum(n_local.values())} of {heads} heads "
         "local",
         measured=measured,
+        ungated=counted,
         figures=[
             (
                 d_fig / "aligned_attention_maps.png",
