@@ -101,10 +101,10 @@ class Threshold(float):
     with ``name``, what it ``means``, when it was ``fixed`` (:class:`Fixed`: the commit that first introduced it) and
     its ``kind``: "gate" (a precondition: the claim is not testable when it fails), "rule" (a number inside the
     decision, e.g. a margin), "go" (a pilot's go/no-go) or "regime" (marks a claim outside the paper's regime, judges
-    nothing). ``feasible(shape)``: whether a gate can pass at all for a study configuration's ``shape`` (``depth``,
-    ``width``, ``steps``, ``checkpoint_every``, ``seeds``, ``every_checkpoint``), so that a test can show every gate is
-    satisfiable in some shipped study; ``previous``: (value, Fixed) where a threshold was changed. It is a float, so
-    code reads it as the number it is."""
+    nothing). ``feasible(value, shape)``: whether a gate of this value can pass at all for a study configuration's
+    ``shape`` (``arch``, ``depth``, ``width``, ``steps``, ``checkpoint_every``, ``seeds``, ``every_checkpoint``), so
+    that a test can show every gate is satisfiable in some shipped study (:meth:`can_pass`); ``previous``: (value,
+    Fixed) where a threshold was changed. It is a float, so code reads it as the number it is."""
 
     def __new__(
         cls,
@@ -124,6 +124,10 @@ class Threshold(float):
 
     def __str__(self) -> str:
         return format(float(self), "g")
+
+    def can_pass(self, shape: dict) -> bool | None:
+        """Whether this threshold can pass for a study configuration of ``shape`` (None: it declares no check)."""
+        return None if self.feasible is None else bool(self.feasible(float(self), shape))
 
     __repr__ = __str__
 
@@ -184,8 +188,8 @@ class Preregistration:
         return (
             f"Fixed after the data: {names} {'was' if len(late) == 1 else 'were'} set after this claim's verdict was "
             "first reported "
-            f"({first.report or 'the committed report'}, {first.text()}), so this gate was chosen with those numbers "
-            "in view and does not count as preregistered."
+            f"({first.report or 'the committed report'}, {first.text()}): chosen with those numbers in view, "
+            f"{'it does' if len(late) == 1 else 'they do'} not count as preregistered."
         )
 
     def to_json(self, claim_id: str) -> dict:
@@ -211,14 +215,14 @@ CONVERGED = Threshold(
     "converged",
     "a claim's statistic must have changed by less than this share between the runs' last two checkpoints",
     Fixed("2026-11-24", "b991488", "2026-11-24T20:39:05+00:00"),
-    feasible=lambda shape: checkpoints_of(shape) >= 2,  # two checkpoints to compare (else: passes, not checked)
+    feasible=lambda v, shape: checkpoints_of(shape) >= 2,  # two checkpoints to compare (else: passes, not checked)
 )
 MIN_SEEDS = Threshold(
     2,
     "min_seeds",
     "every compared configuration has at least this many seeds (a seed-to-seed spread to judge effects against)",
     Fixed("2026-11-23", "348f4ae", "2026-11-23T12:21:41+00:00"),
-    feasible=lambda shape: shape.get("seeds", 1) >= 2,
+    feasible=lambda v, shape: shape.get("seeds", 1) >= v,
 )
 
 
@@ -695,7 +699,7 @@ def glance(results: list[tuple[Claim, Result]]) -> list[str]:
     n = sum(counts.values())
     lines += [
         "",
-        f"Tally over the paper's {n} claims (sanity checks left out): "
+        f"Tally over the paper's {n} claim(s) (sanity checks left out): "
         + ", ".join(f"{k} {v}" for k, v in counts.items())
         + ".",
     ]

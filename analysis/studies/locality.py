@@ -28,7 +28,7 @@ LOCALITY_PRECONDITION = Threshold(
     "locality",
     "a locality claim is judged only when some head attends below this share of uniform attention's distance",
     Fixed("2026-11-24", "b991488", "2026-11-24T20:39:05+00:00"),
-    feasible=lambda shape: shape.get("arch", "vit") == "vit",
+    feasible=lambda v, shape: shape.get("arch", "vit") == "vit",
 )
 
 

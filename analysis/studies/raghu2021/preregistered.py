@@ -35,7 +35,7 @@ MIN_BLOCKS_PER_HALF = Threshold(
     "the CLS/spatial phase transition (Raghu Fig. 7) is judged on at least this many kept blocks (block 0 left out) in "
     "each half of the network",
     TODAY,
-    feasible=lambda shape: min(_halves(int(shape["depth"]))) >= MIN_BLOCKS_PER_HALF,
+    feasible=lambda v, shape: min(_halves(int(shape["depth"]))) >= v,
     previous=(4, Fixed("2026-11-24", "b991488", "2026-11-24T20:39:05+00:00")),
 )
 
@@ -48,7 +48,7 @@ STILL_FALLING = Threshold(
     "a pilot whose most local head's distance fell by at least this share between its last two checkpoints trains on",
     TODAY,
     kind="go",
-    feasible=lambda shape: shape.get("steps", 0) >= 2 * shape.get("checkpoint_every", 0) > 0,
+    feasible=lambda v, shape: shape.get("steps", 0) >= 2 * shape.get("checkpoint_every", 0) > 0,
 )
 
 _REPORT = "docs/reproduction.md"

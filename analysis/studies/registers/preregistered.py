@@ -27,7 +27,7 @@ MIN_RUNS_WITH_OUTLIERS = Threshold(
     "min_runs_with_outliers",
     "the register claims are judged when at least this many register-free seeds have outliers",
     _PLUGIN,
-    feasible=lambda shape: shape.get("seeds", 1) >= MIN_RUNS_WITH_OUTLIERS,
+    feasible=lambda v, shape: shape.get("seeds", 1) >= v,
 )
 KNN_MARGIN = Threshold(
     0.01,

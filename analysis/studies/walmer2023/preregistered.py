@@ -28,7 +28,7 @@ REGIME = Threshold(
     "a compared self-supervised model reached this share of its paper's k-NN share of supervised (Walmer Table 1) "
     "before its attention or representations are compared",
     _WALMER,
-    feasible=lambda shape: all(0.8 * paper_share(o) < 1 for o in SELF_SUPERVISED),
+    feasible=lambda v, shape: all(v * paper_share(o) < 1 for o in SELF_SUPERVISED),
 )
 PLATEAU_CHECKPOINTS = Threshold(
     3,
@@ -36,14 +36,14 @@ PLATEAU_CHECKPOINTS = Threshold(
     "a semantic claim is judged when the k-NN top-1 (mean over seeds) changed by less than the convergence limit "
     "between each pair of consecutive checkpoints among the runs' last this many",
     TODAY,
-    feasible=lambda shape: checkpoints_of(shape) >= PLATEAU_CHECKPOINTS and "knn" in shape.get("every_checkpoint", ()),
+    feasible=lambda v, shape: checkpoints_of(shape) >= v and "knn" in shape.get("every_checkpoint", ()),
 )
 MIN_PROFILE_BLOCKS = Threshold(
     4,
     "min_profile_blocks",
     "the attention-distance depth profile (Walmer Fig. 4 right) needs at least this many blocks",
     _WALMER,
-    feasible=lambda shape: shape["depth"] >= MIN_PROFILE_BLOCKS,
+    feasible=lambda v, shape: shape["depth"] >= v,
 )
 
 _REPORT = "docs/teaching-matters.md"
