@@ -337,3 +337,54 @@ def test_no_committed_report_has_an_unformatted_placeholder():
     assert len(reports) >= 4
     for f in reports:
         assert unformatted(f.read_text()) == [], f.name
+
+
+# -------------------------------------------------------------- the passages' key words: throughout, midway, poorly
+
+
+def test_matched_blocks_and_block_ratios_by_hand():
+    # ViT block b at (b + 0.5) / 6 against ResNet block j at (j + 0.5) / 8, nearest (ties: the lower block)
+    assert N.matched_blocks(6, [True] * 8) == [0, 1, 3, 4, 5, 7]
+    assert N.matched_blocks(6, [False] + [True] * 7) == [1, 1, 3, 4, 5, 7]  # block 0 a projection: not comparable
+    r = np.ones((2, 3, 4))
+    r[0, 1] = [1, 2, 3, 4]
+    r[1, 1] = [5, 6, 7, 8]  # block 1: the median of 1..8 = 4.5
+    assert np.allclose(N.block_ratios(r), [1.0, 4.5, 1.0])
+
+
+def test_erf_midway_by_hand():
+    # steps 10, 1, 1, 1, 1 of a 14-wide increase; the steps into blocks 2 and 3 (the middle third of 6) make 2 / 14 of
+    # it, against 2 / 5 for an even growth
+    assert np.isclose(N.erf_midway([0, 10, 11, 12, 13, 14]), 2 / 14 - 2 / 5)
+    assert np.isclose(N.erf_midway([0, 1, 6, 11, 12, 13]), 10 / 13 - 2 / 5)  # global midway: positive
+    assert np.isnan(N.erf_midway([3, 2, 1]))  # no increase
+
+
+def test_erf_jump_at_the_first_block_is_not_midway(tmp_path):
+    """The issue's case: the ViT's ERF jumps at block 0 -> 1, so "much more global midway" is reversed."""
+    early = [np.array([1.0, 12.0, 12.5, 13.0, 13.5, 14.0]) + e for e in (0.0, 0.1, -0.1)]
+    res = [np.array([1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0, 9.0]) * (1 + e) for e in (0.0, 0.05, -0.05)]
+    ctx = _ctx(
+        tmp_path,
+        {"vit_cls": [{"mean_distance": np.c_[c]} for c in early], "resnet": [{"mean_distance": np.c_[c]} for c in res]},
+        "erf",
+    )
+    r = CLAIMS["erf"].test(ctx)
+    mid = r.decision.parts[2]
+    assert "middle third" in mid.name and mid.effect < 0 and r.outcome == C.NOT_HELD
+
+
+def test_cls_tokens_probing_as_well_as_the_resnets_do_not_do_poorly(tmp_path):
+    """The issue's case: CLS-ViT spatial tokens at 0.72-0.75, the ResNet's about as good: GAP may beat CLS, but the
+    CLS tokens do not "do poorly", so the claim does not hold as the passage words it."""
+    per = {"vit_cls": [0.72, 0.75, 0.73], "vit_gap": [0.80, 0.82, 0.81], "resnet": [0.70, 0.71, 0.69]}
+    ctx = _ctx(tmp_path, {c: [{"mean_over_tokens": [0.5, v]} for v in vs] for c, vs in per.items()}, "token_probes")
+    r = CLAIMS["gap_token_probes"].test(ctx)
+    assert [p.name.split(":")[0] for p in r.decision.parts] == [
+        "last-block mean token-probe accuracy, GAP - CLS",
+        "CLS ViT's tokens do poorly",
+    ]
+    assert r.decision.parts[0].effect > 0 and r.decision.parts[1].effect < 0 and r.outcome == C.NOT_HELD
+    per["resnet"] = [0.90, 0.91, 0.92]  # the ResNet's tokens perform well, the CLS ViT's poorly: held
+    ctx = _ctx(tmp_path, {c: [{"mean_over_tokens": [0.5, v]} for v in vs] for c, vs in per.items()}, "token_probes")
+    assert CLAIMS["gap_token_probes"].test(ctx).outcome == C.HELD
