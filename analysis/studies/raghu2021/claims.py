@@ -21,6 +21,7 @@ from analysis.frontends.compare import compare
 from analysis.reports import cross as XC
 from analysis.results import storage
 from analysis.studies.claims import (
+    CONVERGED,
     MIN_SEEDS,
     Claims,
     Result,
@@ -244,7 +245,8 @@ def _ratio_converged(ctx, runs, stat, name) -> Precondition:
     "spatial tokens additionally demonstrates that skip connection is much more influential in ViT compared to "
     "ResNet: we observe much higher norm ratios for ViT throughout, along with the phase transition from CLS to "
     "spatial token propagation (shown for the MLP and self-attention layers.)",
-    rule="Precondition: the ResNet has identity shortcuts; the median ratios changed by less than 10% between the "
+    rule=f"Precondition: the ResNet has identity shortcuts; the median ratios changed by "
+    f"less than {100 * CONVERGED:.0f}% between the "
     "last two checkpoints. Parts (Welch): log of the ViT's median norm ratio (all sublayers, blocks, tokens) minus "
     "log of the ResNet's (identity-shortcut blocks only: a projection shortcut is not a skip connection); and, for "
     '"throughout", one part per ViT block: its log median ratio minus that of the ResNet identity block nearest in '
@@ -303,7 +305,8 @@ def skip_dominance(ctx) -> Result:
     "in the second half of the network, this is reversed.",
     rule="On log norm ratios, gap = log(CLS ratio) - mean log(spatial ratio) per block. Block 0 is left out: its CLS "
     "input (cls_token + pos_embed[0]) is the same vector for every image. Preconditions: a CLS token; at least "
-    f"{MIN_BLOCKS_PER_HALF} kept blocks in each half; the gaps changed by less than 10% between the last two "
+    f"{MIN_BLOCKS_PER_HALF} kept blocks in each half; the gaps changed by "
+    f"less than {100 * CONVERGED:.0f}% between the last two "
     "checkpoints. Four parts (one-sample t over seeds), for the attention and the MLP sublayer: the first half's "
     "mean gap above 0, the second half's below 0.",
     paper_value="not stated as a number (Fig. 7 left: the reversal at about the middle block)",
@@ -362,7 +365,8 @@ def cls_phase(ctx) -> Result:
     "self-attention heads are global.",
     rule="Read on the locality configuration (vit_local when the study has it trained, else vit_cls; see the pilot "
     f"runs). Preconditions: some head below {LOCALITY_PRECONDITION:g} x uniform attention's distance on the same "
-    "grid; the statistics changed by less than 10% between the last two checkpoints. Two parts (one-sample t over "
+    f"grid; the statistics changed by "
+    f"less than {100 * CONVERGED:.0f}% between the last two checkpoints. Two parts (one-sample t over "
     "seeds): the spread of head distances (max - min over heads, mean over blocks) in the lower half of the blocks "
     "minus the upper half's, and the mean distance of the upper half minus the lower half's. " + DEMO_POSITIVE_CONTROL,
     paper_value="not stated as a number (Fig. 3: lowest blocks span near-zero to near-image-size distances, highest "

@@ -12,11 +12,14 @@ Preconditions make a claim "not testable" when the models are not yet the kind t
 
 - **regime**: a compared self-supervised model reached at least :data:`REGIME` of its paper's k-NN share of
   supervised (Walmer Table 1: DINO 76.06 / 83.79 = 0.91, MAE 45.19 / 83.79 = 0.54 of supervised's k-NN top-1) before
-  its semantics, attention or representations are compared;
+  its attention or representations are compared -- not before its semantics: the k-NN level is what the semantic
+  claims test, so they are gated on its plateau instead;
+- **plateau** (the semantic claims): the k-NN top-1 changed by less than CONVERGED (10%) between each pair of
+  consecutive checkpoints among the runs' last PLATEAU_CHECKPOINTS (3), where the study measured it there;
 - **locality**: some head of the compared models attends below LOCALITY_PRECONDITION x uniform attention's distance
   (analysis/studies/locality.py) before a locality claim is judged;
-- **converged**: the statistic changed by less than 10% between the runs' last two checkpoints, where the study
-  measured it at both (attention distance and k-NN: the study's ``every_checkpoint``);
+- **converged**: the statistic changed by less than CONVERGED (10%) between the runs' last two checkpoints, where the
+  study measured it at both (attention distance: the study's ``every_checkpoint``);
 - two seeds of every compared objective.
 
 DINO is read by its teacher when its checkpoints hold one (controls.py); the numbers of the teacher are then what
@@ -360,7 +363,8 @@ def rule_offset_heads(runs: dict[str, list[dict]], conds: list[Precondition] = (
     rule="Mean attention distance (Walmer's unit square: the token grid embedded on a 1 x 1 square) over the heads "
     "and the later half of the blocks. One part per objective the study has besides mae (Welch over seeds): that "
     f"objective's minus mae's. Preconditions (locality): some head of the compared models below "
-    f"{LOCALITY_PRECONDITION:g} x uniform attention's distance; the later-half distance changed by less than 10% "
+    f"{LOCALITY_PRECONDITION:g} x uniform attention's distance; the later-half distance changed by "
+    f"less than {100 * CONVERGED:.0f}% "
     f"between the last two checkpoints. {REGIME_TEXT}",
     paper_value="not stated as a number (Fig. 4 right: MAE's per-layer mean below FS's and DINO's from about layer 7)",
     needs=("mae",),
@@ -404,7 +408,8 @@ def rule_reconstruction_local(distances: dict[str, list], conds: list[Preconditi
     "objective, the first block's mean minus the mean of the blocks at Walmer's layers 3-6 of 12 (normalised depth "
     "(l + 1) / L in [0.25, 0.5]: blocks 1-2 of 6), above 0; for supervised and dino, the least-squares slope of the "
     f"per-block mean over the block index in the later half, above 0. Preconditions (locality): some head below "
-    f"{LOCALITY_PRECONDITION:g} x uniform attention's distance; the later-half distance changed by less than 10% "
+    f"{LOCALITY_PRECONDITION:g} x uniform attention's distance; the later-half distance changed by "
+    f"less than {100 * CONVERGED:.0f}% "
     f"between the last two checkpoints. {REGIME_TEXT}",
     paper_value="not stated as a number (Fig. 4 right: a dip around layers 3-6 of 12 in every model)",
 )
