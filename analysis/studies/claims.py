@@ -700,10 +700,12 @@ def glance(results: list[tuple[Claim, Result]]) -> list[str]:
         (sanity if c.sanity else lines).append("| " + " | ".join(_cell(x) for x in cells) + " |")
     counts = tally(results)
     n = sum(counts.values())
+    outside = sum(1 for c, r in results if r.outside_regime and not c.sanity)
     lines += [
         "",
         f"Tally over the paper's {n} claim(s) (sanity checks left out): "
         + ", ".join(f"{k} {v}" for k, v in counts.items())
+        + (f"; {outside} of them judged outside the paper's regime" if outside else "")
         + ".",
     ]
     if sanity:

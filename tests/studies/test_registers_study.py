@@ -77,6 +77,11 @@ def test_no_outliers_at_this_budget_is_said_with_the_numbers(tmp_path):
         Ctx(tmp_path, [_tn(0.0) for _ in range(3)], [_tn(0.0) for _ in range(3)], [0.8] * 3, [0.8] * 3, (24, 1024))
     )
     assert same["outliers_appear"].outcome == C.NOT_HELD and same["outliers_appear"].outside_regime is None
+    claims = PAPER.claims
+    table = "\n".join(C.glance([(claims[k], out[k]) for k in out]))
+    assert "(outside the paper's regime)" in table and "1 of them judged outside the paper's regime" in table
+    rec = C.record(claims["outliers_appear"], appear)
+    assert "6 blocks x 96" in rec["outside_regime"] and rec["preregistered"]["fixed_after_data"] is False
     removed = out["registers_remove_outliers"]
     assert removed.outcome == C.NOT_TESTABLE and "No outliers at this budget" in removed.why and "1.50" in removed.why
     assert out["outliers_lose_position"].outcome == C.NOT_TESTABLE

@@ -152,6 +152,8 @@ def test_pilot_section_go_no_go_and_runs_missing_or_unfinished(tmp_path):
     fig = tmp_path / "docs" / "figures" / "mini" / "pilot_attention_distance.png"
     assert fig.is_file() and "figures/mini/pilot_attention_distance.png" in text
     assert go["vit_local_s0"]["smallest_px"] == {1500: 14.0, 3000: 5.0, 4500: None}
+    thresholds = extra["go_no_go_preregistered"]  # the go/no-go's limits, with when they were fixed
+    assert thresholds["locality"]["value"] == 0.8 and thresholds["still_falling"]["fixed"]["date"] == "2026-11-27"
 
 
 def test_a_missing_pilot_is_said_but_a_missing_study_run_is_an_error(tmp_path):

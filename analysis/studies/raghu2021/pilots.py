@@ -212,6 +212,7 @@ def pilot_section(ctx) -> None:
                 "smallest_px": {s: (float(d.min()) if d is not None else None) for s, d in by.items()},
             }
     doc.data["pilots"] = pilots
+    doc.data["go_no_go_preregistered"] = {t.name: t.to_json() for t in (LOCALITY_PRECONDITION, STILL_FALLING)}
     if panels:
         path = study.root / "pilots" / "attention_distance.png"
         path.parent.mkdir(parents=True, exist_ok=True)
