@@ -113,7 +113,7 @@ class Threshold(float):
         means: str,
         fixed: Fixed,
         kind: str = "gate",
-        feasible: Callable[[dict], bool] | None = None,
+        feasible: Callable[[float, dict], bool] | None = None,
         previous: tuple[float, Fixed] | None = None,
     ):
         if kind not in ("gate", "rule", "go", "regime"):
@@ -125,23 +125,23 @@ class Threshold(float):
     def __str__(self) -> str:
         return format(float(self), "g")
 
+    __repr__ = __str__
+
     def can_pass(self, shape: dict) -> bool | None:
         """Whether this threshold can pass for a study configuration of ``shape`` (None: it declares no check)."""
         return None if self.feasible is None else bool(self.feasible(float(self), shape))
 
-    __repr__ = __str__
-
     def to_json(self) -> dict:
-        v = float(self)
-        out = {
-            "value": int(v) if v.is_integer() and v >= 1 else v,
-            "means": self.means,
-            "kind": self.kind,
-            "fixed": self.fixed.to_json(),
-        }
+        out = {"value": _number(self), "means": self.means, "kind": self.kind, "fixed": self.fixed.to_json()}
         if self.previous is not None:
-            out["previous"] = {"value": float(self.previous[0]), "fixed": self.previous[1].to_json()}
+            out["previous"] = {"value": _number(self.previous[0]), "fixed": self.previous[1].to_json()}
         return out
+
+
+def _number(v) -> float | int:
+    """A threshold's value for JSON: a count as an int (2, not 2.0), a share as a float."""
+    v = float(v)
+    return int(v) if v.is_integer() and v >= 1 else v
 
 
 @dataclass
