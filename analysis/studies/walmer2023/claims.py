@@ -155,7 +155,9 @@ def plateau_precondition(curves: dict) -> list[Precondition]:
         path = " -> ".join(f"{v:.4f}" for v in vals)
         where = f"{o}'s k-NN top-1 over steps {', '.join(map(str, steps))}: {path}"
         if max(changes) < CONVERGED:
-            few = f" (only {len(steps)} of the {PLATEAU_CHECKPOINTS:g} checkpoints measured)" if len(steps) < 3 else ""
+            few = ""
+            if len(steps) < PLATEAU_CHECKPOINTS:
+                few = f" (only {len(steps)} of the {PLATEAU_CHECKPOINTS:g} checkpoints measured)"
             out.append(
                 Precondition(
                     "plateau",
