@@ -50,8 +50,11 @@ __all__ = [
     "OUTCOMES",
     "Claim",
     "Claims",
+    "Fixed",
     "Paper",
+    "Preregistration",
     "Result",
+    "Threshold",
     "compare_part",
     "converged",
     "judge",
@@ -59,9 +62,168 @@ __all__ = [
     "record",
     "run_claims",
     "slope_part",
+    "tally",
+    "ungated",
 ]
 
-CONVERGED = 0.10  # a claim's statistic must have changed by less than this share between the last two checkpoints
+
+# ------------------------------------------------------------------------------------------------ preregistration
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """When a threshold was fixed, or a claim's verdict first reported: the ``date`` (YYYY-MM-DD) and the git
+    ``commit`` (short hash; :data:`THIS_COMMIT` for what this branch fixes), ``when`` the commit's ISO 8601 time (empty
+    for :data:`THIS_COMMIT`: later than every committed report) and, for a report, the document it is in."""
+
+    date: str
+    commit: str
+    when: str = ""
+    report: str = ""
+
+    def to_json(self) -> dict:
+        return {"date": self.date, "commit": self.commit, **({"report": self.report} if self.report else {})}
+
+    def after(self, other: Fixed) -> bool:
+        """Whether this was fixed after ``other`` (ISO times in one zone compare as strings)."""
+        return (self.when or "9999") > (other.when or "9999")
+
+    def text(self) -> str:
+        return f"{self.date}, {self.commit}"
+
+
+THIS_COMMIT = "this commit (branch prereg38)"
+TODAY = Fixed("2026-11-27", THIS_COMMIT)
+
+
+class Threshold(float):
+    """A number a verdict depends on (a precondition's limit, an equivalence margin, a go/no-go limit), declared once
+    with ``name``, what it ``means``, when it was ``fixed`` (:class:`Fixed`: the commit that first introduced it) and
+    its ``kind``: "gate" (a precondition: the claim is not testable when it fails), "rule" (a number inside the
+    decision, e.g. a margin), "go" (a pilot's go/no-go) or "regime" (marks a claim outside the paper's regime, judges
+    nothing). ``feasible(value, shape)``: whether a gate of this value can pass at all for a study configuration's
+    ``shape`` (``arch``, ``depth``, ``width``, ``steps``, ``checkpoint_every``, ``seeds``, ``every_checkpoint``), so
+    that a test can show every gate is satisfiable in some shipped study (:meth:`can_pass`); ``previous``: (value,
+    Fixed) where a threshold was changed. It is a float, so code reads it as the number it is."""
+
+    def __new__(
+        cls,
+        value: float,
+        name: str,
+        means: str,
+        fixed: Fixed,
+        kind: str = "gate",
+        feasible: Callable[[float, dict], bool] | None = None,
+        previous: tuple[float, Fixed] | None = None,
+    ):
+        if kind not in ("gate", "rule", "go", "regime"):
+            raise ValueError(f"threshold {name!r}: kind must be gate, rule, go or regime, not {kind!r}")
+        t = super().__new__(cls, value)
+        t.name, t.means, t.fixed, t.kind, t.feasible, t.previous = name, means, fixed, kind, feasible, previous
+        return t
+
+    def __str__(self) -> str:
+        return format(float(self), "g")
+
+    __repr__ = __str__
+
+    def can_pass(self, shape: dict) -> bool | None:
+        """Whether this threshold can pass for a study configuration of ``shape`` (None: it declares no check)."""
+        return None if self.feasible is None else bool(self.feasible(float(self), shape))
+
+    def to_json(self) -> dict:
+        out = {"value": _number(self), "means": self.means, "kind": self.kind, "fixed": self.fixed.to_json()}
+        if self.previous is not None:
+            out["previous"] = {"value": _number(self.previous[0]), "fixed": self.previous[1].to_json()}
+        return out
+
+
+def _number(v) -> float | int:
+    """A threshold's value for JSON: a count as an int (2, not 2.0), a share as a float."""
+    v = float(v)
+    return int(v) if v.is_integer() and v >= 1 else v
+
+
+@dataclass
+class Preregistration:
+    """A paper's thresholds in one place: every :class:`Threshold` its verdicts read, ``gates`` (claim id -> the
+    names of the thresholds its verdict depends on; every claim has an entry, () when none) and ``first_reported``
+    (claim id -> :class:`Fixed` of the commit whose committed report first showed that claim's verdict), so that a
+    threshold fixed after a claim's data were seen is said so in its record and its section."""
+
+    paper: str
+    thresholds: Sequence[Threshold]
+    gates: dict[str, tuple[str, ...]]
+    first_reported: dict[str, Fixed] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.by_name = {t.name: t for t in self.thresholds}
+        if len(self.by_name) != len(self.thresholds):
+            raise ValueError(f"{self.paper}: two preregistered thresholds share a name")
+        for cid, names in self.gates.items():
+            unknown = [n for n in names if n not in self.by_name]
+            if unknown:
+                raise ValueError(
+                    f"{self.paper}: claim {cid!r} reads thresholds {unknown} that are not preregistered; add them to "
+                    f"its preregistration ({', '.join(self.by_name)})"
+                )
+
+    def __getitem__(self, name: str) -> Threshold:
+        return self.by_name[name]
+
+    def of(self, claim_id: str) -> list[Threshold]:
+        return [self.by_name[n] for n in self.gates.get(claim_id, ())]
+
+    def late(self, claim_id: str) -> list[Threshold]:
+        """The thresholds of ``claim_id`` fixed after its verdict was first reported."""
+        first = self.first_reported.get(claim_id)
+        return [t for t in self.of(claim_id) if first is not None and t.fixed.after(first)]
+
+    def sentence(self, claim_id: str) -> str | None:
+        """One sentence when a threshold of the claim was fixed after its data were first reported, else None."""
+        late, first = self.late(claim_id), self.first_reported.get(claim_id)
+        if not late:
+            return None
+        names = ", ".join(f"{t.name} = {t} (fixed {t.fixed.text()})" for t in late)
+        return (
+            f"Fixed after the data: {names} {'was' if len(late) == 1 else 'were'} set after this claim's verdict was "
+            "first reported "
+            f"({first.report or 'the committed report'}, {first.text()}): chosen with those numbers in view, "
+            f"{'it does' if len(late) == 1 else 'they do'} not count as preregistered."
+        )
+
+    def to_json(self, claim_id: str) -> dict:
+        ts = self.of(claim_id)
+        last = max((t.fixed for t in ts), key=lambda f: f.when or "9999", default=None)
+        first = self.first_reported.get(claim_id)
+        return {
+            "thresholds": {t.name: t.to_json() for t in ts},
+            "fixed": last.to_json() if last else None,
+            "first_reported": first.to_json() if first else None,
+            "fixed_after_data": bool(self.late(claim_id)),
+            "note": self.sentence(claim_id),
+        }
+
+
+def checkpoints_of(shape: dict) -> int:
+    """How many checkpoints a study configuration of ``shape`` writes (its steps over checkpoint_every)."""
+    return int(shape["steps"] // shape["checkpoint_every"]) if shape.get("checkpoint_every") else 1
+
+
+CONVERGED = Threshold(
+    0.10,
+    "converged",
+    "a claim's statistic must have changed by less than this share between the runs' last two checkpoints",
+    Fixed("2026-11-24", "b991488", "2026-11-24T20:39:05+00:00"),
+    feasible=lambda v, shape: checkpoints_of(shape) >= 2,  # two checkpoints to compare (else: passes, not checked)
+)
+MIN_SEEDS = Threshold(
+    2,
+    "min_seeds",
+    "every compared configuration has at least this many seeds (a seed-to-seed spread to judge effects against)",
+    Fixed("2026-11-23", "348f4ae", "2026-11-23T12:21:41+00:00"),
+    feasible=lambda v, shape: shape.get("seeds", 1) >= v,
+)
 
 
 # ------------------------------------------------------------------------------------------------ declaring claims
@@ -82,13 +244,17 @@ class Claim:
     paper_value: str | None = None
     needs: tuple[str, ...] = ()
     test: Callable | None = field(default=None, compare=False, repr=False)
+    sanity: bool = False  # a sanity check of the study, not a claim of the paper: shown outside the tally
+    prereg: Preregistration | None = field(default=None, compare=False, repr=False)
 
 
 class Claims:
-    """A paper's claims in report order; ``@claims.claim(id=..., ...)`` declares one (its text beside its code)."""
+    """A paper's claims in report order; ``@claims.claim(id=..., ...)`` declares one (its text beside its code).
+    ``preregistered``: the paper's :class:`Preregistration`; with it, every claim must have an entry there."""
 
-    def __init__(self, paper: str):
+    def __init__(self, paper: str, preregistered: Preregistration | None = None):
         self.paper = paper
+        self.preregistered = preregistered
         self._items: dict[str, Claim] = {}
 
     def claim(
@@ -102,11 +268,20 @@ class Claims:
         rule: str,
         paper_value: str | None = None,
         needs: Sequence[str] = (),
+        sanity: bool = False,
     ) -> Callable:
         def register(fn: Callable) -> Callable:
             if id in self._items:
                 raise ValueError(f"{self.paper}: claim id {id!r} is declared twice; claim ids must be unique")
-            self._items[id] = Claim(id, figure, claim, source, passage, rule, paper_value, tuple(needs), fn)
+            pre = self.preregistered
+            if pre is not None and id not in pre.gates:
+                raise ValueError(
+                    f"{self.paper}: claim {id!r} has no entry in the paper's preregistration: list the thresholds its "
+                    "verdict reads there (() when it reads none)"
+                )
+            self._items[id] = Claim(
+                id, figure, claim, source, passage, rule, paper_value, tuple(needs), fn, sanity, pre
+            )
             return fn
 
         return register
@@ -150,6 +325,18 @@ class Paper:
     source: str = ""  # the module that computes the numbers, named in the report
     pilot: Pilot | None = None  # the go/no-go check of a study's configurations marked go_no_go (None: it has none)
 
+    def __post_init__(self):
+        pre = self.claims.preregistered
+        if pre is not None:
+            stray = [cid for cid in pre.gates if cid not in self.claims.ids()]
+            if stray:
+                raise ValueError(f"{self.name}: the preregistration names claims that do not exist: {stray}")
+
+    @property
+    def preregistered(self) -> Preregistration | None:
+        """The paper's thresholds in one place (None for a paper that declares none)."""
+        return self.claims.preregistered
+
 
 GO, NO_GO, UNDECIDED = "go", "no-go", "undecided"  # what a pilot check says
 
@@ -180,6 +367,8 @@ class Result:
     measured: dict = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)  # markdown shown after the verdict (tables of the numbers)
     figures: list[tuple] = field(default_factory=list)  # (path, name, caption) shown after them
+    ungated: Decision | None = None  # the decision with the preconditions off, for rules without parts (a count)
+    outside_regime: str | None = None  # a sentence when the study's model is outside the regime the paper describes
 
     @property
     def outcome(self) -> str:
@@ -209,6 +398,19 @@ def judge(parts: Sequence[Callable[[], Part]], preconditions: Sequence[Precondit
         text = "; ".join(failed)
         return Decision(NOT_TESTABLE, f"{text[0].upper()}{text[1:]}.", (), (), tuple(conds))
     return decide(built, conds)
+
+
+def ungated(r: Result) -> Decision:
+    """What the claim's parts say with the preconditions off: the same decision (:func:`decide`) on the parts that
+    could be computed, with no precondition; a rule without parts (a count) gives its own (``Result.ungated``)."""
+    if r.ungated is not None:
+        return r.ungated
+    d = r.decision
+    if not any(not c.passed for c in d.preconditions):
+        return d
+    if not d.parts:
+        return Decision(NOT_TESTABLE, "No part could be computed, with or without the preconditions.", (), ())
+    return decide(d.parts, ())
 
 
 def _family_sd(family: dict | None):
@@ -271,9 +473,9 @@ def converged(name: str, last: Sequence[float], previous: Sequence[float], scale
     )
 
 
-def seeds(configs: dict, least: int = 2) -> Precondition:
-    """Every compared configuration has at least ``least`` seeds."""
-    return min_seeds(configs, least)
+def seeds(configs: dict, least: int = MIN_SEEDS) -> Precondition:
+    """Every compared configuration has at least ``least`` seeds (:data:`MIN_SEEDS`)."""
+    return min_seeds(configs, int(least))
 
 
 class MissingResult(LookupError):
@@ -325,10 +527,16 @@ def ours_text(r: Result) -> str | None:
 
 def record(claim: Claim, r: Result) -> dict:
     """One claim's entry of a study's JSON: the claim's text, the decision (parts with effect, CI, p, test; Holm p;
-    preconditions with their numbers), our number and any further measured values."""
+    preconditions with their numbers), our number and any further measured values; ``sanity`` (a sanity check, outside
+    the tally), ``preregistered`` (the thresholds its verdict reads, each with the date and commit it was fixed at, and
+    ``fixed_after_data`` with a sentence where one was fixed after the claim's verdict was first reported),
+    ``verdict_ungated`` (what the parts say with the preconditions off, :func:`ungated`) and ``outside_regime``."""
+    u = ungated(r)
+    pre = claim.prereg.to_json(claim.id) if claim.prereg is not None else None
     return _plain(
         {
             "id": claim.id,
+            "sanity": claim.sanity,
             "figure": claim.figure,
             "claim": claim.claim,
             "source": claim.source,
@@ -339,6 +547,10 @@ def record(claim: Claim, r: Result) -> dict:
             "verdict": r.outcome,
             "why": r.why,
             "decision": r.decision.to_json(),
+            "verdict_ungated": u.outcome,
+            "why_ungated": u.why,
+            "preregistered": pre,
+            "outside_regime": r.outside_regime,
             "measured": r.measured,
         }
     )
@@ -432,19 +644,72 @@ def section(n: int, claim: Claim, r: Result) -> list[str]:
         lines += ["Preconditions:", ""]
         lines += [f"- {_state(c)}: {c.sentence}" for c in d.preconditions]
         lines.append("")
+    lines += _preregistered_lines(claim)
+    if r.outside_regime:
+        lines += [f"Outside the paper's regime: {r.outside_regime}", ""]
+    if claim.sanity:
+        lines += ["A sanity check of the study, not a claim of the paper: it is left out of the tally.", ""]
     lines += [f"Verdict: {MARK[d.outcome]}. {d.why}", ""]
+    if d.preconditions:
+        u = ungated(r)
+        why = u.why
+        if u.parts:  # the parts' numbers are in the table and the verdict above: the reason alone
+            measured = "; ".join(p.summary() for p in u.parts)
+            why = why.replace(f": {measured}.", ".").replace(f". {measured}.", ".")
+        lines += [
+            "Verdict with the preconditions off: "
+            + (f"{MARK[u.outcome]} (every precondition passed)." if u is d else f"{MARK[u.outcome]}. {why}"),
+            "",
+        ]
     return lines
 
 
+def _preregistered_lines(claim: Claim) -> list[str]:
+    """The thresholds the claim's verdict reads, each with when it was fixed, and the sentence when one was fixed after
+    the claim's data were first reported."""
+    pre = claim.prereg
+    if pre is None or not pre.of(claim.id):
+        return []
+    ts = "; ".join(f"{t.name} = {t} (fixed {t.fixed.text()})" for t in pre.of(claim.id))
+    late = pre.sentence(claim.id)
+    return [f"Preregistered thresholds: {ts}." + (f" **{late}**" if late else ""), ""]
+
+
+def tally(results: list[tuple[Claim, Result]]) -> dict[str, int]:
+    """{outcome: how many claims} over the paper's claims, sanity checks left out."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for c, r in results:
+        if not c.sanity:
+            counts[r.outcome] += 1
+    return counts
+
+
 def glance(results: list[tuple[Claim, Result]]) -> list[str]:
-    """The claims-at-a-glance table."""
-    lines = [
+    """The claims-at-a-glance table (each verdict with the one its parts give with the preconditions off, where that
+    differs), the tally over the paper's claims, and the sanity checks in a table of their own, outside the tally."""
+    head = [
         "| # | claim (the paper's direction) | figure | paper | ours: effect [95% CI] | verdict |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
+    lines, sanity = list(head), []
     for i, (c, r) in enumerate(results, 1):
-        cells = (str(i), c.claim, c.figure, c.paper_value or "-", ours_text(r) or "-", MARK[r.outcome])
-        lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+        u = ungated(r).outcome
+        verdict = MARK[r.outcome] + (f" (preconditions off: {u})" if u != r.outcome else "")
+        verdict += " (outside the paper's regime)" if r.outside_regime else ""
+        cells = (str(i), c.claim, c.figure, c.paper_value or "-", ours_text(r) or "-", verdict)
+        (sanity if c.sanity else lines).append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    counts = tally(results)
+    n = sum(counts.values())
+    outside = sum(1 for c, r in results if r.outside_regime and not c.sanity)
+    lines += [
+        "",
+        f"Tally over the paper's {n} claim(s) (sanity checks left out): "
+        + ", ".join(f"{k} {v}" for k, v in counts.items())
+        + (f"; {outside} of them judged outside the paper's regime" if outside else "")
+        + ".",
+    ]
+    if sanity:
+        lines += ["", "Sanity checks of the study (not claims of the paper; outside the tally):", "", *head, *sanity]
     return lines
 
 

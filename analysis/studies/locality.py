@@ -7,15 +7,29 @@ from __future__ import annotations
 
 import numpy as np
 
+from analysis.studies.claims import Fixed, Threshold
 from analysis.studies.stats import Precondition
 
-LOCAL_FRACTION = 0.5  # a head is local when its mean attention distance is below half of uniform attention's
+LOCAL_FRACTION = Threshold(
+    0.5,
+    "local_fraction",
+    "a head is local when its mean attention distance is below this share of uniform attention's",
+    Fixed("2026-11-23", "348f4ae", "2026-11-23T12:21:41+00:00"),
+    kind="rule",
+)
 
 
 # A locality claim is judged only when some head attends below this share of uniform attention's distance: a model
 # whose every head is near uniform (0.93-1.09 x in the default 4-epoch regime) is not yet the kind of model the paper
-# describes, so "local heads are missing" there is "not testable", not "did not hold".
-LOCALITY_PRECONDITION = 0.8
+# describes, so "local heads are missing" there is "not testable", not "did not hold". It can pass in any ViT: uniform
+# attention is 1 x, and a head attending to its 5 x 5 window is at 0.48 x on a 7 x 7 grid.
+LOCALITY_PRECONDITION = Threshold(
+    0.8,
+    "locality",
+    "a locality claim is judged only when some head attends below this share of uniform attention's distance",
+    Fixed("2026-11-24", "b991488", "2026-11-24T20:39:05+00:00"),
+    feasible=lambda v, shape: shape.get("arch", "vit") == "vit",
+)
 
 
 def uniform_distance(grid: int, patch: int) -> float:

@@ -335,7 +335,7 @@ class FakeCtx:
     def __init__(self, configs):
         self.configs, self.shared, self.notes = configs, {}, []
 
-    def last(self, run, measure, step=None):
+    def last(self, run, measure, step=None, optional=False):
         return run.results.get(measure)
 
     def previous(self, run, measure):
@@ -382,3 +382,50 @@ def test_records_read_back(tmp_path):
     assert back["verdict"] == "held" and back["figure"] == "Walmer Fig. 6 left, 19" and back["source"].endswith("§5.1")
     part = back["decision"]["parts"][0]
     assert part["ci"][0] > 0 and part["p"] < 0.05 and part["df"] == 2
+
+
+# -------------------------------------------------------------- semantic claims: gated on the plateau, not the level
+
+
+def test_plateau_precondition_reads_the_last_checkpoints_change_not_the_level():
+    settled, moving, one = W.plateau_precondition(
+        {
+            "dino": {600: 0.50, 1200: 0.55, 1800: 0.56},  # steps of 9.1% and 1.8% of the later value: settled
+            "mae": {600: 0.40, 1200: 0.55, 1800: 0.56},  # 27% in one step: still moving
+            "supervised": {1800: 0.9},
+        }
+    )
+    assert settled.passed and "every step within 9.1%" in settled.sentence
+    assert not moving.passed and "27% in one step" in moving.sentence and "less than 10%" in moving.sentence
+    assert one.passed and "so not checked" in one.sentence
+    (last3,) = W.plateau_precondition({"dino": {s: v for s, v in zip((1, 2, 3, 4), (0.1, 0.5, 0.52, 0.53))}})
+    assert last3.passed and last3.numbers["steps"] == [2, 3, 4]  # the first, far lower, checkpoint is not read
+
+
+def _semantic_study(knn, purity, curves):
+    """Fake runs with k-NN and clustering results at their last checkpoint, and k-NN curves over checkpoints."""
+    ctx = _study({o: SUP for o in knn}, knn)
+    for o, runs in ctx.configs.items():
+        for r in runs:
+            r.checkpoints = {s: None for s in curves[o]}
+            r.by_step = {s: {**r.results["knn"], "acc": np.array([[0.1] * 5 + [v]])} for s, v in curves[o].items()}
+            pur = np.array([[0.1] * 5 + [purity[o]]])
+            r.results["clustering"] = {"purity": pur, "baseline_purity": pur * 0 + 0.1, "pools": ["cls"]}
+    ctx.last = lambda run, measure, step=None, optional=False: (
+        run.by_step.get(step) if step is not None and measure == "knn" else run.results.get(measure)
+    )
+    return ctx
+
+
+def test_supervised_most_semantic_is_judged_however_low_dino_lands():
+    """The issue's case: DINO at 0.64 of supervised's k-NN top-1 was "not testable" under the regime gate exactly when
+    supervised won; gated on the plateau, a settled DINO is judged where it landed."""
+    knn = {"supervised": 0.9, "dino": 0.576}
+    flat = {o: {600: v - 0.01, 1200: v, 1800: v} for o, v in knn.items()}
+    ctx = _semantic_study(knn, {"supervised": 0.8, "dino": 0.5}, flat)
+    r = W.supervised_most_semantic(ctx)
+    assert r.outcome != C.NOT_TESTABLE and all(c.name == "plateau" for c in r.decision.preconditions[:2])
+    rising = {**flat, "dino": {600: 0.30, 1200: 0.45, 1800: 0.576}}  # DINO still learning: not testable, said so
+    r = W.supervised_most_semantic(_semantic_study(knn, {"supervised": 0.8, "dino": 0.5}, rising))
+    assert r.outcome == C.NOT_TESTABLE and "dino's k-nn top-1 over steps 600, 1200, 1800" in r.why.lower()
+    assert "regime" not in {c.name for c in r.decision.preconditions}

@@ -70,13 +70,18 @@ def test_outliers_without_registers_and_none_with_them(tmp_path):
 
 def test_no_outliers_at_this_budget_is_said_with_the_numbers(tmp_path):
     out = _run(Ctx(tmp_path, [_tn(0.0) for _ in range(3)], [_tn(0.0) for _ in range(3)], [0.8] * 3, [0.7, 0.71, 0.69]))
-    appear = out["outliers_appear"]  # a 6 x 96 ViT is not a model in which Darcet et al. find outliers: no verdict
-    assert appear.outcome == C.NOT_TESTABLE and "6 blocks x 96" in appear.why and "0.000, 0.000, 0.000" in appear.why
-    assert "1.50" in appear.why  # the largest norm ratio, measured
-    same = _run(  # the same numbers on a ViT-L-sized model: no outliers where the paper finds them, a reversal
+    appear = out["outliers_appear"]  # a 6 x 96 ViT: judged, and said to be outside Darcet et al.'s regime
+    assert appear.outcome == C.NOT_HELD and "6 blocks x 96" in appear.outside_regime
+    assert "0.000, 0.000, 0.000" in appear.outside_regime and "1.50" in appear.outside_regime  # measured
+    same = _run(  # the same numbers on a ViT-L-sized model: the same verdict, inside the paper's regime
         Ctx(tmp_path, [_tn(0.0) for _ in range(3)], [_tn(0.0) for _ in range(3)], [0.8] * 3, [0.8] * 3, (24, 1024))
     )
-    assert same["outliers_appear"].outcome == C.NOT_HELD
+    assert same["outliers_appear"].outcome == C.NOT_HELD and same["outliers_appear"].outside_regime is None
+    claims = PAPER.claims
+    table = "\n".join(C.glance([(claims[k], out[k]) for k in out]))
+    assert "(outside the paper's regime)" in table and "1 of them judged outside the paper's regime" in table
+    rec = C.record(claims["outliers_appear"], appear)
+    assert "6 blocks x 96" in rec["outside_regime"] and rec["preregistered"]["fixed_after_data"] is False
     removed = out["registers_remove_outliers"]
     assert removed.outcome == C.NOT_TESTABLE and "No outliers at this budget" in removed.why and "1.50" in removed.why
     assert out["outliers_lose_position"].outcome == C.NOT_TESTABLE

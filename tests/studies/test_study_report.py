@@ -118,7 +118,7 @@ def test_pilot_section_go_no_go_and_runs_missing_or_unfinished(tmp_path):
     verdicts = {r["id"]: r["verdict"] for r in records}
     assert set(verdicts) == set(_paper.claims.ids()) and set(verdicts.values()) <= {"not testable", "inconclusive"}
     assert "no runs of resnet" in next(r["why"] for r in records if r["id"] == "uniformity")
-    assert f"below {C.GO_FRACTION:g} x uniform" in text and "0.28 x" in text  # the threshold and its justification
+    assert f"below {C.LOCALITY_PRECONDITION:g} x uniform" in text and "0.28 x" in text  # the claims' own threshold
     go = extra["pilots"]
     assert {k: v["go"] for k, v in go.items()} == {
         "vit_cls_s0": C.NO_GO,
@@ -132,7 +132,7 @@ def test_pilot_section_go_no_go_and_runs_missing_or_unfinished(tmp_path):
         "14.44 px)" in text
     )
     assert (
-        "Go/no-go: **go**: at the second checkpoint (step 3000) the most local head of blocks 0-1 (block 0, head 2) "
+        "Go/no-go: **go**: at the second checkpoint (step 3000) the most local head (block 0, head 2) "
         "attends at 5.00 px = 0.35 x uniform" in text
     )
     assert (
@@ -144,15 +144,16 @@ def test_pilot_section_go_no_go_and_runs_missing_or_unfinished(tmp_path):
     # the table: smallest head / mean over heads by block at every checkpoint, "-" where not measured
     assert "| block | step 1500 | step 3000 | step 4500 |" in text
     assert (
-        "| 0 | 14.0 / 14.0 | 5.0 / 11.8 | - |" in text
-        and "| blocks 0-1: smallest / uniform | 0.97 | 0.35 | - |" in text
+        "| 0 | 14.0 / 14.0 | 5.0 / 11.8 | - |" in text and "| any block: smallest / uniform | 0.97 | 0.35 | - |" in text
     )
     # the runs table says which runs are missing or unfinished
     assert "| vit_local_s1 | vit_local | 1 |" in text and "no complete checkpoint yet | - |" in text
     assert "(unfinished (step 1500 of 4500))" in text
     fig = tmp_path / "docs" / "figures" / "mini" / "pilot_attention_distance.png"
     assert fig.is_file() and "figures/mini/pilot_attention_distance.png" in text
-    assert go["vit_local_s0"]["smallest_early_px"] == {1500: 14.0, 3000: 5.0, 4500: None}
+    assert go["vit_local_s0"]["smallest_px"] == {1500: 14.0, 3000: 5.0, 4500: None}
+    thresholds = extra["go_no_go_preregistered"]  # the go/no-go's limits, with when they were fixed
+    assert thresholds["locality"]["value"] == 0.8 and thresholds["still_falling"]["fixed"]["date"] == "2026-11-27"
 
 
 def test_a_missing_pilot_is_said_but_a_missing_study_run_is_an_error(tmp_path):

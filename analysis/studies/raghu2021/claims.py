@@ -21,6 +21,8 @@ from analysis.frontends.compare import compare
 from analysis.reports import cross as XC
 from analysis.results import storage
 from analysis.studies.claims import (
+    CONVERGED,
+    MIN_SEEDS,
     Claims,
     Result,
     compare_part,
@@ -34,12 +36,12 @@ from analysis.studies.locality import LOCAL_FRACTION, LOCALITY_PRECONDITION, loc
 from analysis.studies.raghu2021 import numbers as N
 from analysis.studies.raghu2021.floors import floors_section, identity_mask, resnet_blocks
 from analysis.studies.raghu2021.pilots import LOCALITY
+from analysis.studies.raghu2021.preregistered import MIN_BLOCKS_PER_HALF, PREREGISTERED
 from analysis.studies.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition
 from train.checkpoint import read_meta
 
-CLAIMS = Claims("raghu2021")
+CLAIMS = Claims("raghu2021", PREREGISTERED)  # every threshold a verdict reads: preregistered.py
 SOURCE = "Raghu et al. 2021"
-MIN_BLOCKS_PER_HALF = 4  # the CLS/spatial phase transition is judged on at least this many blocks per half
 DEMO_POSITIVE_CONTROL = (
     'A "not testable" or "did not hold" here rests on detectors with a positive control: heads forced local / offset '
     "by interventions.local_attention are found by attention distance, aligned attention and head subsets "
@@ -243,9 +245,12 @@ def _ratio_converged(ctx, runs, stat, name) -> Precondition:
     "spatial tokens additionally demonstrates that skip connection is much more influential in ViT compared to "
     "ResNet: we observe much higher norm ratios for ViT throughout, along with the phase transition from CLS to "
     "spatial token propagation (shown for the MLP and self-attention layers.)",
-    rule="Precondition: the ResNet has identity shortcuts; the median ratios changed by less than 10% between the "
-    "last two checkpoints. One part (Welch): log of the ViT's median norm ratio (all sublayers, blocks, tokens) minus "
-    "log of the ResNet's (identity-shortcut blocks only: a projection shortcut is not a skip connection).",
+    rule=f"Precondition: the ResNet has identity shortcuts; the median ratios changed by "
+    f"less than {100 * CONVERGED:.0f}% between the "
+    "last two checkpoints. Parts (Welch): log of the ViT's median norm ratio (all sublayers, blocks, tokens) minus "
+    "log of the ResNet's (identity-shortcut blocks only: a projection shortcut is not a skip connection); and, for "
+    '"throughout", one part per ViT block: its log median ratio minus that of the ResNet identity block nearest in '
+    "normalised depth (b + 0.5) / L.",
     paper_value="not stated as a number (Fig. 7 right: ViT ratios above ResNet-50's in every block)",
     needs=("vit_cls", "resnet"),
 )
@@ -268,7 +273,16 @@ def skip_dominance(ctx) -> Result:
         seeds({"vit_cls": vit_runs, "resnet": res_runs}),
         _ratio_converged(ctx, vit_runs, lambda x: N.skip_dominance(x["ratio"]), "the ViT's median norm ratio"),
     ]
-    d = judge([compare_part("log median norm ratio, ViT - ResNet identity blocks", vit, res)], conds)
+    parts = [compare_part("log median norm ratio, ViT - ResNet identity blocks", vit, res)]
+    if mask.any():  # "much higher norm ratios for ViT throughout": every ViT block against the ResNet at its depth
+        vb = [np.log(N.block_ratios(ctx.last(r, "norm_ratio")["ratio"])) for r in vit_runs]
+        rb = [np.log(N.block_ratios(ctx.last(r, "norm_ratio")["ratio"])) for r in res_runs]
+        match = N.matched_blocks(len(vb[0]), mask)
+        parts += [
+            compare_part(f"block {b}: log median ratio, ViT - ResNet block {j}", [v[b] for v in vb], [x[j] for x in rb])
+            for b, j in enumerate(match)
+        ]
+    d = judge(parts, conds)
     ours = f"median ratio ViT {np.exp(np.mean(vit)):.3g}" + (f", ResNet {np.exp(np.mean(res)):.3g}" if res else "")
     arch = [vit_runs[0]] + ([ctx.configs["vit_gap"][0]] if "vit_gap" in ctx.configs else []) + [res_runs[0]]
     fig = (
@@ -291,7 +305,8 @@ def skip_dominance(ctx) -> Result:
     "in the second half of the network, this is reversed.",
     rule="On log norm ratios, gap = log(CLS ratio) - mean log(spatial ratio) per block. Block 0 is left out: its CLS "
     "input (cls_token + pos_embed[0]) is the same vector for every image. Preconditions: a CLS token; at least "
-    f"{MIN_BLOCKS_PER_HALF} kept blocks in each half; the gaps changed by less than 10% between the last two "
+    f"{MIN_BLOCKS_PER_HALF} kept blocks in each half; the gaps changed by "
+    f"less than {100 * CONVERGED:.0f}% between the last two "
     "checkpoints. Four parts (one-sample t over seeds), for the attention and the MLP sublayer: the first half's "
     "mean gap above 0, the second half's below 0.",
     paper_value="not stated as a number (Fig. 7 left: the reversal at about the middle block)",
@@ -350,7 +365,8 @@ def cls_phase(ctx) -> Result:
     "self-attention heads are global.",
     rule="Read on the locality configuration (vit_local when the study has it trained, else vit_cls; see the pilot "
     f"runs). Preconditions: some head below {LOCALITY_PRECONDITION:g} x uniform attention's distance on the same "
-    "grid; the statistics changed by less than 10% between the last two checkpoints. Two parts (one-sample t over "
+    f"grid; the statistics changed by "
+    f"less than {100 * CONVERGED:.0f}% between the last two checkpoints. Two parts (one-sample t over "
     "seeds): the spread of head distances (max - min over heads, mean over blocks) in the lower half of the blocks "
     "minus the upper half's, and the mean distance of the upper half minus the lower half's. " + DEMO_POSITIVE_CONTROL,
     paper_value="not stated as a number (Fig. 3: lowest blocks span near-zero to near-image-size distances, highest "
@@ -558,18 +574,29 @@ def cls_localization(ctx) -> Result:
     "ResNet50 and ViT with GAP model tokens perform well at higher layers, while in the standard ViT trained with a "
     "CLS token the spatial tokens do poorly – likely because their representations remain spatially localized at "
     "higher layers, which makes global classification challenging.",
-    rule="Last block's mean 10-shot accuracy of single spatial tokens, GAP minus CLS; a t on the seed SD pooled over "
-    "the two configurations.",
+    rule="Last block's mean 10-shot accuracy of single spatial tokens, GAP minus CLS (a t on the seed SD pooled over "
+    'the two configurations); and, for the CLS tokens that "do poorly" where the ResNet\'s "perform well", the '
+    "ResNet's last-block token probe minus the CLS ViT's (Welch), when the study has the ResNet's token probes.",
     paper_value="not stated as a number (Fig. 11 left, App. Fig. D.4: per-token accuracies in plots only)",
     needs=("vit_cls", "vit_gap"),
 )
 def gap_token_probes(ctx) -> Result:
-    r = _cls_vs_gap(
-        ctx,
-        "last-block mean token-probe accuracy, GAP - CLS",
-        lambda x: N.last_layer(ctx.last(x, "token_probes")["mean_over_tokens"]),
-        -1,
-    )
+    def probe(x):
+        return N.last_layer(ctx.last(x, "token_probes")["mean_over_tokens"])
+
+    fam = {c: [probe(r) for r in ctx.configs[c]] for c in ("vit_cls", "vit_gap")}
+    parts = [
+        compare_part("last-block mean token-probe accuracy, GAP - CLS", fam["vit_gap"], fam["vit_cls"], family=fam)
+    ]
+    if "resnet" in ctx.configs:  # "ResNet50 [...] tokens perform well [...] the spatial tokens do poorly"
+        res = [ctx.last(r, "token_probes", optional=True) for r in ctx.configs["resnet"]]
+        if all(x is not None for x in res):
+            res = [N.last_layer(x["mean_over_tokens"]) for x in res]
+            parts.append(
+                compare_part("CLS ViT's tokens do poorly: last-block token probe, ResNet - CLS", res, fam["vit_cls"])
+            )
+            fam["resnet"] = res
+    r = Result(judge(parts, [seeds(fam)]), measured={"last_block_token_probe": fam})
     for run, tag in ((ctx.configs["vit_cls"][0], "cls"), (ctx.configs["vit_gap"][0], "gap")):
         d = storage.step_dir(run.path, max(run.checkpoints), "figures")
         r.figures.append(
@@ -594,7 +621,9 @@ def gap_token_probes(ctx) -> Result:
     "(analysis/measures/erf.py: |gradient| of the centre location, averaged over channels and 32 images), per block. "
     "Two parts (Welch, ViT minus ResNet): the lowest block's ERF distance; and the shape of the growth -- the largest "
     "increase between two consecutive blocks as a share of the whole increase from the first block to the last "
-    "(growing gradually spreads it over many steps, becoming global midway concentrates it in one).",
+    "(growing gradually spreads it over many steps, becoming global midway concentrates it in one). A third part, "
+    '"midway" (one-sample t over the ViT seeds): the share of the ViT\'s whole ERF increase made by the steps into '
+    "the middle third of its blocks, minus the share an even growth would give them.",
     paper_value="not stated as a number (Fig. 6: ERF maps)",
     needs=("vit_cls", "resnet"),
 )
@@ -619,6 +648,10 @@ def erf(ctx) -> Result:
                 "ERF growth concentration (largest one-block share), ViT - ResNet",
                 [N.erf_concentration(c) for c in vit],
                 [N.erf_concentration(c) for c in res],
+            ),
+            one_part(
+                "ViT: share of the ERF growth in the middle third of the blocks, above even growth's",
+                [N.erf_midway(c) for c in vit],
             ),
         ],
         [seeds({"vit_cls": vit, "resnet": res})],
@@ -858,22 +891,36 @@ def offset_heads(ctx) -> Result:
             "cannot appear",
             {"heads": heads},
         ),
-        Precondition("runs", len(al) >= 2, f"{len(al)} ViT runs measured (the rule needs two)", {"runs": len(al)}),
+        Precondition(
+            "runs",
+            len(al) >= MIN_SEEDS,
+            f"{len(al)} ViT runs measured (the rule needs {MIN_SEEDS})",
+            {"runs": len(al)},
+        ),
     )
     have = [c["count"] > 0 for c in counts.values()]
+    counted = (
+        Decision(
+            HELD if all(have) else NOT_HELD if not any(have) else INCONCLUSIVE,
+            f"{sum(have)} of {len(have)} ViT runs have an offset local head.",
+            (),
+            (),
+        )
+        if have
+        else Decision(NOT_TESTABLE, "No ViT run has an aligned_attention result to count.", (), ())
+    )
     if not all(c.passed for c in conds):
         failed = "; ".join(c.sentence for c in conds if not c.passed)
-        out, why = NOT_TESTABLE, failed[0].upper() + failed[1:] + "."
+        d = Decision(NOT_TESTABLE, failed[0].upper() + failed[1:] + ".", (), (), conds)
     else:
-        out = HELD if all(have) else NOT_HELD if not any(have) else INCONCLUSIVE
-        why = f"{sum(have)} of {len(have)} ViT runs have an offset local head."
-    d = Decision(out, why, (), (), conds)
+        d = Decision(counted.outcome, counted.why, (), (), conds)
     d_fig = storage.step_dir(lruns[0].path, max(lruns[0].checkpoints), "figures")
     return Result(
         d,
         ours=f"{sum(have)} of {len(have)} runs with an offset local head; {sum(n_local.values())} of {heads} heads "
         "local",
         measured=measured,
+        ungated=counted,
         figures=[
             (
                 d_fig / "aligned_attention_maps.png",

@@ -39,6 +39,36 @@ def skip_dominance(ratio, blocks=None) -> float:
     return float(np.median(r))
 
 
+def block_ratios(ratio) -> np.ndarray:
+    """Raghu Fig. 7 right, per block: the median norm ratio over sublayers and tokens of ``ratio`` [S, L, T] -> [L]."""
+    r = np.asarray(ratio, dtype=float)
+    return np.median(r.transpose(1, 0, 2).reshape(r.shape[1], -1), axis=1)
+
+
+def matched_blocks(depth: int, keep) -> list[int]:
+    """For each of ``depth`` blocks, the block of another network (``keep``: its mask of comparable blocks, e.g. the
+    ResNet's identity-shortcut blocks) nearest in normalised depth (b + 0.5) / L: how "throughout" compares a ViT block
+    with the ResNet block at the same relative depth."""
+    keep = np.asarray(keep, dtype=bool)
+    idx = np.flatnonzero(keep)
+    at = (idx + 0.5) / len(keep)
+    return [int(idx[np.argmin(np.abs(at - (b + 0.5) / depth))]) for b in range(depth)]
+
+
+def erf_midway(curve) -> float:
+    """Raghu Fig. 6's "much more global midway": the share of the ERF's whole increase (first block to last) made by
+    the steps into the middle third of the blocks (depth / 3 <= b < 2 depth / 3), minus the share an even growth would
+    give them (their number over all steps). Positive: the growth is concentrated midway; a jump at block 0 -> 1 makes
+    it negative."""
+    v = np.asarray(curve, dtype=float).reshape(-1)
+    total, n = float(v[-1] - v[0]), len(v)
+    if n < 3 or total <= 0:
+        return float("nan")
+    steps = np.diff(v)  # steps[i]: from block i to block i + 1
+    mid = [i for i in range(n - 1) if n / 3 <= i + 1 < 2 * n / 3]
+    return float(steps[mid].sum() / total - len(mid) / (n - 1))
+
+
 def head_mix(distance) -> dict:
     """Raghu Fig. 3: attention distances [L, H]. ``spread_lower`` / ``spread_upper``: the mean over blocks of (max - min
     over heads) in the lower / upper half of the blocks; ``mean_lower`` / ``mean_upper``: the mean distance in each

@@ -3,8 +3,8 @@ that remove them, at small scale -- the study plug-in of recipes/studies/registe
 with 4 registers, three seeds each, token_norms at every checkpoint).
 
 Darcet et al. report the outliers in large, long-trained ViTs (ViT-L and larger, after about a third of training); a
-6-block ViT after 4 epochs may show none. "Outliers appear" is therefore judged only on a ViT-L-sized model; smaller
-ones get the measurement (share of images with an outlier, norm ratios, first step) without a verdict. The register
+6-block ViT after 4 epochs may show none. "Outliers appear" is judged on the study's model and, on a model smaller
+than ViT-L, reported as outside the paper's regime (the verdict says what that model does). The register
 claims need outliers in the register-free runs, whatever the size: without them there is nothing for registers to
 remove, and those claims are "not testable at this budget" with the numbers.
 """

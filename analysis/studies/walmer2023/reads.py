@@ -21,7 +21,15 @@ def knn(ctx, run, previous: bool = False) -> dict | None:
     """k-NN of the CLS token (analysis/measures/knn.py): {"top1" (last block), "n", "baseline" (Gaussian features,
     last block), "curve" [L], "baseline_curve" [L]}, or None (no CLS token, or not measured). ``previous``: at the
     run's second-to-last checkpoint."""
-    r = ctx.previous(run, "knn") if previous else ctx.last(run, "knn")
+    return _knn(ctx.previous(run, "knn") if previous else ctx.last(run, "knn"))
+
+
+def knn_at(ctx, run, step: int) -> dict | None:
+    """:func:`knn` at checkpoint ``step`` (None where it was not measured there)."""
+    return _knn(ctx.last(run, "knn", step, optional=True))
+
+
+def _knn(r) -> dict | None:
     if r is None or _pool(r) is None:
         return None
     acc, base = np.asarray(r["acc"])[_pool(r)], np.asarray(r["baseline"])[_pool(r)]
