@@ -73,7 +73,7 @@ __all__ = [
 @dataclass(frozen=True)
 class Fixed:
     """When a threshold was fixed, or a claim's verdict first reported: the ``date`` (YYYY-MM-DD) and the git
-    ``commit`` (short hash; :data:`THIS_COMMIT` for what this branch fixes), ``when`` the commit's ISO 8601 time (empty
+    ``commit`` (short hash; :data:`THIS_COMMIT` for 2026-11-27), ``when`` the commit's ISO 8601 time (empty
     for :data:`THIS_COMMIT`: later than every committed report) and, for a report, the document it is in."""
 
     date: str
@@ -92,7 +92,7 @@ class Fixed:
         return f"{self.date}, {self.commit}"
 
 
-THIS_COMMIT = "this commit (branch prereg38)"
+THIS_COMMIT = "71696e3"  # the commit that fixed these (landed on main at 60a2aae); no time: after every report
 TODAY = Fixed("2026-11-27", THIS_COMMIT)
 
 
