@@ -365,8 +365,8 @@ def _unit(s: dict) -> list[str]:
         lead = (
             f"The {n} analysis views are crops of {pop}: views of one photo are not independent images, so every "
             f"interval resamples the {units} photos, each drawn with all its views (the cluster bootstrap, Davison & "
-            "Hinkley 1997 Sec. 3.8; BCa with the jackknife over photos). The intervals are about "
-            f"{pop}, i.e. what other photos like these would give, not about more crops of the same photos, and not "
+            "Hinkley 1997 Sec. 3.8; BCa with the jackknife over photos). The intervals are about photos like "
+            f"{pop} (what another draw of such photos would give), not about more crops of the same photos, and not "
             "about ViTs in general. Beside each CI, in parentheses, the interval the same bootstrap gives when the "
             "views are taken as independent images: the too narrow one this report used to give."
         )
