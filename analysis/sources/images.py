@@ -72,7 +72,9 @@ class ImageSet:
     ``groups`` [N]: the independent unit each analysis image belongs to, what a bootstrap over the images resamples
     (analysis/studies/stats.py ``groups=``): the bundled photos' views carry their photo's index (16 crops of one photo
     are not 16 independent images), a folder's images are each their own (None: each image its own).
-    ``population`` says in words what an interval over those units is about ("the 19 photos", "these 40 images")."""
+    ``population`` says in words what an interval over those units is about ("the 19 photos", "these 40 images").
+    ``probe_groups`` [M]: the same units of the probe-train images when they share them (the bundled photos' probe
+    crops: their photo's index), else None."""
 
     analysis: TensorBatches
     probe_train: TensorBatches
@@ -83,6 +85,7 @@ class ImageSet:
     meta: dict = field(default_factory=dict)
     groups: np.ndarray | None = None
     population: str = ""
+    probe_groups: np.ndarray | None = None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         m = self.mean.to(x.device).view(1, -1, 1, 1)
@@ -247,11 +250,12 @@ def image_set(
             f"(seed {seed + 1})"
         )
         groups, population = y.numpy().copy(), f"the {len(names)} photos"  # a view's label is its photo's index
+        probe_groups = py.numpy().copy()
         probe = f"other crops (seed {seed + 1}) of the same {len(names)} photos"
     else:
         x, y, names = folder_images(images, cfg)
         source = f"{len(x)} images from {images}"
-        groups, population = np.arange(len(x)), f"these {len(x)} images"
+        groups, population, probe_groups = np.arange(len(x)), f"these {len(x)} images", None
         probe = f"the images of {probe_images}" if probe_images is not None else "no probe images"
         if probe_images is not None:
             px, py, pnames = folder_images(probe_images, cfg)
@@ -271,5 +275,14 @@ def image_set(
         "probe": probe,
     }
     return ImageSet(
-        TensorBatches(x, y), TensorBatches(px, py), max(len(names), 1), names, mean, std, meta, groups, population
+        TensorBatches(x, y),
+        TensorBatches(px, py),
+        max(len(names), 1),
+        names,
+        mean,
+        std,
+        meta,
+        groups,
+        population,
+        probe_groups,
     )

@@ -216,6 +216,21 @@ def test_the_claims_resample_the_photos():
     (views,) = per_view["upper_global"].decision.parts
     assert part.ci[1] - part.ci[0] > 1.5 * (views.ci[1] - views.ci[0])
     assert by["upper_global"].measured["chosen_on"] == "the probe-train crops"
+    assert "same_head_leaving_out_each_unit" not in by["upper_global"].measured  # probe photos unknown
+
+
+def test_the_head_choice_says_whether_one_photo_decides_it():
+    """The upper half's most local head chosen again with each probe photo left out: always the same head on the
+    DINO-like profile; one photo whose crops make another head very local decides the choice: that head is picked in
+    the 11 leave-one-out choices that keep the photo, not in the one that leaves it out."""
+    probe_photos = np.repeat(np.arange(12), 3)
+    by = {claim.id: r for claim, r in C.run_claims(PAPER, ctx(probe_groups=probe_photos))}
+    assert by["upper_global"].measured["same_head_leaving_out_each_unit"] == "12 of 12"
+    probe = _noisy(_profile(), 1, 36)
+    probe[:, 6, 1] = 92.0
+    probe[:3, 6, 1] = 0.0  # photo 0's crops: head (6, 1) attends at 0 px, pulling its mean to 84.3 px < 90 px
+    r = {claim.id: r for claim, r in C.run_claims(PAPER, ctx(probe=probe, probe_groups=probe_photos))}["upper_global"]
+    assert r.measured["head"] == (6, 1) and r.measured["same_head_leaving_out_each_unit"] == "11 of 12"
 
 
 def test_the_report_states_the_population_and_where_heads_are_chosen(tmp_path):
@@ -224,6 +239,7 @@ def test_the_report_states_the_population_and_where_heads_are_chosen(tmp_path):
 
     chosen_on = "other crops (seed 1) of the same 8 photos"
     c = ctx(distance=_photo_effect(), groups=PHOTOS, population="the 8 photos", chosen_on=chosen_on)
+    c.probe_groups = np.repeat(np.arange(12), 3)
     claims = R.claim_records(c)
     part = claims["upper_global"]["decision"]["parts"][0]
     assert part["ci_views"][1] - part["ci_views"][0] < part["ci"][1] - part["ci"][0]  # the views' CI: too narrow
@@ -257,6 +273,7 @@ def test_the_report_states_the_population_and_where_heads_are_chosen(tmp_path):
     lo, hi = part["ci_views"]
     assert f"[{part['ci'][0]:+.3g}, {part['ci'][1]:+.3g}] ({lo:+.3g}, {hi:+.3g})" in md
     assert md.count(f"The head or window is chosen on {chosen_on}") == 3  # head_mix, upper_global, offset_early
+    assert "each photo left out in turn (on the other photos' probe crops), the same head is picked 12 of 12" in md
     # each image its own unit (a folder of one's own images): no second interval, no photo sentence
     own = R.claim_records(ctx(groups=np.arange(N), population=f"these {N} images"))
     assert "ci_views" not in own["head_mix"]["decision"]["parts"][0]
@@ -281,8 +298,9 @@ def test_the_photos_carry_their_photo_and_a_folder_its_images(tmp_path):
     assert np.array_equal(photos.groups, photos.analysis.labels.numpy())
     assert photos.population == photos.meta["population"] == "the 19 photos" and photos.meta["groups"] == 19
     assert photos.meta["probe"] == "other crops (seed 1) of the same 19 photos"
+    assert np.array_equal(photos.probe_groups, np.arange(19)) and len(photos.probe_train) == 19
     for k in range(3):
         Image.fromarray(np.full((40, 50, 3), 60 * k, np.uint8)).save(tmp_path / f"{k}.png")
     own = image_set(str(tmp_path), model, img_size=32)
     assert np.array_equal(own.groups, np.arange(3)) and own.population == "these 3 images"
-    assert own.meta["probe"] == "no probe images"
+    assert own.meta["probe"] == "no probe images" and own.probe_groups is None

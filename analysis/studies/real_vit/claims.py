@@ -40,7 +40,8 @@ class ImageContext:
     of ``windows`` ((block, head, (dr, dc)) triples), ``chosen``: the windows picked on the probe crops by half
     ("first", "second"). ``groups`` [N]: each analysis view's independent unit (its photo; None: each image its own),
     what every part's bootstrap resamples; ``population``: what the intervals are about, in words ("the 19 photos");
-    ``chosen_on``: what the heads and windows are chosen on, in words ("other crops (seed 1) of the same 19 photos")."""
+    ``chosen_on``: what the heads and windows are chosen on, in words ("other crops (seed 1) of the same 19 photos");
+    ``probe_groups`` [M]: the probe crops' photos when they are the analysis views' photos (None: other images)."""
 
     distance: np.ndarray
     probe_distance: np.ndarray
@@ -53,6 +54,7 @@ class ImageContext:
     groups: np.ndarray | None = None
     population: str = ""
     chosen_on: str = "the probe-train crops"
+    probe_groups: np.ndarray | None = None
 
 
 def _images(ctx) -> ImageContext:
@@ -127,18 +129,28 @@ def head_mix(ctx) -> Result:
 )
 def upper_global(ctx) -> Result:
     """The upper half's most local head (chosen on the probe crops) attends above LOCAL_FRACTION x uniform on the
-    analysis views."""
+    analysis views. When the probe crops are of the same photos, ``measured`` also says in how many of the
+    leave-one-photo-out choices (the choice made on the other photos' probe crops) the same head is picked."""
     c = _images(ctx)
     _, hi = halves(c.distance.shape[1])
-    pm = c.probe_distance.mean(0)[hi]
-    bi, h = np.unravel_index(int(np.argmin(pm)), pm.shape)
-    b = int(hi[bi])
+
+    def most_local(probe):  # the upper half's most local head on these probe crops
+        pm = probe.mean(0)[hi]
+        bi, h = np.unravel_index(int(np.argmin(pm)), pm.shape)
+        return int(hi[bi]), int(h)
+
+    b, h = most_local(c.probe_distance)
+    measured = {"head": (b, h), "chosen_on": c.chosen_on}
+    if c.probe_groups is not None:  # the choice made without each photo in turn: does one photo decide it?
+        units = np.unique(c.probe_groups)
+        same = sum(most_local(c.probe_distance[c.probe_groups != g]) == (b, h) for g in units)
+        measured["same_head_leaving_out_each_unit"] = f"{same} of {len(units)}"
     part = _boot(
         c,
         f"block {b} head {h} (the upper half's most local) minus {LOCAL_FRACTION:g} x uniform (px)",
         c.distance[:, b, h] - LOCAL_FRACTION * c.uniform,
     )
-    return Result(judge([part]), measured={"head": (b, int(h)), "chosen_on": c.chosen_on})
+    return Result(judge([part]), measured=measured)
 
 
 @CLAIMS.claim(

@@ -133,6 +133,7 @@ def image_context(model, data, batch: int = 16) -> ImageContext:
         windows=pi["windows"],
         chosen=chosen,
         groups=getattr(data, "groups", None),
+        probe_groups=getattr(data, "probe_groups", None),
         population=getattr(data, "population", "") or f"these {len(data.analysis)} images",
         chosen_on=getattr(data, "meta", {}).get("probe", "the probe-train images"),
     )

@@ -430,6 +430,12 @@ def _claims(s: dict) -> list[str]:
         ]
         if chosen:
             lines += ["", f"The head or window is chosen on {chosen}; tested on the analysis views."]
+            stable = c["measured"].get("same_head_leaving_out_each_unit")
+            if stable:
+                lines[-1] += (
+                    f" Chosen again with each photo left out in turn (on the other photos' probe crops), the same "
+                    f"head is picked {stable} times."
+                )
     return lines
 
 
