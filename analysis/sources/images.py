@@ -16,7 +16,9 @@ scikit-image and scikit-learn, prepared the way the model was trained to see the
   horizontal flip, resized to the model's input size with the configuration's interpolation (what
   torchvision's ``RandomResizedCrop`` draws, from a ``numpy.random.default_rng(seed)`` of its own, so the views are
   the same on every machine). The label of a view is its photo: k-NN, probes and clustering then ask whether a
-  layer tells crops of different photos apart (an easy, real task; not ImageNet classes).
+  layer tells crops of different photos apart (an easy, real task; not ImageNet classes). The crops of one photo are
+  not independent images: :attr:`ImageSet.groups` keeps each analysis view's photo, so that a bootstrap resamples the
+  19 photos (a folder's images are each their own group).
 
 :class:`ImageSet` is what the suite needs of a data bundle (analysis and probe-train images, labels, normalisation),
 so these images go through the same suite, cache, figures and reports as a run's.
@@ -65,7 +67,14 @@ class ImageError(ValueError):
 
 @dataclass
 class ImageSet:
-    """Analysis and probe-train images (uint8 [N, 3, S, S], already resized and cropped) with their normalisation."""
+    """Analysis and probe-train images (uint8 [N, 3, S, S], already resized and cropped) with their normalisation.
+
+    ``groups`` [N]: the independent unit each analysis image belongs to, what a bootstrap over the images resamples
+    (analysis/studies/stats.py ``groups=``): the bundled photos' views carry their photo's index (16 crops of one photo
+    are not 16 independent images), a folder's images are each their own (None: each image its own).
+    ``population`` says in words what an interval over those units is about ("the 19 photos", "these 40 images").
+    ``probe_groups`` [M]: the same units of the probe-train images when they share them (the bundled photos' probe
+    crops: their photo's index), else None."""
 
     analysis: TensorBatches
     probe_train: TensorBatches
@@ -74,6 +83,9 @@ class ImageSet:
     mean: torch.Tensor
     std: torch.Tensor
     meta: dict = field(default_factory=dict)
+    groups: np.ndarray | None = None
+    population: str = ""
+    probe_groups: np.ndarray | None = None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         m = self.mean.to(x.device).view(1, -1, 1, 1)
@@ -237,9 +249,14 @@ def image_set(
             f"bundled photos: {len(names)} photos x {views} views (seed {seed}); probe-train {probe_views} crops each "
             f"(seed {seed + 1})"
         )
+        groups, population = y.numpy().copy(), f"the {len(names)} photos"  # a view's label is its photo's index
+        probe_groups = py.numpy().copy()
+        probe = f"other crops (seed {seed + 1}) of the same {len(names)} photos"
     else:
         x, y, names = folder_images(images, cfg)
         source = f"{len(x)} images from {images}"
+        groups, population, probe_groups = np.arange(len(x)), f"these {len(x)} images", None
+        probe = f"the images of {probe_images}" if probe_images is not None else "no probe images"
         if probe_images is not None:
             px, py, pnames = folder_images(probe_images, cfg)
             if pnames != names:
@@ -253,5 +270,19 @@ def image_set(
         "source": source,
         "preprocessing": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
         "hash": hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16],
+        "population": population,
+        "groups": len(np.unique(groups)),
+        "probe": probe,
     }
-    return ImageSet(TensorBatches(x, y), TensorBatches(px, py), max(len(names), 1), names, mean, std, meta)
+    return ImageSet(
+        TensorBatches(x, y),
+        TensorBatches(px, py),
+        max(len(names), 1),
+        names,
+        mean,
+        std,
+        meta,
+        groups,
+        population,
+        probe_groups,
+    )

@@ -31,9 +31,13 @@ are on that signed scale, so a positive effect is in the paper's direction):
 * :func:`bootstrap_part` / :func:`paired_bootstrap_part` -- for a statistic of one run (one model), a bootstrap over
   the analysis images: B resamples of the N images with replacement (seeded ``numpy.random.default_rng(seed)``), the
   statistic recomputed on each; the paired variant resamples the same images for both statistics and bootstraps their
-  difference. CI: BCa (default; Efron & Tibshirani 1993 ch. 14: bias correction z0 = Phi^-1(share of resampled
-  statistics below the estimate, ties counted half), acceleration a = sum(d^3) / (6 (sum(d^2))^1.5) with d the
-  jackknife deviations mean(theta_(.)) - theta_(i)), or the percentile interval (``method="percentile"``).
+  difference. When the images are not independent (crops of a few photos), ``groups`` names each image's independent
+  unit and the bootstrap resamples whole groups, each with all its images (the cluster bootstrap, Davison & Hinkley
+  1997 Sec. 3.8), the jackknife below leaving out one group at a time; the CI is then about the population the groups
+  come from, and an image-level CI over clustered images is too narrow. CI: BCa (default; Efron & Tibshirani 1993
+  ch. 14: bias correction z0 = Phi^-1(share of resampled statistics below the estimate, ties counted half),
+  acceleration a = sum(d^3) / (6 (sum(d^2))^1.5) with d the jackknife deviations mean(theta_(.)) - theta_(i)), or the
+  percentile interval (``method="percentile"``).
   p: the two-sided p-value obtained by inverting the same interval (the level at which the interval's end reaches 0),
   so p < ALPHA exactly when the CI excludes 0, up to the resolution of B resamples; p is at least 1 / B.
 * :func:`equivalence_part` -- a claim of *no difference*: two one-sided tests (TOST) of any of the parts above
@@ -408,35 +412,97 @@ def _apply(statistic, sample: np.ndarray, name: str) -> np.ndarray:
     return out
 
 
-def _bootstrap(arrays: tuple[np.ndarray, ...], stat: Callable, n_boot: int, seed: int, method: str) -> _Boot:
-    """``stat(*resampled arrays)`` -> one number per resample; the arrays share the image axis (0)."""
+def _groups(groups, n: int, name: str) -> np.ndarray:
+    """The resampling units as a padded member matrix [G, m_max] (image indices of each group, -1 past its end), the
+    groups in sorted label order; ``groups`` None: each image its own group."""
+    if groups is None:
+        return np.arange(n)[:, None]
+    g = np.asarray(groups)
+    if g.shape != (n,):
+        raise ValueError(
+            f"part {name!r}: groups must give one label per image ({n} images), got shape {g.shape}; pass e.g. the "
+            "photo index of each view"
+        )
+    labels, inverse, sizes = np.unique(g, return_inverse=True, return_counts=True)
+    if len(labels) < 2:
+        raise ValueError(
+            f"part {name!r}: all {n} images are in one group, and a bootstrap over groups needs at least 2; pass "
+            "the independent unit of each image (each image its own when they are independent)"
+        )
+    order = np.argsort(inverse, kind="stable")  # images grouped, in their original order within each group
+    members = np.full((len(labels), int(sizes.max())), -1)
+    members[inverse[order], np.arange(n) - np.repeat(np.cumsum(sizes) - sizes, sizes)] = order
+    return members
+
+
+def _evaluate(stat: Callable, arrays: tuple[np.ndarray, ...], rows: np.ndarray, width: int) -> np.ndarray:
+    """``stat`` on each row of ``rows`` (image indices, -1 = none: a row of k groups' members), rows of equal length
+    stacked together, at most _CHUNK resampled values at once (``width``: values per image)."""
+    valid = rows >= 0
+    lengths = valid.sum(1)
+    out = np.empty(len(rows))
+    for length in np.unique(lengths):
+        which = np.flatnonzero(lengths == length)
+        step = max(1, _CHUNK // (width * int(length)))
+        for s in range(0, len(which), step):
+            w = which[s : s + step]
+            idx = rows[w][valid[w]].reshape(len(w), int(length))
+            out[w] = stat(*(x[idx] for x in arrays))
+    return out
+
+
+def _bootstrap(
+    arrays: tuple[np.ndarray, ...], stat: Callable, n_boot: int, seed: int, method: str, members: np.ndarray
+) -> _Boot:
+    """``stat(*resampled arrays)`` -> one number per resample; the arrays share the image axis (0), and ``members``
+    (:func:`_groups`) are the resampling units: each resample draws G of the G groups with replacement (``G`` draws
+    of ``rng.integers(0, G)`` per resample, in chunks) and takes every image of each drawn group; the BCa
+    acceleration comes from the jackknife that leaves out one group at a time."""
     if method not in ("bca", "percentile"):
         raise ValueError(f"bootstrap method must be 'bca' or 'percentile', not {method!r}")
     if n_boot < 100:
         raise ValueError(f"n_boot = {n_boot} is too few resamples for a 95% CI; use at least 1000 (default {N_BOOT})")
-    n = arrays[0].shape[0]
+    n_groups = members.shape[0]
     est = float(stat(*(x[None] for x in arrays))[0])
     rng = np.random.default_rng(seed)
-    width = max(int(np.prod(x.shape)) for x in arrays)
-    step = max(1, _CHUNK // width)
+    width = max(int(np.prod(x.shape[1:])) for x in arrays)
+    step = max(1, _CHUNK // (width * members.size))
     boot = np.empty(n_boot)
     for s in range(0, n_boot, step):
-        idx = rng.integers(0, n, size=(min(step, n_boot - s), n))
-        boot[s : s + len(idx)] = stat(*(x[idx] for x in arrays))
+        drawn = rng.integers(0, n_groups, size=(min(step, n_boot - s), n_groups))
+        boot[s : s + len(drawn)] = _evaluate(stat, arrays, members[drawn].reshape(len(drawn), -1), width)
     if method == "percentile":
         return _Boot(est, boot, method)
     below = (np.sum(boot < est) + 0.5 * np.sum(boot == est)) / n_boot
     z0 = float(ndtri(np.clip(below, 0.5 / n_boot, 1 - 0.5 / n_boot)))
-    jack = np.empty(n)  # leave-one-out statistics, in chunks of rows of the (n, n - 1) index matrix
-    keep = np.arange(n - 1)
-    for s in range(0, n, step):
-        rows = np.arange(s, min(n, s + step))
-        idx = keep[None, :] + (keep[None, :] >= rows[:, None])  # row i: every image but i
-        jack[rows] = stat(*(x[idx] for x in arrays))
+    keep = np.arange(n_groups - 1)
+    drop = keep[None, :] + (keep[None, :] >= np.arange(n_groups)[:, None])  # row g: every group but g
+    jack = _evaluate(stat, arrays, members[drop].reshape(n_groups, -1), width)
     d = jack.mean() - jack
     den = 6 * float((d**2).sum()) ** 1.5
     a = float((d**3).sum()) / den if den > 0 else 0.0
     return _Boot(est, boot, method, z0, a)
+
+
+def _boot_part(name, arrays, stat, groups, sign, n_boot, seed, method, alpha, test) -> Part:
+    """The part of a (paired) bootstrap: over the images, or over ``groups`` of them (see :func:`bootstrap_part`)."""
+    n = arrays[0].shape[0]
+    members = _groups(groups, n, name)
+    dist = _bootstrap(arrays, stat, n_boot, seed, method, members)
+    details = {"n_boot": n_boot, "seed": seed, "method": method}
+    if groups is not None:
+        details.update(groups=members.shape[0], images=n)
+        test = f"{test} over {members.shape[0]} groups"
+    return _from_dist(
+        name,
+        dist,
+        test,
+        (members.shape[0],),
+        sign,
+        alpha,
+        se=float(dist.boot.std(ddof=1)),
+        details=details,
+    )
 
 
 def bootstrap_part(
@@ -444,6 +510,7 @@ def bootstrap_part(
     values,
     statistic: Callable = np.mean,
     *,
+    groups=None,
     sign: int = 1,
     n_boot: int = N_BOOT,
     seed: int = 0,
@@ -453,19 +520,31 @@ def bootstrap_part(
     """A statistic of one run's per-image ``values`` (images on axis 0, e.g. [N] or [N, K]) with a bootstrap CI over
     the images. ``statistic(x, axis=1)`` gets a stack of resamples [B, N, ...] and returns [B] (``np.mean``,
     ``np.median``, or e.g. ``lambda x, axis: x[..., 0].mean(axis) / x[..., 1].mean(axis)``). The effect is
-    ``sign`` x the statistic on all images; BCa CI by default (see the module docstring), seeded by ``seed``."""
+    ``sign`` x the statistic on all images; BCa CI by default (see the module docstring), seeded by ``seed``.
+
+    ``groups`` (one label per image, e.g. the photo each crop was cut from): the images are not independent, the
+    groups are; the bootstrap then resamples whole groups (the cluster bootstrap, Davison & Hinkley 1997 Sec. 3.8,
+    their first strategy: draw G of the G groups with replacement and keep every image of each drawn group, the right
+    choice when the groups are few and the within-group values are not exchangeable across groups), and the BCa
+    acceleration is the jackknife over groups (Efron & Tibshirani 1993 Sec. 14.3's formula with a group as the
+    deleted unit: the empirical influence of a group, as Davison & Hinkley 1997 Sec. 3.8 and 5.3 take it for
+    clustered data). With groups of unequal size a resample has as many images as its drawn groups hold. ``n`` is then
+    the number of groups and ``details`` has ``groups`` and ``images``; ``groups=None`` is each image its own group
+    (the same draws as ``groups=numpy.arange(N)``, bit for bit). The interval covers the population the groups were
+    drawn from: a CI over 19 photos is about photos like these, whatever the number of crops per photo."""
     sign = _sign(sign)
     x = _images(values, name)
-    dist = _bootstrap((x,), lambda s: sign * _apply(statistic, s, name), n_boot, seed, method)
-    return _from_dist(
+    return _boot_part(
         name,
-        dist,
-        f"bootstrap {_METHOD[method]}",
-        (x.shape[0],),
+        (x,),
+        lambda s: sign * _apply(statistic, s, name),
+        groups,
         sign,
+        n_boot,
+        seed,
+        method,
         alpha,
-        se=float(dist.boot.std(ddof=1)),
-        details={"n_boot": n_boot, "seed": seed, "method": method},
+        f"bootstrap {_METHOD[method]}",
     )
 
 
@@ -476,6 +555,7 @@ def paired_bootstrap_part(
     statistic: Callable = np.mean,
     statistic_y: Callable | None = None,
     *,
+    groups=None,
     sign: int = 1,
     n_boot: int = N_BOOT,
     seed: int = 0,
@@ -484,7 +564,8 @@ def paired_bootstrap_part(
 ) -> Part:
     """The difference statistic(x) - statistic_y(y) (``statistic_y`` defaults to ``statistic``) of two statistics
     computed on the SAME images (row i of ``x`` and of ``y`` is image i, e.g. two heads' per-image attention distance,
-    or two models' on the same analysis images), with a bootstrap that resamples the same images for both."""
+    or two models' on the same analysis images), with a bootstrap that resamples the same images for both; with
+    ``groups``, the same whole groups for both (the cluster bootstrap of :func:`bootstrap_part`)."""
     sign = _sign(sign)
     x, y = _images(x, name), _images(y, name)
     if x.shape[0] != y.shape[0]:
@@ -492,18 +573,17 @@ def paired_bootstrap_part(
             f"part {name!r}: a paired bootstrap needs the same images in x and y ({x.shape[0]} vs {y.shape[0]} rows)"
         )
     sy = statistic_y or statistic
-    dist = _bootstrap(
-        (x, y), lambda s, t: sign * (_apply(statistic, s, name) - _apply(sy, t, name)), n_boot, seed, method
-    )
-    return _from_dist(
+    return _boot_part(
         name,
-        dist,
-        f"paired bootstrap {_METHOD[method]}",
-        (x.shape[0],),
+        (x, y),
+        lambda s, t: sign * (_apply(statistic, s, name) - _apply(sy, t, name)),
+        groups,
         sign,
+        n_boot,
+        seed,
+        method,
         alpha,
-        se=float(dist.boot.std(ddof=1)),
-        details={"n_boot": n_boot, "seed": seed, "method": method},
+        f"paired bootstrap {_METHOD[method]}",
     )
 
 

@@ -1,6 +1,8 @@
 """The real-ViT report as a paper plug-in: found by analysis.studies.papers(), claiming no training study, and its five
 claims decided by the claim engine over synthetic per-image arrays whose answer is known (held, did not hold,
-inconclusive, not testable). The real model's run is python -m analysis.studies.real_vit (docs/real-vit.md)."""
+inconclusive, not testable); the intervals resample the photos a view was cut from, and the report says what they are
+about and what the heads were chosen on. The real model's run is python -m analysis.studies.real_vit
+(docs/real-vit.md)."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def _flat() -> np.ndarray:
 WINDOWS = [(3, 4, (-1, 0)), (7, 5, (0, 1))]
 
 
-def ctx(distance=None, probe=None, log_gap=None, spread=None, mass=None, chosen=None) -> ImageContext:
+def ctx(distance=None, probe=None, log_gap=None, spread=None, mass=None, chosen=None, **units) -> ImageContext:
     rng = np.random.default_rng(3)
     if log_gap is None:
         gap = np.where(np.arange(L) < L // 2, 1.0, -1.0)  # CLS above the spatial tokens in the first half only
@@ -63,6 +65,7 @@ def ctx(distance=None, probe=None, log_gap=None, spread=None, mass=None, chosen=
         window_mass=mass,
         windows=list(WINDOWS),
         chosen=dict(zip(("first", "second"), WINDOWS)) if chosen is None else chosen,
+        **units,
     )
 
 
@@ -186,3 +189,118 @@ def test_run_claims_takes_a_context_without_training_runs():
     toy.claims.claim("x", figure="f", claim="c", source="s", passage="p", rule="r", needs=["vit_cls"])(lambda c: None)
     ((_, r),) = C.run_claims(toy, ctx())
     assert r.outcome == C.NOT_TESTABLE and "no runs of vit_cls" in r.why
+
+
+PHOTOS = np.repeat(np.arange(8), 3)  # 24 views: 3 crops of each of 8 photos
+
+
+def _photo_effect(seed: int = 7) -> np.ndarray:
+    """Per-view distances whose photo moves all its crops together (SD 6 px per photo, 2 px per crop)."""
+    rng = np.random.default_rng(seed)
+    return _noisy(_profile(), 0) + rng.normal(0, 6, size=(8, 1, H))[PHOTOS]
+
+
+def test_the_claims_resample_the_photos():
+    """With the views' photos in the context, every part is a bootstrap over the 8 photos (n = 8), the same interval
+    bootstrap_part gives on those values with groups=photo; photo-level noise makes it wider than the view-level one."""
+    from analysis.studies.stats import bootstrap_part
+
+    c = ctx(distance=_photo_effect(), groups=PHOTOS, population="the 8 photos")
+    by = {claim.id: r for claim, r in C.run_claims(PAPER, c)}
+    parts = [p for r in by.values() for p in r.decision.parts]
+    assert all(p.n == (8,) and p.test == "bootstrap BCa over 8 groups" for p in parts)
+    (part,) = by["upper_global"].decision.parts
+    values = c.distance[:, 6, 0] - 0.5 * UNIFORM
+    assert part.ci == bootstrap_part("x", values, groups=PHOTOS).ci
+    per_view = {claim.id: r for claim, r in C.run_claims(PAPER, ctx(distance=c.distance))}
+    (views,) = per_view["upper_global"].decision.parts
+    assert part.ci[1] - part.ci[0] > 1.5 * (views.ci[1] - views.ci[0])
+    assert by["upper_global"].measured["chosen_on"] == "the probe-train crops"
+    assert "same_head_leaving_out_each_unit" not in by["upper_global"].measured  # probe photos unknown
+
+
+def test_the_head_choice_says_whether_one_photo_decides_it():
+    """The upper half's most local head chosen again with each probe photo left out: always the same head on the
+    DINO-like profile; one photo whose crops make another head very local decides the choice: that head is picked in
+    the 11 leave-one-out choices that keep the photo, not in the one that leaves it out."""
+    probe_photos = np.repeat(np.arange(12), 3)
+    by = {claim.id: r for claim, r in C.run_claims(PAPER, ctx(probe_groups=probe_photos))}
+    assert by["upper_global"].measured["same_head_leaving_out_each_unit"] == "12 of 12"
+    probe = _noisy(_profile(), 1, 36)
+    probe[:, 6, 1] = 92.0
+    probe[:3, 6, 1] = 0.0  # photo 0's crops: head (6, 1) attends at 0 px, pulling its mean to 84.3 px < 90 px
+    r = {claim.id: r for claim, r in C.run_claims(PAPER, ctx(probe=probe, probe_groups=probe_photos))}["upper_global"]
+    assert r.measured["head"] == (6, 1) and r.measured["same_head_leaving_out_each_unit"] == "11 of 12"
+
+
+def test_the_report_states_the_population_and_where_heads_are_chosen(tmp_path):
+    pytest.importorskip("matplotlib")
+    from analysis.studies.real_vit import report as R
+
+    chosen_on = "other crops (seed 1) of the same 8 photos"
+    c = ctx(distance=_photo_effect(), groups=PHOTOS, population="the 8 photos", chosen_on=chosen_on)
+    c.probe_groups = np.repeat(np.arange(12), 3)
+    claims = R.claim_records(c)
+    part = claims["upper_global"]["decision"]["parts"][0]
+    assert part["ci_views"][1] - part["ci_views"][0] < part["ci"][1] - part["ci"][0]  # the views' CI: too narrow
+    assert claims["upper_global"]["measured"]["chosen_on"] == chosen_on
+    d = np.full(L, 50.0)
+    s = {
+        "model": "timm:toy",
+        "images": {"source": "toy photos", "preprocessing": {"size": 224}},
+        "uniform_px": UNIFORM,
+        "grid": [16, 16],
+        "patch": 14,
+        "n_analysis": N,
+        "n_probe": 36,
+        "wall_s": {"suite": 1.0, "claims": 2.0},
+        "computed": 0,
+        "reused": 11,
+        "population": "the 8 photos",
+        "units": 8,
+        "chosen_on": chosen_on,
+        "claims": claims,
+        "attention_distance": {"min_px": d.tolist(), "mean_px": d.tolist(), "max_px": d.tolist()},
+        "norm_ratio": {s: {"cls": d.tolist(), "spatial": d.tolist()} for s in ("attn", "mlp")},
+        "offset_local_heads": [],
+        "other_measures": {},
+    }
+    out = tmp_path / "real-vit.md"
+    R.write(s, out, tmp_path / "figures", [])
+    md = out.read_text()
+    assert "The 24 analysis views are crops of the 8 photos" in md and "resamples the 8 photos" in md
+    assert f"chosen on {chosen_on} and tested on the analysis views" in md and "NOT independent" in md
+    lo, hi = part["ci_views"]
+    assert f"[{part['ci'][0]:+.3g}, {part['ci'][1]:+.3g}] ({lo:+.3g}, {hi:+.3g})" in md
+    assert md.count(f"The head or window is chosen on {chosen_on}") == 3  # head_mix, upper_global, offset_early
+    assert "each photo left out in turn (on the other photos' probe crops), the same head is picked 12 of 12" in md
+    # each image its own unit (a folder of one's own images): no second interval, no photo sentence
+    own = R.claim_records(ctx(groups=np.arange(N), population=f"these {N} images"))
+    assert "ci_views" not in own["head_mix"]["decision"]["parts"][0]
+    assert R._unit({**s, "population": f"these {N} images", "units": N, "chosen_on": "the images of p/"})[0] == (
+        f"Every interval resamples these {N} images, each an independent unit; the intervals are about these {N} "
+        "images."
+    )
+
+
+def test_the_photos_carry_their_photo_and_a_folder_its_images(tmp_path):
+    """analysis/sources/images.py: each bundled view keeps its photo's index as its group (the 19 photos), each image
+    of a folder is its own."""
+    pytest.importorskip("skimage", reason="the dev extra's scikit-image ships the photos (pip install -e '.[dev]')")
+    timm = pytest.importorskip("timm")
+    from PIL import Image
+
+    from analysis.sources.images import image_set
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=0)
+    photos = image_set("photos", model, img_size=32, views=2, probe_views=1)
+    assert np.array_equal(photos.groups, np.repeat(np.arange(19), 2))
+    assert np.array_equal(photos.groups, photos.analysis.labels.numpy())
+    assert photos.population == photos.meta["population"] == "the 19 photos" and photos.meta["groups"] == 19
+    assert photos.meta["probe"] == "other crops (seed 1) of the same 19 photos"
+    assert np.array_equal(photos.probe_groups, np.arange(19)) and len(photos.probe_train) == 19
+    for k in range(3):
+        Image.fromarray(np.full((40, 50, 3), 60 * k, np.uint8)).save(tmp_path / f"{k}.png")
+    own = image_set(str(tmp_path), model, img_size=32)
+    assert np.array_equal(own.groups, np.arange(3)) and own.population == "these 3 images"
+    assert own.meta["probe"] == "no probe images" and own.probe_groups is None

@@ -19,12 +19,15 @@ training study, and a training study that names this paper gets its claims as no
 
 **One model, so the claims' intervals come from the images.** There are no seeds to compare: each claim's statistic
 is computed per image (per-image attention distance of each head, per-image norm ratios, per-image attention mass in
-a head's window) and its 95% CI is a BCa bootstrap over the analysis images (analysis/studies/stats.py, the studies'
-decision rule: held = every part significant in the paper's direction at alpha = 0.05; did not hold = a
-significant reversal after Holm over the claim's parts). The CI says how sure we are about THIS model on THESE
-images, not about ViTs in general. **Heads are chosen on other images than they are tested on**: a claim that
-needs "the most local head" or "the best offset head" picks it on the probe-train crops (other random crops of the
-photos, seed 1) and tests it on the analysis views (seed 0), so the choice does not bias the test.
+a head's window) and its 95% CI is a BCa bootstrap (analysis/studies/stats.py, the studies' decision rule: held =
+every part significant in the paper's direction at alpha = 0.05; did not hold = a significant reversal after Holm
+over the claim's parts) over the independent units of the analysis views: the 304 views are 16 crops of each of 19
+photos, so the bootstrap draws photos, each with all its views (the cluster bootstrap; a folder of one's own images
+would be resampled image by image). The CI says how sure we are about THIS model on photos like THESE 19, not about
+more crops of them, nor about ViTs in general; the report also gives the narrower interval that treats the views as
+independent. **Heads are chosen on other crops of the same photos**: a claim that needs "the most local head" or "the
+best offset head" picks it on the probe-train crops (seed 1) and tests it on the analysis views (seed 0); both are
+crops of the same 19 photos, so the choice is not independent of the test at the photo level, and the report says so.
 """
 
 from analysis.studies.claims import Paper

@@ -3,8 +3,13 @@
 :func:`~analysis.studies.claims.judge` (analysis/studies/stats.py's rule).
 
 One model, so there are no seeds: a claim reads per-image statistics from an :class:`ImageContext` (reads.py computes
-them) and each part's 95% CI is a BCa bootstrap over the analysis images; the photo is the independent unit. A head a
-claim needs is chosen on the probe-train crops and tested on the analysis views, so the choice does not bias the test.
+them) and each part's 95% CI is a BCa bootstrap over the independent units of the analysis views
+(``ImageContext.groups``): for the bundled photos the photo, each drawn with all its views (the cluster bootstrap of
+analysis/studies/stats.py), so the interval is about photos like these 19, not about more crops of them; for a folder
+of one's own images, each image. A head a claim needs is chosen on the probe-train crops and tested on the analysis
+views: other crops, but of the SAME photos, so the choice and the test are not independent at the photo level
+(``ImageContext.chosen_on`` says what the choice saw, in each such claim's record ``measured["chosen_on"]`` and in the
+report).
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ class ImageContext:
     the CLS token's norm ratio minus the spatial tokens' mean log ratio (attention, MLP); ``cls_input_spread`` [2, L]:
     how much the CLS token's skip input varies over the images; ``window_mass`` [N, K]: attention mass in each window
     of ``windows`` ((block, head, (dr, dc)) triples), ``chosen``: the windows picked on the probe crops by half
-    ("first", "second")."""
+    ("first", "second"). ``groups`` [N]: each analysis view's independent unit (its photo; None: each image its own),
+    what every part's bootstrap resamples; ``population``: what the intervals are about, in words ("the 19 photos");
+    ``chosen_on``: what the heads and windows are chosen on, in words ("other crops (seed 1) of the same 19 photos");
+    ``probe_groups`` [M]: the probe crops' photos when they are the analysis views' photos (None: other images)."""
 
     distance: np.ndarray
     probe_distance: np.ndarray
@@ -43,6 +51,10 @@ class ImageContext:
     window_mass: np.ndarray
     windows: list = field(default_factory=list)
     chosen: dict = field(default_factory=dict)
+    groups: np.ndarray | None = None
+    population: str = ""
+    chosen_on: str = "the probe-train crops"
+    probe_groups: np.ndarray | None = None
 
 
 def _images(ctx) -> ImageContext:
@@ -60,9 +72,10 @@ def halves(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(n // 2), np.arange(n // 2, n)
 
 
-def _boot(name: str, values, statistic=np.mean, seed: int = 0):
-    """A bootstrap part over the images, built when the claim is judged."""
-    return partial(bootstrap_part, name, values, statistic, seed=seed)
+def _boot(c: ImageContext, name: str, values, statistic=np.mean, seed: int = 0):
+    """A bootstrap part over the context's independent units (its photos, each with all its views), built when the
+    claim is judged."""
+    return partial(bootstrap_part, name, values, statistic, groups=c.groups, seed=seed)
 
 
 @CLAIMS.claim(
@@ -99,10 +112,10 @@ def head_mix(ctx) -> Result:
         return m[:, hi].mean(-1) - m[:, lo].mean(-1)
 
     parts = [
-        _boot("spread of head distances, lower half minus upper half (px)", c.distance, spread),
-        _boot("mean distance, upper half minus lower half (px)", c.distance, mean_gap, seed=1),
+        _boot(c, "spread of head distances, lower half minus upper half (px)", c.distance, spread),
+        _boot(c, "mean distance, upper half minus lower half (px)", c.distance, mean_gap, seed=1),
     ]
-    return Result(judge(parts, [pre]))
+    return Result(judge(parts, [pre]), measured={"chosen_on": c.chosen_on})
 
 
 @CLAIMS.claim(
@@ -116,17 +129,28 @@ def head_mix(ctx) -> Result:
 )
 def upper_global(ctx) -> Result:
     """The upper half's most local head (chosen on the probe crops) attends above LOCAL_FRACTION x uniform on the
-    analysis views."""
+    analysis views. When the probe crops are of the same photos, ``measured`` also says in how many of the
+    leave-one-photo-out choices (the choice made on the other photos' probe crops) the same head is picked."""
     c = _images(ctx)
     _, hi = halves(c.distance.shape[1])
-    pm = c.probe_distance.mean(0)[hi]
-    bi, h = np.unravel_index(int(np.argmin(pm)), pm.shape)
-    b = int(hi[bi])
+
+    def most_local(probe):  # the upper half's most local head on these probe crops
+        pm = probe.mean(0)[hi]
+        bi, h = np.unravel_index(int(np.argmin(pm)), pm.shape)
+        return int(hi[bi]), int(h)
+
+    b, h = most_local(c.probe_distance)
+    measured = {"head": (b, h), "chosen_on": c.chosen_on}
+    if c.probe_groups is not None:  # the choice made without each photo in turn: does one photo decide it?
+        units = np.unique(c.probe_groups)
+        same = sum(most_local(c.probe_distance[c.probe_groups != g]) == (b, h) for g in units)
+        measured["same_head_leaving_out_each_unit"] = f"{same} of {len(units)}"
     part = _boot(
+        c,
         f"block {b} head {h} (the upper half's most local) minus {LOCAL_FRACTION:g} x uniform (px)",
         c.distance[:, b, h] - LOCAL_FRACTION * c.uniform,
     )
-    return Result(judge([part]), measured={"head": (b, int(h))})
+    return Result(judge([part]), measured=measured)
 
 
 @CLAIMS.claim(
@@ -163,7 +187,7 @@ def cls_phase(ctx) -> Result:
                 else "spatial tokens' mean log ratio minus log CLS ratio"
             )
             span = f"blocks {use[0]}-{use[-1]}" if use else "no block"
-            parts.append(_boot(f"{sub}, {span}: {what}", gap if half == "first" else -gap, seed=len(parts)))
+            parts.append(_boot(c, f"{sub}, {span}: {what}", gap if half == "first" else -gap, seed=len(parts)))
     few = {k: v for k, v in counts.items() if v < 4}
     left_out = [f"{('attention', 'MLP')[s]} of block {i}" for s in range(2) for i in range(L) if not eligible[s, i]]
     pre = Precondition(
@@ -198,9 +222,9 @@ def offset_early(ctx) -> Result:
         mass = c.window_mass[:, c.windows.index((b, h, off))]
         where = f"block {b} head {h}, window at ({off[0]:+d}, {off[1]:+d})"
         if half == "first":  # written in the paper's direction: positive = as Walmer says
-            parts.append(_boot(f"{where}: attention mass minus {MIN_MASS:g}", mass - MIN_MASS, seed=len(parts)))
+            parts.append(_boot(c, f"{where}: attention mass minus {MIN_MASS:g}", mass - MIN_MASS, seed=len(parts)))
         else:
-            parts.append(_boot(f"{where}: {MIN_MASS:g} minus attention mass", MIN_MASS - mass, seed=len(parts)))
+            parts.append(_boot(c, f"{where}: {MIN_MASS:g} minus attention mass", MIN_MASS - mass, seed=len(parts)))
     found = "first" in c.chosen
     pre = Precondition(
         "offset head",
@@ -211,8 +235,8 @@ def offset_early(ctx) -> Result:
         {},
     )
     if not parts:
-        parts = [_boot("no window", np.zeros(c.window_mass.shape[0]))]
-    return Result(judge(parts, [pre]))
+        parts = [_boot(c, "no window", np.zeros(c.window_mass.shape[0]))]
+    return Result(judge(parts, [pre]), measured={"chosen_on": c.chosen_on})
 
 
 @CLAIMS.claim(
@@ -243,7 +267,9 @@ def depth_profile(ctx) -> Result:
         return m[:, hi].mean(-1) - m[:, mid].mean(-1)
 
     parts = [
-        _boot("block 0 minus blocks 2-5 (layer 1 minus layers 3-6), mean head distance (px)", c.distance, first_vs_mid),
-        _boot(f"blocks {hi[0]}-{hi[-1]} minus blocks 2-5 (px)", c.distance, late_vs_mid, seed=1),
+        _boot(
+            c, "block 0 minus blocks 2-5 (layer 1 minus layers 3-6), mean head distance (px)", c.distance, first_vs_mid
+        ),
+        _boot(c, f"blocks {hi[0]}-{hi[-1]} minus blocks 2-5 (px)", c.distance, late_vs_mid, seed=1),
     ]
     return Result(judge(parts))

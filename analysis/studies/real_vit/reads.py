@@ -113,7 +113,9 @@ def offset_windows(probe_mass: np.ndarray, offset: np.ndarray, peaks: np.ndarray
 
 def image_context(model, data, batch: int = 16) -> ImageContext:
     """The claims' per-image statistics of ``model`` on ``data``: heads chosen on the probe-train crops (their own
-    attention distances, and the offset windows from aligned_attention on them), tested on the analysis views."""
+    attention distances, and the offset windows from aligned_attention on them), tested on the analysis views; with the
+    analysis views' independent units (``data.groups``: for the bundled photos, each view's photo), the population
+    they stand for and what the heads were chosen on (for the bundled photos: other crops of the same photos)."""
     grid, patch = tuple(grid_of(model)), int(model.patch_embed.patch_size[0])
     probe = per_image(model, data.probe_train, data.normalize, batch)
     probe_data = type(data)(data.probe_train, data.probe_train, data.num_classes, data.class_names, data.mean, data.std)
@@ -130,4 +132,8 @@ def image_context(model, data, batch: int = 16) -> ImageContext:
         window_mass=pi["window_mass"],
         windows=pi["windows"],
         chosen=chosen,
+        groups=getattr(data, "groups", None),
+        probe_groups=getattr(data, "probe_groups", None),
+        population=getattr(data, "population", "") or f"these {len(data.analysis)} images",
+        chosen_on=getattr(data, "meta", {}).get("probe", "the probe-train images"),
     )

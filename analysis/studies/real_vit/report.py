@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -124,7 +125,7 @@ def build(
     t1 = time.time()
     ctx = image_context(model, data, batch)  # heads chosen on the probe crops, tested on the analysis views
     t_claims = time.time() - t1
-    results = run_claims(PAPER, ctx)
+    claims = claim_records(ctx)
     copied = draw_figures(model, data, res, ctx.uniform, root / "figures" / "step_0000000", fig_dir)
     grid = tuple(grid_of(model))
     summary = {
@@ -139,11 +140,27 @@ def build(
         "computed": len(stats["computed"]),
         "reused": len(stats["reused"]),
         "chosen_windows": {k: list(map(list, [v[:2], v[2]])) for k, v in ctx.chosen.items()},
-        "claims": {c.id: record(c, r) for c, r in results},
+        "population": ctx.population,
+        "units": len(np.unique(ctx.groups)) if ctx.groups is not None else len(data.analysis),
+        "chosen_on": ctx.chosen_on,
+        "claims": claims,
         **measure_numbers(res),
     }
     write(summary, out_md, fig_dir, copied)
     return summary
+
+
+def claim_records(ctx) -> dict:
+    """Each claim's record (by id), its parts' CIs over the context's independent units (``ctx.groups``: the photos);
+    when those are groups of views, each part also carries ``ci_views``, the interval of the same bootstrap with every
+    view taken as an independent image (the too narrow one the report used to give), to show what the unit changes."""
+    out = {c.id: record(c, r) for c, r in run_claims(PAPER, ctx)}
+    if ctx.groups is None or len(np.unique(ctx.groups)) == len(ctx.groups):
+        return out
+    for c, r in run_claims(PAPER, replace(ctx, groups=None)):
+        for part, view in zip(out[c.id]["decision"]["parts"], r.decision.parts):
+            part["ci_views"] = list(view.ci)
+    return out
 
 
 def open_run(root: Path, views: int, probe_views: int):
@@ -340,30 +357,67 @@ def _norm_ratios(s: dict) -> list[str]:
     return lines
 
 
+def _unit(s: dict) -> list[str]:
+    """What the intervals resample and are about, and what the heads were chosen on."""
+    pop = s.get("population") or f"these {s['n_analysis']} images"
+    n, units = s["n_analysis"], s.get("units", s["n_analysis"])
+    if units < n:
+        lead = (
+            f"The {n} analysis views are crops of {pop}: views of one photo are not independent images, so every "
+            f"interval resamples the {units} photos, each drawn with all its views (the cluster bootstrap, Davison & "
+            "Hinkley 1997 Sec. 3.8; BCa with the jackknife over photos). The intervals are about photos like "
+            f"{pop} (what another draw of such photos would give), not about more crops of the same photos, and not "
+            "about ViTs in general. Beside each CI, in parentheses, the interval the same bootstrap gives when the "
+            "views are taken as independent images: the too narrow one this report used to give."
+        )
+    else:
+        lead = f"Every interval resamples {pop}, each an independent unit; the intervals are about {pop}."
+    return [
+        lead,
+        "",
+        f"Heads and windows a claim needs (head_mix's local head, upper_global's head, offset_early's windows) are "
+        f"chosen on {s.get('chosen_on', 'the probe-train crops')} and tested on the analysis views"
+        + (
+            ": the choice saw the photos it is tested on (other crops of them), so choice and test are NOT "
+            "independent at the photo level. A photo whose crops make a head look local on the probe crops makes it "
+            "look local on the analysis crops too: picking the most local head leans upper_global towards a "
+            "reversal, picking the strongest offset window leans offset_early's first part towards the paper. "
+            "Splitting the photos (choose on some, test on the others) would leave about 9 photos a side; not done."
+            if units < n and "same" in s.get("chosen_on", "")
+            else "."
+        ),
+        "",
+    ]
+
+
+def _ci(p: dict) -> str:
+    views = f" ({p['ci_views'][0]:+.3g}, {p['ci_views'][1]:+.3g})" if p.get("ci_views") else ""
+    return f"{p['effect']:+.3g} [{p['ci'][0]:+.3g}, {p['ci'][1]:+.3g}]{views}"
+
+
 def _claims(s: dict) -> list[str]:
     """The claims' table and one section per claim, from their records."""
     lines = [
         "",
         "## The claims, decided on this model",
         "",
-        "One model: each claim's 95% CI is a BCa bootstrap over the analysis images (2,000 resamples; "
-        "analysis/studies/stats.py, the studies' rule: held = every part significant in the paper's direction, "
-        "did not hold = a significant reversal after Holm). A head a claim needs is chosen on the probe-train crops "
-        "and tested on the analysis views. The CI is about this model on these images.",
+        "One model: each claim's 95% CI is a BCa bootstrap (2,000 resamples; analysis/studies/stats.py, the "
+        "studies' rule: held = every part significant in the paper's direction, did not hold = a significant "
+        "reversal after Holm) over the independent units of the analysis views.",
         "",
+        *_unit(s),
         "Blocks are numbered from 0, as in the tables above, the figures and TensorBoard (the papers' layer n is "
         "block n - 1). Each part's effect is written in the paper's direction: "
         "positive is what the paper says.",
         "",
-        "| claim | figure | verdict | parts: effect in the paper's direction [95% CI] |",
+        "| claim | figure | verdict | parts: effect in the paper's direction [95% CI] (views as independent) |",
         "| --- | --- | --- | --- |",
     ]
     for k, c in s["claims"].items():
-        parts = "; ".join(
-            f"{p['name']}: {p['effect']:+.3g} [{p['ci'][0]:+.3g}, {p['ci'][1]:+.3g}]" for p in c["decision"]["parts"]
-        )
+        parts = "; ".join(f"{p['name']}: {_ci(p)}" for p in c["decision"]["parts"])
         lines.append(f"| {k} | {c['figure']} | **{c['verdict']}** | {parts} |")
     for k, c in s["claims"].items():
+        chosen = c.get("measured", {}).get("chosen_on")
         lines += [
             "",
             f"### {k} ({c['figure']})",
@@ -374,6 +428,14 @@ def _claims(s: dict) -> list[str]:
             "",
             f"Verdict: **{c['verdict']}**. {c['why']}",
         ]
+        if chosen:
+            lines += ["", f"The head or window is chosen on {chosen}; tested on the analysis views."]
+            stable = c["measured"].get("same_head_leaving_out_each_unit")
+            if stable:
+                lines[-1] += (
+                    f" Chosen again with each photo left out in turn (on the other photos' probe crops), the same "
+                    f"head is picked {stable} times."
+                )
     return lines
 
 
