@@ -35,6 +35,7 @@ from analysis.studies.stats import (
     Decision,
     Part,
     Precondition,
+    across_claims,
     decide,
     min_seeds,
     one_sample_part,
@@ -340,6 +341,7 @@ def record(claim: Claim, r: Result) -> dict:
             "why": r.why,
             "decision": r.decision.to_json(),
             "measured": r.measured,
+            "sanity": bool(getattr(claim, "sanity", False)),  # left out of the study's across_claims
         }
     )
 
@@ -359,7 +361,9 @@ def _plain(x):
 
 
 def write_json(path: Path, study: str, paper: str, records: list[dict], notes: list[str], extra: dict | None = None):
-    """The study's JSON twin of its report: the rule's level, the claims' records, the notes and ``extra``."""
+    """The study's JSON twin of its report: the rule's level, the claims' records, ``across_claims`` (Holm and
+    Benjamini-Hochberg over the tested claims that are not sanity checks:
+    :func:`~analysis.studies.stats.across_claims`), the notes and ``extra``."""
     doc = {
         "study": study,
         "paper": paper,
@@ -367,6 +371,7 @@ def write_json(path: Path, study: str, paper: str, records: list[dict], notes: l
         "converged_limit": CONVERGED,
         "outcomes": list(OUTCOMES),
         "claims": records,
+        "across_claims": _plain(across_claims({r["id"]: r["decision"] for r in records if not r.get("sanity")})),
         "notes": notes,
         **_plain(extra or {}),
     }
