@@ -12,6 +12,7 @@ turns a claim's parts and its preconditions into one of four outcomes (the const
                   claim's parts (:func:`holm`; Holm-adjusted p < ALPHA, effect against the paper);
 ``inconclusive``  neither;
 ``not testable``  a precondition failed (:class:`Precondition`: its sentence with its numbers); parts are still shown.
+                  Also a claim with a :data:`DEGENERATE` part (below) and no part significantly reversed.
 
 Parts (:class:`Part`; ``sign`` = +1 when the paper says a > b, -1 when it says a < b; the part's ``effect`` and ``ci``
 are on that signed scale, so a positive effect is in the paper's direction):
@@ -24,7 +25,25 @@ are on that signed scale, so a positive effect is in the paper's direction):
   ``ttest_ind(equal_var=False)``); for configurations whose seed SD differs, e.g. a ViT against a ResNet. With
   ``pooled=pooled_sd(family)``: SE = s_p sqrt(1/n_a + 1/n_b) on the family's df -- for configurations of one family
   (same architecture and recipe, only the factor under study changed), whose seed SD is assumed equal; every
-  configuration of the family adds its n_g - 1 degrees of freedom at no extra training.
+  configuration of the family adds its n_g - 1 degrees of freedom at no extra training. When the two compared
+  groups' seed SDs differ by more than :data:`POOLED_SD_RATIO` = 2 (larger / smaller), the equal-SD assumption
+  visibly fails and the part falls back to Welch (test "Welch t (not pooled: ...)", ``details["pooled_refused"]``
+  with both SDs and the ratio). Why: with configuration A's seed SD 3x the family's (4 configurations, 3 seeds, no
+  effect), the pooled t alone says "held" 7.4% of the time (2x: 5.1%); the false held rate and the power (held at
+  2 sigma, equal SDs) by the ratio R beyond which the part falls back (200,000 claims each):
+
+  ============  ==================  ==================  ==================  =======================
+  R             null, equal SDs     null, A's SD 2x     null, A's SD 3x     power, 2 sigma (falls)
+  ============  ==================  ==================  ==================  =======================
+  never         2.5%                5.1%                7.4%                57% (0%)
+  4             2.3%                4.6%                6.0%                54% (12%)
+  3             2.1%                4.1%                5.3%                51% (20%)
+  2 (chosen)    1.9%                3.4%                4.1%                45% (40%)
+  ============  ==================  ==================  ==================  =======================
+
+  With 3 seeds a sample SD ratio is a weak detector (under equal SDs the ratio of two 3-seed SDs exceeds 2 in 40% of
+  comparisons, when the fall-back costs power); R = 2 is the only one of these that keeps the false held rate under
+  5% at a 3x SD ratio. With 2 configurations (family 2) the pooled t with equal n is robust: 3.7% false held at 3x.
 * :func:`one_sample_part` -- one configuration's seed values against a reference: effect = sign x (mean - ref),
   SE = s / sqrt(n) (or s_p / sqrt(n) with ``pooled``), df = n - 1 (or the pooled df).
 * :func:`pooled_sd` -- s_p = sqrt(sum_g sum_i (x_gi - mean_g)^2 / sum_g (n_g - 1)), df = sum_g (n_g - 1).
@@ -43,7 +62,31 @@ are on that signed scale, so a positive effect is in the paper's direction):
   lies outside [-m, m]. The stored ``ci`` is the 95% CI, ``details["ci_tost"]`` the 90% one.
 
 t parts: CI = effect +- t_{1 - ALPHA/2, df} x SE; p = 2 P(T_df > |effect| / SE); p < ALPHA exactly when the CI
-excludes 0. With SE = 0 (no seed-to-seed variation at all) the CI is the point and p is 0 (effect != 0) or 1.
+excludes 0. With SE = 0 (no seed-to-seed variation at all: every seed gives the same value) no test is possible: the
+part's outcome is :data:`DEGENERATE`, its p undefined (NaN; null in JSON, never 0), its CI the point, its
+``p_reversal`` 1; :func:`decide` lets it support neither held nor did not hold (see there).
+
+Power and the minimum detectable effect (MDE) of each part (``Part.power_2sd``, ``Part.mde``; in its JSON; shown in
+the sentence of a part that is not significant, so an inconclusive claim says what it could have detected):
+``power_2sd`` is the probability that the part's test comes out significant in the paper's direction (what "held"
+needs; the other side's rejections, below 0.1% here, are not counted) when the true effect is :data:`POWER_SDS` = 2
+seed SDs, with the part's own n and df; ``mde`` the smallest true effect, in the part's units, with
+:data:`POWER_TARGET` = 80% power (Brent's root of the power, times the part's SE). For the t parts the power is the
+noncentral t's, P(T'_{df, ncp} > t_{1 - ALPHA/2, df}) (:func:`t_power`), with ncp = 2 sigma / SE: one-sample
+2 sqrt(n), pooled two-sample 2 / sqrt(1/n_a + 1/n_b), paired 2 sqrt(n / 2) (the seed SD sigma = sd(d) / sqrt(2),
+as when the two configurations' seeds are independent; correlated seeds make the pairing stronger, which the MDE,
+from the part's own SE, shows). Welch's statistic is not noncentral t (its df is random), so Welch parts get its exact
+power (:func:`welch_power`, quadrature over the two sample variances) at the observed SD ratio, with sigma the RMS of
+the two seed SDs. 3 seeds per configuration: Welch 37%, pooled over 4 configurations 58% (df 8; 46% over 2), paired
+29% -- the pooled t's own power, before the fall-back to Welch above. Bootstrap parts: MDE by the normal
+approximation with the bootstrap SE, (z_{1 - ALPHA/2} + z_0.8) SE = 2.80 SE (:func:`normal_mde`); no power at 2 seed
+SDs (a bootstrap over one run's images has no seeds). Equivalence and degenerate parts: neither.
+
+Across claims (:func:`across_claims`, the study JSON's ``across_claims``): each claim is judged at ALPHA on its own;
+over a study's tested claims (held, did not hold, inconclusive; sanity checks left out) each claim's p
+(:func:`claim_p`: the largest part p of a held claim, the smallest Holm-adjusted reversal p of one that did not hold,
+the largest part p in the paper's direction of an inconclusive one) is adjusted by Holm (family-wise error rate) and
+by Benjamini-Hochberg (false discovery rate); the report says how many held claims survive each.
 
 Error rates and power (measured by :func:`simulate`: synthetic seeds, normal with the same SD sigma in every
 configuration, 20,000 claims per cell, seed 0; 3 seeds per configuration, the studies' default; a 1-part claim, and a
@@ -856,7 +899,7 @@ def decide(parts: Sequence[Part], preconditions: bool | Precondition | Iterable[
     against = [(p, q) for p, q in zip(parts, adj) if q < alpha and p.outcome == AGAINST]
     flat = [p for p in parts if p.outcome == DEGENERATE]
     if flat and not against:  # a part without seed variation has no test: the claim cannot be judged
-        values = ", ".join(f"{p.name} ({p.effect:+.3g} on every seed)" for p in flat)
+        values = ", ".join(f"{p.name} (effect {p.effect:+.3g}, the same on every seed)" for p in flat)
         cond = Precondition(
             "seed variation",
             False,

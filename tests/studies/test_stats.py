@@ -124,7 +124,10 @@ def test_degenerate_parts_without_seed_variation():
     good = S.one_sample_part("g", [1.0, 1.1, 0.9])
     d = S.decide([good, p])
     assert good.outcome == S.FOR and d.outcome == S.NOT_TESTABLE
-    assert d.why.startswith("No seed-to-seed variation in x (+1 on every seed)") and "Measured, not judged" in d.why
+    assert (
+        d.why.startswith("No seed-to-seed variation in x (effect +1, the same on every seed)")
+        and "Measured, not judged" in d.why
+    )
     assert [c.name for c in d.preconditions if not c.passed] == ["seed variation"]
     # beside a part significantly against (Holm over 2 parts, the degenerate one never rejects): did not hold
     bad = S.one_sample_part("b", [-1.0, -1.1, -0.9])
