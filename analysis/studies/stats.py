@@ -560,13 +560,23 @@ def two_sample_part(name: str, a, b, *, sign: int = 1, pooled: Pooled | None = N
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
     se = float(np.sqrt(va + vb))
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
-    share, sd = (float(va / (va + vb)), np.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)) if se > 0 else (0.5, 0.0)
+    share = round(float(va / (va + vb)), 3) if se > 0 else 0.5
 
-    def power() -> tuple[float, float]:  # Welch's exact power at the observed SD ratio; a seed SD: the RMS of the two
-        pw = _welch(len(a), len(b), share, alpha)
-        return pw(POWER_SDS * sd / se), _solve_mde(pw) * se
+    def power() -> tuple[float, float]:
+        pw, m = _welch_power_mde(len(a), len(b), share, alpha)
+        return pw, m * se
 
     return _t_part(name, est, se, df, test, (len(a), len(b)), sign, alpha, details, unit, power)
+
+
+@lru_cache(maxsize=4096)
+def _welch_power_mde(n_a: int, n_b: int, share_a: float, alpha: float) -> tuple[float, float]:
+    """A Welch part's (power at 2 seed SDs, MDE in SEs): :func:`welch_power` at the observed share of group a in the
+    variance of the difference (rounded to 0.001 by the caller, so that simulations reuse it; the power moves by
+    less than 0.001 over that step), a seed SD sigma being the RMS of the two, sqrt((s_a^2 + s_b^2) / 2) =
+    SE sqrt((w n_a + (1 - w) n_b) / 2)."""
+    pw = _welch(n_a, n_b, share_a, alpha)
+    return pw(POWER_SDS * np.sqrt((share_a * n_a + (1 - share_a) * n_b) / 2)), _solve_mde(pw)
 
 
 def _sd_ratio(a: np.ndarray, b: np.ndarray) -> float:
