@@ -135,9 +135,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
-from scipy.optimize import brentq
 from scipy.special import ndtr, ndtri, roots_genlaguerre, stdtr, stdtrit
-from scipy.stats import false_discovery_control, nct
 
 HELD, NOT_HELD, INCONCLUSIVE, NOT_TESTABLE = "held", "did not hold", "inconclusive", "not testable"
 OUTCOMES = (HELD, NOT_HELD, INCONCLUSIVE, NOT_TESTABLE)
@@ -352,6 +350,8 @@ def t_power(ncp: float, df: float, alpha: float = ALPHA) -> float:
     "held" needs) when the true effect is ``ncp`` true SEs: P(T'_{df, ncp} > t_{1 - alpha/2, df}), T' the noncentral
     t (scipy.stats.nct; e.g. Cohen 1988, Statistical Power Analysis, ch. 2). The other side's rejections (against,
     P(T' < -t), below 0.1% at 2 seed SDs with 3 seeds) are not counted."""
+    from scipy.stats import nct  # scipy.stats takes a second to import: only when a power is asked for
+
     return float(nct.sf(stdtrit(df, 1 - alpha / 2), df, ncp))
 
 
@@ -391,6 +391,8 @@ def welch_power(ncp: float, n_a: int, n_b: int, share_a: float = 0.5, alpha: flo
 
 def _solve_mde(power: Callable[[float], float]) -> float:
     """The effect (in the units ``power`` takes) with :data:`POWER_TARGET` power, by Brent's method (brentq)."""
+    from scipy.optimize import brentq
+
     hi = 4.0
     while power(hi) < POWER_TARGET:
         hi *= 2
@@ -1001,6 +1003,8 @@ def across_claims(decisions: Mapping[str, object], alpha: float = ALPHA) -> dict
     A claim stays held after a correction when it was held and its adjusted p (q) < alpha. Returns the JSON of the
     study's ``across_claims``: {"method", "alpha", "claims": {id: {"verdict", "p", "holm_p", "bh_q",
     "held_after_holm", "held_after_bh"}}, "tested", "held", "held_after_holm", "held_after_bh"}."""
+    from scipy.stats import false_discovery_control
+
     ps = {k: claim_p(d) for k, d in decisions.items()}
     ps = {k: v for k, v in ps.items() if v is not None and np.isfinite(v)}
     ids = list(ps)
