@@ -30,6 +30,7 @@ from analysis.studies.stats import (
     HELD,
     INCONCLUSIVE,
     NOT_HELD,
+    NOT_SIGNIFICANT,
     NOT_TESTABLE,
     OUTCOMES,
     Decision,
@@ -428,9 +429,11 @@ def section(n: int, claim: Claim, r: Result) -> list[str]:
         ]
         for p, q in zip(d.parts, d.p_holm):
             test = p.test + (f", df {p.df:.3g}" if p.df is not None else "")
+            pv = f"{p.p:.2g}" if np.isfinite(p.p) else "-"  # a degenerate part has no p
+            out = p.outcome + (f" ({p.power_text()})" if p.outcome == NOT_SIGNIFICANT and p.power_text() else "")
             lines.append(
-                f"| {_cell(p.name)} | {p.effect:+.4g} | [{p.ci[0]:+.4g}, {p.ci[1]:+.4g}] | {p.p:.2g} | {_cell(test)} | "
-                f"{q:.2g} | {p.outcome} |"
+                f"| {_cell(p.name)} | {p.effect:+.4g} | [{p.ci[0]:+.4g}, {p.ci[1]:+.4g}] | {pv} | {_cell(test)} | "
+                f"{q:.2g} | {out} |"
             )
         lines.append("")
     if d.preconditions:

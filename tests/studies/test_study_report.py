@@ -372,6 +372,13 @@ def test_the_json_and_the_report_correct_across_claims(tmp_path):
     lines = "\n".join(R.across_lines(acc))
     assert "Over the 3 tested claim(s)" in lines and "| strong | held |" in lines and "| none | inconclusive |" in lines
     assert "sane" not in lines and "| claim | verdict | p | Holm p | BH q | held after Holm / BH |" in lines
+    # the claim's section: a part that is not significant says what it could detect; a degenerate part has no p
+    part = results[2][1].decision.parts[0]
+    md = "\n".join(CL.section(3, results[2][0], results[2][1]))
+    assert f"| not significant (power at 2 SD {100 * part.power_2sd:.0f}%, MDE {part.mde:.2g}) |" in md
+    flat = CL.Result(S.decide([S.one_sample_part("f", [0.5, 0.5, 0.5])]))
+    md = "\n".join(CL.section(4, results[0][0], flat))
+    assert "| f | +0.5 | [+0.5, +0.5] | - | one-sample t, df 2 | 1 | degenerate |" in md and "not testable" in md
 
 
 def test_runs_table_shows_each_override_key_once_with_its_last_value():
