@@ -544,7 +544,7 @@ def two_sample_part(name: str, a, b, *, sign: int = 1, pooled: Pooled | None = N
             return _t_part(
                 name,
                 est,
-                pooled.sd / unit,
+                pooled.sd * np.sqrt(1 / len(a) + 1 / len(b)),
                 pooled.df,
                 f"pooled t ({pooled.groups} configurations)",
                 (len(a), len(b)),
