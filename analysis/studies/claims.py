@@ -30,11 +30,13 @@ from analysis.studies.stats import (
     HELD,
     INCONCLUSIVE,
     NOT_HELD,
+    NOT_SIGNIFICANT,
     NOT_TESTABLE,
     OUTCOMES,
     Decision,
     Part,
     Precondition,
+    across_claims,
     decide,
     min_seeds,
     one_sample_part,
@@ -552,6 +554,7 @@ def record(claim: Claim, r: Result) -> dict:
             "preregistered": pre,
             "outside_regime": r.outside_regime,
             "measured": r.measured,
+            "sanity": bool(getattr(claim, "sanity", False)),  # left out of the study's across_claims
         }
     )
 
@@ -571,7 +574,9 @@ def _plain(x):
 
 
 def write_json(path: Path, study: str, paper: str, records: list[dict], notes: list[str], extra: dict | None = None):
-    """The study's JSON twin of its report: the rule's level, the claims' records, the notes and ``extra``."""
+    """The study's JSON twin of its report: the rule's level, the claims' records, ``across_claims`` (Holm and
+    Benjamini-Hochberg over the tested claims that are not sanity checks:
+    :func:`~analysis.studies.stats.across_claims`), the notes and ``extra``."""
     doc = {
         "study": study,
         "paper": paper,
@@ -579,6 +584,7 @@ def write_json(path: Path, study: str, paper: str, records: list[dict], notes: l
         "converged_limit": CONVERGED,
         "outcomes": list(OUTCOMES),
         "claims": records,
+        "across_claims": _plain(across_claims({r["id"]: r["decision"] for r in records if not r.get("sanity")})),
         "notes": notes,
         **_plain(extra or {}),
     }
@@ -635,9 +641,11 @@ def section(n: int, claim: Claim, r: Result) -> list[str]:
         ]
         for p, q in zip(d.parts, d.p_holm):
             test = p.test + (f", df {p.df:.3g}" if p.df is not None else "")
+            pv = f"{p.p:.2g}" if np.isfinite(p.p) else "-"  # a degenerate part has no p
+            out = p.outcome + (f" ({p.power_text()})" if p.outcome == NOT_SIGNIFICANT and p.power_text() else "")
             lines.append(
-                f"| {_cell(p.name)} | {p.effect:+.4g} | [{p.ci[0]:+.4g}, {p.ci[1]:+.4g}] | {p.p:.2g} | {_cell(test)} | "
-                f"{q:.2g} | {p.outcome} |"
+                f"| {_cell(p.name)} | {p.effect:+.4g} | [{p.ci[0]:+.4g}, {p.ci[1]:+.4g}] | {pv} | {_cell(test)} | "
+                f"{q:.2g} | {out} |"
             )
         lines.append("")
     if d.preconditions:

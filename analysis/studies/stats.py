@@ -12,6 +12,7 @@ turns a claim's parts and its preconditions into one of four outcomes (the const
                   claim's parts (:func:`holm`; Holm-adjusted p < ALPHA, effect against the paper);
 ``inconclusive``  neither;
 ``not testable``  a precondition failed (:class:`Precondition`: its sentence with its numbers); parts are still shown.
+                  Also a claim with a :data:`DEGENERATE` part (below) and no part significantly reversed.
 
 Parts (:class:`Part`; ``sign`` = +1 when the paper says a > b, -1 when it says a < b; the part's ``effect`` and ``ci``
 are on that signed scale, so a positive effect is in the paper's direction):
@@ -24,7 +25,25 @@ are on that signed scale, so a positive effect is in the paper's direction):
   ``ttest_ind(equal_var=False)``); for configurations whose seed SD differs, e.g. a ViT against a ResNet. With
   ``pooled=pooled_sd(family)``: SE = s_p sqrt(1/n_a + 1/n_b) on the family's df -- for configurations of one family
   (same architecture and recipe, only the factor under study changed), whose seed SD is assumed equal; every
-  configuration of the family adds its n_g - 1 degrees of freedom at no extra training.
+  configuration of the family adds its n_g - 1 degrees of freedom at no extra training. When the two compared
+  groups' seed SDs differ by more than :data:`POOLED_SD_RATIO` = 2 (larger / smaller), the equal-SD assumption
+  visibly fails and the part falls back to Welch (test "Welch t (not pooled: ...)", ``details["pooled_refused"]``
+  with both SDs and the ratio). Why: with configuration A's seed SD 3x the family's (4 configurations, 3 seeds, no
+  effect), the pooled t alone says "held" 7.4% of the time (2x: 5.1%); the false held rate and the power (held at
+  2 sigma, equal SDs) by the ratio R beyond which the part falls back (200,000 claims each):
+
+  ============  ==================  ==================  ==================  =======================
+  R             null, equal SDs     null, A's SD 2x     null, A's SD 3x     power, 2 sigma (falls)
+  ============  ==================  ==================  ==================  =======================
+  never         2.5%                5.1%                7.4%                57% (0%)
+  4             2.3%                4.6%                6.0%                54% (12%)
+  3             2.1%                4.1%                5.3%                51% (20%)
+  2 (chosen)    1.9%                3.4%                4.1%                45% (40%)
+  ============  ==================  ==================  ==================  =======================
+
+  With 3 seeds a sample SD ratio is a weak detector (under equal SDs the ratio of two 3-seed SDs exceeds 2 in 40% of
+  comparisons, when the fall-back costs power); R = 2 is the only one of these that keeps the false held rate under
+  5% at a 3x SD ratio. With 2 configurations (family 2) the pooled t with equal n is robust: 3.7% false held at 3x.
 * :func:`one_sample_part` -- one configuration's seed values against a reference: effect = sign x (mean - ref),
   SE = s / sqrt(n) (or s_p / sqrt(n) with ``pooled``), df = n - 1 (or the pooled df).
 * :func:`pooled_sd` -- s_p = sqrt(sum_g sum_i (x_gi - mean_g)^2 / sum_g (n_g - 1)), df = sum_g (n_g - 1).
@@ -47,7 +66,31 @@ are on that signed scale, so a positive effect is in the paper's direction):
   lies outside [-m, m]. The stored ``ci`` is the 95% CI, ``details["ci_tost"]`` the 90% one.
 
 t parts: CI = effect +- t_{1 - ALPHA/2, df} x SE; p = 2 P(T_df > |effect| / SE); p < ALPHA exactly when the CI
-excludes 0. With SE = 0 (no seed-to-seed variation at all) the CI is the point and p is 0 (effect != 0) or 1.
+excludes 0. With SE = 0 (no seed-to-seed variation at all: every seed gives the same value) no test is possible: the
+part's outcome is :data:`DEGENERATE`, its p undefined (NaN; null in JSON, never 0), its CI the point, its
+``p_reversal`` 1; :func:`decide` lets it support neither held nor did not hold (see there).
+
+Power and the minimum detectable effect (MDE) of each part (``Part.power_2sd``, ``Part.mde``; in its JSON; shown in
+the sentence of a part that is not significant, so an inconclusive claim says what it could have detected):
+``power_2sd`` is the probability that the part's test comes out significant in the paper's direction (what "held"
+needs; the other side's rejections, below 0.1% here, are not counted) when the true effect is :data:`POWER_SDS` = 2
+seed SDs, with the part's own n and df; ``mde`` the smallest true effect, in the part's units, with
+:data:`POWER_TARGET` = 80% power (Brent's root of the power, times the part's SE). For the t parts the power is the
+noncentral t's, P(T'_{df, ncp} > t_{1 - ALPHA/2, df}) (:func:`t_power`), with ncp = 2 sigma / SE: one-sample
+2 sqrt(n), pooled two-sample 2 / sqrt(1/n_a + 1/n_b), paired 2 sqrt(n / 2) (the seed SD sigma = sd(d) / sqrt(2),
+as when the two configurations' seeds are independent; correlated seeds make the pairing stronger, which the MDE,
+from the part's own SE, shows). Welch's statistic is not noncentral t (its df is random), so Welch parts get its exact
+power (:func:`welch_power`, quadrature over the two sample variances) at the observed SD ratio, with sigma the RMS of
+the two seed SDs. 3 seeds per configuration: Welch 37%, pooled over 4 configurations 58% (df 8; 46% over 2), paired
+29% -- the pooled t's own power, before the fall-back to Welch above. Bootstrap parts: MDE by the normal
+approximation with the bootstrap SE, (z_{1 - ALPHA/2} + z_0.8) SE = 2.80 SE (:func:`normal_mde`); no power at 2 seed
+SDs (a bootstrap over one run's images has no seeds). Equivalence and degenerate parts: neither.
+
+Across claims (:func:`across_claims`, the study JSON's ``across_claims``): each claim is judged at ALPHA on its own;
+over a study's tested claims (held, did not hold, inconclusive; sanity checks left out) each claim's p
+(:func:`claim_p`: the largest part p of a held claim, the smallest Holm-adjusted reversal p of one that did not hold,
+the largest part p in the paper's direction of an inconclusive one) is adjusted by Holm (family-wise error rate) and
+by Benjamini-Hochberg (false discovery rate); the report says how many held claims survive each.
 
 Error rates and power (measured by :func:`simulate`: synthetic seeds, normal with the same SD sigma in every
 configuration, 20,000 claims per cell, seed 0; 3 seeds per configuration, the studies' default; a 1-part claim, and a
@@ -58,7 +101,7 @@ false "held" and of a false "did not hold" (the Monte-Carlo SE of a rate near 2.
 design (df)                     false held, 1 / 2 part    false did not hold, 1 / 2 part
 ==============================  ========================  ===============================
 Welch 3 vs 3 (2 to 4)           1.7% / 0.03%              1.8% / 1.6%
-pooled, 4 configurations (8)    2.6% / 0.06%              2.5% / 2.6%
+pooled, 4 configurations (8)    2.0% / 0.03%              1.9% / 1.9%
 paired, 3 pairs (2)             2.4% / 0.03%              2.5% / 2.5%
 ==============================  ========================  ===============================
 
@@ -68,22 +111,22 @@ Power, the rate of "held" when the paper is right by 2 or 3 seed SDs (mean A - m
 design (df)                                     2 sigma, 1 / 2 part  3 sigma, 1 / 2 part
 ==============================================  ===================  ===================
 Welch 3 vs 3 (2 to 4)                           37% / 14%            68% / 45%
-pooled, 2 configurations (4)                    47% / 21%            78% / 61%
-pooled, 4 configurations (8)                    58% / 33%            90% / 80%
-pooled, 8 configurations (16)                   63% / 40%            93% / 87%
+pooled, 2 configurations (4)                    39% / 15%            70% / 48%
+pooled, 4 configurations (8)                    46% / 21%            77% / 58%
+pooled, 8 configurations (16)                   49% / 24%            78% / 61%
 paired, 3 pairs, seeds independent (2)          29% / 8%             51% / 26%
 ==============================================  ===================  ===================
 
-The pooled rows agree with the exact power of the t test, P(T'_{df, delta / sqrt(2/3)} > t_{0.975, df}) with T'
-noncentral t: 0.463, 0.576, 0.633 at 2 sigma and 0.783, 0.894, 0.931 at 3 sigma (tests/studies/test_stats.py checks df
-8).
+The pooled rows include the fall-back to Welch when the two compared seed SDs differ by more than 2x (40% of the
+comparisons with 3 seeds each, under equal SDs); the pooled t alone has the exact power of the noncentral t,
+P(T'_{df, delta / sqrt(2/3)} > t_{0.975, df}): 0.463, 0.576, 0.633 at 2 sigma and 0.783, 0.894, 0.931 at 3 sigma
+(each pooled part's ``power_2sd``; tests/studies/test_stats.py checks them against simulated designs).
 Welch is conservative with 3 seeds (its df falls towards 2 when one sample happens to vary less). For comparison, the
 rule this replaces (an effect counts beyond 2x the largest seed-to-seed difference, analysis/studies/claims.py), in
 the same simulation (200,000 claims): with 2 seeds a true null is held 3.5% and did not hold 3.5%, power 29% at
 2 sigma and 49% at 3 sigma; with 3 seeds 0.25% each, power 9% and 24%. The paired design is the weakest with 3 seeds
-(df 2): pair
-only when the seeds of the two configurations are correlated (the pairing then removes the shared part); pooling the
-family's seed SD is the cheapest power.
+(df 2): pair only when the seeds of the two configurations are correlated (the pairing then removes the shared part);
+pooling the family's seed SD is the cheapest power, and more seeds per configuration keep it from falling back.
 
 Everything is numpy + scipy (``scipy.special.stdtr`` / ``stdtrit`` for the t distribution, ``ndtr`` / ``ndtri`` for the
 normal); nothing is read from files. ``python -m analysis.studies.stats`` prints the tables above.
@@ -93,14 +136,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
-from scipy.special import ndtr, ndtri, stdtr, stdtrit
+from scipy.special import ndtr, ndtri, roots_genlaguerre, stdtr, stdtrit
 
 HELD, NOT_HELD, INCONCLUSIVE, NOT_TESTABLE = "held", "did not hold", "inconclusive", "not testable"
 OUTCOMES = (HELD, NOT_HELD, INCONCLUSIVE, NOT_TESTABLE)
 FOR, AGAINST, NOT_SIGNIFICANT = "significant for", "significant against", "not significant"  # one part's outcome
+DEGENERATE = "degenerate"  # one part's outcome: no seed-to-seed variation at all, so no test (p undefined)
 ALPHA = 0.05  # two-sided test level of every part; the CIs are 1 - ALPHA = 95%
+POWER_SDS = 2.0  # Part.power_2sd: the power when the paper is right by this many seed SDs
+POWER_TARGET = 0.80  # Part.mde: the smallest true effect detected with this power
+POOLED_SD_RATIO = 2.0  # a pooled test whose two groups' seed SDs differ by more than this factor falls back to Welch
 N_BOOT = 2000  # bootstrap resamples by default
 _CHUNK = 1 << 22  # bootstrap: at most this many resampled values in memory at once
 _METHOD = {"bca": "BCa", "percentile": "percentile"}
@@ -173,8 +221,10 @@ class Part:
     """One part of a claim: ``effect`` in the paper's direction (``sign`` x the raw estimate), its 1 - ALPHA ``ci``, the
     two-sided ``p`` of "no effect" (for an equivalence part, the TOST p), the ``test`` with its ``df`` (None for a
     bootstrap) and SE, ``n`` per group (seeds, or images), and ``outcome`` (:data:`FOR` / :data:`AGAINST` /
-    :data:`NOT_SIGNIFICANT` at ``alpha``, unadjusted). ``p_reversal`` is the p-value Holm's correction sees
-    (:func:`decide`): ``p`` for a difference, the p of "beyond the margin" for an equivalence part."""
+    :data:`NOT_SIGNIFICANT` at ``alpha``, unadjusted; :data:`DEGENERATE` without seed variation, p NaN).
+    ``p_reversal`` is the p-value Holm's correction sees (:func:`decide`): ``p`` for a difference, the p of "beyond
+    the margin" for an equivalence part. :attr:`power_2sd` and :attr:`mde` (in :meth:`to_json`) say what the test could
+    detect (see the module docstring)."""
 
     name: str
     effect: float
@@ -191,19 +241,55 @@ class Part:
     margin: float | None = None
     details: dict = field(default_factory=dict)
     _dist: object = field(default=None, repr=False, compare=False)
+    _power: object = field(default=None, repr=False, compare=False)  # (power_2sd, mde), or a function giving them
 
     def __post_init__(self):
         if self.p_reversal is None:
             object.__setattr__(self, "p_reversal", self.p)
 
+    def _power_pair(self) -> tuple:
+        """(power_2sd, mde), computed on first use (Welch's exact power costs milliseconds; :func:`simulate` builds
+        parts by the ten thousand and never reads it)."""
+        pw = self._power
+        if callable(pw):
+            pw = tuple(pw())
+            object.__setattr__(self, "_power", pw)
+        return pw or (None, None)
+
+    @property
+    def power_2sd(self) -> float | None:
+        """The probability that this part's test comes out significant in the paper's direction when the true effect
+        is :data:`POWER_SDS` = 2 seed SDs, with the part's own n and df (:func:`t_power`, :func:`welch_power`; see
+        the module docstring); None for a bootstrap (no seeds), an equivalence or a degenerate part."""
+        return self._power_pair()[0]
+
+    @property
+    def mde(self) -> float | None:
+        """The minimum detectable effect: the smallest true effect, in the part's units, that its test detects with
+        :data:`POWER_TARGET` = 80% power (t parts: :func:`t_power` / :func:`welch_power` solved by brentq, times
+        the part's SE; bootstrap parts: :func:`normal_mde`); None for an equivalence or a degenerate part."""
+        return self._power_pair()[1]
+
     def summary(self) -> str:
-        """One line: name, effect, CI, p and the test."""
+        """One line: name, effect, CI, p and the test; for a part that is not significant, also its power and MDE
+        (:meth:`power_text`), what its non-significance is worth."""
         df = f", df {self.df:.3g}" if self.df is not None else ""
         m = f", margin +-{self.margin:.3g}" if self.margin is not None else ""
+        p = f"p = {self.p:.2g}" if np.isfinite(self.p) else "p undefined"
+        power = f"; {self.power_text()}" if self.outcome == NOT_SIGNIFICANT and self.power_text() else ""
         return (
             f"{self.name}: {self.effect:+.3g}, {100 * (1 - self.alpha):g}% CI [{self.ci[0]:+.3g}, {self.ci[1]:+.3g}], "
-            f"p = {self.p:.2g} ({self.test}{df}{m}; {self.outcome})"
+            f"{p} ({self.test}{df}{m}; {self.outcome}{power})"
         )
+
+    def power_text(self) -> str:
+        """E.g. "power at 2 SD 37%, MDE 0.8" (the MDE in the part's units); empty when neither is known."""
+        out = []
+        if self.power_2sd is not None and np.isfinite(self.power_2sd):
+            out.append(f"power at {POWER_SDS:g} SD {100 * self.power_2sd:.0f}%")
+        if self.mde is not None and np.isfinite(self.mde):
+            out.append(f"MDE {self.mde:.2g}")
+        return ", ".join(out)
 
     def to_json(self) -> dict:
         """The part as plain JSON types (non-finite numbers as None)."""
@@ -222,17 +308,26 @@ class Part:
                 "alpha": self.alpha,
                 "p_reversal": self.p_reversal,
                 "margin": self.margin,
+                "power_2sd": self.power_2sd,
+                "mde": self.mde,
                 "details": self.details,
             }
         )
 
 
-def _from_dist(name: str, dist, test: str, n: tuple, sign: int, alpha: float, df=None, se=None, details=None) -> Part:
+def _from_dist(
+    name: str, dist, test: str, n: tuple, sign: int, alpha: float, df=None, se=None, details=None, power=None
+) -> Part:
     """The two-sided test of "effect = 0" read from ``dist``: significant for when "effect <= 0" is rejected at
-    alpha / 2, against when "effect >= 0" is (the side follows the test, as the CI does, not the estimate's sign)."""
+    alpha / 2, against when "effect >= 0" is (the side follows the test, as the CI does, not the estimate's sign).
+    ``power``: (power_2sd, mde) of a t part, or a function giving them (computed on first use); without it, a part
+    with an SE and no df (a bootstrap) gets the normal approximation's MDE (:func:`normal_mde`) and no power at 2
+    seed SDs (it has no seeds)."""
     lv = dist.level(0.0)
     p = max(dist.floor, min(1.0, 2 * min(lv, 1 - lv)))
     outcome = NOT_SIGNIFICANT if p >= alpha or lv == 0.5 else FOR if lv < 0.5 else AGAINST
+    if power is None and df is None and se is not None and se > 0:
+        power = (None, normal_mde(se, alpha))
     return Part(
         name,
         dist.est,
@@ -247,7 +342,81 @@ def _from_dist(name: str, dist, test: str, n: tuple, sign: int, alpha: float, df
         alpha=alpha,
         details=details or {},
         _dist=dist,
+        _power=power,
     )
+
+
+# ------------------------------------------------------------------------------------------------ power and MDE
+
+
+def t_power(ncp: float, df: float, alpha: float = ALPHA) -> float:
+    """The power of a part's two-sided t test at ``alpha`` to come out significant in the paper's direction (what
+    "held" needs) when the true effect is ``ncp`` true SEs: P(T'_{df, ncp} > t_{1 - alpha/2, df}), T' the noncentral
+    t (scipy.stats.nct; e.g. Cohen 1988, Statistical Power Analysis, ch. 2). The other side's rejections (against,
+    P(T' < -t), below 0.1% at 2 seed SDs with 3 seeds) are not counted."""
+    from scipy.stats import nct  # scipy.stats takes a second to import: only when a power is asked for
+
+    return float(nct.sf(stdtrit(df, 1 - alpha / 2), df, ncp))
+
+
+_NODES = 32  # Gauss-Laguerre nodes per sample variance in welch_power
+
+
+@lru_cache(maxsize=64)
+def _laguerre(k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Nodes s^2 / sigma^2 = U / k (U ~ chi^2_k, U = 2x with x ~ Gamma(k/2): weight x^(k/2 - 1) e^-x) and weights."""
+    x, w = roots_genlaguerre(_NODES, k / 2 - 1)
+    return 2 * x / k, w / w.sum()
+
+
+def _welch(n_a: int, n_b: int, share_a: float, alpha: float) -> Callable[[float], float]:
+    """Welch's power as a function of ncp for fixed groups: the critical values t_{1 - alpha/2, nu} SE / tau on the
+    quadrature grid are computed once (the inverse t is the costly part)."""
+    ks = (n_a - 1, n_b - 1)
+    if min(ks) < 1:
+        raise ValueError(f"Welch's test needs two seeds per group, got {n_a} and {n_b}")
+    (ua, wa), (ub, wb) = _laguerre(ks[0]), _laguerre(ks[1])
+    va, vb = share_a * ua[:, None], (1 - share_a) * ub[None, :]
+    nu = (va + vb) ** 2 / (va**2 / ks[0] + vb**2 / ks[1])
+    thr = stdtrit(nu, 1 - alpha / 2) * np.sqrt(va + vb)
+    return lambda ncp: float(wa @ ndtr(ncp - thr) @ wb)
+
+
+def welch_power(ncp: float, n_a: int, n_b: int, share_a: float = 0.5, alpha: float = ALPHA) -> float:
+    """The exact power of Welch's test (significant in the paper's direction at two-sided ``alpha``) when the true
+    effect is ``ncp`` true SEs, tau = sqrt(sigma_a^2/n_a + sigma_b^2/n_b), and ``share_a`` = (sigma_a^2/n_a) / tau^2.
+    Welch's statistic is no noncentral t: its SE and df are random. With the mean difference X ~ N(ncp tau, tau^2)
+    independent of the sample variances s_g^2 = sigma_g^2 U_g / k_g (U_g ~ chi^2 with k_g = n_g - 1 df), power =
+    E[Phi(ncp - t_{1 - alpha/2, nu(U)} SE(U) / tau)], SE^2 / tau^2 = w U_a / k_a + (1 - w) U_b / k_b, nu the
+    Welch-Satterthwaite df; the expectation over (U_a, U_b) by generalised Gauss-Laguerre quadrature (32 x 32 nodes).
+    3 vs 3 seeds of equal SD at 2 seed SDs (ncp = 2 / sqrt(2/3)): 0.37, as :func:`simulate` finds."""
+    return _welch(n_a, n_b, float(share_a), alpha)(ncp)
+
+
+def _solve_mde(power: Callable[[float], float]) -> float:
+    """The effect (in the units ``power`` takes) with :data:`POWER_TARGET` power, by Brent's method (brentq)."""
+    from scipy.optimize import brentq
+
+    hi = 4.0
+    while power(hi) < POWER_TARGET:
+        hi *= 2
+        if hi > 1e4:
+            return float("nan")
+    return float(brentq(lambda m: power(m) - POWER_TARGET, 0.0, hi, xtol=1e-9))
+
+
+def normal_mde(se: float, alpha: float = ALPHA) -> float:
+    """A bootstrap part's minimum detectable effect by the normal approximation with the bootstrap SE:
+    (z_{1 - alpha/2} + z_{POWER_TARGET}) SE (2.80 SE at 5% and 80%). A bootstrap over one run's images has no seed
+    SD, so it gets no power at 2 seed SDs."""
+    return float((ndtri(1 - alpha / 2) + ndtri(POWER_TARGET)) * se)
+
+
+@lru_cache(maxsize=4096)
+def _t_power(df: float, alpha: float, sd_per_se: float) -> tuple[float, float]:
+    """(power at :data:`POWER_SDS` seed SDs, MDE in SEs) of a t part with noncentral t power: the effect of 2 seed SDs
+    is 2 ``sd_per_se`` true SEs; the MDE is the ncp with 80% power (times the part's SE: :func:`_t_part`)."""
+    return t_power(POWER_SDS * sd_per_se, df, alpha), _solve_mde(lambda m: t_power(m, df, alpha))
 
 
 def _values(x, what: str, name: str, least: int = 1) -> np.ndarray:
@@ -272,9 +441,44 @@ def _sign(sign) -> int:
     return int(sign)
 
 
-def _t_part(name, est, se, df, test, n, sign, alpha, details) -> Part:
+def _t_part(name, est, se, df, test, n, sign, alpha, details, sd_per_se, power=None) -> Part:
+    """A t part; ``sd_per_se``: one seed SD in SEs (sqrt(n) for a one-sample mean, 1 / sqrt(1/n_a + 1/n_b) for a
+    difference of means, sqrt(n / 2) for a paired difference of independent seeds), for the power at 2 seed SDs;
+    ``power``: a function giving (power_2sd, mde), from the caller (Welch); both are computed on first use. SE = 0
+    (every seed equal): a :data:`DEGENERATE` part."""
     sign = _sign(sign)
-    return _from_dist(name, _T(sign * est, se, df), test, n, sign, alpha, df=float(df), se=float(se), details=details)
+    if se == 0:
+        return _degenerate(name, sign * est, test, n, sign, alpha, df, details)
+
+    def t_power_mde() -> tuple[float, float]:
+        pw, m = _t_power(float(df), alpha, float(sd_per_se))
+        return pw, m * float(se)
+
+    power = power or t_power_mde
+    dist = _T(sign * est, se, df)
+    return _from_dist(name, dist, test, n, sign, alpha, df=float(df), se=float(se), details=details, power=power)
+
+
+def _degenerate(name, effect, test, n, sign, alpha, df, details) -> Part:
+    """A part whose seeds do not vary at all (SE = 0): no test is possible -- p undefined (NaN, null in JSON), the CI
+    the point, p_reversal 1 (Holm counts it, it never rejects), outcome :data:`DEGENERATE`; :func:`decide` does not
+    let it support held or did not hold."""
+    e = float(effect)
+    return Part(
+        name,
+        e,
+        (e, e),
+        float("nan"),
+        DEGENERATE,
+        test,
+        tuple(int(k) for k in n),
+        df=float(df),
+        se=0.0,
+        sign=sign,
+        alpha=alpha,
+        p_reversal=1.0,
+        details={**(details or {}), "degenerate": "no seed-to-seed variation: every seed gives the same value"},
+    )
 
 
 @dataclass(frozen=True)
@@ -323,33 +527,73 @@ def paired_part(name: str, a, b, *, sign: int = 1, alpha: float = ALPHA) -> Part
         sign,
         alpha,
         {"a": a.tolist(), "b": b.tolist()},
+        np.sqrt(len(d) / 2),  # a seed SD sigma = sd(d) / sqrt(2) when the two configurations' seeds are independent
     )
 
 
 def two_sample_part(name: str, a, b, *, sign: int = 1, pooled: Pooled | None = None, alpha: float = ALPHA) -> Part:
     """``a`` and ``b`` as independent seeds: Welch's t (scipy's ``ttest_ind(equal_var=False)``), or with ``pooled``
-    (:func:`pooled_sd` of the family) the t with SE = s_p sqrt(1/n_a + 1/n_b) on the pooled df."""
+    (:func:`pooled_sd` of the family) the t with SE = s_p sqrt(1/n_a + 1/n_b) on the pooled df. A pooled test whose
+    two groups' seed SDs differ by more than :data:`POOLED_SD_RATIO` (the family's equal-SD assumption visibly
+    fails) falls back to Welch; its test name and ``details["pooled_refused"]`` say so (see the module docstring)."""
     least = 1 if pooled is not None else 2
     a, b = _values(a, "a", name, least), _values(b, "b", name, least)
     est = float(a.mean() - b.mean())
     details = {"a": a.tolist(), "b": b.tolist()}
+    unit = 1 / np.sqrt(1 / len(a) + 1 / len(b))  # one seed SD in SEs of a difference of means
+    test = "Welch t"
     if pooled is not None:
-        se = pooled.sd * np.sqrt(1 / len(a) + 1 / len(b))
-        return _t_part(
-            name,
-            est,
-            se,
-            pooled.df,
-            f"pooled t ({pooled.groups} configurations)",
-            (len(a), len(b)),
-            sign,
-            alpha,
-            {**details, "pooled_sd": pooled.sd},
-        )
+        ratio = _sd_ratio(a, b)
+        if ratio <= POOLED_SD_RATIO:
+            return _t_part(
+                name,
+                est,
+                pooled.sd * np.sqrt(1 / len(a) + 1 / len(b)),
+                pooled.df,
+                f"pooled t ({pooled.groups} configurations)",
+                (len(a), len(b)),
+                sign,
+                alpha,
+                {**details, "pooled_sd": pooled.sd},
+                unit,
+            )
+        details["pooled_refused"] = {
+            "sd_a": float(a.std(ddof=1)),
+            "sd_b": float(b.std(ddof=1)),
+            "ratio": ratio,
+            "limit": POOLED_SD_RATIO,
+            "pooled_sd": pooled.sd,
+        }
+        test = f"Welch t (not pooled: seed SDs differ {ratio:.3g}x > {POOLED_SD_RATIO:g}x)"
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
     se = float(np.sqrt(va + vb))
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
-    return _t_part(name, est, se, df, "Welch t", (len(a), len(b)), sign, alpha, details)
+    share = round(float(va / (va + vb)), 3) if se > 0 else 0.5
+
+    def power() -> tuple[float, float]:
+        pw, m = _welch_power_mde(len(a), len(b), share, alpha)
+        return pw, m * se
+
+    return _t_part(name, est, se, df, test, (len(a), len(b)), sign, alpha, details, unit, power)
+
+
+@lru_cache(maxsize=4096)
+def _welch_power_mde(n_a: int, n_b: int, share_a: float, alpha: float) -> tuple[float, float]:
+    """A Welch part's (power at 2 seed SDs, MDE in SEs): :func:`welch_power` at the observed share of group a in the
+    variance of the difference (rounded to 0.001 by the caller, so that simulations reuse it; the power moves by
+    less than 0.001 over that step), a seed SD sigma being the RMS of the two, sqrt((s_a^2 + s_b^2) / 2) =
+    SE sqrt((w n_a + (1 - w) n_b) / 2)."""
+    pw = _welch(n_a, n_b, share_a, alpha)
+    return pw(POWER_SDS * np.sqrt((share_a * n_a + (1 - share_a) * n_b) / 2)), _solve_mde(pw)
+
+
+def _sd_ratio(a: np.ndarray, b: np.ndarray) -> float:
+    """The larger seed SD of a and b over the smaller (1 when either has one seed, or both none of variation; inf when
+    only one varies)."""
+    if len(a) < 2 or len(b) < 2:
+        return 1.0
+    sa, sb = sorted((float(a.std(ddof=1)), float(b.std(ddof=1))))
+    return 1.0 if sb == 0 else float("inf") if sa == 0 else sb / sa
 
 
 def one_sample_part(
@@ -370,6 +614,7 @@ def one_sample_part(
             sign,
             alpha,
             {**details, "pooled_sd": pooled.sd},
+            np.sqrt(len(v)),
         )
     return _t_part(
         name,
@@ -381,6 +626,7 @@ def one_sample_part(
         sign,
         alpha,
         details,
+        np.sqrt(len(v)),
     )
 
 
@@ -711,7 +957,10 @@ def decide(parts: Sequence[Part], preconditions: bool | Precondition | Iterable[
     """The claim's outcome from its ``parts`` (see the module docstring): not testable when a precondition failed
     (``preconditions``: Precondition objects, or a bool when the caller checked them itself), held when every part is
     significant for, did not hold when some part is significant against after Holm over the claim's parts, else
-    inconclusive; at the parts' alpha (all parts of a claim share one)."""
+    inconclusive; at the parts' alpha (all parts of a claim share one). A :data:`DEGENERATE` part (no seed variation)
+    supports neither held nor did not hold: the claim is not held; it did not hold only when another part is
+    significantly against after Holm (the degenerate part counted in Holm's m, never rejected), and is otherwise not
+    testable, with a failed "seed variation" precondition naming the part."""
     parts = tuple(parts)
     if not parts:
         raise ValueError("decide needs at least one part")
@@ -742,6 +991,24 @@ def decide(parts: Sequence[Part], preconditions: bool | Precondition | Iterable[
         lead = f"Every part is significant in the paper's direction at alpha {alpha:g}"
         return Decision(HELD, f"{lead}: {measured}.", parts, tuple(adj), conds, alpha)
     against = [(p, q) for p, q in zip(parts, adj) if q < alpha and p.outcome == AGAINST]
+    flat = [p for p in parts if p.outcome == DEGENERATE]
+    if flat and not against:  # a part without seed variation has no test: the claim cannot be judged
+        values = ", ".join(f"{p.name} (effect {p.effect:+.3g}, the same on every seed)" for p in flat)
+        cond = Precondition(
+            "seed variation",
+            False,
+            f"no seed-to-seed variation in {values}, so no p-value or interval can be computed for "
+            f"{'it' if len(flat) == 1 else 'them'}; check that the seeds differ, or measure a statistic that varies",
+            {p.name: p.effect for p in flat},
+        )
+        return Decision(
+            NOT_TESTABLE,
+            f"{cond.sentence[0].upper()}{cond.sentence[1:]}. Measured, not judged: {measured}.",
+            parts,
+            tuple(adj),
+            (*conds, cond),
+            alpha,
+        )
     if against:
         names = ", ".join(f"{p.name} (Holm-adjusted p = {q:.2g})" for p, q in against)
         return Decision(
@@ -763,6 +1030,89 @@ def decide(parts: Sequence[Part], preconditions: bool | Precondition | Iterable[
         conds,
         alpha,
     )
+
+
+# ------------------------------------------------------------------------------------------------ across claims
+
+
+def _get(x, key: str):
+    return x[key] if isinstance(x, Mapping) else getattr(x, key)
+
+
+def claim_p(decision) -> float | None:
+    """The p-value a tested claim's verdict rests on (``decision``: a :class:`Decision` or its JSON, e.g. a study
+    record's ``"decision"``); None for a claim that is not testable or has no parts.
+
+    ``held``          max over parts of p: "held" is the intersection-union test (every part significant for), and
+                      its p-value is the largest of the parts' (Berger 1982, Technometrics 24: the IUT at level
+                      alpha rejects exactly when every part's p < alpha);
+    ``did not hold``  min over the parts significantly against of their Holm-adjusted p (``p_holm``): the claim's
+                      "did not hold" needs one such part, and its p is the smallest alpha at which one remains;
+    ``inconclusive``  the held test's p that failed: max over parts of the part's p in the paper's direction -- its
+                      p when significant for, or not significant with effect >= 0, or an equivalence part (TOST p);
+                      1 when the part points against the paper (its two-sided p for "for" would exceed 1) or is
+                      degenerate. It is at least alpha, so it never becomes "held" after a correction.
+    """
+    outcome, parts = _get(decision, "outcome"), list(_get(decision, "parts"))
+    if outcome not in (HELD, NOT_HELD, INCONCLUSIVE) or not parts:
+        return None
+    ps = [_get(p, "p") for p in parts]
+    if outcome == HELD:
+        return float(max(ps))
+    if outcome == NOT_HELD:
+        adj = list(_get(decision, "p_holm"))
+        return float(min(q for p, q in zip(parts, adj) if _get(p, "outcome") == AGAINST))
+
+    def p_for(part) -> float:
+        o, p = _get(part, "outcome"), _get(part, "p")
+        if p is None or not np.isfinite(p) or o in (AGAINST, DEGENERATE):
+            return 1.0
+        if o == FOR or _get(part, "margin") is not None or _get(part, "effect") >= 0:
+            return float(p)
+        return 1.0
+
+    return float(max(p_for(p) for p in parts))
+
+
+def across_claims(decisions: Mapping[str, object], alpha: float = ALPHA) -> dict:
+    """Holm's and Benjamini-Hochberg's corrections across a study's tested claims: ``decisions`` {claim id: Decision
+    or its JSON} for the claims to count (leave sanity checks out); a claim not testable (:func:`claim_p` None) is
+    left out. Each claim's p (:func:`claim_p`) is adjusted over the m tested claims by Holm's step-down
+    (:func:`holm`; family-wise error rate alpha) and by Benjamini & Hochberg's step-up (1995, JRSS B 57;
+    ``scipy.stats.false_discovery_control``, q_(i) = min_{j >= i} min(1, m p_(j) / j); false discovery rate alpha).
+    A claim stays held after a correction when it was held and its adjusted p (q) < alpha. Returns the JSON of the
+    study's ``across_claims``: {"method", "alpha", "claims": {id: {"verdict", "p", "holm_p", "bh_q",
+    "held_after_holm", "held_after_bh"}}, "tested", "held", "held_after_holm", "held_after_bh"}."""
+    from scipy.stats import false_discovery_control
+
+    ps = {k: claim_p(d) for k, d in decisions.items()}
+    ps = {k: v for k, v in ps.items() if v is not None and np.isfinite(v)}
+    ids = list(ps)
+    p = np.array([ps[k] for k in ids], dtype=float)
+    h = holm(p) if len(p) else np.array([])
+    q = false_discovery_control(p, method="bh") if len(p) else np.array([])
+    claims = {}
+    for i, k in enumerate(ids):
+        held = _get(decisions[k], "outcome") == HELD
+        claims[k] = {
+            "verdict": _get(decisions[k], "outcome"),
+            "p": float(p[i]),
+            "holm_p": float(h[i]),
+            "bh_q": float(q[i]),
+            "held_after_holm": bool(held and h[i] < alpha),
+            "held_after_bh": bool(held and q[i] < alpha),
+        }
+    return {
+        "method": "claim p: max part p (held), min Holm-adjusted reversal p (did not hold), max part p in the "
+        "paper's direction (inconclusive); Holm (family-wise) and Benjamini-Hochberg (false discovery rate) "
+        "across the tested claims, sanity checks left out",
+        "alpha": alpha,
+        "claims": claims,
+        "tested": len(ids),
+        "held": sum(c["verdict"] == HELD for c in claims.values()),
+        "held_after_holm": sum(c["held_after_holm"] for c in claims.values()),
+        "held_after_bh": sum(c["held_after_bh"] for c in claims.values()),
+    }
 
 
 def _plain(x):
@@ -793,9 +1143,11 @@ def simulate(
     parts: int = 1,
     reps: int = 20000,
     seed: int = 0,
+    sd_ratio: float = 1.0,
 ) -> dict:
     """The rule on synthetic seeds: ``reps`` claims of ``parts`` independent parts, each comparing configuration A
-    (mean ``effect_sd``, SD 1) with B (mean 0, SD 1), ``seeds`` seeds each, through the part function of ``design``
+    (mean ``effect_sd``, SD ``sd_ratio``; default 1) with B (mean 0, SD 1; the family's other configurations too),
+    ``seeds`` seeds each, through the part function of ``design``
     ('welch': :func:`two_sample_part`; 'pooled': the same with :func:`pooled_sd` over ``family`` configurations, A and B
     among them; 'paired': :func:`paired_part`, seeds independent) and :func:`decide`. Returns the share of each
     outcome."""
@@ -808,6 +1160,7 @@ def simulate(
     rng = np.random.default_rng(seed)
     k = family if design == "pooled" else 2
     data = rng.standard_normal((reps, parts, k, seeds))
+    data[:, :, 0] *= sd_ratio
     data[:, :, 0] += effect_sd
     counts = dict.fromkeys(OUTCOMES, 0)
     for r in range(reps):

@@ -32,7 +32,7 @@ from analysis.results import runs as RF
 from analysis.studies import Paper, paper_for
 from analysis.studies import claims as C
 from analysis.studies import study_runs as R
-from analysis.studies.stats import ALPHA
+from analysis.studies.stats import ALPHA, HELD, across_claims
 from train.run_folder import override_key
 
 
@@ -241,6 +241,37 @@ def _runs_table(study, runs: dict, absent: dict, doc: Doc) -> None:
     )
 
 
+def across_lines(acc: dict) -> list[str]:
+    """The report's paragraph and table on the correction across claims (``acc``: the JSON's ``across_claims``,
+    :func:`~analysis.studies.stats.across_claims`)."""
+    m, a = acc["tested"], acc["alpha"]
+    if m == 0:
+        return [
+            "Across claims: no claim was tested (every one is not testable or a sanity check), so there is "
+            "nothing to correct.",
+            "",
+        ]
+    lines = [
+        f"Across claims: each claim above is judged at alpha = {a:g} on its own. Over the {m} tested claim(s) "
+        "(sanity checks and not-testable claims left out), each claim's p -- the largest part p of a held claim, the "
+        "smallest Holm-adjusted reversal p of one that did not hold, the largest part p in the paper's direction of "
+        f"an inconclusive one -- is corrected for the number of claims: {acc['held']} held on its own, "
+        f"{acc['held_after_holm']} after Holm's correction (family-wise error rate {a:g}), {acc['held_after_bh']} "
+        f"after Benjamini-Hochberg's (false discovery rate {a:g}).",
+        "",
+        "| claim | verdict | p | Holm p | BH q | held after Holm / BH |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for k, c in acc["claims"].items():
+        after = (
+            f"{'yes' if c['held_after_holm'] else 'no'} / {'yes' if c['held_after_bh'] else 'no'}"
+            if c["verdict"] == HELD
+            else "-"
+        )
+        lines.append(f"| {k} | {c['verdict']} | {c['p']:.2g} | {c['holm_p']:.2g} | {c['bh_q']:.2g} | {after} |")
+    return [*lines, ""]
+
+
 def _report(study, runs: dict, absent: dict | None = None) -> tuple[str, list, list, dict, Paper | None]:
     absent = absent or {}
     doc = Doc(study)
@@ -266,6 +297,10 @@ def _report(study, runs: dict, absent: dict | None = None) -> tuple[str, list, l
         for fig in r.figures:
             doc.figure(*fig)
     table = ["## Claims at a glance", "", C.RULE_TEXT, "", *C.glance(results)]
+    table += [
+        "",
+        *across_lines(across_claims({c.id: r.decision for c, r in results if not getattr(c, "sanity", False)})),
+    ]
     if ctx.notes:
         table += ["", "What this study does not yet do:", ""] + [f"- {n}" for n in dict.fromkeys(ctx.notes)]
     at = doc.lines.index("## Runs")

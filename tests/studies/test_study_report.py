@@ -333,6 +333,53 @@ def test_analyze_and_report_stages_go_on_without_the_pilot_runs(tmp_path, capsys
     assert "| vit_local_nomix_s0 | vit_local_nomix | 0 |" in text and text.count("not started (no run folder)") == 6
     back = json.loads(s.report.with_suffix(".json").read_text())  # every claim, not testable without a ResNet
     assert {c["id"]: c["verdict"] for c in back["claims"]}["uniformity"] == "not testable"
+    assert back["across_claims"]["tested"] == 0 and back["across_claims"]["claims"] == {}
+    assert "Across claims: no claim was tested" in text
+
+
+def test_the_json_and_the_report_correct_across_claims(tmp_path):
+    """write_json's across_claims (Holm and Benjamini-Hochberg over the tested claims, a sanity check left out) and
+    the report's paragraph and table; every t part carries power_2sd and mde."""
+    from analysis.studies import claims as CL
+    from analysis.studies import stats as S
+
+    def claim(i, sanity=False):
+        c = CL.Claim(i, "Fig. 1", f"claim {i}", "Someone 2030", "a passage", "a rule")
+        return types.SimpleNamespace(**vars(c), sanity=True) if sanity else c
+
+    ok = [1.0, 1.1, 0.9]
+    results = [
+        (claim("strong"), CL.Result(S.decide([S.one_sample_part("a", [3.0, 3.1, 2.9])]))),  # p 0.00035
+        (claim("weak"), CL.Result(S.decide([S.two_sample_part("b", ok, [0.0, 0.5, 0.2])]))),  # Welch, p 0.016
+        (claim("none"), CL.Result(S.decide([S.one_sample_part("c", [0.2, -0.5, 0.6])]))),
+        (claim("sane", sanity=True), CL.Result(S.decide([S.one_sample_part("d", ok)]))),
+        (claim("nt"), CL.Result(S.decide([S.one_sample_part("e", ok)], False))),
+    ]
+    records = [CL.record(c, r) for c, r in results]
+    CL.write_json(tmp_path / "s.json", "mini", "toy", records, [])
+    back = json.loads((tmp_path / "s.json").read_text())
+    acc = back["across_claims"]
+    assert set(acc["claims"]) == {"strong", "weak", "none"} and acc["tested"] == 3 and acc["alpha"] == 0.05
+    p = {k: v["p"] for k, v in acc["claims"].items()}
+    assert p["strong"] == pytest.approx(results[0][1].decision.parts[0].p) and p["weak"] > p["strong"]
+    hp = sorted(p.values())  # Holm by hand: 3 p1, max(3 p1, 2 p2), max(.., p3)
+    assert acc["claims"]["strong"]["holm_p"] == pytest.approx(3 * hp[0])
+    assert acc["claims"]["weak"]["holm_p"] == pytest.approx(max(3 * hp[0], 2 * hp[1]))
+    assert (acc["held"], acc["held_after_holm"]) == (2, 1 + (2 * p["weak"] < 0.05))
+    assert acc["held_after_bh"] == 1 + (1.5 * p["weak"] < 0.05)  # BH: q = min(3/2 p_(2), p_(3))
+    parts = [q for r in back["claims"] for q in r["decision"]["parts"]]
+    assert all(0 < q["power_2sd"] < 1 and q["mde"] > 0 for q in parts)
+    assert next(r for r in back["claims"] if r["id"] == "sane")["sanity"] is True
+    lines = "\n".join(R.across_lines(acc))
+    assert "Over the 3 tested claim(s)" in lines and "| strong | held |" in lines and "| none | inconclusive |" in lines
+    assert "sane" not in lines and "| claim | verdict | p | Holm p | BH q | held after Holm / BH |" in lines
+    # the claim's section: a part that is not significant says what it could detect; a degenerate part has no p
+    part = results[2][1].decision.parts[0]
+    md = "\n".join(CL.section(3, results[2][0], results[2][1]))
+    assert f"| not significant (power at 2 SD {100 * part.power_2sd:.0f}%, MDE {part.mde:.2g}) |" in md
+    flat = CL.Result(S.decide([S.one_sample_part("f", [0.5, 0.5, 0.5])]))
+    md = "\n".join(CL.section(4, results[0][0], flat))
+    assert "| f | +0.5 | [+0.5, +0.5] | - | one-sample t, df 2 | 1 | degenerate |" in md and "not testable" in md
 
 
 def test_runs_table_shows_each_override_key_once_with_its_last_value():
