@@ -201,6 +201,11 @@ CAPTIONS = [  # (file-name pattern, what the figure shows): one line under each 
         "Single-token probe top-1 averaged over the spatial tokens, and the CLS token's, per layer "
         "(Raghu Fig. 11 left).",
     ),
+    (
+        r"similarity_map",
+        "A similarity estimator between every pair of layers: raw (left) and calibrated against its permutation "
+        "null, (score - null mean) / null SD (right), dots where significant with family-wise error control.",
+    ),
     (r"cross_cka", "CKA between every layer of this run and every layer of the other run (Raghu Fig. 2)."),
     (r"same_index", "CKA of each layer with the other run's layer of the same index (Raghu Fig. 12)."),
     (
