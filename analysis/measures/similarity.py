@@ -274,6 +274,22 @@ def describe(opts: SimilarityOptions, rows: list[str], cols: list[str], name_a: 
     }
 
 
+def cross_line(r: dict) -> str:
+    """One line on a cross-model map: the mean raw and calibrated score, the share of significant layer pairs."""
+    s = SimilarityMeasure.summary(r)
+    mean = s.get("mean", s.get("mean_offdiag"))
+    line = f"{NAMES[s['estimator']]} mean {_num(mean)}"
+    if "significant_share" in s:
+        z = s.get("mean_z", s.get("mean_offdiag_z"))
+        line += f", calibrated z {_num(z)}, {_num(s['significant_share'])} of layer pairs significant"
+        line += f" (family-wise error {float(r['alpha']):g}, {s['n_perm']} permutations, {s['n_images']} images)"
+    return line
+
+
+def _num(v) -> str:
+    return "n/a" if v is None else f"{v:.3g}"
+
+
 def _mean(v: np.ndarray) -> float | None:
     v = v[np.isfinite(v)]
     return float(v.mean()) if v.size else None

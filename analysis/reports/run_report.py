@@ -16,6 +16,7 @@ import numpy as np
 
 from analysis.engine.figures import save, subplots
 from analysis.engine.measure import as_list, load_result
+from analysis.measures.similarity import cross_line
 from analysis.results import storage
 from analysis.sources.images import BUNDLED
 from train.checkpoint import CheckpointError, read_meta
@@ -360,6 +361,8 @@ def _against(base: Path) -> tuple[list[str], list[str]]:
                     appendix += [f"### {heading}", "", f"CKA of same-index layers ({labels}): {sig(same)}", ""]
                 else:
                     lines.append(f"- CKA of same-index layers ({labels}): {sig(same)}")
+            if (sd / "similarity.npz").is_file():
+                lines.append(f"- {cross_line(load_result(sd / 'similarity.npz'))}")
             lines += ["", *_images(base / "figures" / "against" / other.name / sd.name, base), ""]
     return lines, appendix
 
