@@ -25,6 +25,9 @@ Their permutation nulls (analysis/estimators/permutation.py):
     PermutedMinibatchCKA(unbiased, n_perm, seed)         minibatch CKA and its null in one pass
 
 Options go by keyword through ``functools.partial``: ``permutation_test(partial(mutual_knn, k=5), X, Y)``.
+
+As a measure (at checkpoints, offline, and between two models with ``--against``): ``similarity``,
+analysis/measures/similarity.py.
 """
 
 from analysis.estimators.cca import pwcca, svcca

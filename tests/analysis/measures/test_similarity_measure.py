@@ -108,6 +108,10 @@ def test_options_reach_the_measure_and_images_caps_the_sample():
     want = np.array([[mutual_knn(x, y, k=5) for y in feats] for x in feats])
     np.testing.assert_array_equal(r["score"], want)
     assert r["n_images"] == 40 and r["n_perm"] == 0 and "z" not in r and r["estimator"] == "mutual_knn"
+    # minibatches forwarded in chunks (3 images at a time within 90 kB): the same 40 images, the same map
+    chunked, stages = S.suite_options(["similarity"], BS, {"similarity": o}, max_memory=90_000), []
+    c = S.run_suite(model, data, chunked, on_stage=stages.append)["similarity"]
+    assert any("images per forward" in t for t in stages) and np.array_equal(c["score"], r["score"])
     # the command line's --opt goes through the same options
     opts = S.suite_options(["similarity"], BS, S.parse_opt_args(["similarity.estimator=svcca", "similarity.keep=0.9"]))
     assert opts.of("similarity").estimator == "svcca" and opts.of("similarity").keep == 0.9
