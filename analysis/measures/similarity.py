@@ -139,14 +139,14 @@ def score_function(opts: SimilarityOptions):
 
 
 def images_problem(n: int, opts: SimilarityOptions) -> str | None:
-    """One sentence when ``n`` analysis images are too few for the estimator of ``opts``, else None."""
-    n = min(n, opts.images)
+    """One sentence when ``n`` analysis images (of which the measure keeps ``opts.images``) are too few for the
+    estimator of ``opts``, else None."""
     need = max(4, opts.k + 1) if opts.estimator in ("mutual_knn", "cknna") else 4
-    if n < need:
-        return f"{opts.estimator} needs at least {need} analysis images and has {n}: analyse more images" + (
-            f" or lower --opt similarity.k (now {opts.k})." if need > 4 else "."
-        )
-    return None
+    if min(n, opts.images) >= need:
+        return None
+    more = "analyse more images" if n < need else f"raise the similarity option images (now {opts.images})"
+    lower = f" or lower the similarity option k (now {opts.k})" if need > 4 else ""
+    return f"{opts.estimator} needs at least {need} images and keeps {min(n, opts.images)}: {more}{lower}."
 
 
 def similarity_map(xs: list, ys: list | None, opts: SimilarityOptions) -> dict:

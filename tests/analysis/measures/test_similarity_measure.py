@@ -118,8 +118,13 @@ def test_options_reach_the_measure_and_images_caps_the_sample():
     for bad, words in (({"n_perm": 1}, "n_perm must be 0"), ({"estimator": "cca"}, "must be one of")):
         with pytest.raises(MeasureError, match=words):
             S.suite_options(["similarity"], BS, {"similarity": bad})
-    with pytest.raises(MeasureError, match="mutual_knn needs at least 11 analysis images and has 8"):
+    with pytest.raises(MeasureError, match="mutual_knn needs at least 11 images and keeps 8: analyse more images"):
         S.run_suite(model, _data(8), S.suite_options(["similarity"], 4, {"similarity": {"estimator": "mutual_knn"}}))
+    few = S.suite_options(["similarity"], BS, {"similarity": {"estimator": "cknna", "images": 6}})
+    with pytest.raises(
+        MeasureError, match="raise the similarity option images .now 6. or lower the similarity option k"
+    ):
+        S.run_suite(model, data, few)
 
 
 def test_a_model_against_itself_a_random_pair_and_unpaired_images():
