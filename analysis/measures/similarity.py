@@ -76,6 +76,7 @@ from analysis.similarity import (
     procrustes_distance,
     pwcca,
     rbf_cka,
+    score_map,
     svcca,
 )
 
@@ -155,8 +156,7 @@ def similarity_map(xs: list, ys: list | None, opts: SimilarityOptions) -> dict:
     score = score_function(opts)
     out: dict = {"lower": int(opts.estimator in LOWER), "n_images": int(xs[0].shape[0]), "n_perm": int(opts.n_perm)}
     if opts.n_perm == 0:
-        other = xs if ys is None else ys
-        out["score"] = np.array([[float(score(x, y)) for y in other] for x in xs])
+        out["score"] = score_map(score, xs, ys)
         return out
     m = permutation_map(score, xs, ys, n_perm=opts.n_perm, seed=opts.seed)
     for key in ("score", "null_mean", "null_sd", "z", "excess", "p", "p_fwer"):

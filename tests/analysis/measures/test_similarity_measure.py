@@ -20,7 +20,7 @@ from analysis.engine.reduce import ORDER_SEED, Minibatches
 from analysis.engine.taps import Taps
 from analysis.estimators.features import stored
 from analysis.frontends.cli import main
-from analysis.measures.similarity import SimilarityMeasure, similarity_map
+from analysis.measures.similarity import SimilarityMeasure, SimilarityOptions, similarity_map
 from analysis.reports import cross as XC
 from analysis.results import runs as RF
 from analysis.similarity import (
@@ -87,6 +87,8 @@ def test_the_map_is_the_estimator_on_the_same_features(estimator):
     score = REFERENCES[estimator]
     want = np.array([[score(x, y) for y in feats] for x in feats])
     np.testing.assert_allclose(r["score"], want, rtol=1e-9, atol=1e-9)
+    raw = similarity_map(feats, None, SimilarityOptions(estimator=estimator, n_perm=0))  # no null: score_map
+    np.testing.assert_allclose(raw["score"], want, rtol=1e-9, atol=1e-9)
     m = permutation_map(score, feats, n_perm=30, seed=3)
     np.testing.assert_allclose(r["z"], m.z, rtol=1e-9, atol=1e-9)
     np.testing.assert_array_equal(r["p_fwer"], m.p_fwer)
