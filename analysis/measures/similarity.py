@@ -186,8 +186,8 @@ class SimilarityMeasure(Measure):
     def model_problem(cls, ctx, opts):
         if opts.repr == "cls" and not has_class_token(ctx.model, ctx.prefix):
             return (
-                f"option repr=cls reads the class token, and this {ctx.arch} has none: use --opt "
-                "similarity.repr=mean_spatial or flatten."
+                f"option repr=cls reads the class token, and this {ctx.arch} has none: use repr mean_spatial or "
+                "flatten."
             )
         return None
 
@@ -228,21 +228,26 @@ class SimilarityMeasure(Measure):
 
     @staticmethod
     def summary(r: dict) -> dict:
+        """A model against itself: the means over the off-diagonal layer pairs (the diagonal is each layer with
+        itself); two models (``name_a`` set): the means over all pairs and, for layers of the same names, over the
+        same-index pairs (the diagonal); raw and calibrated (``_z``); the share of the pairs significant."""
         s = np.asarray(r["score"], dtype=np.float64)
         rows, cols = as_list(r["labels"]), as_list(r["labels_b"])
-        same = rows == cols
-        off = ~np.eye(*s.shape, dtype=bool) if same else np.ones(s.shape, dtype=bool)
+        cross = bool(str(r["name_a"]))
+        cells = np.ones(s.shape, dtype=bool) if cross else ~np.eye(*s.shape, dtype=bool)
+        what = "mean" if cross else "mean_offdiag"
+        same_index = cross and rows == cols
         out: dict = {"estimator": str(r["estimator"]), "n_images": int(r["n_images"]), "n_perm": int(r["n_perm"])}
-        out["mean_offdiag" if same else "mean"] = _mean(s[off])
-        if not same and len(rows) == len(cols):
+        out[what] = _mean(s[cells])
+        if same_index:
             out["mean_diag"] = _mean(np.diag(s))
         if "z" in r:
             z = np.asarray(r["z"], dtype=np.float64)
-            out["mean_offdiag_z" if same else "mean_z"] = _mean(z[off])
-            if not same and len(rows) == len(cols):
+            out[f"{what}_z"] = _mean(z[cells])
+            if same_index:
                 out["mean_diag_z"] = _mean(np.diag(z))
             sig = np.asarray(r["significant"]).astype(bool)
-            out["significant_share"] = float(sig[off].mean()) if off.any() else None
+            out["significant_share"] = float(sig[cells].mean()) if cells.any() else None
         return out
 
     @staticmethod

@@ -229,6 +229,9 @@ def test_against_itself_on_the_command_line_is_cached(run, monkeypatch, capsys):
     res = load_result(d / "similarity.npz")
     assert np.allclose(np.diag(res["score"]), 1.0, atol=1e-9) and res["significant"].diagonal().all()
     assert str(res["name_a"]) == str(res["name_b"]) == f"{r.label}@8"
+    s = SimilarityMeasure.summary(res)  # across models the diagonal counts: same-index layers
+    assert s["mean_diag"] == pytest.approx(1.0, abs=1e-9) and s["mean"] == pytest.approx(res["score"].mean())
+    assert s["mean_diag_z"] == pytest.approx(np.diag(res["z"]).mean()) and "mean_offdiag" not in s
     assert (run / "figures" / "against" / f"{run.name}_step_0000008" / "step_0000008" / "similarity_map.png").is_file()
     assert "linear CKA mean" in (run / "report.md").read_text()
     calls = []
