@@ -283,10 +283,11 @@ def cross_line(r: dict) -> str:
     """One line on a cross-model map: the mean raw and calibrated score, the share of significant layer pairs."""
     s = SimilarityMeasure.summary(r)
     mean = s.get("mean", s.get("mean_offdiag"))
-    line = f"{NAMES[s['estimator']]} mean {_num(mean)}"
+    line = f"{NAMES[s['estimator']]} mean {'n/a' if mean is None else f'{mean:.3f}'}"
     if "significant_share" in s:
         z = s.get("mean_z", s.get("mean_offdiag_z"))
-        line += f", calibrated z {_num(z)}, {_num(s['significant_share'])} of layer pairs significant"
+        share = s["significant_share"]
+        line += f", calibrated z {_num(z)}, {'n/a' if share is None else f'{share:.0%}'} of layer pairs significant"
         line += f" (family-wise error {float(r['alpha']):g}, {s['n_perm']} permutations, {s['n_images']} images)"
     return line
 
