@@ -23,8 +23,12 @@ Their permutation nulls (analysis/estimators/permutation.py):
     permutation_test(score, X, Y, n_perm=1000, seed=0)   -> Permuted: score, null mean / SD, z, excess, p
     permutation_map(score, Xs, Ys, n_perm=1000, seed=0)  -> PermutedMap: layer x layer maps, p and FWER-adjusted p
     PermutedMinibatchCKA(unbiased, n_perm, seed)         minibatch CKA and its null in one pass
+    score_map(score, Xs, Ys)                             the layer x layer map alone, each side prepared once
 
 Options go by keyword through ``functools.partial``: ``permutation_test(partial(mutual_knn, k=5), X, Y)``.
+
+As a measure (at checkpoints, offline, and between two models with ``--against``): ``similarity``,
+analysis/measures/similarity.py.
 """
 
 from analysis.estimators.cca import pwcca, svcca
@@ -37,6 +41,7 @@ from analysis.estimators.permutation import (
     fwer_adjusted,
     permutation_map,
     permutation_test,
+    score_map,
 )
 from analysis.estimators.procrustes import procrustes_angle, procrustes_distance
 from analysis.estimators.similarity import MinibatchCKA, cka, hsic_gram, represent
@@ -58,5 +63,6 @@ __all__ = [
     "pwcca",
     "rbf_cka",
     "represent",
+    "score_map",
     "svcca",
 ]

@@ -325,6 +325,25 @@ def _gram_map(sxs: list, sys_: list, perms: torch.Tensor, n: int) -> PermutedMap
     return _map_result(observed, draws, lower=False)
 
 
+def _observed(null: _Null, sxs: list, sys_: list, n: int) -> np.ndarray:
+    """[L_x, L_y] scores of prepared sides, the examples in their own order."""
+    out = np.empty((len(sxs), len(sys_)))
+    for j, sy in enumerate(sys_):
+        same = null.permute(sy, _identity(n))
+        for i, sx in enumerate(sxs):
+            out[i, j] = float(torch.as_tensor(null.pair(sx, same)).reshape(-1)[0])
+    return out
+
+
+def score_map(score: Callable, xs: list, ys: list | None = None) -> np.ndarray:
+    """``score`` of every layer of ``xs`` against every layer of ``ys`` (``None``: xs against itself), [L_x, L_y],
+    each representation prepared once (as :func:`permutation_map` does, without the null)."""
+    null, options = _resolve(score)
+    sxs = [null.side(x, **options) for x in xs]
+    sys_ = sxs if ys is None else [null.side(y, **options) for y in ys]
+    return _observed(null, sxs, sys_, _nrows(xs[0]))
+
+
 def permutation_map(
     score: Callable, xs: list, ys: list | None = None, n_perm: int = 1000, seed: int = 0
 ) -> PermutedMap:
@@ -343,13 +362,10 @@ def permutation_map(
     perms = _permutations(n, n_perm, seed)
     if null.pair is _gram_pair:  # Gram-based: every layer pair of a batch of permutations in one product
         return _gram_map(sxs, sys_, perms, n)
-    observed = np.empty((len(xs), len(ys)))
+    observed = _observed(null, sxs, sys_, n)
     draws = np.empty((n_perm, len(xs), len(ys)))
     step = _batch(n)
     for j, sy in enumerate(sys_):
-        same = null.permute(sy, _identity(n))
-        for i, sx in enumerate(sxs):
-            observed[i, j] = float(torch.as_tensor(null.pair(sx, same)).reshape(-1)[0])
         for b in range(0, n_perm, step):
             permuted = null.permute(sy, perms[b : b + step])  # once per batch and layer of y, for every layer of x
             for i, sx in enumerate(sxs):

@@ -6,6 +6,8 @@ checkpoints, cached, with figures, TensorBoard and report.md.
     python -m analysis runs/default --measures knn,clustering --opt knn.k=10 --opt fewshot_probe.shots=5
     python -m analysis runs/vit --against runs/resnet        cross-model CKA (Raghu Fig. 2) at the last checkpoints
     python -m analysis runs/subset --against runs/full:1800  + per-layer CKA of same-index layers (Fig. 12)
+    python -m analysis runs/vit --against runs/resnet --measures similarity --opt similarity.estimator=mutual_knn
+                                                              + a similarity map calibrated by its permutation null
     python -m analysis --model timm:vit_tiny_patch16_224 --weights vit.safetensors --recipe recipes/my_data.yaml
     python -m analysis runs/dino --part teacher              DINO's EMA teacher (results in analysis/teacher/)
     python -m analysis runs/dino --part teacher --against runs/dino   teacher vs student, layer by layer
@@ -270,7 +272,8 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="OTHER_RUN[:STEP]",
-        help="cross-run CKA against another run's checkpoint (default its last); repeatable",
+        help="cross-run CKA against another run's checkpoint (default its last), and the similarity measure's "
+        "calibrated cross-model map when --measures names it; repeatable",
     )
     p.add_argument(
         "--model",
@@ -408,6 +411,7 @@ def analyse(args) -> tuple:
     from analysis.engine import suite as S
     from analysis.engine.measure import MeasureError
     from analysis.frontends import runner as RN
+    from analysis.measures.similarity import cross_line
     from analysis.reports import cross as XC
     from analysis.results import runs as RF
     from analysis.sources import models as MS
@@ -449,6 +453,8 @@ def analyse(args) -> tuple:
                 if "same_index" in res:
                     line += ", same-index layers " + " ".join(f"{v:.2f}" for v in res["same_index"])
                 print(line)
+            for step, res in a["similarity"].items():
+                print(f"{run.label}@{step} vs {other.label}@{ostep}: {cross_line(res)}")
     except (MemoryError, RuntimeError) as e:
         if not S.out_of_memory(e):
             raise

@@ -1,6 +1,9 @@
 """Cross-model CKA between a run's checkpoint and another run's (or the same run's earlier) checkpoint on the same
 images: the full layer-by-layer matrix (Raghu Fig. 2: ViT vs ResNet) and, when both models have the same layers, the
-per-layer CKA of same-index layers (Fig. 12: subset vs full data; App. G: a fine-tuned model vs its start).
+per-layer CKA of same-index layers (Fig. 12: subset vs full data; App. G: a fine-tuned model vs its start). When the
+``similarity`` measure is among the measures asked for, also its estimator's map between the two models' layers with
+its permutation null (raw and calibrated, FWER-significant cells; analysis/measures/similarity.py), cached by its own
+options like a measure's result (``similarity.npz`` beside ``cross_cka.npz``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from analysis.engine.taps import Taps, arch_of
 from analysis.estimators.similarity import MinibatchCKA, represent
 from analysis.measures.cka import cka_layers
 from analysis.measures.head_subsets import head_subset_cka, head_subset_figure
-from analysis.results import storage
+from analysis.measures.similarity import SimilarityMeasure, describe, similarity_map
+from analysis.results import publish, storage
 from analysis.results.folders import AnalysisError
 from analysis.results.runs import (
     DEFAULT_PART,
@@ -45,14 +49,7 @@ def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
     ca, cb = S.make_context(model_a, data, opts.batch_size), S.make_context(model_b, data, opts.batch_size)
     la, lb = cka_layers(ca, co.layers), cka_layers(cb, co.layers)
     acc = MinibatchCKA(unbiased=co.unbiased)
-    split = data.analysis
-    mb = Minibatches(len(split), opts.batch_size, opts.order_seed)  # the suite's minibatches
-    for j in range(len(mb)):
-        x = data.normalize(mb.take(split.images, j))
-        with Taps(model_a, [t for t, _ in la]) as capa:
-            model_a(x.to(ca.device))
-        with Taps(model_b, [t for t, _ in lb]) as capb:
-            model_b(x.to(cb.device))
+    for _, capa, capb, _ in paired_forwards(model_a, model_b, data, opts, [t for t, _ in la], [t for t, _ in lb]):
         acc.update(
             [represent(capa[t], co.repr, ca.prefix) for t, _ in la],
             [represent(capb[t], co.repr, cb.prefix) for t, _ in lb],
@@ -62,6 +59,44 @@ def cross_cka(model_a, model_b, data, opts: S.SuiteOptions) -> dict:
     if out["labels_a"] == out["labels_b"]:
         out["same_index"] = np.diag(m).copy()
     return out
+
+
+@torch.no_grad()
+def paired_forwards(model_a, model_b, data, opts: S.SuiteOptions, taps_a, taps_b):
+    """Both models on each of the suite's analysis minibatches (the same images, in the suite's order): yields
+    ``(j, captures of model_a, captures of model_b, labels)``."""
+    split = data.analysis
+    mb = Minibatches(len(split), opts.batch_size, opts.order_seed)  # the suite's minibatches
+    dev_a, dev_b = next(model_a.parameters()).device, next(model_b.parameters()).device
+    for j in range(len(mb)):
+        x = data.normalize(mb.take(split.images, j))
+        with Taps(model_a, list(taps_a)) as capa:
+            model_a(x.to(dev_a))
+        with Taps(model_b, list(taps_b)) as capb:
+            model_b(x.to(dev_b))
+        yield j, capa, capb, mb.take(split.labels, j)
+
+
+def cross_similarity(model_a, model_b, data, opts: S.SuiteOptions, name_a: str, name_b: str) -> dict:
+    """The ``similarity`` measure's map between every layer of ``model_a`` (rows) and every layer of ``model_b``
+    (columns) on the same analysis images, with its permutation null permuting ``model_b``'s images (one permutation
+    reorders all its layers alike; analysis/measures/similarity.py). Each model's features are kept as the measure
+    keeps them (the first ``images`` images in the suite's minibatch order); AnalysisError when an option does not
+    fit a model (``repr: cls`` without a class token)."""
+    so = opts.of("similarity")
+    ma, mb = (
+        SimilarityMeasure(S.make_context(m, data, opts.batch_size, None, opts.order_seed), so)
+        for m in (model_a, model_b)
+    )
+    for name, m in ((name_a, ma), (name_b, mb)):
+        problem = SimilarityMeasure.model_problem(m.ctx, so)
+        if problem:
+            raise AnalysisError(f"{name}: {problem}")
+    for j, capa, capb, y in paired_forwards(model_a, model_b, data, opts, sorted(ma.taps()), sorted(mb.taps())):
+        ma.update(j, capa, None, y)
+        mb.update(j, capb, None, y)
+    rows, cols = ([lab for _, lab in m.layers] for m in (ma, mb))
+    return {**similarity_map(ma.features(), mb.features(), so), **describe(so, rows, cols, name_a, name_b)}
 
 
 def check_same_images(run: Run, other: Run) -> tuple:
@@ -97,8 +132,10 @@ def against(
     progress: bool = True,
     on_other_images: bool = False,
 ) -> dict:
-    """Cross-run CKA of ``run``'s checkpoints (default: the last) against ``other`` at ``other_step``; cached like
-    :func:`analyze_run`. Returns {"results": {step: result}, "computed": [...], "reused": [...]}.
+    """Cross-run CKA of ``run``'s checkpoints (default: the last) against ``other`` at ``other_step``, and the
+    ``similarity`` measure's cross-model map when ``opts.measures`` names it; cached like :func:`analyze_run`. Returns
+    {"results": {step: cross CKA result}, "computed": [...], "reused": [...], "similarity": {step: result}} (the
+    cross CKA's steps computed and reused; "similarity" empty unless asked for).
 
     Both runs must analyse the same images. Runs of different seeds draw different analysis images (the split is
     seeded by the recipe's seed); ``on_other_images=True`` then reads both models on ``other``'s analysis images,
@@ -117,20 +154,39 @@ def against(
     else:
         data, odata = check_same_images(run, other)
         fp = fingerprint(run)
-    stats: dict = {"results": {}, "computed": [], "reused": []}
+    stats: dict = {"results": {}, "computed": [], "reused": [], "similarity": {}}
     omodel = None
     for step in tqdm(steps, desc=f"{run.name} vs {other.name}", disable=not progress, unit="ckpt"):
         out = against_dir(run, step, other, other_step)
-        key = storage.cache_key(
-            weights_key(run, step) + ":" + weights_key(other, other_step), fp, opts.settings("cka"), "cross_cka"
-        )
-        f = out / "cross_cka.npz"
-        if not force and storage.is_cached(out, "cross_cka", key):
-            stats["results"][step] = load_result(f)
+        fig_dir = against_dir(run, step, other, other_step, "figures")
+        wkey = weights_key(run, step) + ":" + weights_key(other, other_step)
+        key = storage.cache_key(wkey, fp, opts.settings("cka"), "cross_cka")
+        skey = storage.cache_key(wkey, fp, opts.settings("similarity"), "cross_similarity")
+        names = (f"{run.label}@{step}", f"{other.label}@{other_step}")
+        need_cka = force or not _cached(out, "cross_cka", key)
+        need_sim = "similarity" in opts.measures and (force or not storage.is_cached(out, "similarity", skey))
+        model = None
+        if need_cka or need_sim:
+            omodel = omodel if omodel is not None else load_model(other, other_step, odata)
+            model = load_model(run, step, data)
+        if need_sim:
+            sim = cross_similarity(model, omodel, data, opts, *names)
+            publish.publish(  # titled=False: the models' names in the titles say their steps
+                {"similarity": sim},
+                out,
+                None,
+                step,
+                keys={"similarity": skey},
+                figure_dir=fig_dir,
+                part=run.part,
+                titled=False,
+            )
+        if "similarity" in opts.measures:
+            stats["similarity"][step] = load_result(out / "similarity.npz")
+        if not need_cka:
+            stats["results"][step] = load_result(out / "cross_cka.npz")
             stats["reused"].append(step)
             continue
-        omodel = omodel if omodel is not None else load_model(other, other_step, odata)
-        model = load_model(run, step, data)
         res = cross_cka(model, omodel, data, opts)
         heads = None
         if (
@@ -149,12 +205,24 @@ def against(
         save_result(res, out / "cross_cka.npz")
         if heads is not None:
             save_result(heads, out / "head_subsets.npz")
-        (out / "cache.json").write_text(json.dumps({"cross_cka": key}))
-        fig_dir = against_dir(run, step, other, other_step, "figures")
-        draw_cross(res, fig_dir, f"{run.label}@{step}", f"{other.label}@{other_step}", heads)
+        _keep_key(out, "cross_cka", key)
+        draw_cross(res, fig_dir, *names, heads)
         stats["results"][step] = load_result(out / "cross_cka.npz")
         stats["computed"].append(step)
     return stats
+
+
+def _cached(out: Path, name: str, key: str) -> bool:
+    """Whether ``out`` holds a readable ``<name>.npz`` saved under ``key`` (cross-run results that are not a
+    measure's, so without a summary.json entry)."""
+    f = out / f"{name}.npz"
+    return storage.cached_keys(out).get(name) == key and f.is_file() and storage.readable(f)
+
+
+def _keep_key(out: Path, name: str, key: str) -> None:
+    """Record ``name``'s cache key in the folder's cache.json beside the others' (the similarity measure's too)."""
+    with storage.folder_lock(out):
+        storage.atomic_text(out / "cache.json", json.dumps({**storage.cached_keys(out), name: key}, indent=1))
 
 
 def draw_cross(res: dict, fig_dir: Path, name_a: str, name_b: str, heads: dict | None = None) -> list[Path]:

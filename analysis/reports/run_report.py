@@ -16,6 +16,7 @@ import numpy as np
 
 from analysis.engine.figures import save, subplots
 from analysis.engine.measure import as_list, load_result
+from analysis.measures.similarity import cross_line
 from analysis.results import storage
 from analysis.sources.images import BUNDLED
 from train.checkpoint import CheckpointError, read_meta
@@ -201,6 +202,11 @@ CAPTIONS = [  # (file-name pattern, what the figure shows): one line under each 
         "Single-token probe top-1 averaged over the spatial tokens, and the CLS token's, per layer "
         "(Raghu Fig. 11 left).",
     ),
+    (
+        r"similarity_map",
+        "A similarity estimator between every pair of layers: raw (left) and calibrated against its permutation "
+        "null, (score - null mean) / null SD (right), dots where significant with family-wise error control.",
+    ),
     (r"cross_cka", "CKA between every layer of this run and every layer of the other run (Raghu Fig. 2)."),
     (r"same_index", "CKA of each layer with the other run's layer of the same index (Raghu Fig. 12)."),
     (
@@ -355,6 +361,8 @@ def _against(base: Path) -> tuple[list[str], list[str]]:
                     appendix += [f"### {heading}", "", f"CKA of same-index layers ({labels}): {sig(same)}", ""]
                 else:
                     lines.append(f"- CKA of same-index layers ({labels}): {sig(same)}")
+            if (sd / "similarity.npz").is_file():
+                lines.append(f"- {cross_line(load_result(sd / 'similarity.npz'))}")
             lines += ["", *_images(base / "figures" / "against" / other.name / sd.name, base), ""]
     return lines, appendix
 

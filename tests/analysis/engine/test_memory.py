@@ -27,6 +27,7 @@ PER_IMAGE = {
     "token_norms": BLOCKS * T * F32 + LABEL,  # the norms (the position probe's sample is bounded: probe_images)
     # every block's 49 patch tokens (stride 1 on the 7 x 7 grid) and its CLS token, and each block's grid (2 int64)
     "token_probes": BLOCKS * (T * D * F16 + 2 * I64) + LABEL,
+    "similarity": BLOCKS * D * F16,  # the mean of the spatial tokens of every block output, no label
 }
 
 

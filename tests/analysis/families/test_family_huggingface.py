@@ -44,6 +44,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 D, DEPTH, HEADS, IMG, PATCH = 64, 3, 4, 32, 8
 RTOL = 1e-5  # relative agreement asked of every tap and measure
 REAL_TAPS_RTOL = 1e-4  # the taps of the real ViT-S/14 (test_real_dinov2_on_photos_agrees_with_timm)
+# the similarity measure keeps its features as float16 (analysis.estimators.features.stored): where the two models'
+# float32 features differ by ~1e-7 (timm's unfused attention when attention is tapped), a value's float16 rounding
+# may flip by 2^-11 of itself. Its maps then agreed to 1.7e-5 of their largest value and p-values and significant cells
+# exactly, but its null's mean, the mean score of unpaired images (near 0, up to 2.4e-3), only to 1.8e-6 absolute
+# (DeiT): 2e-2 of 2.4e-3, with allclose's atol of a tenth of that, admits it
+FLOAT16_RTOL = {"similarity": 2e-2}
 EAGER_TOL = 1e-6  # attn_probs against output_attentions=True under eager attention
 COMMON = dict(hidden_size=D, num_hidden_layers=DEPTH, num_attention_heads=HEADS, image_size=IMG, patch_size=PATCH)
 TIMM = dict(img_size=IMG, patch_size=PATCH, embed_dim=D, depth=DEPTH, num_heads=HEADS, num_classes=0)
@@ -251,7 +257,7 @@ def measure_agreement(timm: nn.Module, hf: nn.Module) -> dict[str, float]:
             if isinstance(va, (str, list, tuple)) or np.asarray(va).dtype.kind in "USO":
                 assert list(np.atleast_1d(vb)) == list(np.atleast_1d(va)), f"{m}.{key}"
             else:
-                worst = max(worst, assert_agree(vb, va, f"{m}.{key}"))
+                worst = max(worst, assert_agree(vb, va, f"{m}.{key}", FLOAT16_RTOL.get(m, RTOL)))
         out[m] = worst
     return out
 
