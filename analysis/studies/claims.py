@@ -554,7 +554,6 @@ def record(claim: Claim, r: Result) -> dict:
             "preregistered": pre,
             "outside_regime": r.outside_regime,
             "measured": r.measured,
-            "sanity": bool(getattr(claim, "sanity", False)),  # left out of the study's across_claims
         }
     )
 

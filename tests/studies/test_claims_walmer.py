@@ -409,11 +409,15 @@ def test_plateau_precondition_reads_the_last_checkpoints_change_not_the_level():
 def _semantic_study(knn, purity, curves):
     """Fake runs with k-NN and clustering results at their last checkpoint, and k-NN curves over checkpoints."""
     ctx = _study({o: SUP for o in knn}, knn)
-    for o, runs in ctx.configs.items():
-        for r in runs:
+    for k, (o, runs) in enumerate(ctx.configs.items()):
+        for r, off in zip(runs, OFFSETS):  # seeds differ, and differ per objective: no part is exactly constant
+            off = off * (1 + k)
+            r.results["knn"] = {**r.results["knn"], "acc": r.results["knn"]["acc"] + 0.003 * off}
             r.checkpoints = {s: None for s in curves[o]}
-            r.by_step = {s: {**r.results["knn"], "acc": np.array([[0.1] * 5 + [v]])} for s, v in curves[o].items()}
-            pur = np.array([[0.1] * 5 + [purity[o]]])
+            r.by_step = {
+                s: {**r.results["knn"], "acc": np.array([[0.1] * 5 + [v + 0.003 * off]])} for s, v in curves[o].items()
+            }
+            pur = np.array([[0.1] * 5 + [purity[o] + 0.003 * off]])
             r.results["clustering"] = {"purity": pur, "baseline_purity": pur * 0 + 0.1, "pools": ["cls"]}
     ctx.last = lambda run, measure, step=None, optional=False: (
         run.by_step.get(step) if step is not None and measure == "knn" else run.results.get(measure)

@@ -3,6 +3,7 @@
 checkpoint meta.json files and saved attention distances, no training. The full report on trained tiny runs is in
 tests/e2e/test_study.py."""
 
+import dataclasses
 import json
 import types
 
@@ -345,7 +346,7 @@ def test_the_json_and_the_report_correct_across_claims(tmp_path):
 
     def claim(i, sanity=False):
         c = CL.Claim(i, "Fig. 1", f"claim {i}", "Someone 2030", "a passage", "a rule")
-        return types.SimpleNamespace(**vars(c), sanity=True) if sanity else c
+        return dataclasses.replace(c, sanity=True) if sanity else c
 
     ok = [1.0, 1.1, 0.9]
     results = [
