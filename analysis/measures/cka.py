@@ -93,6 +93,16 @@ def cka_layers(ctx, layers: str = "sublayers") -> list[tuple[str, str]]:
     return out
 
 
+def repr_problem(ctx, repr: str) -> str | None:
+    """One sentence when option ``repr`` cannot be read from ``ctx``'s model (``cls`` without a class token)."""
+    if repr == "cls" and not has_class_token(ctx.model, ctx.prefix):
+        return (
+            f"option repr=cls reads the class token, and this {ctx.arch} has none (a GAP ViT, with or without "
+            "registers, a ResNet or a Mixer): use repr mean_spatial or flatten."
+        )
+    return None
+
+
 @register
 class CKAMeasure(Measure):
     """How alike the model's layers represent the images: linear CKA between every pair of layers.
@@ -142,13 +152,7 @@ class CKAMeasure(Measure):
 
     @classmethod
     def model_problem(cls, ctx, opts):
-        if opts.repr == "cls" and not has_class_token(ctx.model, ctx.prefix):
-            return (
-                f"option repr=cls reads the class token, and this {ctx.arch} has none (a GAP ViT, with or without "
-                "registers, a ResNet or a Mixer): "
-                "use repr mean_spatial or flatten."
-            )
-        return None
+        return repr_problem(ctx, opts.repr)
 
     def __init__(self, ctx, opts=None):
         super().__init__(ctx, opts)

@@ -64,9 +64,9 @@ import torch
 from analysis.engine.figures import BLOCK_AXIS, every_nth, layer_ticks, subplots
 from analysis.engine.measure import Measure, as_list, register
 from analysis.engine.reduce import collect
-from analysis.estimators.features import has_class_token, stored
+from analysis.estimators.features import stored
 from analysis.estimators.similarity import represent
-from analysis.measures.cka import cka_layers
+from analysis.measures.cka import cka_layers, repr_problem
 from analysis.similarity import (
     cka,
     cknna,
@@ -184,12 +184,7 @@ class SimilarityMeasure(Measure):
 
     @classmethod
     def model_problem(cls, ctx, opts):
-        if opts.repr == "cls" and not has_class_token(ctx.model, ctx.prefix):
-            return (
-                f"option repr=cls reads the class token, and this {ctx.arch} has none: use repr mean_spatial or "
-                "flatten."
-            )
-        return None
+        return repr_problem(ctx, opts.repr)
 
     def __init__(self, ctx, opts=None):
         super().__init__(ctx, opts)

@@ -149,13 +149,10 @@ def test_the_windows_are_chosen_on_the_probe_crops():
     assert offset_windows(mass, np.zeros_like(offset), np.zeros_like(peaks)) == {}
 
 
-def test_the_report_shows_each_claim_from_its_record(tmp_path):
-    pytest.importorskip("matplotlib")
-    from analysis.studies.real_vit import report as R
-
-    results = C.run_claims(PAPER, ctx())
+def _summary(claims: dict, **extra) -> dict:
+    """The summary a real-ViT report is written from: toy numbers around ``claims`` (records by id)."""
     d = np.full(L, 50.0)
-    s = {
+    return {
         "model": "timm:toy",
         "images": {"source": "toy photos", "preprocessing": {"size": 224}},
         "uniform_px": UNIFORM,
@@ -166,12 +163,21 @@ def test_the_report_shows_each_claim_from_its_record(tmp_path):
         "wall_s": {"suite": 1.0, "claims": 2.0},
         "computed": 0,
         "reused": 11,
-        "claims": {c.id: C.record(c, r) for c, r in results},
+        "claims": claims,
         "attention_distance": {"min_px": d.tolist(), "mean_px": d.tolist(), "max_px": d.tolist()},
         "norm_ratio": {s: {"cls": d.tolist(), "spatial": d.tolist()} for s in ("attn", "mlp")},
         "offset_local_heads": [],
-        "other_measures": {"knn": [0.5]},
+        "other_measures": {},
+        **extra,
     }
+
+
+def test_the_report_shows_each_claim_from_its_record(tmp_path):
+    pytest.importorskip("matplotlib")
+    from analysis.studies.real_vit import report as R
+
+    results = C.run_claims(PAPER, ctx())
+    s = _summary({c.id: C.record(c, r) for c, r in results}, other_measures={"knn": [0.5]})
     out = tmp_path / "docs" / "real-vit.md"
     R.write(s, out, out.parent / "figures" / "real-vit", ["cka_self.png"])
     md = out.read_text()
@@ -244,27 +250,7 @@ def test_the_report_states_the_population_and_where_heads_are_chosen(tmp_path):
     part = claims["upper_global"]["decision"]["parts"][0]
     assert part["ci_views"][1] - part["ci_views"][0] < part["ci"][1] - part["ci"][0]  # the views' CI: too narrow
     assert claims["upper_global"]["measured"]["chosen_on"] == chosen_on
-    d = np.full(L, 50.0)
-    s = {
-        "model": "timm:toy",
-        "images": {"source": "toy photos", "preprocessing": {"size": 224}},
-        "uniform_px": UNIFORM,
-        "grid": [16, 16],
-        "patch": 14,
-        "n_analysis": N,
-        "n_probe": 36,
-        "wall_s": {"suite": 1.0, "claims": 2.0},
-        "computed": 0,
-        "reused": 11,
-        "population": "the 8 photos",
-        "units": 8,
-        "chosen_on": chosen_on,
-        "claims": claims,
-        "attention_distance": {"min_px": d.tolist(), "mean_px": d.tolist(), "max_px": d.tolist()},
-        "norm_ratio": {s: {"cls": d.tolist(), "spatial": d.tolist()} for s in ("attn", "mlp")},
-        "offset_local_heads": [],
-        "other_measures": {},
-    }
+    s = _summary(claims, population="the 8 photos", units=8, chosen_on=chosen_on)
     out = tmp_path / "real-vit.md"
     R.write(s, out, tmp_path / "figures", [])
     md = out.read_text()
