@@ -56,6 +56,12 @@ def main() -> None:
     p.add_argument("--model", choices=("default", "vits", "vitb"), default="default")
     p.add_argument("--images", type=int, default=512, help="analysis and probe-train images of --model vits")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (seconds)")
+    p.add_argument(
+        "--max-memory",
+        default="8GiB",
+        help="the suite's memory budget (default 8GiB: fixed, so the minibatch plan does not follow the memory other "
+        "jobs leave free)",
+    )
     a = p.parse_args()
     if a.images < 4:
         p.error(f"--images {a.images}: the suite needs at least 4 analysis images.")
@@ -65,7 +71,7 @@ def main() -> None:
         shape = VITS if a.model == "vits" else [*VITS, "model.embed_dim=768", "model.num_heads=12"]  # ViT-B/16
         over = [*shape, f"data.analysis_size={a.images}", f"data.probe_train_size={max(a.images, 256)}"]
     data, model = default_model(over)
-    opts = suite_options(None, 32 if a.smoke else 256)
+    opts = suite_options(None, 32 if a.smoke else 256, max_memory=a.max_memory)
     bs = opts.batch_size
 
     ctx = S.make_context(model, data, bs)

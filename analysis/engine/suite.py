@@ -225,9 +225,9 @@ def plan_chunks(per_tap: dict[str, int], whole_taps, batch_size: int, budget: in
     if chunk < 1:
         fits = max(4, int(budget // max(TEMPORARIES * (sum(per_tap[t] for t in whole_taps) + every), 1)))
         raise MeasureError(
-            f"minibatch CKA keeps {_size(whole)} of taps for a minibatch of {batch_size}, beyond the analysis's "
-            f"memory budget of {_size(budget)}: use a smaller analysis batch size (about {fits}) or a larger "
-            "memory budget (--max-memory / max_memory=)."
+            f"minibatch CKA keeps {_size(whole)} of taps for a minibatch of {batch_size} ({_size(whole * TEMPORARIES)} "
+            f"with the measures' temporaries), beyond the analysis's memory budget of {_size(budget)}: use a smaller "
+            f"analysis batch size (about {fits}) or a larger memory budget (--max-memory / max_memory=)."
         )
     return min(chunk, batch_size)
 
