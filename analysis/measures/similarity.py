@@ -64,21 +64,14 @@ import torch
 from analysis.engine.figures import BLOCK_AXIS, every_nth, layer_ticks, subplots
 from analysis.engine.measure import Measure, as_list, register
 from analysis.engine.reduce import collect
+from analysis.estimators.cca import pwcca, svcca
 from analysis.estimators.features import stored
-from analysis.estimators.similarity import represent
+from analysis.estimators.kernels import rbf_cka
+from analysis.estimators.neighbours import cknna, mutual_knn
+from analysis.estimators.permutation import permutation_map, score_map
+from analysis.estimators.procrustes import procrustes_angle, procrustes_distance
+from analysis.estimators.similarity import cka, represent
 from analysis.measures.cka import cka_layers, repr_problem
-from analysis.similarity import (
-    cka,
-    cknna,
-    mutual_knn,
-    permutation_map,
-    procrustes_angle,
-    procrustes_distance,
-    pwcca,
-    rbf_cka,
-    score_map,
-    svcca,
-)
 
 ESTIMATORS = ("cka", "rbf_cka", "mutual_knn", "cknna", "procrustes", "procrustes_angle", "svcca", "pwcca")
 # what each estimator's score is called on figures and in the docs
