@@ -84,7 +84,13 @@ power (:func:`welch_power`, quadrature over the two sample variances) at the obs
 the two seed SDs. 3 seeds per configuration: Welch 37%, pooled over 4 configurations 58% (df 8; 46% over 2), paired
 29% -- the pooled t's own power, before the fall-back to Welch above. Bootstrap parts: MDE by the normal
 approximation with the bootstrap SE, (z_{1 - ALPHA/2} + z_0.8) SE = 2.80 SE (:func:`normal_mde`); no power at 2 seed
-SDs (a bootstrap over one run's images has no seeds). Equivalence and degenerate parts: neither.
+SDs (a bootstrap over one run's images has no seeds). Degenerate parts: neither. Equivalence parts (their
+``Part.equivalence``, in the JSON's ``details``, and the sentence when not significant): ``power_equivalence``, the
+power of the TOST to show equivalence when the true difference is 0 (:func:`tost_power`, exact for one variance
+estimate, Welch by quadrature; a bootstrap part by the normal approximation), ``margin_80``, the smallest margin the
+design shows with 80% power, and for a t part ``seeds_needed``, the seeds per configuration the margin needs at the
+observed seed SDs (a planning figure). The registers study's +-0.01 k-NN margin with 3 seeds: power 3%, margin with
+80% power +-0.038, 23 seeds needed.
 
 Across claims (:func:`across_claims`, the study JSON's ``across_claims``): each claim is judged at ALPHA on its own;
 over a study's tested claims (held, did not hold, inconclusive; sanity checks left out) each claim's p
@@ -242,6 +248,8 @@ class Part:
     details: dict = field(default_factory=dict)
     _dist: object = field(default=None, repr=False, compare=False)
     _power: object = field(default=None, repr=False, compare=False)  # (power_2sd, mde), or a function giving them
+    _design: object = field(default=None, repr=False, compare=False)  # a t part's _Design (equivalence power)
+    _equiv: object = field(default=None, repr=False, compare=False)  # equivalence power: dict, or function giving it
 
     def __post_init__(self):
         if self.p_reversal is None:
@@ -255,6 +263,17 @@ class Part:
             pw = tuple(pw())
             object.__setattr__(self, "_power", pw)
         return pw or (None, None)
+
+    @property
+    def equivalence(self) -> dict:
+        """An equivalence part's ``power_equivalence``, ``margin_80`` and (t parts) ``seeds_needed``
+        (:func:`equivalence_part`), computed on first use (the seeds search takes a fraction of a second); {} for
+        other parts. In the JSON they join ``details``."""
+        eq = self._equiv
+        if callable(eq):
+            eq = eq()
+            object.__setattr__(self, "_equiv", eq)
+        return eq or {}
 
     @property
     def power_2sd(self) -> float | None:
@@ -283,7 +302,11 @@ class Part:
         )
 
     def power_text(self) -> str:
-        """E.g. "power at 2 SD 37%, MDE 0.8" (the MDE in the part's units); empty when neither is known."""
+        """E.g. "power at 2 SD 37%, MDE 0.8" (the MDE in the part's units); for an equivalence part, e.g. "power to
+        show equivalence if the true difference is 0: 3%; margin shown with 80% power +-0.038; +-0.01 needs 23 seeds
+        per configuration" (:func:`equivalence_part`); empty when nothing is known."""
+        if self.margin is not None:
+            return _equivalence_text(self.equivalence, self.margin)
         out = []
         if self.power_2sd is not None and np.isfinite(self.power_2sd):
             out.append(f"power at {POWER_SDS:g} SD {100 * self.power_2sd:.0f}%")
@@ -310,13 +333,23 @@ class Part:
                 "margin": self.margin,
                 "power_2sd": self.power_2sd,
                 "mde": self.mde,
-                "details": self.details,
+                "details": {**self.details, **self.equivalence},
             }
         )
 
 
 def _from_dist(
-    name: str, dist, test: str, n: tuple, sign: int, alpha: float, df=None, se=None, details=None, power=None
+    name: str,
+    dist,
+    test: str,
+    n: tuple,
+    sign: int,
+    alpha: float,
+    df=None,
+    se=None,
+    details=None,
+    power=None,
+    design=None,
 ) -> Part:
     """The two-sided test of "effect = 0" read from ``dist``: significant for when "effect <= 0" is rejected at
     alpha / 2, against when "effect >= 0" is (the side follows the test, as the CI does, not the estimate's sign).
@@ -343,6 +376,7 @@ def _from_dist(
         details=details or {},
         _dist=dist,
         _power=power,
+        _design=design,
     )
 
 
@@ -362,10 +396,13 @@ def t_power(ncp: float, df: float, alpha: float = ALPHA) -> float:
 _NODES = 32  # Gauss-Laguerre nodes per sample variance in welch_power
 
 
+_TOST_NODES = 128  # Gauss-Laguerre nodes per sample variance in tost_power (Welch)
+
+
 @lru_cache(maxsize=64)
-def _laguerre(k: int) -> tuple[np.ndarray, np.ndarray]:
+def _laguerre(k: float, nodes: int = _NODES) -> tuple[np.ndarray, np.ndarray]:
     """Nodes s^2 / sigma^2 = U / k (U ~ chi^2_k, U = 2x with x ~ Gamma(k/2): weight x^(k/2 - 1) e^-x) and weights."""
-    x, w = roots_genlaguerre(_NODES, k / 2 - 1)
+    x, w = roots_genlaguerre(nodes, k / 2 - 1)
     return 2 * x / k, w / w.sum()
 
 
@@ -441,7 +478,7 @@ def _sign(sign) -> int:
     return int(sign)
 
 
-def _t_part(name, est, se, df, test, n, sign, alpha, details, sd_per_se, power=None) -> Part:
+def _t_part(name, est, se, df, test, n, sign, alpha, details, sd_per_se, power=None, design=None) -> Part:
     """A t part; ``sd_per_se``: one seed SD in SEs (sqrt(n) for a one-sample mean, 1 / sqrt(1/n_a + 1/n_b) for a
     difference of means, sqrt(n / 2) for a paired difference of independent seeds), for the power at 2 seed SDs;
     ``power``: a function giving (power_2sd, mde), from the caller (Welch); both are computed on first use. SE = 0
@@ -456,7 +493,9 @@ def _t_part(name, est, se, df, test, n, sign, alpha, details, sd_per_se, power=N
 
     power = power or t_power_mde
     dist = _T(sign * est, se, df)
-    return _from_dist(name, dist, test, n, sign, alpha, df=float(df), se=float(se), details=details, power=power)
+    return _from_dist(
+        name, dist, test, n, sign, alpha, df=float(df), se=float(se), details=details, power=power, design=design
+    )
 
 
 def _degenerate(name, effect, test, n, sign, alpha, df, details) -> Part:
@@ -528,6 +567,7 @@ def paired_part(name: str, a, b, *, sign: int = 1, alpha: float = ALPHA) -> Part
         alpha,
         {"a": a.tolist(), "b": b.tolist()},
         np.sqrt(len(d) / 2),  # a seed SD sigma = sd(d) / sqrt(2) when the two configurations' seeds are independent
+        design=_Design("one", (float(d.var(ddof=1)),), (len(d),), len(d) - 1),
     )
 
 
@@ -556,6 +596,7 @@ def two_sample_part(name: str, a, b, *, sign: int = 1, pooled: Pooled | None = N
                 alpha,
                 {**details, "pooled_sd": pooled.sd},
                 unit,
+                design=_Design("two", (pooled.sd**2,), (len(a), len(b)), pooled.df, pooled.groups),
             )
         details["pooled_refused"] = {
             "sd_a": float(a.std(ddof=1)),
@@ -574,7 +615,8 @@ def two_sample_part(name: str, a, b, *, sign: int = 1, pooled: Pooled | None = N
         pw, m = _welch_power_mde(len(a), len(b), share, alpha)
         return pw, m * se
 
-    return _t_part(name, est, se, df, test, (len(a), len(b)), sign, alpha, details, unit, power)
+    design = _Design("welch", (float(a.var(ddof=1)), float(b.var(ddof=1))), (len(a), len(b)), float(df))
+    return _t_part(name, est, se, df, test, (len(a), len(b)), sign, alpha, details, unit, power, design)
 
 
 @lru_cache(maxsize=4096)
@@ -615,6 +657,7 @@ def one_sample_part(
             alpha,
             {**details, "pooled_sd": pooled.sd},
             np.sqrt(len(v)),
+            design=_Design("one", (pooled.sd**2,), (len(v),), pooled.df, pooled.groups),
         )
     return _t_part(
         name,
@@ -627,6 +670,7 @@ def one_sample_part(
         alpha,
         details,
         np.sqrt(len(v)),
+        design=_Design("one", (float(v.var(ddof=1)),), (len(v),), len(v) - 1),
     )
 
 
@@ -868,9 +912,137 @@ def equivalence_part(part: Part, margin: float, name: str | None = None) -> Part
         alpha=al,
         p_reversal=p_rev,
         margin=m,
-        details={**part.details, "ci_tost": list(d.interval(2 * al)), "p_difference": part.p},
+        details={
+            **part.details,
+            "ci_tost": list(d.interval(2 * al)),
+            "p_difference": part.p,
+        },
         _dist=d,
+        _design=part._design,
+        _equiv=lambda: _equivalence_power(part, m, al),
     )
+
+
+# ------------------------------------------------------------------------------------------------ equivalence power
+
+
+MAX_SEEDS = 1000  # _Design.seeds_needed searches up to this many seeds per configuration
+
+
+@dataclass(frozen=True)
+class _Design:
+    """How a t part's SE and df follow from the seeds per configuration, for the power of an equivalence test built
+    on it (:func:`equivalence_part`) and the seeds it needs. ``kind``: "one" (one mean: a one-sample or a paired part,
+    variance ``var[0]`` of one seed or one seed pair's difference), "two" (a difference of two means with one pooled
+    seed variance ``var[0]``), "welch" (a difference of two means, seed variances ``var[0]``, ``var[1]``); ``n``: the
+    seeds per configuration of the part; ``df``: its df; ``groups``: the configurations a pooled SD spans (its df is
+    groups x (n - 1) at n seeds each)."""
+
+    kind: str
+    var: tuple[float, ...]
+    n: tuple[int, ...]
+    df: float
+    groups: int = 1
+
+    def _at(self, n: tuple[int, ...] | None):
+        """(tau, df or the two sample variances' dfs, Welch's share of group a): tau the true SE of the estimate."""
+        n = self.n if n is None else n
+        if self.kind == "welch":
+            va, vb = self.var[0] / n[0], self.var[1] / n[-1]
+            return np.sqrt(va + vb), (n[0] - 1, n[-1] - 1), va / (va + vb)
+        df = self.df if n == self.n else self.groups * (n[0] - 1)
+        tau = np.sqrt(self.var[0] / n[0]) if self.kind == "one" else np.sqrt(self.var[0] * (1 / n[0] + 1 / n[-1]))
+        return tau, df, None
+
+    def power(self, margin: float, alpha: float, n: tuple[int, ...] | None = None) -> float:
+        """:func:`tost_power` at the true difference 0, with this design's seeds (or ``n`` per configuration)."""
+        tau, df, share = self._at(n)
+        return tost_power(margin / tau, df, share, alpha)
+
+    def seeds_needed(self, margin: float, alpha: float) -> int | None:
+        """The fewest seeds per configuration (the same in each) with :data:`POWER_TARGET` power to show equivalence
+        within +-``margin`` when the true difference is 0 and the seed SDs are the observed ones (None: more than
+        :data:`MAX_SEEDS`). A planning figure: the observed SDs stand in for the true ones."""
+        k = len(self.n)
+        for n in range(2, MAX_SEEDS + 1):
+            if self.power(margin, alpha, (n,) * k) >= POWER_TARGET:
+                return n
+        return None
+
+
+def tost_power(margin_tau: float, df, share_a: float | None = None, alpha: float = ALPHA) -> float:
+    """The power of the two one-sided t tests at level ``alpha`` each (equivalent when the 1 - 2 alpha CI lies inside
+    +-m) to show equivalence when the true difference is 0, for a margin of ``margin_tau`` true SEs tau. With the
+    estimate D ~ N(0, tau^2) independent of its estimated SE S: power = E[max(0, 2 Phi(m / tau - t_{1 - alpha, nu}
+    S / tau) - 1)] (Schuirmann 1987's TOST; its exact power as in Phillips 1990). One variance estimate (``df`` a
+    number, ``share_a`` None): S^2 / tau^2 = U / df, U ~ chi^2_df, nu = df; the integral over U up to where the bracket
+    reaches 0, by adaptive quadrature (exact to 1e-8). Welch (``df`` = (k_a, k_b), the two sample variances' dfs,
+    ``share_a`` = (sigma_a^2 / n_a) / tau^2): S^2 / tau^2 = w U_a / k_a + (1 - w) U_b / k_b and nu the
+    Welch-Satterthwaite df, as in :func:`welch_power`; the expectation by generalised Gauss-Laguerre quadrature on
+    :data:`_TOST_NODES` nodes per variance (the bracket's kink at 0 limits it to about 0.002; tests/studies/
+    test_stats.py checks it against simulation)."""
+    if share_a is None:
+        from scipy.integrate import quad
+        from scipy.stats import chi2
+
+        df, t = float(df), float(stdtrit(float(df), 1 - alpha))
+        if margin_tau <= 0:
+            return 0.0
+        top = df * (margin_tau / t) ** 2  # U beyond which the CI cannot fit inside the margin
+        val, _ = quad(lambda u: (2 * ndtr(margin_tau - t * np.sqrt(u / df)) - 1) * chi2.pdf(u, df), 0.0, top)
+        return float(min(1.0, max(0.0, val)))
+    ka, kb = df
+    (ua, wa), (ub, wb) = _laguerre(float(ka), _TOST_NODES), _laguerre(float(kb), _TOST_NODES)
+    va, vb = share_a * ua[:, None], (1 - share_a) * ub[None, :]
+    nu = (va + vb) ** 2 / (va**2 / ka + vb**2 / kb)
+    thr = stdtrit(nu, 1 - alpha) * np.sqrt(va + vb)
+    return float(wa @ np.clip(2 * ndtr(margin_tau - thr) - 1, 0, None) @ wb)
+
+
+def _equivalence_text(details: dict, margin: float) -> str:
+    """The sentence fragment of :meth:`Part.power_text` for an equivalence part (from its details)."""
+    pw = details.get("power_equivalence")
+    if pw is None:
+        return ""
+    out = [
+        f"power to show equivalence if the true difference is 0: {100 * pw:.0f}%",
+        f"margin shown with {100 * POWER_TARGET:.0f}% power +-{details['margin_80']:.2g}",
+    ]
+    if "seeds_needed" in details:
+        n = details["seeds_needed"]
+        more = f"{n} seeds" if n is not None else f"more than {MAX_SEEDS} seeds"
+        out.append(f"+-{margin:.3g} needs {more} per configuration at the observed seed SDs")
+    return "; ".join(out)
+
+
+def _equivalence_power(part: Part, margin: float, alpha: float) -> dict:
+    """What an equivalence part could show (in its details, JSON and sentence): ``power_equivalence``, the power to
+    show equivalence within +-margin if the true difference is 0; ``margin_80``, the smallest margin this design shows
+    with :data:`POWER_TARGET` power; for a t part ``seeds_needed``, the seeds per configuration that the margin needs
+    at the observed seed SDs (None: more than :data:`MAX_SEEDS`). A bootstrap part: the normal approximation with
+    its bootstrap SE, power = 2 Phi(m / SE - z_{1 - alpha}) - 1. A degenerate part (SE 0): nothing."""
+    from scipy.optimize import brentq
+
+    se = part.se
+    if se is None or not se > 0:
+        return {}
+    if part._design is None:  # a bootstrap: no seeds
+        z = float(ndtri(1 - alpha))
+        return {
+            "power_equivalence": float(max(0.0, 2 * ndtr(margin / se - z) - 1)),
+            "margin_80": float((z + ndtri((1 + POWER_TARGET) / 2)) * se),
+        }
+    d: _Design = part._design
+    tau = float(d._at(None)[0])
+    hi = 4.0
+    while d.power(hi * tau, alpha) < POWER_TARGET and hi < 1e4:
+        hi *= 2
+    m80 = float(brentq(lambda m: d.power(m * tau, alpha) - POWER_TARGET, 0.0, hi, xtol=1e-9)) * tau
+    return {
+        "power_equivalence": d.power(margin, alpha),
+        "margin_80": m80,
+        "seeds_needed": d.seeds_needed(margin, alpha),
+    }
 
 
 def holm(pvalues: Sequence[float]) -> np.ndarray:

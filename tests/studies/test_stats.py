@@ -484,3 +484,59 @@ def test_claim_p_and_the_corrections_across_claims_by_hand():
     assert [c[k]["bh_q"] for k in ("h1", "x", "h2", "i")] == pytest.approx(ss.false_discovery_control(ps))
     empty = S.across_claims({"nt": nt})
     assert empty["tested"] == 0 and empty["claims"] == {} and empty["held_after_bh"] == 0
+
+
+def test_tost_power_against_direct_integration_and_simulation():
+    """The equivalence part's power (true difference 0) against scipy's quad of the defining integral (one variance
+    estimate) and against simulated TOST decisions of the parts themselves (Welch and one-sample)."""
+    from scipy import integrate, stats
+
+    df, m = 4, 2.2
+    t = stats.t.ppf(0.95, df)
+    direct = integrate.quad(
+        lambda u: max(0.0, 2 * stats.norm.cdf(m - t * np.sqrt(u / df)) - 1) * stats.chi2.pdf(u, df),
+        0,
+        df * (m / t) ** 2,
+    )[0]
+    assert S.tost_power(m, df) == pytest.approx(direct, abs=1e-7)
+    assert S.tost_power(0.0, df) == 0.0 and S.tost_power(50.0, df) == pytest.approx(1.0, abs=1e-6)
+    rng = np.random.default_rng(11)
+    reps = 3000
+    for make, margin, want in (
+        (lambda: S.two_sample_part("d", rng.normal(0, 1, 3), rng.normal(0, 2, 3)), 3.0, ("welch", (1.0, 4.0), (3, 3))),
+        (lambda: S.one_sample_part("d", rng.normal(0, 1, 5)), 1.0, ("one", (1.0,), (5,))),
+    ):
+        hits = sum(S.equivalence_part(make(), margin).outcome == S.FOR for _ in range(reps))
+        kind, var, n = want
+        power = S._Design(kind, var, n, n[0] - 1).power(margin, S.ALPHA)
+        assert abs(hits / reps - power) < 4 * np.sqrt(power * (1 - power) / reps) + 0.003, (kind, hits / reps, power)
+
+
+def test_equivalence_part_states_its_power_margin_and_the_seeds_it_needs():
+    """The registers study's k-NN seeds (3 vs 3) at +-0.01: power 3%, the margin shown with 80% power about 0.038, 23
+    seeds needed; the seeds needed are the fewest with 80% power (one fewer has less); the numbers reach the JSON and
+    the sentence of a non-significant part; a bootstrap part gets the normal approximation and no seeds."""
+    a, b = [0.865234375, 0.865625, 0.855859375], [0.880078125, 0.863671875, 0.85078125]
+    e = S.equivalence_part(S.two_sample_part("k-NN", a, b), 0.01)
+    d = e.equivalence
+    assert d["power_equivalence"] == pytest.approx(0.026, abs=0.005)
+    assert d["margin_80"] == pytest.approx(0.038, abs=0.001)
+    n = d["seeds_needed"]
+    assert n == 23
+    des = e._design
+    assert des.power(0.01, S.ALPHA, (n, n)) >= 0.8 > des.power(0.01, S.ALPHA, (n - 1, n - 1))
+    assert des.power(d["margin_80"], S.ALPHA) == pytest.approx(0.8, abs=1e-6)
+    assert "23 seeds per configuration" in e.summary() and "power to show equivalence" in e.summary()
+    assert e.to_json()["details"]["seeds_needed"] == 23
+    boot = S.equivalence_part(S.bootstrap_part("m", np.random.default_rng(0).normal(0, 1, 256)), 0.05)
+    se = boot.se
+    assert "seeds_needed" not in boot.equivalence
+    assert boot.equivalence["power_equivalence"] == pytest.approx(
+        max(0.0, 2 * stats_norm_cdf(0.05 / se - 1.6448536) - 1), abs=1e-6
+    )
+
+
+def stats_norm_cdf(x):
+    from scipy.stats import norm
+
+    return float(norm.cdf(x))
