@@ -5,7 +5,8 @@ times the seconds of one image's forward and backward, timed on this model, here
 The shared pass over the analysis images (and the probe-train images where a measure reads them) is timed with the
 taps the requested measures capture and their updates; a measure that runs the model again in its ``finish`` (erf's
 input gradients, ablation's forwards from each target on) adds its own forwards and backwards. What a measure computes
-in its ``finish`` from what it accumulated (probes, clustering) is not counted.
+in its ``finish`` from what it accumulated is counted where the measure prices it in ``seconds`` (similarity: its map
+and permutation null, timed on random features of the real shape); the cheap ones (probes, clustering) are not.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class Estimate:
             self.measures[k] = self.measures.get(k, 0.0) + v
         for k, w in other.work.items():
             mine = self.work.setdefault(k, {"forwards": 0.0, "backwards": 0.0})
-            for part in ("forwards", "backwards"):
-                mine[part] += w.get(part, 0.0)
+            for part in ("forwards", "backwards", "seconds"):
+                mine[part] = mine.get(part, 0.0) + w.get(part, 0.0)
 
 
 def _best(fn, repeats: int = 3) -> float:
@@ -149,7 +150,7 @@ def estimate(ctx: Context, opts, names, timing: Timing | None = None) -> Estimat
     for m in ms:
         w = reg[m.name].cost(ctx, m.opts, len(ctx.data.analysis))
         est.work[m.name] = dict(w)
-        s = w.get("forwards", 0.0) * timing.forward + w.get("backwards", 0.0) * timing.backward
+        s = w.get("forwards", 0.0) * timing.forward + w.get("backwards", 0.0) * timing.backward + w.get("seconds", 0.0)
         if s > 0:
             est.measures[m.name] = s
     return est
@@ -177,6 +178,7 @@ def lines(est: Estimate, what: str) -> list[str]:
     for name, s in est.measures.items():
         w = est.work.get(name, {})
         parts = [f"{w[k]:,.0f} image {k}" for k in ("forwards", "backwards") if w.get(k)]
+        parts += [f"{duration(w['seconds'])} of its own computation"] if w.get("seconds") else []
         out.append(f"  {name}: {duration(s)} ({', '.join(parts)})")
     out.append(f"  total: about {duration(est.total)}")
     return out

@@ -208,7 +208,8 @@ class Measure:
         :mod:`analysis.engine.cost` turns into seconds with a timed forward and backward of this model. The default:
         nothing beyond the shared pass (the measure only reads taps and reduces them). A measure that runs the model
         in :meth:`finish` (erf, ablation) says how often; ``ctx.model`` is the model itself (read its shape, run no
-        pass)."""
+        pass beyond one image's). A measure whose :meth:`finish` computes for long on what it accumulated adds
+        ``"seconds"``, timed here (similarity's map and permutation null)."""
         return {"forwards": 0.0, "backwards": 0.0}
 
     def taps(self) -> set[str]:

@@ -55,15 +55,17 @@ smaller scores mean more alike), ``n_images``, ``n_perm``, ``alpha``, ``seed``.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 
 from analysis.engine.figures import BLOCK_AXIS, every_nth, layer_ticks, subplots
-from analysis.engine.measure import Measure, as_list, register
+from analysis.engine.measure import Context, Measure, as_list, register
 from analysis.engine.reduce import collect
+from analysis.engine.taps import Taps
 from analysis.estimators.cca import pwcca, svcca
 from analysis.estimators.features import stored
 from analysis.estimators.kernels import rbf_cka
@@ -158,6 +160,36 @@ def similarity_map(xs: list, ys: list | None, opts: SimilarityOptions) -> dict:
     return out
 
 
+TIMING_PERMUTATIONS = 16  # own_seconds times at most this many permutations
+
+
+def own_seconds(opts: SimilarityOptions, n: int, layers: int, dims: int) -> float:
+    """The seconds the map and its null of ``opts`` take on ``n`` images of ``layers`` layers of ``dims`` features,
+    timed here on random features of that shape: the map of one layer (one layer's preparation and one score, t1) and
+    of two layers (two preparations and four scores, t2) give a preparation p = t1 - s and a score s = max(0, (t2 - 2
+    t1) / 2); the null of one layer over P = min(n_perm, 16) permutations gives a permuted score q = (t1(P) - t1) / P.
+    The map of L layers: L p + L^2 s + n_perm L^2 q (an upper bound: the null's batched products share work across
+    cells)."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, dims, generator=gen) for _ in range(2)]
+    raw = replace(opts, n_perm=0)
+
+    def timed(feats, o) -> float:
+        t0 = time.perf_counter()
+        similarity_map(feats, None, o)
+        return time.perf_counter() - t0
+
+    t1, t2 = timed(xs[:1], raw), timed(xs, raw)
+    score = max(0.0, (t2 - 2 * t1) / 2)
+    prep = max(0.0, t1 - score)
+    out = layers * prep + layers**2 * score
+    if opts.n_perm:
+        p = min(opts.n_perm, TIMING_PERMUTATIONS)
+        q = max(0.0, timed(xs[:1], replace(opts, n_perm=p)) - t1) / p
+        out += opts.n_perm * layers**2 * q
+    return out
+
+
 @register
 class SimilarityMeasure(Measure):
     """How alike layers are beyond chance: a similarity estimator's layer x layer map, calibrated by a permutation null.
@@ -178,6 +210,17 @@ class SimilarityMeasure(Measure):
     @classmethod
     def model_problem(cls, ctx, opts):
         return repr_problem(ctx, opts.repr)
+
+    @classmethod
+    def cost(cls, ctx: Context, opts, n_images: int) -> dict[str, float]:
+        """No forwards of its own; its map and null in ``seconds`` (:func:`own_seconds`), for the widest layer's
+        features per image (from one no-grad forward of one image) and min(images, n_images) images."""
+        taps = [t for t, _ in cka_layers(ctx, opts.layers)]
+        with torch.no_grad(), Taps(ctx.model, taps) as cap:
+            ctx.model(ctx.data.normalize(ctx.data.analysis.images[:1].to(ctx.device)).float())
+            dims = max(represent(cap[t], opts.repr, ctx.prefix).reshape(1, -1).shape[1] for t in taps)
+        n = min(opts.images, n_images)
+        return {"forwards": 0.0, "backwards": 0.0, "seconds": own_seconds(opts, n, len(taps), dims)}
 
     def __init__(self, ctx, opts=None):
         super().__init__(ctx, opts)

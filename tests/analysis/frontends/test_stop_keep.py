@@ -231,3 +231,35 @@ def test_long_measures_tick_the_front_ends_bar_and_on_result_sees_each_result():
         ("ablation", "target", True),
     ]
     assert bars[0].total == 4 and kept == [(n, 16) for n in res if n != "meta"]
+
+
+def test_similarity_prices_its_own_map_and_null_in_seconds(monkeypatch):
+    """The similarity measure runs no forwards of its own but computes its map and null after the pass: its cost is
+    priced in seconds, timed here, and the estimate follows the option that drives it (n_perm) and lands within a
+    factor of the measured time of the same map and null; the estimate's lines name it."""
+    import time
+
+    import torch
+
+    from analysis.engine.suite import make_context
+    from analysis.measures.similarity import SimilarityMeasure, SimilarityOptions, own_seconds, similarity_map
+
+    torch.manual_seed(0)
+    model, data = _ctx(64)
+    ctx: Context = make_context(model, data, 8)
+    cheap = SimilarityMeasure.cost(ctx, SimilarityOptions(n_perm=0), 64)
+    dear = SimilarityMeasure.cost(ctx, SimilarityOptions(n_perm=400), 64)
+    assert cheap["forwards"] == cheap["backwards"] == 0.0 and 0 < cheap["seconds"] < dear["seconds"]
+    # against the measured map: 4 layers of 32 features, 256 images, 100 permutations (timings: generous bounds)
+    opts = SimilarityOptions(n_perm=100, images=256)
+    xs = [torch.randn(256, 32) for _ in range(4)]
+    t0 = time.perf_counter()
+    similarity_map(xs, None, opts)
+    measured = time.perf_counter() - t0
+    est = own_seconds(opts, 256, 4, 32)
+    assert measured / 5 < est < measured * 5, (est, measured)
+    # the estimate's lines say it, and a checkpoint's estimates add up
+    e = C.Estimate(C.Timing(1e-3, 1e-3, 1e-3), measures={"similarity": 2.0}, work={"similarity": dict(dear)})
+    assert "of its own computation" in "\n".join(C.lines(e, "x"))
+    e.add(C.Estimate(e.timing, measures={"similarity": 2.0}, work={"similarity": dict(dear)}))
+    assert e.work["similarity"]["seconds"] == pytest.approx(2 * dear["seconds"])
