@@ -498,10 +498,11 @@ def _t_part(name, est, se, df, test, n, sign, alpha, details, sd_per_se, power=N
     )
 
 
-def _degenerate(name, effect, test, n, sign, alpha, df, details) -> Part:
+def _degenerate(name, effect, test, n, sign, alpha, df, details, unit: str = "seed") -> Part:
     """A part whose seeds do not vary at all (SE = 0): no test is possible -- p undefined (NaN, null in JSON), the CI
     the point, p_reversal 1 (Holm counts it, it never rejects), outcome :data:`DEGENERATE`; :func:`decide` does not
-    let it support held or did not hold."""
+    let it support held or did not hold. A bootstrap whose resamples all give the estimate (no image-to-image
+    variation) is degenerate the same way (``df`` None)."""
     e = float(effect)
     return Part(
         name,
@@ -511,12 +512,12 @@ def _degenerate(name, effect, test, n, sign, alpha, df, details) -> Part:
         DEGENERATE,
         test,
         tuple(int(k) for k in n),
-        df=float(df),
+        df=None if df is None else float(df),
         se=0.0,
         sign=sign,
         alpha=alpha,
         p_reversal=1.0,
-        details={**(details or {}), "degenerate": "no seed-to-seed variation: every seed gives the same value"},
+        details={**(details or {}), "degenerate": f"no {unit}-to-{unit} variation: every {unit} gives the same value"},
     )
 
 
@@ -783,6 +784,9 @@ def _boot_part(name, arrays, stat, groups, sign, n_boot, seed, method, alpha, te
     if groups is not None:
         details.update(groups=members.shape[0], images=n)
         test = f"{test} over {members.shape[0]} groups"
+    if float(np.ptp(dist.boot)) <= 1e-12 * max(1.0, abs(dist.est)):  # every resample gives the estimate (to rounding)
+        unit = "group" if groups is not None else "image"
+        return _degenerate(name, dist.est, test, (members.shape[0],), sign, alpha, None, details, unit)
     return _from_dist(
         name,
         dist,

@@ -258,9 +258,9 @@ def test_bootstrap_is_seeded_vectorised_and_fast():
     xy = np.stack([x, x / 2 + rng.normal(0, 0.1, 256)], axis=1)
     r = S.bootstrap_part("ratio", xy, lambda s, axis: s[..., 1].mean(axis) / s[..., 0].mean(axis))
     assert r.effect == pytest.approx(xy[:, 1].mean() / xy[:, 0].mean()) and r.ci[0] < 0.5 < r.ci[1]
-    # the paired bootstrap of a statistic with itself is exactly zero
+    # the paired bootstrap of a statistic with itself is exactly zero, with no variation: degenerate, p undefined
     z = S.paired_bootstrap_part("0", x, x)
-    assert z.effect == 0 and z.ci == (0.0, 0.0) and z.p == 1.0
+    assert z.effect == 0 and z.ci == (0.0, 0.0) and z.outcome == S.DEGENERATE and np.isnan(z.p)
 
 
 def test_bootstrap_p_agrees_with_its_ci():
@@ -540,3 +540,23 @@ def stats_norm_cdf(x):
     from scipy.stats import norm
 
     return float(norm.cdf(x))
+
+
+def test_a_bootstrap_without_image_to_image_variation_is_degenerate_not_p_1_or_p_floor():
+    """Every image the same value: no resample differs from the estimate, so the bootstrap tests nothing; the part is
+    degenerate (p undefined, not the 1 of a zero effect nor the 1 / B of a non-zero one) and the claim not testable,
+    for one sample, a paired difference and grouped images alike."""
+    for part in (
+        S.bootstrap_part("zero", np.zeros(40)),
+        S.bootstrap_part("const", np.full(40, 0.3), sign=-1),
+        S.paired_bootstrap_part("paired", np.full(40, 0.3), np.full(40, 0.3)),
+        S.bootstrap_part("grouped", np.full(40, 0.1), groups=np.repeat(np.arange(8), 5)),
+    ):
+        assert part.outcome == S.DEGENERATE and np.isnan(part.p) and part.p_reversal == 1.0, part.summary()
+        assert part.to_json()["p"] is None
+        assert S.decide([part]).outcome == S.NOT_TESTABLE
+    assert S.bootstrap_part("const", np.full(40, 0.3), sign=-1).effect == pytest.approx(-0.3)
+    # one image that differs is enough to test again
+    v = np.full(40, 0.3)
+    v[0] = 0.31
+    assert S.bootstrap_part("almost", v).outcome != S.DEGENERATE
