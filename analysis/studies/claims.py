@@ -371,6 +371,8 @@ class Result:
     figures: list[tuple] = field(default_factory=list)  # (path, name, caption) shown after them
     ungated: Decision | None = None  # the decision with the preconditions off, for rules without parts (a count)
     outside_regime: str | None = None  # a sentence when the study's model is outside the regime the paper describes
+    # the paper's numbers tested against ours (analysis/studies/stats.py magnitude): beside the verdict, not in it
+    magnitudes: list[dict] = field(default_factory=list)
 
     @property
     def outcome(self) -> str:
@@ -532,7 +534,8 @@ def record(claim: Claim, r: Result) -> dict:
     preconditions with their numbers), our number and any further measured values; ``sanity`` (a sanity check, outside
     the tally), ``preregistered`` (the thresholds its verdict reads, each with the date and commit it was fixed at, and
     ``fixed_after_data`` with a sentence where one was fixed after the claim's verdict was first reported),
-    ``verdict_ungated`` (what the parts say with the preconditions off, :func:`ungated`) and ``outside_regime``."""
+    ``verdict_ungated`` (what the parts say with the preconditions off, :func:`ungated`), ``outside_regime`` and
+    ``magnitudes`` (the paper's numbers tested against ours, :func:`~analysis.studies.stats.magnitude`)."""
     u = ungated(r)
     pre = claim.prereg.to_json(claim.id) if claim.prereg is not None else None
     return _plain(
@@ -553,6 +556,7 @@ def record(claim: Claim, r: Result) -> dict:
             "why_ungated": u.why,
             "preregistered": pre,
             "outside_regime": r.outside_regime,
+            "magnitudes": r.magnitudes,
             "measured": r.measured,
         }
     )
@@ -652,6 +656,8 @@ def section(n: int, claim: Claim, r: Result) -> list[str]:
         lines += [f"- {_state(c)}: {c.sentence}" for c in d.preconditions]
         lines.append("")
     lines += _preregistered_lines(claim)
+    if r.magnitudes:
+        lines += ["The paper's number against ours:", ""] + [f"- {m['sentence']}" for m in r.magnitudes] + [""]
     if r.outside_regime:
         lines += [f"Outside the paper's regime: {r.outside_regime}", ""]
     if claim.sanity:

@@ -1049,6 +1049,37 @@ def _equivalence_power(part: Part, margin: float, alpha: float) -> dict:
     }
 
 
+def magnitude(part: Part, paper: float, unit: str = "", scale: float = 1.0) -> dict:
+    """The paper's number tested against ours (Science standard: magnitudes beside directions): is ``paper`` (in the
+    part's units and the paper's direction, e.g. a top-1 drop of 0.04) inside the part's 95% CI, and the two-sided p of
+    "the true effect is the paper's" from the part's own sampling distribution (its t, or its bootstrap's BCa interval
+    inverted at the paper's value). ``unit`` and ``scale`` write the sentence (``scale`` 100, ``unit`` " points":
+    fractions as percentage points). A part without a distribution (degenerate, or read back from JSON): no p."""
+    lo, hi = part.ci
+    inside = bool(lo <= paper <= hi)
+    p = None
+    if part._dist is not None:
+        lv = part._dist.level(float(paper))
+        p = float(max(part._dist.floor, min(1.0, 2 * min(lv, 1 - lv))))
+
+    def f(v):
+        return f"{scale * v:+.3g}{unit}"
+
+    where = "inside" if inside else "outside"
+    tail = f" (p = {p:.2g} that the true effect is the paper's)" if p is not None else ""
+    verdict = "our data are consistent with it" if inside else "our data exclude it at the 95% level"
+    return {
+        "part": part.name,
+        "paper": float(paper),
+        "ours": float(part.effect),
+        "ci": [float(lo), float(hi)],
+        "inside_ci": inside,
+        "p": p,
+        "sentence": f"{part.name}: the paper's {f(paper)} lies {where} our 95% CI [{f(lo)}, {f(hi)}] around "
+        f"{f(part.effect)}{tail}: {verdict}.",
+    }
+
+
 def holm(pvalues: Sequence[float]) -> np.ndarray:
     """Holm's step-down adjusted p-values: with p sorted ascending p_(1) <= ... <= p_(m),
     adj_(i) = min(1, max_{j <= i} (m - j + 1) p_(j)), returned in the input order. Reject H_i when adj_i < alpha."""

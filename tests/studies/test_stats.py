@@ -560,3 +560,22 @@ def test_a_bootstrap_without_image_to_image_variation_is_degenerate_not_p_1_or_p
     v = np.full(40, 0.3)
     v[0] = 0.31
     assert S.bootstrap_part("almost", v).outcome != S.DEGENERATE
+
+
+def test_magnitude_says_whether_the_papers_number_is_inside_our_interval():
+    """Raghu Fig. 8's 4-point drop against a drop of 0.54 points [-0.49, +1.58] (the committed reproduction's block 3,
+    re-made with seeds whose pooled t gives that interval): outside, with the t's p at the paper's value; a paper value
+    inside the CI is said to be consistent; the p is the two-sided t p of effect = paper (scipy's one-sample t on the
+    shifted data)."""
+    from scipy import stats as ss
+
+    a, b = np.array([0.861, 0.868, 0.871]), np.array([0.858, 0.864, 0.862])
+    part = S.two_sample_part("block 3 top-1 drop", a, b)
+    m = S.magnitude(part, 0.04, " points", 100)
+    assert not m["inside_ci"] and "outside our 95% CI" in m["sentence"] and "+4 points" in m["sentence"]
+    want = ss.ttest_ind(a - 0.04, b, equal_var=False).pvalue
+    assert m["p"] == pytest.approx(want, rel=1e-6)
+    near = S.magnitude(part, part.effect + 0.1 * (part.ci[1] - part.effect), " points", 100)
+    assert near["inside_ci"] and near["p"] > 0.05 and "consistent" in near["sentence"]
+    one = S.one_sample_part("x", [1.0, 2.0, 3.0, 4.0])
+    assert S.magnitude(one, 2.0)["p"] == pytest.approx(ss.ttest_1samp([1.0, 2.0, 3.0, 4.0], 2.0).pvalue, rel=1e-6)
