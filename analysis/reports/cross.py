@@ -103,18 +103,35 @@ def check_same_images(run: Run, other: Run) -> tuple:
     """Both runs' data; raise AnalysisError unless they analyse the same images."""
     data, odata = load_data(run), load_data(other)
     if fingerprint(run) != fingerprint(other):
+        names = f"runs {storage.shown(run.path)} and {storage.shown(other.path)}"
         if run.recipe.data == other.recipe.data:  # the same settings: the seeds drew different analysis images
             raise AnalysisError(
-                f"runs {run.path} and {other.path} analyse different images (same data settings, but the analysis "
-                f"images are drawn with each recipe's seed: {run.recipe.seed} vs {other.recipe.seed}): cross-run CKA "
-                "needs the same images, so compare runs of one seed, or call analysis.reports.cross.against(..., "
-                "on_other_images=True) to read both models on the second run's images."
+                f"{names} analyse different images (same data settings, but the analysis images are drawn with each "
+                f"recipe's seed: {run.recipe.seed} vs {other.recipe.seed}): cross-run CKA needs the same images, so "
+                "compare runs of one seed, or call analysis.reports.cross.against(..., on_other_images=True) to read "
+                "both models on the second run's images."
             )
         raise AnalysisError(
-            f"runs {run.path} and {other.path} analyse different images (their data sections differ): "
-            "cross-run CKA needs the same analysis images, so compare runs made with the same data settings."
+            f"{names} analyse different images (their data sections differ): cross-run CKA needs the same analysis "
+            "images, so compare runs made with the same data settings."
         )
     return data, odata
+
+
+def images_for(run: Run, other: Run, on_other_images: bool = False) -> tuple:
+    """(data for ``run``'s model, data for ``other``'s, the fingerprint of the images both are read on): the runs' own
+    images when they analyse the same ones (:func:`check_same_images`), or with ``on_other_images`` both on
+    ``other``'s analysis images, which needs the same data settings (two seeds of one configuration)."""
+    if not on_other_images:
+        data, odata = check_same_images(run, other)
+        return data, odata, fingerprint(run)
+    if run.recipe.data != other.recipe.data:
+        raise AnalysisError(
+            f"runs {storage.shown(run.path)} and {storage.shown(other.path)} have different data sections: reading "
+            "one on the other's analysis images needs the same data settings (only the seed may differ)."
+        )
+    data = load_data(other)
+    return data, data, fingerprint(other)
 
 
 def against_dir(run: Run, step: int, other: Run, other_step: int, kind: str = "analysis") -> Path:
@@ -143,17 +160,7 @@ def against(
     opts = opts or S.SuiteOptions()
     steps = sorted(run.step(s) for s in (steps or [None]))
     check_writable(run)
-    if on_other_images:
-        if run.recipe.data != other.recipe.data:
-            raise AnalysisError(
-                f"runs {run.path} and {other.path} have different data sections: reading one on the other's "
-                "analysis images needs the same data settings (only the seed may differ)."
-            )
-        data = odata = load_data(other)
-        fp = fingerprint(other)
-    else:
-        data, odata = check_same_images(run, other)
-        fp = fingerprint(run)
+    data, odata, fp = images_for(run, other, on_other_images)
     stats: dict = {"results": {}, "computed": [], "reused": [], "similarity": {}}
     omodel = None
     for step in tqdm(steps, desc=f"{run.name} vs {other.name}", disable=not progress, unit="ckpt"):

@@ -46,6 +46,11 @@ def make_figures(res: dict, step: int | None = None, part: str | None = None) ->
     return figs
 
 
+def figure_file(tag: str) -> str:
+    """The PNG file name of a figure's tag (``norm_ratio/lines`` -> ``norm_ratio_lines.png``; storage.py's layout)."""
+    return f"{tag.replace('/', '_')}.png"
+
+
 def log_results(res: dict, writer, step: int, part: str | None = None) -> None:
     """TensorBoard scalars of every measure under ``analysis/`` (e.g. ``analysis/cka/mean_offdiag``; another part
     than the default under ``analysis/<part>/``), so the training and eval curves are not spread among dozens of
@@ -106,6 +111,6 @@ def publish_figures(
             writer.add_image(SCALAR_PREFIX + name, rgb, step, dataformats="HWC")
         if png:  # the file name without the part: the part's own folder says it
             stem = name[len(label) + 1 :] if label else name
-            write_png(rgb, Path(figure_dir) / f"{stem.replace('/', '_')}.png")
+            write_png(rgb, Path(figure_dir) / figure_file(stem))
     if writer is not None:  # drawn after the checkpoint's flush (in the background): a kill must not lose them
         writer.flush()

@@ -37,6 +37,17 @@ from analysis.engine.measure import load_result, registry, save_result
 from train.checkpoint import step_dir_name
 
 DEFAULT_PART = "student"  # the network analysed unless told: the backbone a run trains (a supervised run's only one)
+REPOSITORY = Path(__file__).resolve().parents[2]  # the checkout this module is in (analysis/results/storage.py)
+
+
+def shown(path) -> str:
+    """``path`` as messages and generated reports show it: relative to the repository (``runs/study-x/run_s0``; a
+    path outside it as ``../``-relative), never the machine's absolute path, which says nothing on another machine."""
+    p = Path(os.path.abspath(path))
+    try:
+        return p.relative_to(REPOSITORY).as_posix()
+    except ValueError:
+        return Path(os.path.relpath(p, REPOSITORY)).as_posix()
 
 
 def _part_root(run_path: Path, kind: str, part: str | None) -> Path:

@@ -53,6 +53,8 @@ def test_test_time_removal_costing_far_more_than_training_without_holds():
     part = next(p for p in v.decision.parts if p.name.startswith("block 2"))
     assert part.effect == pytest.approx(np.mean([0.846 - 0.30, 0.852 - 0.31, 0.85 - 0.32])) and part.test == "paired t"
     assert part.ci[0] > 0 and "test time 55.3, training 1.3 points" in v.ours
+    # the training cost here is read on the analysis images, not the trainer's test top-1: labelled as such
+    assert v.ours.endswith("(top-1 on the 1000 analysis images)") and "test split by the trainer" in v.lines[0]
 
 
 def test_the_opposite_direction_and_noise_give_the_other_outcomes():

@@ -293,3 +293,20 @@ def test_the_photos_carry_their_photo_and_a_folder_its_images(tmp_path):
     own = image_set(str(tmp_path), model, img_size=32)
     assert np.array_equal(own.groups, np.arange(3)) and own.population == "these 3 images"
     assert own.meta["probe"] == "no probe images" and own.probe_groups is None
+
+
+def test_the_measures_figures_are_drawn_from_the_results_with_no_step_and_blocks_from_0():
+    """The report draws the measures' figures it shows from their results (not copies of whatever the run's figure
+    folder holds, which an earlier version may have titled "(step 0)" and numbered otherwise): no training step in any
+    title, blocks on the x axis from 0 as in the report's tables and text ("Blocks are numbered from 0")."""
+    from analysis.engine.figures import BLOCK_AXIS
+    from analysis.studies.real_vit.figures import suite_figures
+
+    blocks = [f"blocks.{i}" for i in range(12)]
+    res = {"norm_ratio": {"ratio": np.ones((2, 12, 5)), "blocks": blocks, "sublayers": ["attn", "mlp"],
+                          "num_prefix_tokens": 1}}  # fmt: skip
+    figs = suite_figures(res, {"norm_ratio_lines.png", "cka_self.png"})
+    assert set(figs) == {"norm_ratio_lines.png"}  # only the figures asked for, and only those with results
+    ax = figs["norm_ratio_lines.png"].axes[0]
+    assert "step" not in ax.get_title() and ax.get_xlabel() == BLOCK_AXIS == "block (0 = first)"
+    assert ax.get_xticks()[0] == 0 and max(ax.get_lines()[0].get_xdata()) == 11  # blocks 0-11, not 1-12

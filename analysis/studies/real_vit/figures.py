@@ -10,7 +10,16 @@ import torch
 
 from analysis.engine.figures import BLOCK_AXIS, grid_labels, save, subplots
 from analysis.engine.taps import Taps, block_names, grid_of, num_prefix_tokens
+from analysis.results.publish import figure_file, make_figures
 from analysis.studies.locality import LOCAL_FRACTION
+
+
+def suite_figures(res: dict, names) -> dict:
+    """{file name: figure} of the measures' figures named in ``names``, drawn from the results ``res`` now rather than
+    copied from the run's figure folder, where a figure drawn by an earlier version may lie beside a reused result:
+    the model comes from elsewhere, so no title names a training step ("step 0"), and blocks are numbered from 0 on
+    every axis (BLOCK_AXIS), as in the report's tables and text."""
+    return {f: fig for tag, fig in make_figures(res, None).items() if (f := figure_file(tag)) in names}
 
 
 def distance_figure(dist_mean: np.ndarray, uniform: float, path: Path) -> None:

@@ -5,7 +5,6 @@ decided over the images by the claim engine (:func:`~analysis.studies.claims.run
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis.engine import suite as S
+from analysis.engine.figures import save
 from analysis.engine.measure import load_result
 from analysis.engine.taps import grid_of
 from analysis.frontends import runner as RN
@@ -24,7 +24,7 @@ from analysis.sources import models as MS
 from analysis.sources import pretrained as P
 from analysis.studies.claims import record, run_claims, write_json
 from analysis.studies.real_vit import PAPER
-from analysis.studies.real_vit.figures import cls_maps_figure, distance_figure
+from analysis.studies.real_vit.figures import cls_maps_figure, distance_figure, suite_figures
 from analysis.studies.real_vit.reads import image_context
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -126,7 +126,7 @@ def build(
     ctx = image_context(model, data, batch)  # heads chosen on the probe crops, tested on the analysis views
     t_claims = time.time() - t1
     claims = claim_records(ctx)
-    copied = draw_figures(model, data, res, ctx.uniform, root / "figures" / "step_0000000", fig_dir)
+    copied = draw_figures(model, data, res, ctx.uniform, fig_dir)
     grid = tuple(grid_of(model))
     summary = {
         "model": f"timm:{arch}",
@@ -197,20 +197,18 @@ def run_measures(run, data, progress: bool, erf: bool) -> dict:
     return stats
 
 
-def draw_figures(model, data, res: dict, uniform: float, figs: Path, fig_dir: Path) -> list[str]:
-    """The report's own figures into ``fig_dir``, and the suite's figures of :data:`FIGURES` copied there from
-    ``figs``; returns the names of the copied ones."""
+def draw_figures(model, data, res: dict, uniform: float, fig_dir: Path) -> list[str]:
+    """The report's own figures into ``fig_dir``, and the measures' figures of :data:`FIGURES`, drawn there from the
+    results (:func:`suite_figures`); returns the names of the measures' figures drawn."""
     fig_dir.mkdir(parents=True, exist_ok=True)
     distance_figure(
         np.asarray(res["attention_distance"]["pixels"]), uniform, fig_dir / "attention_distance_vs_uniform.png"
     )
     cls_maps_figure(model, data.analysis, data.normalize, data.class_names, fig_dir / "cls_attention_photos.png")
-    copied = []
-    for name in FIGURES:
-        if (figs / name).is_file():
-            shutil.copy(figs / name, fig_dir / name)
-            copied.append(name)
-    return copied
+    drawn = suite_figures(res, FIGURES)
+    for name, fig in drawn.items():
+        save(fig, fig_dir / name)
+    return [name for name in FIGURES if name in drawn]
 
 
 def measure_numbers(res: dict) -> dict:

@@ -7,6 +7,7 @@ import numpy as np
 
 from analysis.engine import suite as S
 from analysis.engine.measure import as_list
+from analysis.measures.attention_distance import AttentionDistanceMeasure
 from analysis.reports import cross as XC
 from analysis.results import storage
 from analysis.sources import models as MS
@@ -58,6 +59,13 @@ def distances(ctx, run, unit: str = "unit_square", previous: bool = False):
     return None if a is None else np.asarray(a[unit], dtype=float)
 
 
+def uniform_distance(ctx, run, unit: str = "unit_square") -> float | None:
+    """Uniform attention's mean distance on the run's token grid, in ``unit`` (the attention_distance measure's own
+    reference, :meth:`AttentionDistanceMeasure.uniform`), or None when the run has no attention-distance result."""
+    a = ctx.last(run, "attention_distance")
+    return None if a is None else AttentionDistanceMeasure.uniform(a, unit)
+
+
 def attn_skip(ctx, run):
     """residual_cka skip_branch of the attention sublayer [L], or None."""
     res = ctx.last(run, "residual_cka")
@@ -78,31 +86,33 @@ def block_outputs(labels) -> np.ndarray:
     return np.array(idx if idx else range(len(labels)))
 
 
-def cross_same_index(a, b, opts) -> np.ndarray | None:
+def cross_same_index(a, b, opts, on_other_images: bool = False) -> np.ndarray | None:
     """Linear CKA of the same block's outputs of a's and b's last checkpoints (analysis/reports/cross.py against,
-    cached)."""
+    cached); ``on_other_images``: both read on b's analysis images (two seeds of one objective draw different ones)."""
     step = max(a.checkpoints)
-    r = XC.against(a, b, max(b.checkpoints), [step], opts, progress=False)["results"][step]
+    r = XC.against(a, b, max(b.checkpoints), [step], opts, progress=False, on_other_images=on_other_images)
+    r = r["results"][step]
     return np.asarray(r["same_index"])[block_outputs(r["labels_a"])] if "same_index" in r else None
 
 
-def cls_cka(a, b, study) -> float:
+def cls_cka(a, b, study, on_other_images: bool = False) -> float:
     """Linear CKA of the last block's CLS token between two runs' last checkpoints (Walmer Fig. 6 left), cached in
-    ``<study root>/walmer/cls_cka.json`` under a key of both weights, the images and the CKA estimator."""
+    ``<study root>/walmer/cls_cka.json`` under a key of both weights, the images and the CKA estimator;
+    ``on_other_images``: both read on b's analysis images (:func:`analysis.reports.cross.images_for`)."""
     opts = study.suite_options(["cka"])
     co = opts.of("cka")
+    data, bdata, fp = XC.images_for(a, b, on_other_images)
     key = ":".join(
         [
             MS.weights_key(a, max(a.checkpoints)),
             MS.weights_key(b, max(b.checkpoints)),
-            MS.fingerprint(a),
+            fp,
             str(opts.batch_size),
             str(co.unbiased),
         ]
     )
 
     def compute() -> float:
-        data, bdata = XC.check_same_images(a, b)
         cls = S.suite_options(
             ["cka"], opts.batch_size, {"cka": {"repr": "cls", "layers": "blocks", "unbiased": co.unbiased}}
         )
@@ -112,3 +122,25 @@ def cls_cka(a, b, study) -> float:
         return float(np.asarray(res["matrix"])[-1, -1])
 
     return storage.json_cached(study.root / "walmer" / "cls_cka.json", key, compute)
+
+
+def seed_pairs(runs: list) -> list[tuple]:
+    """Every pair of two seeds of one objective, (later seed, earlier seed): the cross-seed ceiling reads both on the
+    earlier seed's analysis images (as Raghu's data-drift ceiling does)."""
+    return [(runs[j], runs[i]) for i in range(len(runs)) for j in range(i + 1, len(runs))]
+
+
+def cls_ceiling(runs: list, study) -> list[float]:
+    """The cross-seed ceiling of the last-block CLS CKA: :func:`cls_cka` between every two seeds of one objective, both
+    read on the earlier seed's images -- what a different initialisation and data order alone leave of the CKA, the
+    reference cross-objective CKA is read against (Kornblith et al. 2019's sanity check of a similarity index: the
+    same layer of two seeds of one network). One value per seed pair; AnalysisError when the seeds' data settings
+    differ."""
+    return [cls_cka(a, b, study, on_other_images=True) for a, b in seed_pairs(runs)]
+
+
+def all_tokens_ceiling(runs: list, opts) -> list[float]:
+    """The same ceiling for the study's CKA representation (all tokens): the last block's same-index CKA between
+    every two seeds of one objective (:func:`cross_same_index` on the earlier seed's images)."""
+    out = [cross_same_index(a, b, opts, on_other_images=True) for a, b in seed_pairs(runs)]
+    return [float(c[-1]) for c in out if c is not None]

@@ -11,7 +11,8 @@ import json
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from analysis.engine.figures import BLOCK_AXIS, save, subplots
+from analysis.engine.figures import BLOCK_AXIS, save, subplots, uniform_line
+from analysis.results import folders as RF0
 from analysis.studies.walmer2023 import controls as K
 from analysis.studies.walmer2023 import numbers as N
 from analysis.studies.walmer2023 import reads as R
@@ -249,16 +250,17 @@ def objectives_section(ctx) -> None:
 
 
 def controls_section(ctx) -> None:
-    """The random-initialised network of each run's architecture and seed, and the raw pixels: k-NN and purity of the
-    CLS token (controls.py); a table, and ``ctx.shared`` for the semantic claims."""
+    """The random-initialised network of each run's architecture and seed, and the raw pixels of each run's analysis
+    images: k-NN and purity of the CLS token (controls.py); a table (mean over every run), and ``ctx.shared`` for the
+    semantic claims: ``random_init`` and ``raw_pixels`` {objective: [per run]}, ``controls`` the table's means."""
     objs = {o: rs for o, rs in objectives(ctx).items() if all(R.has_cls(r) for r in rs)}
     if not objs:
         return
     init = {o: [K.random_init(r, ctx.study) for r in rs] for o, rs in objs.items()}
-    first = next(iter(objs.values()))[0]
-    pixels = K.raw_pixels(first, ctx.study)
-    ctx.shared["random_init"], ctx.shared["pixels"] = init, pixels
+    pixels = {o: [K.raw_pixels(r, ctx.study) for r in rs] for o, rs in objs.items()}  # cached per analysis images
+    ctx.shared["random_init"], ctx.shared["raw_pixels"] = init, pixels
     flat = [i for v in init.values() for i in v if i["knn"] is not None]
+    px = [x for v in pixels.values() for x in v]
     chance = [k for rs in objs.values() for k in (R.knn(ctx, r) for r in rs) if k]
     pur = [p for rs in objs.values() for p in (R.purity(ctx, r) for r in rs) if p]
     if not flat:
@@ -266,8 +268,8 @@ def controls_section(ctx) -> None:
     ctx.shared["controls"] = {
         "init_knn": float(np.mean([i["knn"][-1] for i in flat])),
         "init_purity": float(np.mean([i["purity"][-1] for i in flat])),
-        "pixels_knn": pixels["knn"],
-        "pixels_purity": pixels["purity"],
+        "pixels_knn": float(np.mean([x["knn"] for x in px])),
+        "pixels_purity": float(np.mean([x["purity"] for x in px])),
         "chance_knn": float(np.mean([k["baseline"] for k in chance])) if chance else float("nan"),
         "chance_purity": float(np.mean([p["baseline"] for p in pur])) if pur else float("nan"),
     }
@@ -276,10 +278,11 @@ def controls_section(ctx) -> None:
         "## Controls of the semantic claims",
         "",
         "What the k-NN and the clustering of the CLS token give without learned features (last block; the same bank, "
-        "queries, k and k-means as the measures): Walmer's random chance (Gaussian features of the same shape, App. "
-        "B.3), a random-initialised network of the same architecture (each run's recipe built under its seed: what "
-        "the architecture alone gives), and the raw pixels (the flattened normalised images: what the input alone "
-        "gives).",
+        "queries, k and k-means as the measures; mean over the runs, each on its own analysis images): Walmer's random "
+        "chance (Gaussian features of the same shape, App. B.3), a random-initialised network of the same "
+        "architecture (each run's recipe built under its seed: what the architecture alone gives), and the raw pixels "
+        "(the flattened normalised images: what the input alone gives). A claim that features are semantic is tested "
+        "against the strongest of them.",
         "",
         "| baseline | k-NN top-1 | cluster purity |",
         "| --- | --- | --- |",
@@ -288,15 +291,18 @@ def controls_section(ctx) -> None:
         f"| raw pixels | {c['pixels_knn']:.4f} | {c['pixels_purity']:.4f} |",
         "",
     )
-    ctx.doc.data["controls"] = {"random_init": init, "pixels": pixels}
+    ctx.doc.data["controls"] = {"random_init": init, "raw_pixels": pixels, "means": c}
 
 
 # ------------------------------------------------------------------------------------------------ figures
 
 
-def _curves(ax, curves: dict[str, list], ylabel: str, title: str, baseline: dict | None = None, ylim=None) -> None:
+def _curves(
+    ax, curves: dict[str, list], ylabel: str, title: str, baseline: dict | None = None, ylim=None, levels=None
+) -> None:
     """One line per objective (mean over seeds, markers) with each seed thin; ``baseline`` {name: [seed curves]}
-    dotted (random features, a random-initialised network)."""
+    grey, dotted / dashed / dash-dotted (random features, a random-initialised network); ``levels`` {label: value}
+    black horizontal reference lines of one number, dashed (the raw pixels, which have no blocks)."""
     for o, cs in curves.items():
         cs = [np.asarray(c, dtype=float) for c in cs]
         x = np.arange(len(cs[0]))
@@ -306,6 +312,9 @@ def _curves(ax, curves: dict[str, list], ylabel: str, title: str, baseline: dict
     for j, (name, cs) in enumerate((baseline or {}).items()):
         if cs:
             ax.plot(np.arange(len(cs[0])), np.mean(cs, 0), color="grey", ls=(":", "--", "-.")[j % 3], lw=1, label=name)
+    for name, v in (levels or {}).items():
+        if v is not None and np.isfinite(v):
+            ax.axhline(v, color="k", ls="--", lw=1, label=name)
     ax.set_xticks(range(max(len(cs[0]) for cs in curves.values())))
     ax.set_xlabel(BLOCK_AXIS)
     ax.set_ylabel(ylabel)
@@ -315,8 +324,10 @@ def _curves(ax, curves: dict[str, list], ylabel: str, title: str, baseline: dict
     ax.legend(fontsize=6)
 
 
-def _attention_figure(dist: dict[str, list], path) -> None:
-    """Walmer Fig. 4: every head's attention distance by block per objective (left), the per-block means (right)."""
+def _attention_figure(dist: dict[str, list], path=None, uniform: float | None = None):
+    """Walmer Fig. 4: every head's attention distance by block per objective (left), the per-block means (right);
+    ``uniform``: uniform attention's mean distance on the same grid and unit, the reference line of both panels (a
+    head near it is global), whose axis starts at 0. Saved to ``path`` when given; returns the figure."""
     fig, (a, b) = subplots(1, 2, figsize=(10, 3.6), sharey=True)
     k = len(dist)
     for j, (o, ds) in enumerate(dist.items()):
@@ -339,23 +350,35 @@ def _attention_figure(dist: dict[str, list], path) -> None:
     a.legend(fontsize=6)
     mean = {o: [N.head_mean(d) for d in ds] for o, ds in dist.items()}
     _curves(b, mean, "attention distance (unit square)", "mean over heads")
+    top = max([float(np.nanmax(np.asarray(d))) for ds in dist.values() for d in ds] + [uniform or 0.0])
+    for ax in (a, b):
+        uniform_line(ax, uniform, "")
+        ax.set_ylim(0, 1.08 * top)
+        ax.legend(fontsize=6)
     fig.suptitle("Average attention distance by block and objective (cf. Walmer Fig. 4)", fontsize=10)
     fig.tight_layout()
-    save(fig, path)
+    if path is not None:
+        save(fig, path)
+    return fig
 
 
-def _panels_figure(panels: dict[str, tuple], title: str, path) -> None:
-    """Side by side line panels: {panel title: (curves, ylabel, baseline or None, ylim or None)}."""
+def _panels_figure(panels: dict[str, tuple], title: str, path=None):
+    """Side by side line panels: {panel title: (curves, ylabel, baseline or None, ylim or None[, levels])}; saved to
+    ``path`` when given; returns the figure."""
     fig, axes = subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    for ax, (name, (curves, ylabel, base, ylim)) in zip(axes[0], panels.items()):
-        _curves(ax, curves, ylabel, name, base, ylim)
+    for ax, (name, (curves, ylabel, base, ylim, *levels)) in zip(axes[0], panels.items()):
+        _curves(ax, curves, ylabel, name, base, ylim, *levels)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    save(fig, path)
+    if path is not None:
+        save(fig, path)
+    return fig
 
 
-def _cka_last_figure(mats: dict[str, np.ndarray], names: list[str], path) -> None:
-    """Walmer Fig. 6: last-block CKA between the objectives' models (mean over seeds), a heatmap per representation."""
+def _cka_last_figure(mats: dict[str, np.ndarray], names: list[str], path=None):
+    """Walmer Fig. 6: last-block CKA between the objectives' models (mean over seeds), a heatmap per representation;
+    on the diagonal the cross-seed ceiling (two seeds of one objective, mean over seed pairs; "-" where not measured),
+    the reference each row's off-diagonal cells are read against. Saved to ``path`` when given; returns the figure."""
     fig, axes = subplots(1, len(mats), figsize=(3.6 * len(mats) + 0.8, 3.5), squeeze=False, layout="constrained")
     im = None
     for ax, (title, m) in zip(axes[0], mats.items()):
@@ -367,12 +390,41 @@ def _cka_last_figure(mats: dict[str, np.ndarray], names: list[str], path) -> Non
         for i, j in np.ndindex(m.shape):
             if np.isfinite(m[i, j]):
                 color = "black" if m[i, j] > 0.5 else "white"
-                ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize=7, color=color)
+                cell = f"{m[i, j]:.2f}" + ("\nseeds" if i == j else "")
+                ax.text(j, i, cell, ha="center", va="center", fontsize=7, color=color)
+            elif i == j:
+                ax.text(j, i, "-", ha="center", va="center", fontsize=7, color="grey")
         ax.set_title(title, fontsize=9)
     if im is not None:
         fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8).set_label("CKA (mean over seeds)")
-    fig.suptitle("Last-block CKA between objectives (cf. Walmer Fig. 6)", fontsize=10)
-    save(fig, path)
+    fig.suptitle(
+        "Last-block CKA between objectives; diagonal: two seeds of one objective (cf. Walmer Fig. 6)", fontsize=10
+    )
+    if path is not None:
+        save(fig, path)
+    return fig
+
+
+def cka_matrix(names: list[str], cross: dict, ceiling: dict) -> np.ndarray:
+    """[objectives x objectives] mean CKA: off the diagonal ``cross`` {(a, b): per seed pair}, on it ``ceiling``
+    {objective: per pair of its seeds} (NaN where not measured)."""
+    m = np.full((len(names), len(names)), np.nan)
+    for (a, b), v in cross.items():
+        m[names.index(a), names.index(b)] = m[names.index(b), names.index(a)] = np.mean(v) if len(v) else np.nan
+    for o, v in ceiling.items():
+        m[names.index(o), names.index(o)] = np.mean(v) if len(v) else np.nan
+    return m
+
+
+def _ceilings(objs: dict, fn) -> tuple[dict, list[str]]:
+    """{objective: fn(its runs)} where the seeds can be compared, and why not elsewhere (AnalysisError sentences)."""
+    out, why = {}, []
+    for o, rs in objs.items():
+        try:
+            out[o] = fn(rs)
+        except RF0.AnalysisError as e:
+            why.append(f"{o}: {e}")
+    return out, why
 
 
 def _per(ctx, fn) -> dict:
@@ -382,12 +434,16 @@ def _per(ctx, fn) -> dict:
 def attention_figures(ctx, root) -> None:
     dist = {o: v for o, v in _per(ctx, R.distances).items() if v}
     if dist:
-        _attention_figure(dist, root / "attention_distance.png")
+        uniform = next(
+            (u for rs in objectives(ctx).values() for u in (R.uniform_distance(ctx, r) for r in rs) if u), None
+        )
+        _attention_figure(dist, root / "attention_distance.png", uniform)
         ctx.doc.figure(
             root / "attention_distance.png",
             "attention_distance",
             "Average attention distance (token grid on a unit square) of every head by block and objective, and the "
-            "per-block mean (cf. Walmer Fig. 4)",
+            "per-block mean (cf. Walmer Fig. 4); dotted: uniform attention's mean distance on the same grid"
+            + (f" ({uniform:.3f})" if uniform else ""),
         )
     cls_att = {o: v for o, v in _per(ctx, lambda c, r: c.last(r, "cls_attention")).items() if v}
     if cls_att:
@@ -418,11 +474,11 @@ def attention_figures(ctx, root) -> None:
         )
 
 
-def semantic_figure(ctx, root) -> None:
-    knn, pur = {o: v for o, v in _per(ctx, R.knn).items() if v}, {o: v for o, v in _per(ctx, R.purity).items() if v}
-    if not knn and not pur:
-        return
-    init = [i for v in ctx.shared.get("random_init", {}).values() for i in v if i and i["knn"] is not None]
+def semantic_panels(knn: dict, pur: dict, init: list, pixels: list) -> dict:
+    """The panels of the semantic figure: per objective the k-NN top-1 and the purity curves of the CLS token, grey
+    the Gaussian features' and the random-initialised network's curves, and a dashed line at the raw pixels' read-out
+    (mean over runs; one number, no blocks), labelled with it -- every baseline the semantic claims are tested
+    against."""
     base_k = {
         "Gaussian features": [k["baseline_curve"] for v in knn.values() for k in v],
         "random-init network": [i["knn"] for i in init],
@@ -431,6 +487,8 @@ def semantic_figure(ctx, root) -> None:
         "Gaussian features": [p["baseline_curve"] for v in pur.values() for p in v],
         "random-init network": [i["purity"] for i in init],
     }
+    px_k = float(np.mean([x["knn"] for x in pixels])) if pixels else None
+    px_p = float(np.mean([x["purity"] for x in pixels])) if pixels else None
     panels = {}
     if knn:
         panels["k-NN top-1 (k = 20), CLS token"] = (
@@ -438,6 +496,7 @@ def semantic_figure(ctx, root) -> None:
             "top-1",
             base_k,
             (0, 1),
+            {f"raw pixels ({px_k:.3f})": px_k} if px_k is not None else {},
         )
     if pur:
         panels["k-means cluster purity, CLS token"] = (
@@ -445,9 +504,19 @@ def semantic_figure(ctx, root) -> None:
             "purity",
             base_p,
             (0, 1),
+            {f"raw pixels ({px_p:.3f})": px_p} if px_p is not None else {},
         )
+    return panels
+
+
+def semantic_figure(ctx, root) -> None:
+    knn, pur = {o: v for o, v in _per(ctx, R.knn).items() if v}, {o: v for o, v in _per(ctx, R.purity).items() if v}
+    if not knn and not pur:
+        return
+    init = [i for v in ctx.shared.get("random_init", {}).values() for i in v if i and i["knn"] is not None]
+    pixels = [x for v in ctx.shared.get("raw_pixels", {}).values() for x in v if x]
     _panels_figure(
-        panels,
+        semantic_panels(knn, pur, init, pixels),
         "Global semantics of the CLS token by block and objective (cf. Walmer Fig. 9 left, Fig. 7 left)",
         root / "semantic.png",
     )
@@ -455,8 +524,8 @@ def semantic_figure(ctx, root) -> None:
         root / "semantic.png",
         "semantic",
         "k-NN top-1 (left) and cluster purity (right) of the CLS token at every block's output; grey: the same "
-        "read-out on random Gaussian features (dotted) and of a random-initialised network (dashed) (cf. Walmer "
-        "Fig. 9 left, Fig. 7 left)",
+        "read-out on random Gaussian features (dotted) and of a random-initialised network (dashed); black dashed: "
+        "the raw pixels (one number, labelled) (cf. Walmer Fig. 9 left, Fig. 7 left)",
     )
 
 
@@ -493,20 +562,31 @@ def cka_figures(ctx, root) -> None:
             ],
             "",
         )
-    cls = {}
+    cls, cls_ceiling, why = {}, {}, []
     if all(R.has_cls(r) for rs in objs.values() for r in rs):
         for a, b in ((a, b) for i, a in enumerate(names) for b in names[i + 1 :]):
             cls[(a, b)] = [R.cls_cka(ra, rb, ctx.study) for ra, rb in zip(objs[a], objs[b])]
+        cls_ceiling, why = _ceilings(objs, lambda rs: R.cls_ceiling(rs, ctx.study))
+    all_ceiling, why_all = _ceilings(objs, lambda rs: R.all_tokens_ceiling(rs, ctx.opts)) if last_all else ({}, [])
     mats = {}
-    for title, vals in (("CLS token", cls), ("all tokens (study's CKA representation)", last_all)):
+    for title, vals, ceil in (
+        ("CLS token", cls, cls_ceiling),
+        ("all tokens (study's CKA representation)", last_all, all_ceiling),
+    ):
         if vals:
-            m = np.full((len(names), len(names)), np.nan)
-            np.fill_diagonal(m, 1.0)
-            for (a, b), v in vals.items():
-                m[names.index(a), names.index(b)] = m[names.index(b), names.index(a)] = np.mean(v) if v else np.nan
-            mats[title] = m
+            mats[title] = cka_matrix(names, vals, ceil)
     if mats:
         _cka_last_figure(mats, names, root / "cka_last.png")  # shown under the CLS claim
+        seeds_ceil = ", ".join(f"{o} {np.mean(v):.3f}" for o, v in all_ceiling.items() if len(v))
+        said = (
+            f"Cross-seed ceiling of the last-block CKA (all tokens; two seeds of one objective, both read on the "
+            f"earlier seed's images): {seeds_ceil}."
+        )
+        # the CLS token's ceiling is quoted by the claim that reads it (cls_similar_by_supervision), not here
+        ctx.doc.add(
+            *([said] if seeds_ceil else []), *[f"No cross-seed ceiling for {w}" for w in sorted(set(why + why_all))]
+        )
+        ctx.doc.add("")
     skip = {o: v for o, v in _per(ctx, R.attn_skip).items() if v}
     if skip:
         _panels_figure(

@@ -4,6 +4,7 @@ cross-run CKA, reports, and one sentence + exit 2 for every bad input."""
 import json
 import os
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
@@ -508,3 +509,12 @@ def test_against_a_run_of_another_seed_reads_both_on_its_images(runs, tmp_path):
     (other / "recipe.yaml").write_text(yaml.safe_dump(r))
     with pytest.raises(RF0.AnalysisError, match="different data sections"):
         XC.against(RF.open_run(other), ref, 8, opts=S.SuiteOptions(batch_size=32), progress=False, on_other_images=True)
+    # Walmer's cross-seed ceiling of the last-block CLS CKA: the same weights under two seeds, both read on the
+    # earlier seed's images, give 1; without that, the refusal names the runs relative to the repository
+    from analysis.studies.walmer2023 import reads as WR
+
+    study = types.SimpleNamespace(root=tmp_path, suite_options=lambda m: S.suite_options(m, 32))
+    assert WR.cls_ceiling([ref, a], study) == pytest.approx([1.0], abs=1e-6)
+    with pytest.raises(RF0.AnalysisError, match="analyse different images") as e:
+        WR.cls_cka(a, ref, study)
+    assert not any(w.startswith("/") for w in str(e.value).split())
