@@ -305,7 +305,7 @@ def test_mae_above_chance_is_tested_against_the_raw_pixels_where_they_beat_it():
     assert rec["verdict_ungated"] == r.outcome  # every precondition passed: the same verdict
     md = "\n".join(C.section(9, claim, r))
     late = md.split("**Fixed after the data:")[1]
-    assert "strongest_baseline = 0 (fixed 2026-11-28, this commit" in late and "first reported" in late
+    assert "strongest_baseline = 0 (fixed 2026-11-28, 7a197ea" in late and "first reported" in late
 
 
 def test_contrastive_semantics_emerge_earlier():

@@ -55,8 +55,8 @@ MIN_PROFILE_BLOCKS = Threshold(
     feasible=lambda v, shape: shape["depth"] >= v,
 )
 
-# the convention of analysis/studies/claims.py's THIS_COMMIT: "this commit" until it lands, no time (after every report)
-_CONTROLS = Fixed("2026-11-28", "this commit (branch controls38)")
+# fixed on 2026-11-28 after the first report of claims 9 and 12 (docs/teaching-matters.md, 2026-11-27)
+_CONTROLS = Fixed("2026-11-28", "7a197ea", "2026-11-28T02:22:48+00:00")  # landed on main at fe5a686
 STRONGEST_BASELINE = Threshold(
     0.0,
     "strongest_baseline",
