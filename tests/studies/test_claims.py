@@ -388,3 +388,34 @@ def test_cls_tokens_probing_as_well_as_the_resnets_do_not_do_poorly(tmp_path):
     per["resnet"] = [0.90, 0.91, 0.92]  # the ResNet's tokens perform well, the CLS ViT's poorly: held
     ctx = _ctx(tmp_path, {c: [{"mean_over_tokens": [0.5, v]} for v in vs] for c, vs in per.items()}, "token_probes")
     assert CLAIMS["gap_token_probes"].test(ctx).outcome == C.HELD
+
+
+def test_noskip_partition_tests_the_papers_4_points_beside_its_verdict(tmp_path, monkeypatch):
+    """Raghu Fig. 8's caption gives a 4% drop for a middle block without its skip: the claim says whether 4 points lie
+    inside our interval of the middle block's top-1 drop (here about 0.5 points, seeds tight: outside), in its Result,
+    its JSON record and its report section, without changing the verdict."""
+    import analysis.studies.raghu2021.claims as RC
+
+    monkeypatch.setattr(RC, "compare", lambda *a, **k: None)  # the CKA grid figure needs real runs
+    labels = [f"{i}.out" for i in range(6)]
+
+    def cka(cross: float) -> dict:
+        m = np.full((6, 6), 0.9)
+        m[:3, 3:] = m[3:, :3] = cross
+        np.fill_diagonal(m, 1.0)
+        return {"matrix": m, "labels": labels}
+
+    ctx = _ctx(
+        tmp_path, {"vit_cls": [cka(0.8), cka(0.82), cka(0.81)], "noskip_b3": [cka(0.4), cka(0.42), cka(0.41)]}, "cka"
+    )
+    for c, top in (("vit_cls", [0.861, 0.868, 0.871]), ("noskip_b3", [0.858, 0.864, 0.862])):
+        for r, t in zip(ctx.configs[c], top):
+            ctx.results[(r.name, "top1")] = t
+    r = CLAIMS["noskip_partition"].test(ctx)
+    assert [m["part"] for m in r.magnitudes] == ["block 3 top-1 drop"]
+    m = r.magnitudes[0]
+    assert m["paper"] == 0.04 and not m["inside_ci"] and m["p"] < 0.05 and m["ours"] == pytest.approx(0.0053, abs=1e-4)
+    rec = C.record(CLAIMS["noskip_partition"], r)
+    assert rec["magnitudes"][0]["sentence"] == m["sentence"]
+    text = "\n".join(C.section(2, CLAIMS["noskip_partition"], r))
+    assert "The paper's number against ours:" in text and "the paper's +4 points lies outside our 95% CI" in text

@@ -37,7 +37,7 @@ from analysis.studies.raghu2021 import numbers as N
 from analysis.studies.raghu2021.floors import floors_section, identity_mask, resnet_blocks
 from analysis.studies.raghu2021.pilots import LOCALITY
 from analysis.studies.raghu2021.preregistered import MIN_BLOCKS_PER_HALF, PREREGISTERED
-from analysis.studies.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition
+from analysis.studies.stats import HELD, INCONCLUSIVE, NOT_HELD, NOT_TESTABLE, Decision, Precondition, magnitude
 from train.checkpoint import read_meta
 
 CLAIMS = Claims("raghu2021", PREREGISTERED)  # every threshold a verdict reads: preregistered.py
@@ -150,6 +150,9 @@ class _SubDoc:
 # ------------------------------------------------------------------------------------------------ Fig. 8
 
 
+PAPER_NOSKIP_DROP = 0.04  # Fig. 8's caption: "a performance drop of 4%" for middle blocks, read as 4 points of top-1
+
+
 @CLAIMS.claim(
     "noskip_partition",
     figure="Raghu Fig. 8",
@@ -200,11 +203,14 @@ def noskip_partition(ctx) -> Result:
             drop = 100 * (np.mean(top1["vit_cls"]) - np.mean(top1[f"noskip_b{b}"]))
             ours.append(f"block {b}: {drop:.2f} points top-1 drop (the trainer's test top-1)")
     d = judge(parts, [seeds({"vit_cls": base, **{f"noskip_b{b}": v for b, v in ns.items()}})])
+    # the caption's 4% read as 4 points of top-1, tested against each middle block's drop (beside the verdict)
+    sizes = [magnitude(p, PAPER_NOSKIP_DROP, " points", 100) for p in d.parts if p.name.endswith("top-1 drop")]
     root = ctx.study.root
     compare([base[0]] + [ns[k][0] for k in sorted(ns)], out=root / "compare-noskip", opts=ctx.opts, progress=False)
     return Result(
         d,
         ours=("; ".join(ours) + "; " + d.ours) if ours and d.parts else None,
+        magnitudes=sizes,
         measured={"top1": top1},
         figures=[
             (
