@@ -94,8 +94,9 @@ class Study:
 
     def command(self) -> str:
         """The command that writes this report: ``./launch.sh study FILE``, with ``--report`` when it goes to docs/."""
-        rel = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
-        cmd = f"./launch.sh study {rel}"
+        from analysis.results.storage import shown  # repository-relative, never the machine's absolute path
+
+        cmd = f"./launch.sh study {shown(self.path)}"
         if self.report is not None and self.report.is_relative_to(DOCS):
             cmd += f" --report {self.report.relative_to(ROOT)}"
         return cmd
