@@ -34,6 +34,7 @@ import numpy as np
 
 from analysis.results import folders as RF0
 from analysis.results import storage
+from analysis.studies import calibration as CAL
 from analysis.studies.claims import (
     CONVERGED,
     Claims,
@@ -836,6 +837,26 @@ def rule_purity_rises(purity: dict, conds=()) -> Result:
 # ------------------------------------------------------------------------------------------------ Fig. 6
 
 
+CLS_CALIBRATION_TEXT = (
+    "Calibration reading (the similarity measure's cross-model maps, the study's options: the CLS token of the "
+    "blocks): the last-block cell, (supervised vs dino) minus (supervised vs mae), resting on the (supervised vs dino) "
+    f"cell. {CAL.RULE}"
+)
+
+
+def _last_cell(r: dict) -> np.ndarray:
+    mask = np.zeros(np.shape(r["score"]), dtype=bool)
+    mask[-1, -1] = True
+    return mask
+
+
+def cls_readings(near: list, far: list) -> list:
+    """Walmer Fig. 6 left on the similarity measure's cross-model maps (per seed pair): the last-block cell,
+    (supervised vs dino) minus (supervised vs mae) (analysis/studies/calibration.py)."""
+    name = "last-block CLS similarity, (supervised vs dino) - (supervised vs mae)"
+    return [CAL.Reading(name, near, far, CAL.mean_over(_last_cell), _last_cell)]
+
+
 @CLAIMS.claim(
     "cls_similar_by_supervision",
     figure="Walmer Fig. 6 left, 19",
@@ -847,7 +868,7 @@ def rule_purity_rises(purity: dict, conds=()) -> Result:
     "between the explicitly supervised methods, FS and CLIP, and the contrastive methods.",
     rule="Linear CKA of the last block's CLS token between two models of the same seed; per seed pair, CKA(supervised, "
     "dino) minus CKA(supervised, mae); one part, the one-sample t of those differences above 0. The cross-seed "
-    f"ceiling (two seeds of supervised) is shown beside. {REGIME_TEXT}",
+    f"ceiling (two seeds of supervised) is shown beside. {REGIME_TEXT} {CLS_CALIBRATION_TEXT}",
     paper_value="not stated as a number (Fig. 6 left: a heatmap)",
     needs=("supervised", "dino", "mae"),
 )
@@ -875,6 +896,9 @@ def cls_similar_by_supervision(ctx) -> Result:
             "all tokens (Walmer's right panel uses the spatial tokens)",
         )
     )
+    # calibration and a second measure (beside the verdict; analysis/studies/calibration.py)
+    maps = {o: [CAL.cross_map(ctx, a, b) for a, b in zip(sup, ctx.configs[o])] for o in ("dino", "mae")}
+    CAL.attach(r, cls_readings(maps["dino"], maps["mae"]))
     return r
 
 

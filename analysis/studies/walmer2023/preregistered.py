@@ -12,10 +12,16 @@ reconstruction, supervised most semantic, MAE above chance, semantics earlier in
 longer gated on the k-NN share, which is the outcome they test (an undertrained DINO was "not testable" exactly when
 it lost). They are gated instead on the k-NN curve's plateau over the runs' last :data:`PLATEAU_CHECKPOINTS`
 checkpoints (each step's change below :data:`CONVERGED`): whether training has settled, not where it settled.
+
+Added 2026-11-28, before any study had computed a calibrated map: :data:`SURVIVE_SHARE` (``calibrated_share``, 0.5,
+kind "beside"), the share of the layer pairs a similarity conclusion rests on that must be significant against the
+permutation null for it to "survive calibration" (and, on the second estimator, "survive a second measure";
+analysis/studies/calibration.py). It is listed under no claim's gates: it reads beside the verdict and changes none.
 """
 
 from __future__ import annotations
 
+from analysis.studies.calibration import SURVIVE_SHARE
 from analysis.studies.claims import CONVERGED, MIN_SEEDS, TODAY, Fixed, Preregistration, Threshold, checkpoints_of
 from analysis.studies.locality import LOCALITY_PRECONDITION
 from analysis.studies.walmer2023.numbers import SELF_SUPERVISED, paper_share
@@ -54,7 +60,7 @@ _SEMANTIC = ("min_seeds", "plateau_checkpoints", "converged")
 
 PREREGISTERED = Preregistration(
     "walmer2023",
-    [CONVERGED, MIN_SEEDS, LOCALITY_PRECONDITION, REGIME, PLATEAU_CHECKPOINTS, MIN_PROFILE_BLOCKS],
+    [CONVERGED, MIN_SEEDS, LOCALITY_PRECONDITION, REGIME, PLATEAU_CHECKPOINTS, MIN_PROFILE_BLOCKS, SURVIVE_SHARE],
     gates={
         "offset_heads_every_objective": ("locality", "regime", "min_seeds"),
         "reconstruction_stays_local": ("locality", "regime", "converged", "min_seeds"),
