@@ -42,7 +42,7 @@ SURVIVE_SHARE = Threshold(
     "a similarity conclusion survives calibration (or a second measure) only when its calibrated contrast keeps the "
     "paper's direction and at least this share of the layer pairs it rests on is significant against the permutation "
     "null at family-wise error alpha (mean over seeds); reported beside the verdict, which it does not change",
-    Fixed("2026-11-28", "0000000", "2026-11-28T00:00:00+00:00"),
+    Fixed("2026-11-28", "c395dca", "2026-11-28T02:20:47+00:00"),
     kind="beside",
 )
 NOT_MEASURED = "not measured (add similarity to the study's measures)"
