@@ -49,11 +49,16 @@ Cross-model maps: ``python -m analysis RUN --against OTHER --measures similarity
 Result: ``score`` [La, Lb] and, with ``n_perm`` >= 2, ``null_mean``, ``null_sd``, ``z``, ``excess``, ``p``, ``p_fwer``,
 ``significant`` (int8) [La, Lb]; ``labels`` (rows) and ``labels_b`` (columns), ``name_a`` / ``name_b`` (the models'
 names in a cross-model map, "" for a model against itself), ``estimator``, ``repr``, ``layers``, ``lower`` (1 when
-smaller scores mean more alike), ``n_images``, ``n_perm``, ``alpha``, ``seed``.
+smaller scores mean more alike), ``n_images``, ``n_perm``, ``alpha``, ``seed``. With option ``second`` (another
+estimator), also that estimator's ``second_score``, ``second_lower``, ... (every key above that the map computes, with
+``second_`` before it; the same permutations) and ``second_estimator``: a second measure of the same layer pairs on the
+same images, as a claim that reads CKA asks whether its conclusion survives a measure of another kind (Groger, Wen &
+Brbic 2026: local-neighbourhood agreement such as mutual k-NN behaves differently from global CKA).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, replace
@@ -106,12 +111,19 @@ class SimilarityOptions:
     k: int = 10  # neighbours of mutual_knn and cknna
     threshold: float = 1.0  # rbf_cka's bandwidth, in median distances
     keep: float = 0.99  # svcca's share of variance kept
+    # a second estimator's map and null on the same features and permutations (result keys second_*; "" for none):
+    # whether a reading survives a second measure (e.g. mutual_knn beside cka; analysis/studies/calibration.py)
+    second: Literal["", "cka", "rbf_cka", "mutual_knn", "cknna", "procrustes", "procrustes_angle", "svcca", "pwcca"] = (
+        ""
+    )
 
     def check(self):
         if self.n_perm == 1 or self.n_perm < 0:
             return f"n_perm must be 0 (no null) or at least 2, not {self.n_perm}."
         if self.images < 4:
             return f"images must be at least 4 (CKA's unbiased HSIC needs 4 images), not {self.images}."
+        if self.second == self.estimator:
+            return f"second must name another estimator than estimator ({self.estimator}), or be empty."
         if not 0 < self.alpha < 1 or self.k < 1 or self.threshold <= 0 or not 0 < self.keep <= 1:
             return (
                 f"alpha must be in (0, 1), k >= 1, threshold > 0 and keep in (0, 1], not alpha={self.alpha}, "
@@ -147,7 +159,17 @@ def images_problem(n: int, opts: SimilarityOptions) -> str | None:
 
 def similarity_map(xs: list, ys: list | None, opts: SimilarityOptions) -> dict:
     """The map of ``opts.estimator`` between the layers ``xs`` (rows) and ``ys`` (columns; None: ``xs`` against
-    itself), each [n, ...] of the same images in the same order, and its null (module docstring): a result's arrays."""
+    itself), each [n, ...] of the same images in the same order, and its null (module docstring): a result's arrays.
+    With ``opts.second``, also that estimator's map and null (the same seed, hence the same permutations) under keys
+    ``second_<key>`` and its name under ``second_estimator``."""
+    out = _one_map(xs, ys, opts)
+    if opts.second:
+        two = _one_map(xs, ys, dataclasses.replace(opts, estimator=opts.second, second=""))
+        out.update({f"second_{k}": v for k, v in two.items()}, second_estimator=opts.second)
+    return out
+
+
+def _one_map(xs: list, ys: list | None, opts: SimilarityOptions) -> dict:
     score = score_function(opts)
     out: dict = {"lower": int(opts.estimator in LOWER), "n_images": int(xs[0].shape[0]), "n_perm": int(opts.n_perm)}
     if opts.n_perm == 0:

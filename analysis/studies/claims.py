@@ -102,11 +102,13 @@ class Threshold(float):
     """A number a verdict depends on (a precondition's limit, an equivalence margin, a go/no-go limit), declared once
     with ``name``, what it ``means``, when it was ``fixed`` (:class:`Fixed`: the commit that first introduced it) and
     its ``kind``: "gate" (a precondition: the claim is not testable when it fails), "rule" (a number inside the
-    decision, e.g. a margin), "go" (a pilot's go/no-go) or "regime" (marks a claim outside the paper's regime, judges
-    nothing). ``feasible(value, shape)``: whether a gate of this value can pass at all for a study configuration's
-    ``shape`` (``arch``, ``depth``, ``width``, ``steps``, ``checkpoint_every``, ``seeds``, ``every_checkpoint``), so
-    that a test can show every gate is satisfiable in some shipped study (:meth:`can_pass`); ``previous``: (value,
-    Fixed) where a threshold was changed. It is a float, so code reads it as the number it is."""
+    decision, e.g. a margin), "go" (a pilot's go/no-go), "regime" (marks a claim outside the paper's regime, judges
+    nothing) or "beside" (a number of a reading reported beside the verdict, e.g. whether a similarity conclusion
+    survives calibration: analysis/studies/calibration.py; judges nothing). ``feasible(value, shape)``: whether a
+    gate of this value can pass at all for a study configuration's ``shape`` (``arch``, ``depth``, ``width``,
+    ``steps``, ``checkpoint_every``, ``seeds``, ``every_checkpoint``), so that a test can show every gate is
+    satisfiable in some shipped study (:meth:`can_pass`); ``previous``: (value, Fixed) where a threshold was
+    changed. It is a float, so code reads it as the number it is."""
 
     def __new__(
         cls,
@@ -118,8 +120,8 @@ class Threshold(float):
         feasible: Callable[[float, dict], bool] | None = None,
         previous: tuple[float, Fixed] | None = None,
     ):
-        if kind not in ("gate", "rule", "go", "regime"):
-            raise ValueError(f"threshold {name!r}: kind must be gate, rule, go or regime, not {kind!r}")
+        if kind not in ("gate", "rule", "go", "regime", "beside"):
+            raise ValueError(f"threshold {name!r}: kind must be gate, rule, go, regime or beside, not {kind!r}")
         t = super().__new__(cls, value)
         t.name, t.means, t.fixed, t.kind, t.feasible, t.previous = name, means, fixed, kind, feasible, previous
         return t
@@ -361,8 +363,10 @@ class Pilot:
 @dataclass
 class Result:
     """What a claim's test returns: the ``decision``, our number beside the paper's (``ours``; default: the parts'
-    effects with their CIs), ``measured`` (further numbers for the JSON record), and the ``lines`` and ``figures`` the
-    report shows under the claim."""
+    effects with their CIs), ``measured`` (further numbers for the JSON record), the ``lines`` and ``figures`` the
+    report shows under the claim, and for a claim that reads representational similarity ``calibration`` and
+    ``second_measure``: whether its conclusion survives calibration against a permutation null and a second measure
+    (analysis/studies/calibration.py; beside the verdict, which they do not change)."""
 
     decision: Decision
     ours: str | None = None
@@ -373,6 +377,8 @@ class Result:
     outside_regime: str | None = None  # a sentence when the study's model is outside the regime the paper describes
     # the paper's numbers tested against ours (analysis/studies/stats.py magnitude): beside the verdict, not in it
     magnitudes: list[dict] = field(default_factory=list)
+    calibration: dict | None = None  # a similarity claim's reading against the permutation null (calibration.py)
+    second_measure: dict | None = None  # the same reading with a second similarity estimator (calibration.py)
 
     @property
     def outcome(self) -> str:
@@ -534,8 +540,10 @@ def record(claim: Claim, r: Result) -> dict:
     preconditions with their numbers), our number and any further measured values; ``sanity`` (a sanity check, outside
     the tally), ``preregistered`` (the thresholds its verdict reads, each with the date and commit it was fixed at, and
     ``fixed_after_data`` with a sentence where one was fixed after the claim's verdict was first reported),
-    ``verdict_ungated`` (what the parts say with the preconditions off, :func:`ungated`), ``outside_regime`` and
-    ``magnitudes`` (the paper's numbers tested against ours, :func:`~analysis.studies.stats.magnitude`)."""
+    ``verdict_ungated`` (what the parts say with the preconditions off, :func:`ungated`), ``outside_regime``,
+    ``magnitudes`` (the paper's numbers tested against ours, :func:`~analysis.studies.stats.magnitude`), and
+    ``calibration`` / ``second_measure`` (a similarity claim's conclusion against the permutation null and with a second
+    estimator, :mod:`analysis.studies.calibration`; null for a claim that reads no similarity)."""
     u = ungated(r)
     pre = claim.prereg.to_json(claim.id) if claim.prereg is not None else None
     return _plain(
@@ -558,6 +566,8 @@ def record(claim: Claim, r: Result) -> dict:
             "outside_regime": r.outside_regime,
             "magnitudes": r.magnitudes,
             "measured": r.measured,
+            "calibration": r.calibration,
+            "second_measure": r.second_measure,
         }
     )
 

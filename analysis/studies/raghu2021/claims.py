@@ -20,6 +20,7 @@ from analysis.engine.measure import as_list, load_result
 from analysis.frontends.compare import compare
 from analysis.reports import cross as XC
 from analysis.results import storage
+from analysis.studies import calibration as CAL
 from analysis.studies.claims import (
     CONVERGED,
     MIN_SEEDS,
@@ -82,7 +83,9 @@ def _local_precondition(name: str, smallest: float, uniform: float) -> Precondit
     "into different (lower/higher) stages.",
     rule="Precondition: the ResNet has identity shortcuts (the paper's ResNets do). Two parts, ViT minus ResNet "
     "(Welch): mean off-diagonal self-CKA, and the CKA of the first and the last layer. The same numbers of a randomly "
-    "initialised model of each architecture are shown beside the maps (the floor the architecture alone gives).",
+    "initialised model of each architecture are shown beside the maps (the floor the architecture alone gives). "
+    "Calibration readings (the similarity measure's self-maps): the mean off-diagonal similarity and the first-last "
+    f"cell, ViT minus ResNet, resting on the ViT's off-diagonal cells and its first-last cell. {CAL.RULE}",
     paper_value="not stated as a number (Fig. 1: ViT maps near-uniform, ResNet maps in stages)",
     needs=("vit_cls", "resnet"),
 )
@@ -117,7 +120,7 @@ def uniformity(ctx) -> Result:
     fig_dir = storage.against_dir(cls.path, max(cls.checkpoints), resnet.name, max(resnet.checkpoints), "figures")
     sub = _SubDoc()
     floors_section(sub, arch, ctx.opts, root)
-    return Result(
+    res = Result(
         d,
         measured={"vit": uv, "resnet": ur},
         lines=sub.lines,
@@ -131,6 +134,26 @@ def uniformity(ctx) -> Result:
             *sub.figures,
         ],
     )
+    return CAL.attach(
+        res, uniformity_readings([CAL.self_map(ctx, r) for r in vit_runs], [CAL.self_map(ctx, r) for r in res_runs])
+    )
+
+
+def _first_last(r: dict) -> np.ndarray:
+    mask = np.zeros(np.shape(r["score"]), dtype=bool)
+    mask[0, -1] = True
+    return mask
+
+
+def uniformity_readings(vit: list, resnet: list) -> list:
+    """Raghu Fig. 1-2 on the similarity measure's self-maps (per seed): ViT minus ResNet, mean off-diagonal and the
+    first-last cell (analysis/studies/calibration.py)."""
+    return [
+        CAL.Reading(
+            "mean off-diagonal similarity, ViT - ResNet", vit, resnet, CAL.mean_over(CAL.off_diagonal), CAL.off_diagonal
+        ),
+        CAL.Reading("first vs last layer, ViT - ResNet", vit, resnet, CAL.mean_over(_first_last), _first_last),
+    ]
 
 
 class _SubDoc:
@@ -166,7 +189,9 @@ PAPER_NOSKIP_DROP = 0.04  # Fig. 8's caption: "a performance drop of 4%" for mid
     "minus no-skip ViT; for blocks in the middle third of the network also the top-1 drop (the top-1 the trainer "
     "recorded on the test split at the last checkpoint, as Raghu's drop is; the skip-removal sanity check reads the "
     "same drop on the analysis images instead, to pair it with the test-time cost there). Each part is a t on the "
-    "seed SD pooled over the normal and every no-skip configuration (same architecture and recipe).",
+    "seed SD pooled over the normal and every no-skip configuration (same architecture and recipe). Calibration "
+    "readings (the similarity measure's self-maps): per no-skip block i, the mean similarity across the partition, "
+    f"normal minus no-skip, resting on the normal ViT's cells across it. {CAL.RULE}",
     paper_value='4% top-1 drop for middle blocks (Fig. 8 caption: "For middle blocks without skip connections, we '
     'observe a performance drop of 4%.")',
     needs=("vit_cls",),
@@ -207,7 +232,7 @@ def noskip_partition(ctx) -> Result:
     sizes = [magnitude(p, PAPER_NOSKIP_DROP, " points", 100) for p in d.parts if p.name.endswith("top-1 drop")]
     root = ctx.study.root
     compare([base[0]] + [ns[k][0] for k in sorted(ns)], out=root / "compare-noskip", opts=ctx.opts, progress=False)
-    return Result(
+    res = Result(
         d,
         ours=("; ".join(ours) + "; " + d.ours) if ours and d.parts else None,
         magnitudes=sizes,
@@ -220,6 +245,27 @@ def noskip_partition(ctx) -> Result:
             )
         ],
     )
+    normal = [CAL.self_map(ctx, r) for r in base]
+    return CAL.attach(res, partition_readings(normal, {b: [CAL.self_map(ctx, r) for r in ns[b]] for b in sorted(ns)}))
+
+
+def partition_readings(normal: list, noskip: dict) -> list:
+    """Raghu Fig. 8 on the similarity measure's self-maps (per seed): for each no-skip block b, the mean similarity
+    across the partition at b, normal minus no-skip (analysis/studies/calibration.py)."""
+
+    def across(b):
+        def mask(r):
+            side = N.after(as_list(r["labels"]), b)
+            return np.outer(~side, side)
+
+        return mask
+
+    return [
+        CAL.Reading(
+            f"block {b} similarity across (normal - no skip)", normal, maps, CAL.mean_over(across(b)), across(b)
+        )
+        for b, maps in noskip.items()
+    ]
 
 
 def _absent(what: str) -> Result:
@@ -765,7 +811,9 @@ def data_probes(ctx) -> Result:
     "its upper-half mean, minus the same gap of the ceiling (Welch's t; the ceiling's pairs share runs, so their "
     "spread is if anything understated; with one full-data seed, no ceiling: a one-sample t of the gap against 0); "
     "and the upper half's mean of the largest subset minus the smallest subset's (a t on the seed SD pooled over the "
-    "subsets). Per layer in the table.",
+    "subsets). Per layer in the table. Calibration readings (the similarity measure's cross-model maps, the same "
+    "pairs and images): the smallest subset's same-index lower-half mean minus its upper-half mean, minus the same gap "
+    f"of the cross-seed ceiling, resting on the smallest subset's lower-half same-index cells. {CAL.RULE}",
     paper_value="not stated as a number (Fig. 12: lower layers near 1 even at 3%)",
     needs=("vit_cls",),
 )
@@ -843,7 +891,7 @@ def data_drift(ctx) -> Result:
         opts=ctx.opts,
         progress=False,
     )
-    return Result(
+    res = Result(
         d,
         measured={"ceiling": ceiling, "per_block": {f: np.mean(c, 0) for f, c in curves.items()}},
         lines=lines,
@@ -855,6 +903,31 @@ def data_drift(ctx) -> Result:
             )
         ],
     )
+    _, rs, steps = next(t for t in subs if t[0] == small)
+    smallest = [CAL.cross_map(ctx, r, ref, step) for r, ref, step in zip(rs, full, steps)]
+    pairs = [(full[j], full[i]) for i in range(len(full)) for j in range(i + 1, len(full))]
+    ceiling_maps = [CAL.cross_map(ctx, a, b, on_other_images=True) for a, b in pairs] or None
+    return CAL.attach(res, drift_readings(smallest, ceiling_maps, small))
+
+
+def _lower_diagonal(r: dict) -> np.ndarray:
+    n = min(np.shape(r["score"]))
+    mask = np.zeros(np.shape(r["score"]), dtype=bool)
+    mask[np.arange(n // 2), np.arange(n // 2)] = True
+    return mask
+
+
+def _diagonal_gap(m: np.ndarray, r: dict) -> float:
+    d = N.drift(np.diag(m))
+    return d["lower"] - d["upper"]
+
+
+def drift_readings(smallest: list, ceiling: list | None, fraction: float) -> list:
+    """Raghu Fig. 12 on the similarity measure's cross-model maps (per seed): the smallest subset's same-index
+    lower-half minus upper-half mean against the full-data model, minus the same of the cross-seed ceiling (None: the
+    gap alone) (analysis/studies/calibration.py)."""
+    name = f"subset {fraction:g}: same-index lower - upper half" + (", minus the ceiling's" if ceiling else "")
+    return [CAL.Reading(name, smallest, ceiling, _diagonal_gap, _lower_diagonal)]
 
 
 # ------------------------------------------------------------------------------------------------ Walmer offset heads

@@ -18,13 +18,19 @@ def uniformity(matrix) -> dict:
     return {"mean_offdiag": float(off.mean()), "first_last": float(m[0, -1])}
 
 
+def after(labels, block: int) -> np.ndarray:
+    """Raghu Fig. 8's sides: True for the layers of blocks >= ``block`` (ValueError when a side is empty)."""
+    side = np.array([_block_of(lab) >= block for lab in labels])
+    if side.all() or not side.any():
+        raise ValueError(f"block {block} leaves no layer on one side of the partition")
+    return side
+
+
 def partition(matrix, labels, block: int) -> dict:
     """Raghu Fig. 8: layers of blocks < ``block`` are "before", the others "after"; ``across`` is the mean CKA between a
     layer before and one after, ``within`` the mean CKA of distinct layers on the same side."""
     m = np.asarray(matrix, dtype=float)
-    side = np.array([_block_of(lab) >= block for lab in labels])
-    if side.all() or not side.any():
-        raise ValueError(f"block {block} leaves no layer on one side of the partition")
+    side = after(labels, block)
     across = m[np.ix_(~side, side)].mean()
     same = (side[:, None] == side[None, :]) & ~np.eye(len(m), dtype=bool)
     return {"across": float(across), "within": float(m[same].mean())}

@@ -14,10 +14,16 @@ Changed in this commit:
 - the pilots' go/no-go (pilots.py) reads the claims' own locality threshold (:data:`LOCALITY_PRECONDITION`, 0.8 x
   uniform, in any block) instead of 0.7 x in blocks 0-1 (``go_fraction`` and ``go_blocks``, 2026-11-23, fddb611), and a
   pilot whose most local head still falls by :data:`CONVERGED` or more between its last two checkpoints trains on.
+
+Added 2026-11-28, before any study had computed a calibrated map: :data:`SURVIVE_SHARE` (``calibrated_share``, 0.5,
+kind "beside"), the share of the layer pairs a similarity conclusion rests on that must be significant against the
+permutation null for it to "survive calibration" (and, on the second estimator, "survive a second measure";
+analysis/studies/calibration.py). It is listed under no claim's gates: it reads beside the verdict and changes none.
 """
 
 from __future__ import annotations
 
+from analysis.studies.calibration import SURVIVE_SHARE
 from analysis.studies.claims import CONVERGED, MIN_SEEDS, TODAY, Fixed, Preregistration, Threshold
 from analysis.studies.locality import LOCAL_FRACTION, LOCALITY_PRECONDITION
 
@@ -57,7 +63,7 @@ _LATER = Fixed("2026-11-27", "b0c670b", "2026-11-27T06:45:53+00:00", _REPORT)
 
 PREREGISTERED = Preregistration(
     "raghu2021",
-    [CONVERGED, MIN_SEEDS, LOCALITY_PRECONDITION, LOCAL_FRACTION, MIN_BLOCKS_PER_HALF, STILL_FALLING],
+    [CONVERGED, MIN_SEEDS, LOCALITY_PRECONDITION, LOCAL_FRACTION, MIN_BLOCKS_PER_HALF, STILL_FALLING, SURVIVE_SHARE],
     gates={
         "uniformity": ("min_seeds",),
         "noskip_partition": ("min_seeds",),

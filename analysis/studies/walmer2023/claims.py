@@ -37,6 +37,7 @@ import numpy as np
 
 from analysis.results import folders as RF0
 from analysis.results import storage
+from analysis.studies import calibration as CAL
 from analysis.studies.claims import (
     CONVERGED,
     MARK,
@@ -909,6 +910,26 @@ def rule_purity_rises(purity: dict, conds=()) -> Result:
 # ------------------------------------------------------------------------------------------------ Fig. 6
 
 
+CLS_CALIBRATION_TEXT = (
+    "Calibration reading (the similarity measure's cross-model maps, the study's options: the CLS token of the "
+    "blocks): the last-block cell, (supervised vs dino) minus (supervised vs mae), resting on the (supervised vs dino) "
+    f"cell. {CAL.RULE}"
+)
+
+
+def _last_cell(r: dict) -> np.ndarray:
+    mask = np.zeros(np.shape(r["score"]), dtype=bool)
+    mask[-1, -1] = True
+    return mask
+
+
+def cls_readings(near: list, far: list) -> list:
+    """Walmer Fig. 6 left on the similarity measure's cross-model maps (per seed pair): the last-block cell,
+    (supervised vs dino) minus (supervised vs mae) (analysis/studies/calibration.py)."""
+    name = "last-block CLS similarity, (supervised vs dino) - (supervised vs mae)"
+    return [CAL.Reading(name, near, far, CAL.mean_over(_last_cell), _last_cell)]
+
+
 @CLAIMS.claim(
     "cls_similar_by_supervision",
     figure="Walmer Fig. 6 left, 19",
@@ -926,7 +947,8 @@ def rule_purity_rises(purity: dict, conds=()) -> Result:
     'contrastive methods"); and the ceiling minus CKA(supervised, mae) above the margin '
     f"{CEILING_MARGIN:g} (Welch's t; the ceiling's pairs share runs, so their spread is if anything understated): "
     "the model taught by reconstruction is further from supervised than another seed of supervised is. Without a "
-    f"ceiling (one seed, or seeds with different data settings) the claim is not testable. {REGIME_TEXT}",
+    f"ceiling (one seed, or seeds with different data settings) the claim is not testable. {REGIME_TEXT} "
+    f"{CLS_CALIBRATION_TEXT}",
     paper_value="not stated as a number (Fig. 6 left: a heatmap)",
     needs=("supervised", "dino", "mae"),
 )
@@ -953,6 +975,9 @@ def cls_similar_by_supervision(ctx) -> Result:
             "seeds of one objective, mean over seed pairs) the off-diagonal cells are read against",
         )
     )
+    # calibration and a second measure (beside the verdict; analysis/studies/calibration.py)
+    maps = {o: [CAL.cross_map(ctx, a, b) for a, b in zip(sup, ctx.configs[o])] for o in ("dino", "mae")}
+    CAL.attach(r, cls_readings(maps["dino"], maps["mae"]))
     return r
 
 

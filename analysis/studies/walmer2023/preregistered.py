@@ -13,7 +13,7 @@ longer gated on the k-NN share, which is the outcome they test (an undertrained 
 it lost). They are gated instead on the k-NN curve's plateau over the runs' last :data:`PLATEAU_CHECKPOINTS`
 checkpoints (each step's change below :data:`CONVERGED`): whether training has settled, not where it settled.
 
-Changed on 2026-11-28 (branch controls38), after both claims' verdicts were first reported, so each says so:
+Changed on 2026-11-28 (7a197ea), after both claims' verdicts were first reported, so each says so:
 
 - MAE's CLS token "above chance" (:data:`STRONGEST_BASELINE`) is tested against the strongest baseline the report
   shows for each read-out -- Gaussian features, a random-initialised network or the raw pixels, whichever scores
@@ -21,10 +21,16 @@ Changed on 2026-11-28 (branch controls38), after both claims' verdicts were firs
   beat MAE's (0.725) in the three-seed report that called the claim held.
 - the supervised model's CLS closer to DINO's than to MAE's (:data:`CEILING_MARGIN`) is read against the cross-seed
   ceiling (two seeds of supervised), which it only showed beside before.
+
+Added 2026-11-28, before any study had computed a calibrated map: :data:`SURVIVE_SHARE` (``calibrated_share``, 0.5,
+kind "beside"), the share of the layer pairs a similarity conclusion rests on that must be significant against the
+permutation null for it to "survive calibration" (and, on the second estimator, "survive a second measure";
+analysis/studies/calibration.py). It is listed under no claim's gates: it reads beside the verdict and changes none.
 """
 
 from __future__ import annotations
 
+from analysis.studies.calibration import SURVIVE_SHARE
 from analysis.studies.claims import CONVERGED, MIN_SEEDS, TODAY, Fixed, Preregistration, Threshold, checkpoints_of
 from analysis.studies.locality import LOCALITY_PRECONDITION
 from analysis.studies.walmer2023.numbers import SELF_SUPERVISED, paper_share
@@ -91,6 +97,7 @@ PREREGISTERED = Preregistration(
         MIN_PROFILE_BLOCKS,
         STRONGEST_BASELINE,
         CEILING_MARGIN,
+        SURVIVE_SHARE,
     ],
     gates={
         "offset_heads_every_objective": ("locality", "regime", "min_seeds"),
