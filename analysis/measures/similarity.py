@@ -28,6 +28,14 @@ permutations of the images of the columns' model (one permutation reorders every
     p_fwer[i, j]           family-wise adjusted p by the max statistic over the cells of the map
     significant[i, j]      p_fwer <= ``alpha``
 
+The exchangeable unit of the null is the image, or, when the images come in groups (``groups`` of the image source,
+:class:`analysis.sources.images.ImageSet`: the bundled photos' 16 crops each carry their photo), the group: crops of
+one photo are alike in every layer whatever the layers share, so permuting single crops scatters them across photos
+and makes any two layers look related; the null permutes whole photos instead, the k-th kept crop of photo p going to
+the k-th kept crop of photo pi(p), photos with as many kept crops exchanged among themselves
+(:func:`analysis.similarity.group_permutations`; with ``images`` below the analysis images some photos may keep a
+count no other photo has, and stay in place). p never falls below 1 / (n_perm + 1).
+
 A layer's representation of one image is option ``repr``: ``mean_spatial`` (default: the mean of the spatial tokens,
 a ResNet's spatial mean; one vector of D per image, as Huh et al. pool), ``cls`` (the class token) or ``flatten``
 (all tokens, T x D per image, as Raghu's CKA). Every estimator takes any of them (the wide ones through the n x n
@@ -47,7 +55,8 @@ Cross-model maps: ``python -m analysis RUN --against OTHER --measures similarity
 (rows) against OTHER's (columns) on the same images, the null permuting OTHER's images (analysis/reports/cross.py).
 
 Result: ``score`` [La, Lb] and, with ``n_perm`` >= 2, ``null_mean``, ``null_sd``, ``z``, ``excess``, ``p``, ``p_fwer``,
-``significant`` (int8) [La, Lb]; ``labels`` (rows) and ``labels_b`` (columns), ``name_a`` / ``name_b`` (the models'
+``significant`` (int8) [La, Lb]; ``n_units`` (the null's exchangeable units among the ``n_images``: photos, or the
+images themselves); ``labels`` (rows) and ``labels_b`` (columns), ``name_a`` / ``name_b`` (the models'
 names in a cross-model map, "" for a model against itself), ``estimator``, ``repr``, ``layers``, ``lower`` (1 when
 smaller scores mean more alike), ``n_images``, ``n_perm``, ``alpha``, ``seed``.
 """
@@ -143,15 +152,18 @@ def images_problem(n: int, opts: SimilarityOptions) -> str | None:
     return f"{opts.estimator} needs at least {need} images and keeps {min(n, opts.images)}: {more}{lower}."
 
 
-def similarity_map(xs: list, ys: list | None, opts: SimilarityOptions) -> dict:
+def similarity_map(xs: list, ys: list | None, opts: SimilarityOptions, groups=None) -> dict:
     """The map of ``opts.estimator`` between the layers ``xs`` (rows) and ``ys`` (columns; None: ``xs`` against
-    itself), each [n, ...] of the same images in the same order, and its null (module docstring): a result's arrays."""
+    itself), each [n, ...] of the same images in the same order, and its null (module docstring): a result's arrays.
+    ``groups`` [n]: each image's independent unit (its photo), the null's exchangeable unit; None: each image."""
     score = score_function(opts)
-    out: dict = {"lower": int(opts.estimator in LOWER), "n_images": int(xs[0].shape[0]), "n_perm": int(opts.n_perm)}
+    n = int(xs[0].shape[0])
+    units = n if groups is None else len(np.unique(groups))
+    out: dict = {"lower": int(opts.estimator in LOWER), "n_images": n, "n_perm": int(opts.n_perm), "n_units": units}
     if opts.n_perm == 0:
         out["score"] = score_map(score, xs, ys)
         return out
-    m = permutation_map(score, xs, ys, n_perm=opts.n_perm, seed=opts.seed)
+    m = permutation_map(score, xs, ys, n_perm=opts.n_perm, seed=opts.seed, groups=None if units == n else groups)
     for key in ("score", "null_mean", "null_sd", "z", "excess", "p", "p_fwer"):
         out[key] = np.asarray(getattr(m, key), dtype=np.float64)
     out["significant"] = (np.nan_to_num(m.p_fwer, nan=1.0) <= opts.alpha).astype(np.int8)
@@ -168,6 +180,7 @@ class SimilarityMeasure(Measure):
     suite); with ``--against`` also between two models' layers."""
 
     name: ClassVar[str] = "similarity"
+    version: ClassVar[int] = 2  # 2: the null permutes whole photos when the images are grouped (n_units)
     chunkable: ClassVar[bool] = True  # per-image rows: a minibatch may come in chunks
     Options = SimilarityOptions
 
@@ -207,10 +220,21 @@ class SimilarityMeasure(Measure):
             raise ValueError("no minibatches were accumulated") from None
         return [feats[t].float() for t, _ in self.layers]
 
+    def kept_groups(self, n: int) -> np.ndarray | None:
+        """The independent unit of each of the ``n`` kept images, in the order they are kept (the suite's minibatch
+        order), from the image source's ``groups`` (:class:`analysis.sources.images.ImageSet`); None without them."""
+        groups = getattr(self.ctx.data, "groups", None)
+        if groups is None:
+            return None
+        mb = self.ctx.minibatches
+        rows = torch.cat([mb.rows(j) for j in range(len(mb))])[:n]
+        return np.asarray(groups)[rows.numpy()]
+
     def finish(self) -> dict:
         labels = [lab for _, lab in self.layers]
+        feats = self.features()
         return {
-            **similarity_map(self.features(), None, self.opts),
+            **similarity_map(feats, None, self.opts, self.kept_groups(int(feats[0].shape[0]))),
             **describe(self.opts, labels, labels),
         }
 
