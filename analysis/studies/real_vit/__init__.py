@@ -1,7 +1,7 @@
 """docs/real-vit.md: every measure on a real pretrained ViT and real photos, offline, and the papers' claims that need a
 trained model, decided on it.
 
-    python -m analysis.studies.real_vit                  # ~15-30 min on 2 CPU cores; cached: a rerun redraws in ~2 min
+    python -m analysis.studies.real_vit                  # ~15-30 min on 2 CPU cores; cached: a rerun ~10 min of CPU
     python -m analysis.studies.real_vit --views 4        # a quick look (fewer crops per photo)
     python -m analysis.studies.real_vit --out docs/real-vit.md  # the committed report (default: runs/real-vit/)
 
