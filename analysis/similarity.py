@@ -20,10 +20,15 @@ torch tensors or numpy arrays), each defined, sourced and costed in its module's
 
 Their permutation nulls (analysis/estimators/permutation.py):
 
-    permutation_test(score, X, Y, n_perm=1000, seed=0)   -> Permuted: score, null mean / SD, z, excess, p
-    permutation_map(score, Xs, Ys, n_perm=1000, seed=0)  -> PermutedMap: layer x layer maps, p and FWER-adjusted p
-    PermutedMinibatchCKA(unbiased, n_perm, seed)         minibatch CKA and its null in one pass
-    score_map(score, Xs, Ys)                             the layer x layer map alone, each side prepared once
+    permutation_test(score, X, Y, n_perm=1000, seed=0, groups=None)  -> Permuted: score, null mean / SD, z, excess, p
+    permutation_map(score, Xs, Ys, n_perm=1000, seed=0, groups=None) -> PermutedMap: layer x layer maps, p, FWER p
+    group_permutations(groups, n_perm, seed)                          the null's draws when groups are the unit
+    distinct_permutations(groups)                                     how many distinct ones there are
+    PermutedMinibatchCKA(unbiased, n_perm, seed)                      minibatch CKA and its null in one pass
+    score_map(score, Xs, Ys)                                          the layer x layer map alone
+
+The exchangeable unit is the example (row), or with ``groups=`` (a label per row: the photo of each crop) the group:
+whole groups are permuted, within their size class.
 
 Options go by keyword through ``functools.partial``: ``permutation_test(partial(mutual_knn, k=5), X, Y)``.
 
@@ -38,7 +43,9 @@ from analysis.estimators.permutation import (
     Permuted,
     PermutedMap,
     PermutedMinibatchCKA,
+    distinct_permutations,
     fwer_adjusted,
+    group_permutations,
     permutation_map,
     permutation_test,
     score_map,
@@ -53,7 +60,9 @@ __all__ = [
     "PermutedMinibatchCKA",
     "cka",
     "cknna",
+    "distinct_permutations",
     "fwer_adjusted",
+    "group_permutations",
     "hsic_gram",
     "mutual_knn",
     "permutation_map",

@@ -9,9 +9,25 @@ distribution. Over ``n_perm`` uniform random permutations (seeded):
     calibrated score z = (score - m) / s, and the excess score - m (the score above chance),
     p = (1 + #{null at least as extreme as the score}) / (n_perm + 1)
 
-(Phipson and Smyth 2010: the +1 keeps p valid, never 0). "As extreme" is >= for similarities and <= for the
-Procrustes distance and angle (smaller is more alike); z keeps the raw sign. The same p-value is exact for any
-score: it only needs the examples exchangeable under the null.
+(Phipson and Smyth 2010: the +1 keeps p valid, never 0, and puts its floor at 1 / (n_perm + 1)). "As extreme" is >=
+for similarities and <= for the Procrustes distance and angle (smaller is more alike); z keeps the raw sign. The same
+p-value is exact for any score: it only needs the permuted units exchangeable under the null.
+
+The exchangeable unit. By default each example (row) is its own unit. When examples come in groups that are not
+independent of each other -- 16 crops of one photo, frames of one video -- rows are not exchangeable: two crops of a
+photo are alike in X and alike in Y whether or not X and Y share anything about photos, so a null that scatters the
+crops across photos scores far below the observed pairing and p comes out too small (the test of
+``tests/analysis/estimators/test_permutation_nulls.py``: 5% nominal read as most of the replicates on clustered data
+with X and Y independent at the photo level). ``groups=`` [n] (a label per row) makes the group the unit
+(:func:`group_permutations`): a permutation pi of the groups sends the k-th row of group g (k counting its rows in
+order) to the k-th row of group pi(g), so every group keeps its rows together and its internal structure. Groups of
+unequal size cannot be matched row for row, so pi permutes the groups within each size class (groups of 16 rows among
+themselves, groups of 12 among themselves; a group alone in its size class stays in place): the test stays exact under
+"groups of one size are exchangeable", which is what independent draws of units give, and no row is dropped
+(restricting to the commonest size would drop whole groups). Distinct permutations: the product over size classes of
+(groups in the class)! (:func:`distinct_permutations`; 19 photos of 16 crops: 19! ~ 1.2e17); seeded draws with
+replacement, so p never falls below 1 / (n_perm + 1) however many there are. Groups of one row each give exactly the
+row-level draws.
 
 Maps. ``permutation_map(score, Xs, Ys)`` scores every layer of one model against every layer of the other; one
 permutation reorders the examples of every layer of Y alike (so cells keep their dependence), and the family-wise
@@ -34,6 +50,7 @@ O((L_x + L_y) n^2 p): measured in docs/analysis.md.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -222,9 +239,51 @@ def _resolve(score: Callable) -> tuple[_Null, dict]:
     return _NULLS.get(fn) or _generic(fn), options
 
 
-def _permutations(n: int, n_perm: int, seed: int) -> torch.Tensor:
+def _permutations(n: int, n_perm: int, seed: int, groups=None) -> torch.Tensor:
+    if groups is not None:
+        return group_permutations(groups, n_perm, seed, n)
     g = torch.Generator().manual_seed(seed)
     return torch.rand(n_perm, n, generator=g).argsort(1)
+
+
+def _size_classes(groups, n: int | None = None) -> list[np.ndarray]:
+    """The groups' rows by size class: one [m, s] array per size s (ascending), row a of it the indices of the a-th
+    group of that size (groups in order of their first row, a group's rows in their order)."""
+    g = np.asarray(groups).reshape(-1)
+    if n is not None and len(g) != n:
+        raise ValueError(f"groups must give one label per example: {len(g)} labels for {n} examples.")
+    _, first, inverse = np.unique(g, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # the groups in order of their first row
+    members = [np.flatnonzero(inverse == u) for u in order]
+    sizes = sorted({len(m) for m in members})
+    return [np.stack([m for m in members if len(m) == s]) for s in sizes]
+
+
+def distinct_permutations(groups) -> int:
+    """How many distinct permutations :func:`group_permutations` draws from: the product over size classes of (groups
+    of that size)! (n! for one row per group)."""
+    return math.prod(math.factorial(len(c)) for c in _size_classes(groups))
+
+
+def group_permutations(groups, n_perm: int, seed: int, n: int | None = None) -> torch.Tensor:
+    """[n_perm, n] seeded permutations of the rows that move whole groups (module docstring, "The exchangeable
+    unit"): within each size class, a uniform permutation pi of its groups; row k of group g is sent the k-th row of
+    group pi(g) (``y[perm]``: row i of the result is old row perm[i]). One generator draws the size classes in
+    ascending size, so one row per group gives exactly the row-level draws. ValueError (one sentence) when no size
+    class holds two groups: nothing could move."""
+    classes = _size_classes(groups, n)
+    if all(len(c) < 2 for c in classes):
+        raise ValueError(
+            "a permutation null over groups needs at least two groups of the same size to exchange; these groups' "
+            f"sizes are {sorted(c.shape[1] for c in classes)}: pass groups with repeated sizes, or groups=None."
+        )
+    rows = sum(c.size for c in classes)
+    gen = torch.Generator().manual_seed(seed)
+    out = np.empty((n_perm, rows), dtype=np.int64)
+    for c in classes:  # c [m, s]: the m groups of size s
+        sigma = torch.rand(n_perm, len(c), generator=gen).argsort(1).numpy()  # [n_perm, m]
+        out[:, c.reshape(-1)] = c[sigma].reshape(n_perm, -1)
+    return torch.from_numpy(out)
 
 
 def _batch(n: int) -> int:
@@ -259,13 +318,15 @@ def _summary(score: np.ndarray, null: np.ndarray, lower: bool) -> dict:
     return {"score": score, "null_mean": mean, "null_sd": sd, "z": z, "excess": score - mean, "p": p}
 
 
-def permutation_test(score: Callable, x, y, n_perm: int = 1000, seed: int = 0) -> Permuted:
+def permutation_test(score: Callable, x, y, n_perm: int = 1000, seed: int = 0, groups=None) -> Permuted:
     """The permutation null of ``score(x, y)`` (module docstring): y's examples permuted ``n_perm`` times (seeded);
-    returns the score, null mean and SD, calibrated score and excess, and the +1-corrected p-value. ``score`` is
-    one of the estimators of :mod:`analysis.similarity` (options by ``functools.partial``, e.g.
-    ``partial(rbf_cka, threshold=0.5)``), each permuted without a pass over the features, or any callable
-    ``score(x, y)`` (called on ``y[perm]``; one whose smaller values mean more alike says so by an attribute
-    ``lower_is_closer = True``)."""
+    the exchangeable unit is the example, or with ``groups`` [n] (a label per example) the group: whole groups are
+    permuted within their size class, each row going to the row of the same index in the other group
+    (:func:`group_permutations`; one example per group is exactly the default). Returns the score, null mean and
+    SD, calibrated score and excess, and the +1-corrected p-value. ``score`` is one of the estimators of
+    :mod:`analysis.similarity` (options by ``functools.partial``, e.g. ``partial(rbf_cka, threshold=0.5)``), each
+    permuted without a pass over the features, or any callable ``score(x, y)`` (called on ``y[perm]``; one whose
+    smaller values mean more alike says so by an attribute ``lower_is_closer = True``)."""
     if n_perm < 2:
         raise ValueError(f"permutation_test needs n_perm >= 2 to estimate the null's spread, got {n_perm}.")
     n = _nrows(x)
@@ -274,7 +335,7 @@ def permutation_test(score: Callable, x, y, n_perm: int = 1000, seed: int = 0) -
     null, options = _resolve(score)
     sx, sy = null.side(x, **options), null.side(y, **options)
     observed = float(_null_scores(null, sx, sy, _identity(n))[0])
-    draws = _null_scores(null, sx, sy, _permutations(n, n_perm, seed)).numpy()
+    draws = _null_scores(null, sx, sy, _permutations(n, n_perm, seed, groups)).numpy()
     s = _summary(np.float64(observed), draws, null.lower)
     return Permuted(**{k: float(v) for k, v in s.items()}, null=draws, lower=null.lower)
 
@@ -345,11 +406,13 @@ def score_map(score: Callable, xs: list, ys: list | None = None) -> np.ndarray:
 
 
 def permutation_map(
-    score: Callable, xs: list, ys: list | None = None, n_perm: int = 1000, seed: int = 0
+    score: Callable, xs: list, ys: list | None = None, n_perm: int = 1000, seed: int = 0, groups=None
 ) -> PermutedMap:
     """``score`` of every layer of ``xs`` against every layer of ``ys`` (``None``: xs against itself) and its
     permutation null, one permutation reordering every layer of ys alike; p-values per cell and family-wise
-    adjusted by the max statistic over cells (module docstring). Each representation is prepared once."""
+    adjusted by the max statistic over cells (module docstring). Each representation is prepared once. The
+    exchangeable unit is the example, or with ``groups`` [n] the group (as :func:`permutation_test`; the Gram-based
+    CKAs' reuse of the centred Grams takes the group permutations as it takes any other)."""
     ys = xs if ys is None else ys
     n = _nrows(xs[0])
     if any(_nrows(r) != n for r in [*xs, *ys]):
@@ -359,7 +422,7 @@ def permutation_map(
     null, options = _resolve(score)
     sxs = [null.side(x, **options) for x in xs]
     sys_ = sxs if ys is xs else [null.side(y, **options) for y in ys]
-    perms = _permutations(n, n_perm, seed)
+    perms = _permutations(n, n_perm, seed, groups)
     if null.pair is _gram_pair:  # Gram-based: every layer pair of a batch of permutations in one product
         return _gram_map(sxs, sys_, perms, n)
     observed = _observed(null, sxs, sys_, n)
@@ -382,7 +445,9 @@ class PermutedMinibatchCKA(MinibatchCKA):
     the max statistic). Per minibatch and permutation the null gathers n(n - 1)/2 entries of every layer of y and
     costs L_x L_y n^2 / 2 multiply-adds (:class:`GramHalves`), against CKA's (L_x + L_y) n^2 p / 2 for the Grams;
     it holds n_perm L_x L_y float64 sums. Processes seeded alike draw the same permutations for their own
-    minibatches: still a valid null, as each minibatch's examples are permuted uniformly."""
+    minibatches: still a valid null, as each minibatch's examples are permuted uniformly. Its exchangeable unit is the
+    example: random minibatches split a group's rows, so whole groups cannot be permuted within one; for grouped
+    examples (crops of photos) use :func:`permutation_map` with ``groups=`` on the pooled features."""
 
     def __init__(self, unbiased: bool = True, n_perm: int = 1000, seed: int = 0):
         super().__init__(unbiased)

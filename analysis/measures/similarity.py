@@ -28,6 +28,14 @@ permutations of the images of the columns' model (one permutation reorders every
     p_fwer[i, j]           family-wise adjusted p by the max statistic over the cells of the map
     significant[i, j]      p_fwer <= ``alpha``
 
+The exchangeable unit of the null is the image, or, when the images come in groups (``groups`` of the image source,
+:class:`analysis.sources.images.ImageSet`: the bundled photos' 16 crops each carry their photo), the group: crops of
+one photo are alike in every layer whatever the layers share, so permuting single crops scatters them across photos
+and makes any two layers look related; the null permutes whole photos instead, the k-th kept crop of photo p going to
+the k-th kept crop of photo pi(p), photos with as many kept crops exchanged among themselves
+(:func:`analysis.similarity.group_permutations`; with ``images`` below the analysis images some photos may keep a
+count no other photo has, and stay in place). p never falls below 1 / (n_perm + 1).
+
 A layer's representation of one image is option ``repr``: ``mean_spatial`` (default: the mean of the spatial tokens,
 a ResNet's spatial mean; one vector of D per image, as Huh et al. pool), ``cls`` (the class token) or ``flatten``
 (all tokens, T x D per image, as Raghu's CKA). Every estimator takes any of them (the wide ones through the n x n
@@ -47,7 +55,8 @@ Cross-model maps: ``python -m analysis RUN --against OTHER --measures similarity
 (rows) against OTHER's (columns) on the same images, the null permuting OTHER's images (analysis/reports/cross.py).
 
 Result: ``score`` [La, Lb] and, with ``n_perm`` >= 2, ``null_mean``, ``null_sd``, ``z``, ``excess``, ``p``, ``p_fwer``,
-``significant`` (int8) [La, Lb]; ``labels`` (rows) and ``labels_b`` (columns), ``name_a`` / ``name_b`` (the models'
+``significant`` (int8) [La, Lb]; ``n_units`` (the null's exchangeable units among the ``n_images``: photos, or the
+images themselves); ``labels`` (rows) and ``labels_b`` (columns), ``name_a`` / ``name_b`` (the models'
 names in a cross-model map, "" for a model against itself), ``estimator``, ``repr``, ``layers``, ``lower`` (1 when
 smaller scores mean more alike), ``n_images``, ``n_perm``, ``alpha``, ``seed``. With option ``second`` (another
 estimator), also that estimator's ``second_score``, ``second_lower``, ... (every key above that the map computes, with
@@ -60,8 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -157,58 +165,69 @@ def images_problem(n: int, opts: SimilarityOptions) -> str | None:
     return f"{opts.estimator} needs at least {need} images and keeps {min(n, opts.images)}: {more}{lower}."
 
 
-def similarity_map(xs: list, ys: list | None, opts: SimilarityOptions) -> dict:
+def similarity_map(xs: list, ys: list | None, opts: SimilarityOptions, groups=None) -> dict:
     """The map of ``opts.estimator`` between the layers ``xs`` (rows) and ``ys`` (columns; None: ``xs`` against
     itself), each [n, ...] of the same images in the same order, and its null (module docstring): a result's arrays.
-    With ``opts.second``, also that estimator's map and null (the same seed, hence the same permutations) under keys
-    ``second_<key>`` and its name under ``second_estimator``."""
-    out = _one_map(xs, ys, opts)
+    ``groups`` [n]: each image's independent unit (its photo), the null's exchangeable unit; None: each image. With
+    ``opts.second``, also that estimator's map and null (the same seed and groups, hence the same permutations) under
+    keys ``second_<key>`` and its name under ``second_estimator``."""
+    out = _one_map(xs, ys, opts, groups)
     if opts.second:
-        two = _one_map(xs, ys, dataclasses.replace(opts, estimator=opts.second, second=""))
+        two = _one_map(xs, ys, dataclasses.replace(opts, estimator=opts.second, second=""), groups)
         out.update({f"second_{k}": v for k, v in two.items()}, second_estimator=opts.second)
     return out
 
 
-def _one_map(xs: list, ys: list | None, opts: SimilarityOptions) -> dict:
+def _one_map(xs: list, ys: list | None, opts: SimilarityOptions, groups=None) -> dict:
     score = score_function(opts)
-    out: dict = {"lower": int(opts.estimator in LOWER), "n_images": int(xs[0].shape[0]), "n_perm": int(opts.n_perm)}
+    n = int(xs[0].shape[0])
+    units = n if groups is None else len(np.unique(groups))
+    out: dict = {"lower": int(opts.estimator in LOWER), "n_images": n, "n_perm": int(opts.n_perm), "n_units": units}
     if opts.n_perm == 0:
         out["score"] = score_map(score, xs, ys)
         return out
-    m = permutation_map(score, xs, ys, n_perm=opts.n_perm, seed=opts.seed)
+    m = permutation_map(score, xs, ys, n_perm=opts.n_perm, seed=opts.seed, groups=None if units == n else groups)
     for key in ("score", "null_mean", "null_sd", "z", "excess", "p", "p_fwer"):
         out[key] = np.asarray(getattr(m, key), dtype=np.float64)
     out["significant"] = (np.nan_to_num(m.p_fwer, nan=1.0) <= opts.alpha).astype(np.int8)
     return out
 
 
-TIMING_PERMUTATIONS = 16  # own_seconds times at most this many permutations
+TIMING_PERMUTATIONS = 8  # own_seconds times at most this many permutations
+
+
+TIMING_LAYERS = (1, 2, 4)  # own_seconds times maps of these many layers
 
 
 def own_seconds(opts: SimilarityOptions, n: int, layers: int, dims: int) -> float:
     """The seconds the map and its null of ``opts`` take on ``n`` images of ``layers`` layers of ``dims`` features,
-    timed here on random features of that shape: the map of one layer (one layer's preparation and one score, t1) and
-    of two layers (two preparations and four scores, t2) give a preparation p = t1 - s and a score s = max(0, (t2 - 2
-    t1) / 2); the null of one layer over P = min(n_perm, 16) permutations gives a permuted score q = (t1(P) - t1) / P.
-    The map of L layers: L p + L^2 s + n_perm L^2 q (an upper bound: the null's batched products share work across
-    cells)."""
+    timed here (each the shortest of 3 calls: a shared machine's noise) on random features of that shape: the raw map
+    of 1, 2 and 4 layers gives r(L) = c + a L + b L^2 (a layer's preparation, a pair's score), and the null of P =
+    min(n_perm, 8) permutations of them each permutation's cost d(L) = (t(L, P) - r(L)) / P = f + g L + h L^2 (a
+    permutation drawn, each layer's side reordered, each pair's product); the map of L layers costs
+    r(L) + n_perm d(L), each fitted curve kept at or above its largest timed value's share (a noisy fit cannot go
+    negative)."""
+    from analysis.engine.cost import _best
+
     gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(n, dims, generator=gen) for _ in range(2)]
-    raw = replace(opts, n_perm=0)
+    xs = [torch.randn(n, dims, generator=gen) for _ in range(max(TIMING_LAYERS))]
 
-    def timed(feats, o) -> float:
-        t0 = time.perf_counter()
-        similarity_map(feats, None, o)
-        return time.perf_counter() - t0
+    def timed(k: int, perms: int) -> float:
+        o = dataclasses.replace(opts, n_perm=perms)
+        return _best(lambda: similarity_map(xs[:k], None, o))
 
-    t1, t2 = timed(xs[:1], raw), timed(xs, raw)
-    score = max(0.0, (t2 - 2 * t1) / 2)
-    prep = max(0.0, t1 - score)
-    out = layers * prep + layers**2 * score
+    ls = np.array(TIMING_LAYERS, dtype=float)
+    design = np.stack([np.ones_like(ls), ls, ls**2], 1)
+
+    def at(times: list[float]) -> float:  # the quadratic through the timed points, at ``layers``
+        coef = np.linalg.solve(design, np.asarray(times))
+        return float(max(coef @ [1.0, layers, layers**2], max(times) * layers / ls[-1]))
+
+    raw = [timed(k, 0) for k in TIMING_LAYERS]
+    out = at(raw)
     if opts.n_perm:
         p = min(opts.n_perm, TIMING_PERMUTATIONS)
-        q = max(0.0, timed(xs[:1], replace(opts, n_perm=p)) - t1) / p
-        out += opts.n_perm * layers**2 * q
+        out += opts.n_perm * at([max(0.0, timed(k, p) - r) / p for k, r in zip(TIMING_LAYERS, raw)])
     return out
 
 
@@ -222,6 +241,7 @@ class SimilarityMeasure(Measure):
     suite); with ``--against`` also between two models' layers."""
 
     name: ClassVar[str] = "similarity"
+    version: ClassVar[int] = 2  # 2: the null permutes whole photos when the images are grouped (n_units)
     chunkable: ClassVar[bool] = True  # per-image rows: a minibatch may come in chunks
     Options = SimilarityOptions
 
@@ -272,10 +292,21 @@ class SimilarityMeasure(Measure):
             raise ValueError("no minibatches were accumulated") from None
         return [feats[t].float() for t, _ in self.layers]
 
+    def kept_groups(self, n: int) -> np.ndarray | None:
+        """The independent unit of each of the ``n`` kept images, in the order they are kept (the suite's minibatch
+        order), from the image source's ``groups`` (:class:`analysis.sources.images.ImageSet`); None without them."""
+        groups = getattr(self.ctx.data, "groups", None)
+        if groups is None:
+            return None
+        mb = self.ctx.minibatches
+        rows = torch.cat([mb.rows(j) for j in range(len(mb))])[:n]
+        return np.asarray(groups)[rows.numpy()]
+
     def finish(self) -> dict:
         labels = [lab for _, lab in self.layers]
+        feats = self.features()
         return {
-            **similarity_map(self.features(), None, self.opts),
+            **similarity_map(feats, None, self.opts, self.kept_groups(int(feats[0].shape[0]))),
             **describe(self.opts, labels, labels),
         }
 

@@ -96,7 +96,9 @@ def cross_similarity(model_a, model_b, data, opts: S.SuiteOptions, name_a: str, 
         ma.update(j, capa, None, y)
         mb.update(j, capb, None, y)
     rows, cols = ([lab for _, lab in m.layers] for m in (ma, mb))
-    return {**similarity_map(ma.features(), mb.features(), so), **describe(so, rows, cols, name_a, name_b)}
+    fb = mb.features()
+    groups = mb.kept_groups(int(fb[0].shape[0]))  # the null's unit: the photo when the images are crops of photos
+    return {**similarity_map(ma.features(), fb, so, groups), **describe(so, rows, cols, name_a, name_b)}
 
 
 def check_same_images(run: Run, other: Run) -> tuple:

@@ -1,7 +1,7 @@
 """docs/real-vit.md: every measure on a real pretrained ViT and real photos, offline, and the papers' claims that need a
 trained model, decided on it.
 
-    python -m analysis.studies.real_vit                  # ~15-30 min on 2 CPU cores; cached: a rerun redraws in ~2 min
+    python -m analysis.studies.real_vit                  # ~15-30 min on 2 CPU cores; cached: a rerun ~10 min of CPU
     python -m analysis.studies.real_vit --views 4        # a quick look (fewer crops per photo)
     python -m analysis.studies.real_vit --out docs/real-vit.md  # the committed report (default: runs/real-vit/)
 
@@ -25,9 +25,12 @@ over the claim's parts) over the independent units of the analysis views: the 30
 photos, so the bootstrap draws photos, each with all its views (the cluster bootstrap; a folder of one's own images
 would be resampled image by image). The CI says how sure we are about THIS model on photos like THESE 19, not about
 more crops of them, nor about ViTs in general; the report also gives the narrower interval that treats the views as
-independent. **Heads are chosen on other crops of the same photos**: a claim that needs "the most local head" or "the
-best offset head" picks it on the probe-train crops (seed 1) and tests it on the analysis views (seed 0); both are
-crops of the same 19 photos, so the choice is not independent of the test at the photo level, and the report says so.
+independent. **Heads are chosen on photos they are not tested on**: a claim that needs "the most local head" or "the
+best offset window" picks it on the probe-train crops (seed 1) of 10 selection photos and tests it on the analysis
+views (seed 0) of the other 9 (a split fixed by a seeded rule on the photo indices, claims.py ``photo_split``), the
+bootstrap resampling those 9; the report gives beside it the number chosen and tested on all 19 photos, as before the
+split. The similarity section calibrates block x block CKA and mutual k-NN by permuting whole photos (the
+exchangeable unit), beside the view-level null that treated crops as exchangeable.
 """
 
 from analysis.studies.claims import Paper

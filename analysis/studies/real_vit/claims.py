@@ -6,10 +6,14 @@ One model, so there are no seeds: a claim reads per-image statistics from an :cl
 them) and each part's 95% CI is a BCa bootstrap over the independent units of the analysis views
 (``ImageContext.groups``): for the bundled photos the photo, each drawn with all its views (the cluster bootstrap of
 analysis/studies/stats.py), so the interval is about photos like these 19, not about more crops of them; for a folder
-of one's own images, each image. A head a claim needs is chosen on the probe-train crops and tested on the analysis
-views: other crops, but of the SAME photos, so the choice and the test are not independent at the photo level
-(``ImageContext.chosen_on`` says what the choice saw, in each such claim's record ``measured["chosen_on"]`` and in the
-report).
+of one's own images, each image. A head a claim needs (upper_global's most local head, offset_early's windows) is
+chosen on photos it is not tested on: when the probe-train crops are crops of the analysis photos (the bundled
+photos), the photos are split once by :func:`photo_split` (a seeded rule on the photos' indices, declared here before
+any held-out number was computed): the head is chosen on the probe crops of the selection photos and tested on the
+analysis views of the held-out photos only, the bootstrap resampling those photos; the verdict reads the held-out
+test. Beside it, in ``measured["all_photos"]``, the number as it was before the split: chosen on all photos' probe
+crops, tested on all photos' analysis views (choice and test then share photos). ``measured["chosen_on"]`` says what
+the choice saw. A folder's probe images are other images than its analysis images: no split is needed there.
 """
 
 from __future__ import annotations
@@ -28,6 +32,53 @@ CLAIMS = Claims("real_vit")
 
 RAGHU_5, RAGHU_6 = "Raghu et al. 2021 §5", "Raghu et al. 2021 §6"
 
+# The selection / held-out split of the photos (issue 38), fixed on 2026-11-28 before any held-out number was computed:
+# the units (photos) sorted, permuted by numpy's PCG64 seeded with SPLIT_SEED, the first ceil(SELECTION_SHARE x G)
+# are the selection photos, the rest held out (the 19 bundled photos: 10 / 9). It reads only the photos' indices.
+SPLIT_SEED = 38
+SELECTION_SHARE = 0.5
+
+
+def photo_split(units) -> tuple[np.ndarray, np.ndarray]:
+    """(selection, held-out): the distinct ``units`` split by the fixed rule above (sorted arrays of unit labels)."""
+    u = np.unique(units)
+    if len(u) < 2:
+        raise ValueError(f"a selection / held-out split needs at least 2 photos, not {len(u)}: analyse more photos.")
+    k = min(len(u) - 1, int(np.ceil(SELECTION_SHARE * len(u))))
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(u))
+    return np.sort(u[order[:k]]), np.sort(u[order[k:]])
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The split of one context: the ``selection`` and ``test`` photos, the probe crops of the selection photos
+    (``probe`` [M] bool) and the analysis views of the held-out photos (``views`` [N] bool)."""
+
+    selection: np.ndarray
+    test: np.ndarray
+    probe: np.ndarray
+    views: np.ndarray
+
+    def says(self, n_views: int) -> str:
+        """What a head chosen under this split was chosen on and tested on, in words."""
+        return (
+            f"the probe crops of the {len(self.selection)} selection photos (photos "
+            f"{', '.join(map(str, self.selection))}; split fixed by seed {SPLIT_SEED}), tested on the "
+            f"{int(self.views.sum())} analysis views of the {len(self.test)} held-out photos (of {n_views})"
+        )
+
+
+def held_out(c) -> HeldOut | None:
+    """The context's split when its probe crops are crops of its analysis photos (``photos`` and ``probe_groups``
+    known), else None (the probe images are other images: the choice never saw the tested ones)."""
+    if c.photos is None or c.probe_groups is None:
+        return None
+    selection, test = photo_split(c.photos)
+    probe = np.isin(c.probe_groups, selection)
+    if not probe.any():
+        raise ValueError("no probe crop belongs to a selection photo: the probe crops must be crops of the photos.")
+    return HeldOut(selection, test, probe, np.isin(c.photos, test))
+
 
 @dataclass
 class ImageContext:
@@ -41,7 +92,10 @@ class ImageContext:
     ("first", "second"). ``groups`` [N]: each analysis view's independent unit (its photo; None: each image its own),
     what every part's bootstrap resamples; ``population``: what the intervals are about, in words ("the 19 photos");
     ``chosen_on``: what the heads and windows are chosen on, in words ("other crops (seed 1) of the same 19 photos");
-    ``probe_groups`` [M]: the probe crops' photos when they are the analysis views' photos (None: other images)."""
+    ``probe_groups`` [M]: the probe crops' photos when they are the analysis views' photos (None: other images);
+    ``photos`` [N]: each analysis view's photo when the probe crops are crops of the same photos (what
+    :func:`held_out` splits; kept when ``groups`` is set to None to take the views as independent images);
+    ``chosen_split``: the windows chosen on the selection photos' probe crops alone, as ``chosen``."""
 
     distance: np.ndarray
     probe_distance: np.ndarray
@@ -55,6 +109,8 @@ class ImageContext:
     population: str = ""
     chosen_on: str = "the probe-train crops"
     probe_groups: np.ndarray | None = None
+    photos: np.ndarray | None = None
+    chosen_split: dict = field(default_factory=dict)
 
 
 def _images(ctx) -> ImageContext:
@@ -72,10 +128,20 @@ def halves(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(n // 2), np.arange(n // 2, n)
 
 
-def _boot(c: ImageContext, name: str, values, statistic=np.mean, seed: int = 0):
+def _boot(c: ImageContext, name: str, values, statistic=np.mean, seed: int = 0, rows=None):
     """A bootstrap part over the context's independent units (its photos, each with all its views), built when the
-    claim is judged."""
-    return partial(bootstrap_part, name, values, statistic, groups=c.groups, seed=seed)
+    claim is judged; ``rows`` [N] bool: only those views (the held-out photos'), resampling only their units."""
+    if rows is None:
+        return partial(bootstrap_part, name, values, statistic, groups=c.groups, seed=seed)
+    groups = None if c.groups is None else np.asarray(c.groups)[rows]
+    return partial(bootstrap_part, name, np.asarray(values)[rows], statistic, groups=groups, seed=seed)
+
+
+def _all_photos(parts: list, **measured) -> dict:
+    """The parts computed before the split (chosen and tested on all photos), for the record beside the held-out
+    verdict: each part's name, effect and CI."""
+    done = [p() for p in parts]
+    return {**measured, "parts": [{"name": p.name, "effect": p.effect, "ci": list(p.ci)} for p in done]}
 
 
 @CLAIMS.claim(
@@ -128,9 +194,11 @@ def head_mix(ctx) -> Result:
     f"{LOCAL_FRACTION:g} x uniform attention's distance",
 )
 def upper_global(ctx) -> Result:
-    """The upper half's most local head (chosen on the probe crops) attends above LOCAL_FRACTION x uniform on the
-    analysis views. When the probe crops are of the same photos, ``measured`` also says in how many of the
-    leave-one-photo-out choices (the choice made on the other photos' probe crops) the same head is picked."""
+    """The upper half's most local head attends above LOCAL_FRACTION x uniform. When the probe crops are crops of the
+    analysis photos, the head is chosen on the selection photos' probe crops and tested on the held-out photos'
+    analysis views (:func:`held_out`); ``measured["all_photos"]`` keeps the number chosen and tested on all photos.
+    Otherwise chosen on the probe images, tested on the analysis views. ``measured`` also says in how many
+    leave-one-photo-out choices (the choice made without each photo's probe crops) the same head is picked."""
     c = _images(ctx)
     _, hi = halves(c.distance.shape[1])
 
@@ -139,18 +207,37 @@ def upper_global(ctx) -> Result:
         bi, h = np.unravel_index(int(np.argmin(pm)), pm.shape)
         return int(hi[bi]), int(h)
 
-    b, h = most_local(c.probe_distance)
-    measured = {"head": (b, h), "chosen_on": c.chosen_on}
-    if c.probe_groups is not None:  # the choice made without each photo in turn: does one photo decide it?
-        units = np.unique(c.probe_groups)
-        same = sum(most_local(c.probe_distance[c.probe_groups != g]) == (b, h) for g in units)
-        measured["same_head_leaving_out_each_unit"] = f"{same} of {len(units)}"
-    part = _boot(
-        c,
-        f"block {b} head {h} (the upper half's most local) minus {LOCAL_FRACTION:g} x uniform (px)",
-        c.distance[:, b, h] - LOCAL_FRACTION * c.uniform,
-    )
-    return Result(judge([part]), measured=measured)
+    def stable(head, probe, units) -> str:  # the choice made without each photo in turn: does one photo decide it?
+        same = sum(most_local(probe[units != g]) == head for g in np.unique(units))
+        return f"{same} of {len(np.unique(units))}"
+
+    def part(head, on: str, rows=None):
+        b, h = head
+        return _boot(
+            c,
+            f"block {b} head {h} (the upper half's most local{on}) minus {LOCAL_FRACTION:g} x uniform (px)",
+            c.distance[:, b, h] - LOCAL_FRACTION * c.uniform,
+            rows=rows,
+        )
+
+    head = most_local(c.probe_distance)
+    measured = {"head": head, "chosen_on": c.chosen_on}
+    if c.probe_groups is not None:
+        measured["same_head_leaving_out_each_unit"] = stable(head, c.probe_distance, c.probe_groups)
+    split = held_out(c)
+    if split is None:
+        return Result(judge([part(head, "")]), measured=measured)
+    chosen = most_local(c.probe_distance[split.probe])
+    measured = {
+        "head": chosen,
+        "chosen_on": split.says(len(c.photos)),
+        "selection_photos": split.selection.tolist(),
+        "test_photos": split.test.tolist(),
+        "same_head_leaving_out_each_unit": stable(chosen, c.probe_distance[split.probe], c.probe_groups[split.probe]),
+        "all_photos": _all_photos([part(head, "")], **measured),
+    }
+    on = f" on the {len(split.selection)} selection photos; tested on the {len(split.test)} held-out"
+    return Result(judge([part(chosen, on, split.views)]), measured=measured)
 
 
 @CLAIMS.claim(
@@ -210,33 +297,55 @@ def cls_phase(ctx) -> Result:
     "window (3 x 3 tokens); the second half's best offset window holds less",
 )
 def offset_early(ctx) -> Result:
-    """Part 1: the first half's best offset-local head (chosen on the probe crops) puts at least MIN_MASS of its
-    attention in its offset window on the analysis views; part 2 (in the paper's direction): the second half's best
-    offset window holds less than MIN_MASS."""
+    """Part 1: the first half's best offset-local head puts at least MIN_MASS of its attention in its offset window;
+    part 2 (in the paper's direction): the second half's best offset window holds less than MIN_MASS. The windows are
+    chosen on the probe crops: when those are crops of the analysis photos, on the selection photos' probe crops
+    (``chosen_split``), tested on the held-out photos' analysis views (:func:`held_out`; ``measured["all_photos"]``
+    keeps the windows chosen and tested on all photos)."""
     c = _images(ctx)
-    parts = []
-    for half in ("first", "second"):
-        if half not in c.chosen:
-            continue
-        b, h, off = c.chosen[half]
-        mass = c.window_mass[:, c.windows.index((b, h, off))]
-        where = f"block {b} head {h}, window at ({off[0]:+d}, {off[1]:+d})"
-        if half == "first":  # written in the paper's direction: positive = as Walmer says
-            parts.append(_boot(c, f"{where}: attention mass minus {MIN_MASS:g}", mass - MIN_MASS, seed=len(parts)))
-        else:
-            parts.append(_boot(c, f"{where}: {MIN_MASS:g} minus attention mass", MIN_MASS - mass, seed=len(parts)))
-    found = "first" in c.chosen
+    split = held_out(c)
+
+    def parts_of(chosen: dict, rows=None) -> list:
+        parts = []
+        for half in ("first", "second"):
+            if half not in chosen:
+                continue
+            b, h, off = chosen[half]
+            mass = c.window_mass[:, c.windows.index((b, h, off))]
+            where = f"block {b} head {h}, window at ({off[0]:+d}, {off[1]:+d})"
+            if half == "first":  # written in the paper's direction: positive = as Walmer says
+                name, values = f"{where}: attention mass minus {MIN_MASS:g}", mass - MIN_MASS
+            else:
+                name, values = f"{where}: {MIN_MASS:g} minus attention mass", MIN_MASS - mass
+            on = "" if rows is None else f" (chosen on the selection photos; the {len(split.test)} held-out photos)"
+            parts.append(_boot(c, name + on, values, seed=len(parts), rows=rows))
+        return parts
+
+    chosen = c.chosen if split is None else c.chosen_split
+    parts = parts_of(chosen, None if split is None else split.views)
+    found = "first" in chosen
+    where = "probe crops" if split is None else "selection photos' probe crops"
     pre = Precondition(
         "offset head",
         found,
-        "some first-half head is offset-local on the probe crops"
+        f"some first-half head is offset-local on the {where}"
         if found
-        else "no head of the first half is offset-local on the probe crops",
+        else f"no head of the first half is offset-local on the {where}",
         {},
     )
     if not parts:
         parts = [_boot(c, "no window", np.zeros(c.window_mass.shape[0]))]
-    return Result(judge(parts, [pre]), measured={"chosen_on": c.chosen_on})
+    measured: dict = {"chosen_on": c.chosen_on}
+    if split is not None:
+        every = parts_of(c.chosen)
+        measured = {
+            "chosen_on": split.says(len(c.photos)),
+            "windows": {k: [v[0], v[1], list(v[2])] for k, v in chosen.items()},
+            "selection_photos": split.selection.tolist(),
+            "test_photos": split.test.tolist(),
+            "all_photos": _all_photos(every, chosen_on=c.chosen_on) if every else {"chosen_on": c.chosen_on},
+        }
+    return Result(judge(parts, [pre]), measured=measured)
 
 
 @CLAIMS.claim(

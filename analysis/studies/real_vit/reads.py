@@ -11,7 +11,7 @@ from analysis.engine.taps import Taps, block_names, grid_of, num_prefix_tokens
 from analysis.measures.aligned_attention import MAX_OFFSET, MIN_MASS, WINDOW, offset_local_heads
 from analysis.measures.attention_distance import grid_distances
 from analysis.studies.locality import uniform_distance
-from analysis.studies.real_vit.claims import ImageContext, halves
+from analysis.studies.real_vit.claims import ImageContext, halves, photo_split
 
 
 @torch.no_grad()
@@ -111,18 +111,39 @@ def offset_windows(probe_mass: np.ndarray, offset: np.ndarray, peaks: np.ndarray
     return out
 
 
+def probe_windows(model, data, rows=None) -> dict:
+    """The offset windows chosen (:func:`offset_windows`) on aligned_attention over ``data``'s probe-train crops, only
+    the crops ``rows`` [M] bool when given (the selection photos')."""
+    from train.splits import TensorBatches
+
+    probe = data.probe_train
+    if rows is not None:
+        keep = torch.from_numpy(np.flatnonzero(rows))
+        probe = TensorBatches(probe.images[keep], probe.labels[keep])
+    probe_data = type(data)(probe, probe, data.num_classes, data.class_names, data.mean, data.std)
+    aligned = S.run_suite(model, probe_data, S.suite_options(["aligned_attention"], 32))["aligned_attention"]
+    pcls = offset_local_heads(aligned["mass_maps"], MAX_OFFSET, MIN_MASS, WINDOW)
+    return offset_windows(pcls["peak_mass"], pcls["offset_local"], pcls["peak_offset"])
+
+
 def image_context(model, data, batch: int = 16) -> ImageContext:
     """The claims' per-image statistics of ``model`` on ``data``: heads chosen on the probe-train crops (their own
     attention distances, and the offset windows from aligned_attention on them), tested on the analysis views; with the
     analysis views' independent units (``data.groups``: for the bundled photos, each view's photo), the population
-    they stand for and what the heads were chosen on (for the bundled photos: other crops of the same photos)."""
+    they stand for and what the heads were chosen on (for the bundled photos: other crops of the same photos). When
+    the probe crops are crops of the analysis photos (``data.probe_groups``), the offset windows are also chosen on
+    the selection photos' probe crops alone (``chosen_split``, :func:`~.claims.photo_split`), and the analysis views'
+    window mass is read for both choices."""
     grid, patch = tuple(grid_of(model)), int(model.patch_embed.patch_size[0])
     probe = per_image(model, data.probe_train, data.normalize, batch)
-    probe_data = type(data)(data.probe_train, data.probe_train, data.num_classes, data.class_names, data.mean, data.std)
-    probe_aligned = S.run_suite(model, probe_data, S.suite_options(["aligned_attention"], 32))["aligned_attention"]
-    pcls = offset_local_heads(probe_aligned["mass_maps"], MAX_OFFSET, MIN_MASS, WINDOW)
-    chosen = offset_windows(pcls["peak_mass"], pcls["offset_local"], pcls["peak_offset"])
-    pi = per_image(model, data.analysis, data.normalize, batch, windows=list(chosen.values()))
+    chosen = probe_windows(model, data)
+    groups, probe_groups = getattr(data, "groups", None), getattr(data, "probe_groups", None)
+    photos = groups if groups is not None and probe_groups is not None else None
+    chosen_split = {}
+    if photos is not None:
+        chosen_split = probe_windows(model, data, np.isin(probe_groups, photo_split(photos)[0]))
+    windows = list(dict.fromkeys([*chosen.values(), *chosen_split.values()]))
+    pi = per_image(model, data.analysis, data.normalize, batch, windows=windows)
     return ImageContext(
         distance=pi["distance"],
         probe_distance=probe["distance"],
@@ -132,8 +153,10 @@ def image_context(model, data, batch: int = 16) -> ImageContext:
         window_mass=pi["window_mass"],
         windows=pi["windows"],
         chosen=chosen,
-        groups=getattr(data, "groups", None),
-        probe_groups=getattr(data, "probe_groups", None),
+        groups=groups,
+        probe_groups=probe_groups,
         population=getattr(data, "population", "") or f"these {len(data.analysis)} images",
         chosen_on=getattr(data, "meta", {}).get("probe", "the probe-train images"),
+        photos=photos,
+        chosen_split=chosen_split,
     )

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from analysis.engine import suite as S
 from analysis.engine.figures import save
@@ -126,6 +127,9 @@ def build(
     ctx = image_context(model, data, batch)  # heads chosen on the probe crops, tested on the analysis views
     t_claims = time.time() - t1
     claims = claim_records(ctx)
+    t2 = time.time()
+    similarity = similarity_nulls(model, data)
+    t_similarity = time.time() - t2
     copied = draw_figures(model, data, res, ctx.uniform, fig_dir)
     grid = tuple(grid_of(model))
     summary = {
@@ -136,18 +140,38 @@ def build(
         "patch": int(model.patch_embed.patch_size[0]),
         "n_analysis": len(data.analysis),
         "n_probe": len(data.probe_train),
-        "wall_s": {"suite": round(t_suite, 1), "claims": round(t_claims, 1)},
+        "wall_s": {"suite": round(t_suite, 1), "claims": round(t_claims, 1), "similarity": round(t_similarity, 1)},
         "computed": len(stats["computed"]),
         "reused": len(stats["reused"]),
         "chosen_windows": {k: list(map(list, [v[:2], v[2]])) for k, v in ctx.chosen.items()},
         "population": ctx.population,
         "units": len(np.unique(ctx.groups)) if ctx.groups is not None else len(data.analysis),
         "chosen_on": ctx.chosen_on,
+        "split": split_of(ctx),
         "claims": claims,
+        "similarity": similarity,
         **measure_numbers(res),
     }
     write(summary, out_md, fig_dir, copied)
     return summary
+
+
+def split_of(ctx) -> dict | None:
+    """The selection / held-out photos of the heads the claims choose (None: no split, the probe images are other
+    images than the analysis ones)."""
+    from analysis.studies.real_vit.claims import SELECTION_SHARE, SPLIT_SEED, held_out
+
+    h = held_out(ctx)
+    if h is None:
+        return None
+    return {
+        "selection": h.selection.tolist(),
+        "test": h.test.tolist(),
+        "seed": SPLIT_SEED,
+        "selection_share": SELECTION_SHARE,
+        "test_views": int(h.views.sum()),
+        "selection_probe_crops": int(h.probe.sum()),
+    }
 
 
 def claim_records(ctx) -> dict:
@@ -160,6 +184,52 @@ def claim_records(ctx) -> dict:
     for c, r in run_claims(PAPER, replace(ctx, groups=None)):
         for part, view in zip(out[c.id]["decision"]["parts"], r.decision.parts):
             part["ci_views"] = list(view.ci)
+    return out
+
+
+SIMILARITY = ("cka", "mutual_knn")  # the estimators whose block x block maps the report calibrates
+SIMILARITY_PERMUTATIONS = 200  # the similarity measure's default: p-value floor 1 / 201
+
+
+@torch.no_grad()
+def similarity_nulls(model, data, n_perm: int = SIMILARITY_PERMUTATIONS) -> dict:
+    """The similarity measure's block x block maps of :data:`SIMILARITY` on the analysis views (mean spatial tokens,
+    the measure's defaults), each calibrated twice: by the null that permutes single views (the measure before photos
+    were its unit: views of one photo are not exchangeable, so this null is too easy to beat) and by the photo-level
+    null (whole photos permuted, :func:`analysis.similarity.group_permutations`). Per estimator and null: mean
+    off-diagonal score and z, the layer pairs (i < j) significant with family-wise error 0.05 (max statistic), the
+    smallest family-wise p; and how many distinct photo permutations there are."""
+    from analysis.engine.taps import Taps
+    from analysis.estimators.permutation import distinct_permutations
+    from analysis.measures.similarity import SimilarityMeasure, SimilarityOptions, similarity_map
+
+    m = SimilarityMeasure(S.make_context(model, data, BATCH), SimilarityOptions(n_perm=n_perm))
+    mb = m.ctx.minibatches
+    for j in range(len(mb)):
+        with Taps(model, sorted(m.taps())) as cap:
+            model(data.normalize(mb.take(data.analysis.images, j)))
+        m.update(j, cap, None, None)
+    feats = m.features()
+    groups = m.kept_groups(int(feats[0].shape[0]))
+    upper = np.triu(np.ones((len(feats),) * 2, dtype=bool), 1)
+    out: dict = {"n_images": int(feats[0].shape[0]), "n_perm": n_perm, "estimators": {}}
+    if groups is not None:
+        out["n_units"], out["distinct_photo_permutations"] = len(np.unique(groups)), distinct_permutations(groups)
+    for est in SIMILARITY:
+        opts = SimilarityOptions(estimator=est, n_perm=n_perm)
+        row = {}
+        for unit, g in (("view", None), ("photo", groups)):
+            if unit == "photo" and g is None:
+                continue
+            r = similarity_map(feats, None, opts, g)
+            row[unit] = {
+                "mean_offdiag": float(r["score"][upper].mean()),
+                "mean_offdiag_z": float(r["z"][upper].mean()),
+                "significant_pairs": int(r["significant"][upper].sum()),
+                "pairs": int(upper.sum()),
+                "max_p_fwer": float(r["p_fwer"][upper].max()),
+            }
+        out["estimators"][est] = row
     return out
 
 
@@ -261,7 +331,7 @@ def markdown(s: dict, copied: list, fig_dir: Path, out_md: Path) -> str:
     def rel(name: str) -> str:
         return (fig_dir / name).relative_to(out_md.parent).as_posix()
 
-    lines = _intro(s, out_md) + _distance(s, rel) + _offset_heads(s) + _norm_ratios(s) + _claims(s)
+    lines = _intro(s, out_md) + _distance(s, rel) + _offset_heads(s) + _norm_ratios(s) + _claims(s) + _similarity(s)
     return "\n".join(lines + _figures(copied, rel) + _other_measures(s))
 
 
@@ -297,7 +367,12 @@ def _intro(s: dict, out_md: Path) -> list[str]:
         "whether a layer tells crops of different photos apart.",
         "",
         f"Wall time (2 CPU cores): the suite {s['wall_s']['suite']:.0f} s ({s['computed']} results computed, "
-        f"{s['reused']} reused from the cache), the per-image statistics of the claims {s['wall_s']['claims']:.0f} s.",
+        f"{s['reused']} reused from the cache), the per-image statistics of the claims {s['wall_s']['claims']:.0f} s"
+        + (
+            f", the similarity maps and their nulls {s['wall_s']['similarity']:.0f} s."
+            if "similarity" in s["wall_s"]
+            else "."
+        ),
         "",
     ]
 
@@ -373,17 +448,34 @@ def _unit(s: dict) -> list[str]:
     return [
         lead,
         "",
-        f"Heads and windows a claim needs (head_mix's local head, upper_global's head, offset_early's windows) are "
-        f"chosen on {s.get('chosen_on', 'the probe-train crops')} and tested on the analysis views"
-        + (
-            ": the choice saw the photos it is tested on (other crops of them), so choice and test are NOT "
-            "independent at the photo level. A photo whose crops make a head look local on the probe crops makes it "
-            "look local on the analysis crops too: picking the most local head leans upper_global towards a "
-            "reversal, picking the strongest offset window leans offset_early's first part towards the paper. "
-            "Splitting the photos (choose on some, test on the others) would leave about 9 photos a side; not done."
-            if units < n and "same" in s.get("chosen_on", "")
-            else "."
-        ),
+        *_choice(s),
+    ]
+
+
+def _choice(s: dict) -> list[str]:
+    """Where the heads and windows the claims need were chosen, and on which photos they are tested."""
+    sp = s.get("split")
+    if not sp:
+        return [
+            "Heads and windows a claim needs (upper_global's head, offset_early's windows) are chosen on "
+            f"{s.get('chosen_on', 'the probe-train crops')} and tested on the analysis views.",
+            "",
+        ]
+    sel, test = sp["selection"], sp["test"]
+    return [
+        "Heads and windows a claim needs (upper_global's most local head, offset_early's windows) are chosen on "
+        f"photos they are not tested on. The {len(sel) + len(test)} photos are split once by a rule declared before "
+        f"any held-out number was computed (analysis/studies/real_vit/claims.py: the photo indices permuted by "
+        f"numpy's PCG64 seeded {sp['seed']}, the first {len(sel)} for selection): the head is chosen on the "
+        f"{sp['selection_probe_crops']} probe crops of the selection photos ({', '.join(map(str, sel))}) and tested "
+        f"on the {sp['test_views']} analysis views of the held-out photos ({', '.join(map(str, test))}), the "
+        f"bootstrap resampling those {len(test)} photos; the verdict reads that test. Beside it, the number as it was "
+        f"before the split (chosen on {s.get('chosen_on', 'the probe crops')}, tested on all analysis views): choice "
+        "and test then saw the same photos, which leans upper_global towards a reversal (the most local head on a "
+        "photo's probe crops is local on its analysis crops too) and offset_early's first part towards the paper. "
+        f"Half the photos a side widens every held-out interval (about sqrt(19 / {len(test)}) ~ "
+        f"{(19 / max(len(test), 1)) ** 0.5:.1f}x). head_mix chooses no head (its parts read every head; its "
+        "precondition reads all photos' probe crops).",
         "",
     ]
 
@@ -427,13 +519,65 @@ def _claims(s: dict) -> list[str]:
             f"Verdict: **{c['verdict']}**. {c['why']}",
         ]
         if chosen:
-            lines += ["", f"The head or window is chosen on {chosen}; tested on the analysis views."]
-            stable = c["measured"].get("same_head_leaving_out_each_unit")
-            if stable:
-                lines[-1] += (
-                    f" Chosen again with each photo left out in turn (on the other photos' probe crops), the same "
-                    f"head is picked {stable} times."
-                )
+            lines += ["", *_chosen_lines(c["measured"])]
+    return lines
+
+
+def _chosen_lines(m: dict) -> list[str]:
+    """A claim's head or window choice: what it saw, how stable it is, and the all-photos number beside the held-out
+    one."""
+    held = "all_photos" in m
+    line = f"The head or window is chosen on {m['chosen_on']}" + ("." if held else "; tested on the analysis views.")
+    stable = m.get("same_head_leaving_out_each_unit")
+    if stable:
+        among = "the other selection photos'" if held else "the other photos'"
+        line += (
+            f" Chosen again with each photo left out in turn (on {among} probe crops), the same head is picked "
+            f"{stable} times."
+        )
+    if not held:
+        return [line]
+    a = m["all_photos"]
+    what = f"block {a['head'][0]} head {a['head'][1]}" if "head" in a else "the windows"
+    parts = "; ".join(f"{p['name']}: {_ci(p)}" for p in a.get("parts", [])) or "no window"
+    return [
+        line,
+        "",
+        f"Before the split (chosen on {a['chosen_on']}, {what}; tested on all analysis views, photo bootstrap): "
+        f"{parts}.",
+    ]
+
+
+def _similarity(s: dict) -> list[str]:
+    """The block x block similarity maps calibrated by the view-level and the photo-level permutation nulls."""
+    sim = s.get("similarity")
+    if not sim:
+        return []
+    from analysis.measures.similarity import NAMES
+
+    n_perm = sim["n_perm"]
+    lines = [
+        "",
+        "## Similarity between blocks, calibrated (Groger, Wen & Brbic 2026)",
+        "",
+        f"The similarity measure's block x block maps on the {sim['n_images']} analysis views (mean of the spatial "
+        f"tokens), each calibrated by {n_perm} permutations (p never below 1 / {n_perm + 1} = {1 / (n_perm + 1):.4f}; "
+        "family-wise error 0.05 over the map by the max statistic). Two nulls: permuting single views (what the "
+        "measure did before: views of one photo stay alike in every block whatever the blocks share, so scattering "
+        "them across photos makes any two blocks look related) and permuting whole photos, the k-th view of photo p "
+        "going to the k-th view of photo pi(p) (the exchangeable unit; analysis/estimators/permutation.py "
+        f"group_permutations; {sim.get('n_units', '?')} photos, {sim.get('distinct_photo_permutations', 0):.3g} "
+        "distinct permutations). z = (score - null mean) / null SD, mean over the off-diagonal pairs.",
+        "",
+        "| estimator | mean off-diagonal score | null | mean z | block pairs significant | largest FWER p |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for est, row in sim["estimators"].items():
+        for unit, r in row.items():
+            lines.append(
+                f"| {NAMES[est]} | {r['mean_offdiag']:.3f} | {unit}s permuted | {r['mean_offdiag_z']:.3g} | "
+                f"{r['significant_pairs']} of {r['pairs']} | {r['max_p_fwer']:.3g} |"
+            )
     return lines
 
 

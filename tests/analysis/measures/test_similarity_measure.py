@@ -101,6 +101,24 @@ def test_the_map_is_the_estimator_on_the_same_features(estimator):
     )
 
 
+def test_grouped_images_make_the_photo_the_null_unit():
+    """Images that carry ``groups`` (the bundled photos' crops carry their photo): the measure's null is
+    permutation_map's with those groups, taken in the order the images are kept (the suite's minibatch order), and
+    the result says how many units it permuted; without groups the null is the image-level one."""
+    model, data = tiny_vit(), _data(64)
+    data.groups = np.arange(64) // 4  # 16 "photos" of 4 images each, stored in a row
+    opts = S.suite_options(["similarity"], BS, {"similarity": {"n_perm": 30, "seed": 3}})
+    r = S.run_suite(model, data, opts)["similarity"]
+    feats = _reference_features(model, data, 64)
+    kept = data.groups[Minibatches(64, BS, ORDER_SEED).order.numpy()]
+    m = permutation_map(functools.partial(cka, unbiased=True), feats, n_perm=30, seed=3, groups=kept)
+    np.testing.assert_allclose(r["z"], m.z, rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(r["p_fwer"], m.p_fwer)
+    assert r["n_units"] == 16 and r["n_images"] == 64
+    views = permutation_map(functools.partial(cka, unbiased=True), feats, n_perm=30, seed=3)
+    assert not np.allclose(m.z, views.z)  # the unit matters
+
+
 def test_options_reach_the_measure_and_images_caps_the_sample():
     """k, images and n_perm = 0 (the raw map alone): the map is mutual k-NN with k = 5 on the first 40 images."""
     model, data = tiny_vit(), _data(64)
