@@ -3,13 +3,15 @@
 The bundle is exactly the files the report stage reads (or writes, for a report-time result it caches) under the
 study's root, minus weights: per run its ``recipe.yaml``, every checkpoint's ``meta.json``, and the analysis results
 the report opened (``summary.json``, ``cache.json``, the ``<measure>.npz`` arrays), the study's cached report-time
-results (``registers_control.json``, ``walmer/controls.json``, ``baselines/cka_floors.npz``, ...),
-``study_times.json``, the figures the report copies and whatever else a paper plug-in opens (``result.json``,
-TensorBoard event files). Which files those are is not listed anywhere: while :func:`write_report
-<analysis.studies.study_report.write_report>` runs from the runs, a Python audit hook (PEP 578, event ``open`` and
-``os.rename``) records every file opened under the root, so a plug-in that reads one more file puts it in the bundle
-without saying so. Weights, optimizer and random states (:data:`WEIGHTS`) are never copied: a number the report needs
-from a model must be a cached report-time result.
+results (``registers_control.json``, ``walmer/controls.json``, ``baselines/cka_floors.npz``, cross-run CKA, ...),
+``study_times.json``, the figures the report shows (a drawing written at report time and not shown is left out) and
+whatever else a paper plug-in opens (``result.json``, TensorBoard event files). Which files those are is not listed
+anywhere: while :func:`write_report <analysis.studies.study_report.write_report>` runs from the runs, a Python audit
+hook (PEP 578, events ``open`` and ``os.rename``) records every file opened under the root, so a plug-in that reads one
+more file puts it in the bundle without saying so. Weights, optimizer and random states (:data:`WEIGHTS`) are never
+copied: a number the report needs from a model must be a cached report-time result, and the analysis code reads those
+without the model or the images (the data fingerprints come from the manifest; analysis/frontends/runner.py reads a
+checkpoint without weights from its cache).
 
 Layout, beside the report it regenerates (``<report folder>/bundles/<study>/``: ``docs/bundles/registers/`` for
 ``docs/registers.md``): the files at their paths relative to the study's root, and ``manifest.json``: the study, its
@@ -17,9 +19,9 @@ file, the report, the git commit and date it was written at, the data fingerprin
 results are found without the images) and every file's size and sha256.
 
 A report from a bundle (``./launch.sh study FILE --stage report`` when no run of the study is there, or
-``--from-bundle [DIR]``) opens the bundle as the study's root: every file is first checked against the manifest, the
-bundle is read-only (the audit hook refuses a write into it: a report-time cache must be a hit), and a report that
-needs a file the bundle lacks stops with one sentence naming it.
+``--from-bundle [DIR]``) checks every file against the manifest, then reads a scratch copy of the bundle as the
+study's root: the bundle itself is never written, the audit hook refuses any write there but a drawing (a report-time
+cache must be a hit), and a report that needs a file the bundle lacks stops with one sentence naming it.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 # never in a bundle: a checkpoint's weights, optimizer and random states (train/checkpoint.py), any other weight file
 WEIGHTS = (".safetensors", ".pt", ".pth", ".bin", ".pkl", ".ckpt")
-# what a report draws from its numbers under the root (a plug-in's figures, a comparison's page): drawn again from a
-# bundle, so not kept in it; a report from a bundle may write these (into its scratch copy), and nothing else
+# what a report draws from its numbers under the root (a plug-in's figures, a comparison's page): kept in the bundle
+# only when the report shows them (reads them), a report from a bundle may write these (into its scratch copy), and
+# nothing else
 DRAWN = (".png", ".svg", ".pdf", ".md", ".html", ".txt")
 
 
@@ -70,7 +73,7 @@ class _Watch:
         if event == "open":
             path, mode, flags = (*args, None, None, None)[:3]
             p = self.under(path)
-            if p is None:
+            if p is None or os.path.isdir(p):  # a folder: flock'd, or an anonymous temporary file (O_TMPFILE) in it
                 return
             writes = any(c in (mode or "") for c in "wax+") or bool(
                 (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND)
@@ -141,7 +144,7 @@ def _files(study, w: _Watch, outputs: list[Path]) -> list[Path]:
     from train.checkpoint import META
 
     root = study.root.resolve()
-    found = {Path(p) for p in w.read | w.written if not (p in w.written and p.endswith(DRAWN))}
+    found = {Path(p) for p in w.read | {p for p in w.written if not p.endswith(DRAWN)}}  # drawings: those shown
     found.add(root / "study_times.json")  # the analysis's and this report's wall time, written after the report
     for r in study.runs.values():
         found.add(r.run_dir.resolve() / "recipe.yaml")
@@ -245,8 +248,8 @@ def open_bundle(study, folder: Path):
                 f"{p} differs from what the bundle's manifest records: restore it (git checkout), or rerun the "
                 "study's report from its runs to write the bundle again."
             )
-    # the report reads a scratch copy: the bundle itself is never written, and the figures a plug-in draws under the
-    # root (which the bundle does not keep: DRAWN) go there
+    # the report reads a scratch copy: the bundle itself is never written, and the figures a plug-in draws again under
+    # the root (DRAWN) go there
     scratch = tempfile.TemporaryDirectory(prefix=f"bundle-{study.name}-")
     root = Path(scratch.name) / "root"
     shutil.copytree(folder, root, ignore=shutil.ignore_patterns(MANIFEST))

@@ -58,3 +58,15 @@ def test_a_trained_study_is_regenerated_from_its_bundle(tmp_path, capsys, monkey
     assert report.with_suffix(".json").read_bytes() == twin  # every verdict and number, tolerance 0
     assert again[:2] + again[3:] == md[:2] + md[3:] and again[2] != md[2]  # all but the provenance line
     assert not (tmp_path / "runs").exists()
+    # a plug-in that asks the runner for cached analyses (Walmer's teacher, Raghu's comparisons) gets them from the
+    # bundle's checkpoints, which hold no weights, without the images or a model
+    from analysis.frontends import runner as RN
+    from analysis.results.runs import open_run
+    from analysis.studies.study import load_study
+
+    s = B.open_bundle(load_study(p), bundle)
+    try:
+        stats = RN.analyze_run(open_run(s.root / "vit_reg0_s0"), None, s.suite_options(["token_norms"]))
+    finally:
+        s.bundle["scratch"].cleanup()
+    assert stats["computed"] == [] and stats["reused"] == [(4, "token_norms"), (8, "token_norms")]
