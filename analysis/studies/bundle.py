@@ -13,10 +13,11 @@ copied: a number the report needs from a model must be a cached report-time resu
 without the model or the images (the data fingerprints come from the manifest; analysis/frontends/runner.py reads a
 checkpoint without weights from its cache).
 
-Layout, beside the report it regenerates (``<report folder>/bundles/<study>/``: ``docs/bundles/registers/`` for
-``docs/registers.md``): the files at their paths relative to the study's root, and ``manifest.json``: the study, its
-file, the report, the git commit and date it was written at, the data fingerprint of every run (so cached report-time
-results are found without the images) and every file's size and sha256.
+Layout, beside the report it regenerates and named after it (``<report folder>/bundles/<report name>/``:
+``docs/bundles/reproduction/`` for ``docs/reproduction.md``, so two reports in one folder keep two bundles): the files
+at their paths relative to the study's root, and ``manifest.json``: the study, its file, the report, the git commit and
+date it was written at, the data fingerprint of every run (so cached report-time results are found without the
+images) and every file's size and sha256.
 
 A report from a bundle (``./launch.sh study FILE --stage report`` when no run of the study is there, or
 ``--from-bundle [DIR]``) checks every file against the manifest, then reads a scratch copy of the bundle as the
@@ -124,12 +125,13 @@ def watching(root: Path, guard: bool = False):
 
 
 def location(study, reading: bool = False) -> Path:
-    """The study's bundle folder: beside the report this invocation writes (``<report folder>/bundles/<study>/``);
-    when ``reading`` and none is there, beside the study file's committed report (``docs/bundles/<study>/``)."""
+    """The study's bundle folder: beside the report this invocation writes (``<report folder>/bundles/<report
+    name>/``); when ``reading`` and none is there, beside the study file's committed report (``docs/bundles/<its
+    name>/``)."""
     report = study.report or study.root / "report.md"
-    here = report.parent / "bundles" / study.name
+    here = report.parent / "bundles" / report.stem
     if reading and not (here / MANIFEST).is_file() and study.committed is not None:
-        return study.committed.parent / "bundles" / study.name
+        return study.committed.parent / "bundles" / study.committed.stem
     return here
 
 
@@ -233,7 +235,7 @@ def open_bundle(study, folder: Path):
     if not f.is_file():
         raise BundleError(
             f"{folder} is no results bundle (no {MANIFEST}): run the study's report from its runs to write one, or "
-            "pass the folder of one (docs/bundles/<study>)."
+            "pass the folder of one (docs/bundles/<report name>)."
         )
     manifest = json.loads(f.read_text())
     for rel, entry in manifest["files"].items():

@@ -35,10 +35,10 @@ it, e.g. ``--report docs/reproduction.md``); else ``ROOT/report.md`` beside the 
 ``ROOT/figures/<study>/``). A rerun thereby never overwrites the committed documents by accident.
 
 Every report written from the runs also writes the study's results bundle beside it (``<report folder>/bundles/
-<study>/``: the compact numbers the report read, no weights; analysis/studies/bundle.py). ``--stage report`` on a
+<report name>/``: the compact numbers the report read, no weights; analysis/studies/bundle.py). ``--stage report`` on a
 checkout with no run of the study reads that bundle instead (beside the report, else beside the committed report:
-``docs/bundles/<study>/``), and ``--from-bundle [DIR]`` names one: the report is regenerated from it alone, and says
-so in its first paragraph.
+``docs/bundles/<report name>/``), and ``--from-bundle [DIR]`` names one: the report is regenerated from it alone, and
+says so in its first paragraph.
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
         const="",
         metavar="DIR",
         help="regenerate the report from the study's results bundle alone (default: beside the report, else "
-        "docs/bundles/<study>/; --stage report reads it by itself when no run of the study is there)",
+        "docs/bundles/<report name>/; --stage report reads it by itself when no run of the study is there)",
     )
     args = p.parse_args(argv)
     if args.from_bundle is not None and args.stage != "report":

@@ -35,7 +35,7 @@ def test_a_trained_study_is_regenerated_from_its_bundle(tmp_path, capsys, monkey
     p = tmp_path / "mini.yaml"
     p.write_text(yaml.safe_dump(study))
     assert main([str(p), "--jobs", "2"]) == 0
-    report, bundle = tmp_path / "docs" / "registers.md", tmp_path / "docs" / "bundles" / "mini"
+    report, bundle = tmp_path / "docs" / "registers.md", tmp_path / "docs" / "bundles" / "registers"
     manifest = json.loads((bundle / B.MANIFEST).read_text())
     files = set(manifest["files"])
     assert "registers_control.json" in files  # the report-time positive control, cached

@@ -46,7 +46,7 @@ def test_a_report_is_regenerated_from_its_bundle_alone(tmp_path, capsys, monkeyp
     p = _pilots(tmp_path)
     assert main([p, "--stage", "report"]) == 0
     out = capsys.readouterr().out
-    docs, bundle = tmp_path / "docs", tmp_path / "docs" / "bundles" / "mini"
+    docs, bundle = tmp_path / "docs", tmp_path / "docs" / "bundles" / "r"
     assert f"results bundle written to {bundle}" in out
     manifest = json.loads((bundle / B.MANIFEST).read_text())
     files = set(manifest["files"])
@@ -93,7 +93,7 @@ def test_a_report_is_regenerated_from_its_bundle_alone(tmp_path, capsys, monkeyp
 def test_a_bundle_that_lacks_a_file_stops_with_one_sentence(tmp_path, capsys):
     p = _pilots(tmp_path)
     assert main([p, "--stage", "report"]) == 0
-    bundle = tmp_path / "docs" / "bundles" / "mini"
+    bundle = tmp_path / "docs" / "bundles" / "r"
     shutil.rmtree(tmp_path / "runs")
     capsys.readouterr()
     lost = f"vit_local_s0/analysis/{step_dir_name(3000)}/attention_distance.npz"
@@ -113,7 +113,7 @@ def test_a_report_that_needs_more_than_its_bundle_says_which_file(tmp_path, caps
     manifest too): the report stops, naming it."""
     p = _pilots(tmp_path)
     assert main([p, "--stage", "report"]) == 0
-    bundle = tmp_path / "docs" / "bundles" / "mini"
+    bundle = tmp_path / "docs" / "bundles" / "r"
     shutil.rmtree(tmp_path / "runs")
     m = json.loads((bundle / B.MANIFEST).read_text())
     lost = "vit_cls_s0/recipe.yaml"
