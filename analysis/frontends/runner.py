@@ -36,6 +36,7 @@ from analysis.sources.models import (
     weights_key,
 )
 from train.checkpoint import (
+    META,
     STEP_RE,
     CheckpointError,
     check_weights_fit,
@@ -109,6 +110,9 @@ def analyze_run(
     Each result is written as its measure finishes; a KeyboardInterrupt becomes :class:`AnalysisStopped`, with what
     was kept."""
     opts = opts or S.SuiteOptions()
+    kept = _kept_without_weights(run, steps, opts, force)
+    if kept is not None:
+        return kept
     check_writable(run)
     data, fp = load_data(run), fingerprint(run)
     if not steps and not run.external:  # every checkpoint: those complete now (a trainer still running adds and prunes)
@@ -146,6 +150,31 @@ def analyze_run(
     stats["steps"] = [s for s in steps if s not in stats["skipped"]]
     if not stats["steps"]:
         raise all_gone
+    return stats
+
+
+def _kept_without_weights(run: Run, steps, opts: S.SuiteOptions, force: bool) -> dict | None:
+    """The stats of reading back the results of checkpoints that hold no weights any more (a study's results bundle,
+    analysis/studies/bundle.py, keeps the numbers and meta.json only) and were analysed (a summary.json): read without
+    the images (the fingerprint is the bundle's) or a model, nothing computed; the measures with no result kept there
+    (those that do not apply to the model, or were never asked for) are listed as ``not_kept``. None when some
+    checkpoint still holds its weights (the usual path, which checks them) or was never analysed."""
+    if force or run.external:
+        return None
+    chosen = sorted({run.step(s) for s in (steps or sorted(run.checkpoints))})
+    if any((run.checkpoints[s] / "model.safetensors").is_file() or not (run.checkpoints[s] / META).is_file()
+           for s in chosen):  # fmt: skip
+        return None  # weights there, or a checkpoint pruned while analysed
+    if not all(storage.read_summary(step_dir(run, s)) for s in chosen):
+        return None
+    fp = fingerprint(run)
+    stats: dict = {"computed": [], "reused": [], "steps": chosen, "skipped": [], "not_applicable": [], "model": ""}
+    stats["not_kept"] = []
+    for s in chosen:
+        w = weights_key(run, s)
+        todo = _todo(run, s, opts, {n: storage.cache_key(w, fp, opts.settings(n), n) for n in opts.measures}, False)
+        stats["reused"] += [(s, n) for n in opts.measures if n not in todo]
+        stats["not_kept"] += [(s, n) for n in todo]
     return stats
 
 

@@ -103,7 +103,13 @@ def cross_similarity(model_a, model_b, data, opts: S.SuiteOptions, name_a: str, 
 
 def check_same_images(run: Run, other: Run) -> tuple:
     """Both runs' data; raise AnalysisError unless they analyse the same images."""
-    data, odata = load_data(run), load_data(other)
+    _same_images(run, other)
+    return load_data(run), load_data(other)
+
+
+def _same_images(run: Run, other: Run) -> None:
+    """AnalysisError unless both runs analyse the same images (by their fingerprints: a results bundle gives them
+    without the images, analysis/sources/models.py FINGERPRINTS)."""
     if fingerprint(run) != fingerprint(other):
         names = f"runs {storage.shown(run.path)} and {storage.shown(other.path)}"
         if run.recipe.data == other.recipe.data:  # the same settings: the seeds drew different analysis images
@@ -117,23 +123,28 @@ def check_same_images(run: Run, other: Run) -> tuple:
             f"{names} analyse different images (their data sections differ): cross-run CKA needs the same analysis "
             "images, so compare runs made with the same data settings."
         )
-    return data, odata
 
 
 def images_for(run: Run, other: Run, on_other_images: bool = False) -> tuple:
-    """(data for ``run``'s model, data for ``other``'s, the fingerprint of the images both are read on): the runs' own
-    images when they analyse the same ones (:func:`check_same_images`), or with ``on_other_images`` both on
-    ``other``'s analysis images, which needs the same data settings (two seeds of one configuration)."""
+    """(a function giving (data for ``run``'s model, data for ``other``'s), the fingerprint of the images both are read
+    on): the runs' own images when they analyse the same ones (checked by fingerprint, :func:`_same_images`), or with
+    ``on_other_images`` both on ``other``'s analysis images, which needs the same data settings (two seeds of one
+    configuration). The images are loaded only when the function is called: a cached result needs only the
+    fingerprint (a results bundle has no images, analysis/studies/bundle.py)."""
     if not on_other_images:
-        data, odata = check_same_images(run, other)
-        return data, odata, fingerprint(run)
+        _same_images(run, other)
+        return (lambda: (load_data(run), load_data(other))), fingerprint(run)
     if run.recipe.data != other.recipe.data:
         raise AnalysisError(
             f"runs {storage.shown(run.path)} and {storage.shown(other.path)} have different data sections: reading "
             "one on the other's analysis images needs the same data settings (only the seed may differ)."
         )
-    data = load_data(other)
-    return data, data, fingerprint(other)
+
+    def both() -> tuple:
+        data = load_data(other)
+        return data, data
+
+    return both, fingerprint(other)
 
 
 def against_dir(run: Run, step: int, other: Run, other_step: int, kind: str = "analysis") -> Path:
@@ -162,7 +173,8 @@ def against(
     opts = opts or S.SuiteOptions()
     steps = sorted(run.step(s) for s in (steps or [None]))
     check_writable(run)
-    data, odata, fp = images_for(run, other, on_other_images)
+    load, fp = images_for(run, other, on_other_images)
+    data = odata = None  # the images, loaded when a result is not cached
     stats: dict = {"results": {}, "computed": [], "reused": [], "similarity": {}}
     omodel = None
     for step in tqdm(steps, desc=f"{run.name} vs {other.name}", disable=not progress, unit="ckpt"):
@@ -172,9 +184,11 @@ def against(
         key = storage.cache_key(wkey, fp, opts.settings("cka"), "cross_cka")
         skey = storage.cache_key(wkey, fp, opts.settings("similarity"), "cross_similarity")
         names = (f"{run.label}@{step}", f"{other.label}@{other_step}")
-        need_cka = force or not _cached(out, "cross_cka", key)
+        need_cka = force or not storage.is_kept(out, "cross_cka", key)
         need_sim = "similarity" in opts.measures and (force or not storage.is_cached(out, "similarity", skey))
         model = None
+        if (need_cka or need_sim) and data is None:
+            data, odata = load()
         if need_cka or need_sim:
             omodel = omodel if omodel is not None else load_model(other, other_step, odata)
             model = load_model(run, step, data)
@@ -219,13 +233,6 @@ def against(
         stats["results"][step] = load_result(out / "cross_cka.npz")
         stats["computed"].append(step)
     return stats
-
-
-def _cached(out: Path, name: str, key: str) -> bool:
-    """Whether ``out`` holds a readable ``<name>.npz`` saved under ``key`` (cross-run results that are not a
-    measure's, so without a summary.json entry)."""
-    f = out / f"{name}.npz"
-    return storage.cached_keys(out).get(name) == key and f.is_file() and storage.readable(f)
 
 
 def _keep_key(out: Path, name: str, key: str) -> None:

@@ -136,6 +136,13 @@ def is_cached(out_dir: Path, name: str, key: str) -> bool:
     )
 
 
+def is_kept(out_dir: Path, name: str, key: str) -> bool:
+    """Whether ``out_dir`` holds a readable ``<name>.npz`` saved under ``key`` in its cache.json: a result that is not
+    a measure's (cross-run CKA, a study's report-time baselines), so without a summary.json entry."""
+    f = Path(out_dir) / f"{name}.npz"
+    return cached_keys(out_dir).get(name) == key and f.is_file() and readable(f)
+
+
 def summary_of(res: dict) -> dict:
     """Key numbers of a suite result (summary.json, reports): {"meta": ..., <measure>: summary}."""
     reg = registry()

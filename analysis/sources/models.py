@@ -308,8 +308,20 @@ def _folder_key(arch: str) -> str:
     return "+".join(sha256_file(p) for p in files) or arch
 
 
+# The data fingerprint of each run folder: {resolved folder: (repr of its recipe's data section, fingerprint)}, computed
+# once per process and given by a results bundle (analysis/studies/bundle.py), which records those its report computed,
+# so that a report from the bundle checks its cached report-time results without the images.
+FINGERPRINTS: dict[str, tuple[str, str]] = {}
+
+
 def fingerprint(run: Run) -> str:
-    """:func:`analysis.results.storage.data_fingerprint` of the run's data, computed once."""
+    """:func:`analysis.results.storage.data_fingerprint` of the run's data, computed once (per run folder and data
+    section: :data:`FINGERPRINTS`)."""
     if run._fingerprint is None:
-        run._fingerprint = storage.data_fingerprint(load_data(run))
+        key = None if run.external else str(Path(run.path).resolve())
+        data = repr(run.recipe.data)
+        known = FINGERPRINTS.get(key) if key else None
+        run._fingerprint = known[1] if known and known[0] == data else storage.data_fingerprint(load_data(run))
+        if key:
+            FINGERPRINTS[key] = (data, run._fingerprint)
     return run._fingerprint

@@ -33,6 +33,12 @@ Where the report goes: ``--report FILE`` when given; else the study file's ``rep
 repository's committed ``docs/`` (then it is the study's *committed* report, rewritten only when ``--report`` names
 it, e.g. ``--report docs/reproduction.md``); else ``ROOT/report.md`` beside the study's runs (figures in
 ``ROOT/figures/<study>/``). A rerun thereby never overwrites the committed documents by accident.
+
+Every report written from the runs also writes the study's results bundle beside it (``<report folder>/bundles/
+<report name>/``: the compact numbers the report read, no weights; analysis/studies/bundle.py). ``--stage report`` on a
+checkout with no run of the study reads that bundle instead (beside the report, else beside the committed report:
+``docs/bundles/<report name>/``), and ``--from-bundle [DIR]`` names one: the report is regenerated from it alone, and
+says so in its first paragraph.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class Study:
     every_checkpoint: list[str] | None = None  # measured at every checkpoint of every run (None: the core four)
     paper: str | None = None  # the paper plug-in that judges it (analysis/studies/<paper>/); None: found by name
     committed: Path | None = None  # the study file's report in docs/, not written unless --report names it
+    bundle: dict | None = None  # the manifest of the results bundle read as the root (analysis/studies/bundle.py)
 
     def committed_note(self) -> str:
         """`` (the committed docs/... is left as it is: --report docs/... rewrites it)`` when the study file's report
@@ -381,7 +388,18 @@ def main(argv=None) -> int:
         help="where to write the report (and its JSON twin); default: the study file's report unless it is in docs/ "
         "(the committed one, written only when named here), else ROOT/report.md",
     )
+    p.add_argument(
+        "--from-bundle",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="regenerate the report from the study's results bundle alone (default: beside the report, else "
+        "docs/bundles/<report name>/; --stage report reads it by itself when no run of the study is there)",
+    )
     args = p.parse_args(argv)
+    if args.from_bundle is not None and args.stage != "report":
+        print("error: --from-bundle regenerates the report only: add --stage report.", file=sys.stderr)
+        return 2
     if args.jobs < 1:
         print(f"error: --jobs must be at least 1, not {args.jobs}.", file=sys.stderr)
         return 2
@@ -417,13 +435,30 @@ def main(argv=None) -> int:
             return 1
     if args.dry_run:
         return 0
+    from analysis.studies.bundle import BundleError
     from analysis.studies.study_report import analyze_study, write_report
 
     if args.stage in ("all", "analyze"):
         rc = analyze_study(study) or rc
     if args.stage in ("all", "report"):
+        if args.stage == "report":
+            try:
+                study = _bundle_study(study, args.from_bundle)
+            except BundleError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         rc = write_report(study) or rc
     return rc
+
+
+def _bundle_study(study: Study, folder: str | None) -> Study:
+    """The study to report: reading its results bundle (analysis/studies/bundle.py) when ``--from-bundle`` names one
+    (``''``: the study's own) or when no run of the study is there and its bundle is; else ``study`` itself."""
+    from analysis.studies import bundle as B
+
+    if folder is None and (B.has_runs(study) or not (B.location(study, reading=True) / B.MANIFEST).is_file()):
+        return study
+    return B.open_bundle(study, Path(folder) if folder else B.location(study, reading=True))
 
 
 if __name__ == "__main__":

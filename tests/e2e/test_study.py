@@ -1,6 +1,8 @@
 """Studies (analysis/studies/study.py): the study file, Raghu's claim numbers (analysis/studies/raghu2021/numbers.py)
 on cases with known answers, and a tiny study end to end: train, analyse, report."""
 
+import shutil
+
 import numpy as np
 import pytest
 import yaml
@@ -324,6 +326,13 @@ def test_a_tiny_study_trains_analyses_and_reports(tmp_path, capsys):
     assert main([p]) == 0  # rerun: nothing trained again, everything cached, the report regenerated
     out = capsys.readouterr().out
     assert "4 already finished, 0 started" in out and report.is_file()
+    # the runs gone, the results bundle regenerates the same verdicts and numbers (analysis/studies/bundle.py): every
+    # report-time result of the Raghu plug-in (CKA floors, comparisons, figures) is read from it or drawn again
+    twin = report.with_suffix(".json").read_bytes()
+    shutil.rmtree(tmp_path / "runs")
+    assert main([p, "--stage", "report"]) == 0
+    assert "from the results bundle" in capsys.readouterr().out
+    assert report.with_suffix(".json").read_bytes() == twin
 
 
 def test_every_checkpoint_is_checked_and_read(tmp_path):

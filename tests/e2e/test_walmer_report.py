@@ -153,6 +153,13 @@ def test_a_tiny_objectives_study_reports_every_claim(tmp_path, capsys):
         assert back["claims"][cid]["verdict"] == C.NOT_TESTABLE and "dino" in back["claims"][cid]["why"], cid
     assert len(back["claims"]["reconstruction_stays_local"]["decision"]["parts"]) <= 1  # supervised - mae only
     assert "The study has no dino configuration" in (tmp_path / "docs" / "no_dino.md").read_text()
+    # the runs gone, the teaching report is regenerated from its results bundle (analysis/studies/bundle.py): the
+    # teacher's analyses, the controls and the training curves are read from it, nothing is computed
+    twin = report.with_suffix(".json").read_bytes()
+    shutil.rmtree(runs)
+    assert main([study, "--stage", "report"]) == 0
+    assert "from the results bundle" in capsys.readouterr().out
+    assert report.with_suffix(".json").read_bytes() == twin
 
 
 def test_the_collapse_column_says_no_with_the_numbers_or_the_diagnosis_or_not_applicable():

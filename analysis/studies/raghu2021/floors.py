@@ -37,7 +37,7 @@ def _cka_floors(run, opts) -> dict:
         opts.settings("cka"),
         "cka_floors",
     )
-    if storage.is_cached(out, "cka_floors", key):
+    if storage.is_kept(out, "cka_floors", key):  # no summary.json here: is_cached, a measure's test, never held
         return load_result(out / "cka_floors.npz")
     data = MS.load_data(run)
     model = MS.load_model(run, step, data)

@@ -101,7 +101,7 @@ def cls_cka(a, b, study, on_other_images: bool = False) -> float:
     ``on_other_images``: both read on b's analysis images (:func:`analysis.reports.cross.images_for`)."""
     opts = study.suite_options(["cka"])
     co = opts.of("cka")
-    data, bdata, fp = XC.images_for(a, b, on_other_images)
+    load, fp = XC.images_for(a, b, on_other_images)
     key = ":".join(
         [
             MS.weights_key(a, max(a.checkpoints)),
@@ -113,6 +113,7 @@ def cls_cka(a, b, study, on_other_images: bool = False) -> float:
     )
 
     def compute() -> float:
+        data, bdata = load()
         cls = S.suite_options(
             ["cka"], opts.batch_size, {"cka": {"repr": "cls", "layers": "blocks", "unbiased": co.unbiased}}
         )
