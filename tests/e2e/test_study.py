@@ -212,6 +212,7 @@ def test_go_no_go_trains_a_pilot_to_its_check_and_on_only_after_a_go(tmp_path, c
             "forced": {"recipe": "tiny.yaml", "set": forced, "go_no_go": True},
         },
         seeds=[0, 1],
+        paper="raghu2021",  # the go/no-go check is the paper's (PAPER.pilot); no vit_cls + resnet to infer it from
     )
     assert main([p, "--stage", "train", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
