@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import hashlib
 import json
 import os
 import shutil
@@ -38,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from train.checkpoint import sha256_file
 
 MANIFEST = "manifest.json"
 # never in a bundle: a checkpoint's weights, optimizer and random states (train/checkpoint.py), any other weight file
@@ -164,14 +165,6 @@ def _files(study, w: _Watch, outputs: list[Path]) -> list[Path]:
     )
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _commit() -> tuple[str, bool]:
     """The repository's commit and whether its tracked files differ from it ("unknown" outside a git checkout)."""
     from analysis.studies.study import ROOT
@@ -206,7 +199,7 @@ def write(study, w: _Watch, report: Path, fig_dir: Path) -> tuple[Path, dict]:
         rel = f.relative_to(root).as_posix()
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(f, dest / rel)
-        listing[rel] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        listing[rel] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
     commit, dirty = _commit()
     runs = {r.run_dir.resolve(): r.name for r in study.runs.values()}
     manifest = {
@@ -245,7 +238,7 @@ def open_bundle(study, folder: Path):
                 f"the results bundle {folder} lacks {rel}, which its manifest lists: restore it (git checkout), or "
                 "rerun the study's report from its runs to write the bundle again."
             )
-        if p.stat().st_size != entry["bytes"] or _sha256(p) != entry["sha256"]:
+        if p.stat().st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
             raise BundleError(
                 f"{p} differs from what the bundle's manifest records: restore it (git checkout), or rerun the "
                 "study's report from its runs to write the bundle again."
