@@ -3,7 +3,7 @@ checkpoint meta.json files, weights that are never copied, saved attention dista
 runs writes the bundle; with the runs deleted, ``--stage report`` regenerates the same verdicts and numbers from the
 bundle alone (the JSON twin byte for byte, the markdown except its provenance line), writes nothing into it, needs
 neither weights nor images, and a changed threshold moves the verdict it governs. The same on a trained registers
-study: tests/e2e/test_bundle.py."""
+study: tests/e2e/test_registers_bundle.py."""
 
 import json
 import shutil
