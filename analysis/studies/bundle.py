@@ -38,6 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from analysis.results.storage import shown
 from train.checkpoint import sha256_file
 
 MANIFEST = "manifest.json"
@@ -178,13 +179,6 @@ def _commit() -> tuple[str, bool]:
     return head.stdout.strip(), bool(dirty.stdout.strip())
 
 
-def _rel(path: Path) -> str:
-    from analysis.studies.study import ROOT
-
-    path = Path(path).resolve()
-    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
-
-
 def write(study, w: _Watch, report: Path, fig_dir: Path) -> tuple[Path, dict]:
     """Write the bundle of the report just written from the runs (replacing an older one); its folder and manifest."""
     from analysis.sources.models import FINGERPRINTS
@@ -204,8 +198,8 @@ def write(study, w: _Watch, report: Path, fig_dir: Path) -> tuple[Path, dict]:
     runs = {r.run_dir.resolve(): r.name for r in study.runs.values()}
     manifest = {
         "study": study.name,
-        "study_file": _rel(study.path),
-        "report": _rel(report),
+        "study_file": shown(study.path),
+        "report": shown(report),
         "commit": commit,
         "dirty": dirty,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -270,7 +264,7 @@ def provenance(study) -> str:
         return "from the saved runs"
     commit = b["commit"][:10] + (" with uncommitted changes" if b.get("dirty") else "")
     return (
-        f"with `--stage report` from the results bundle {_rel(b['folder'])} alone (written from the saved runs at "
+        f"with `--stage report` from the results bundle {shown(b['folder'])} alone (written from the saved runs at "
         f"commit {commit} on {b['date']}; no run folder read)"
     )
 
@@ -288,6 +282,6 @@ def failure(study, w: _Watch, e: Exception) -> BundleError:
         why = (str(e).replace(str(root) + os.sep, "").splitlines() or [type(e).__name__])[0].rstrip(".")
         what = f"does not hold what the report reads (it stopped at: {why})"
     return BundleError(
-        f"the results bundle {_rel(study.bundle['folder'])} {what}: rerun the study's report from its runs "
-        f"(./launch.sh study {_rel(study.path)} --stage report) to write a complete bundle."
+        f"the results bundle {shown(study.bundle['folder'])} {what}: rerun the study's report from its runs "
+        f"(./launch.sh study {shown(study.path)} --stage report) to write a complete bundle."
     )
