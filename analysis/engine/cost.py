@@ -61,7 +61,7 @@ class Estimate:
                 mine[part] = mine.get(part, 0.0) + w.get(part, 0.0)
 
 
-def _best(fn, repeats: int = 3) -> float:
+def shortest_call(fn, repeats: int = 3) -> float:
     """The shortest of ``repeats`` timed calls of ``fn`` after one untimed call (allocations, lazy set-up): the
     machine may be shared, and the shortest call is the one least disturbed. A call of over a second is timed once
     more only (a large model: the estimate must not cost minutes itself)."""
@@ -95,7 +95,7 @@ def time_model(ctx: Context, taps: list[str], measures: list | None = None) -> T
         while True:
             x = data.normalize(data.analysis.images[:n].to(ctx.device)).float()
             with torch.no_grad():
-                plain = _best(lambda x=x: model(x))
+                plain = shortest_call(lambda x=x: model(x))
             if plain >= TIMING_CALL_S or n >= min(TIMING_IMAGES, len(data.analysis)):
                 break
             n = min(4 * n, TIMING_IMAGES, len(data.analysis))
@@ -112,7 +112,7 @@ def time_model(ctx: Context, taps: list[str], measures: list | None = None) -> T
                     except Exception:
                         measures.remove(m)
 
-        shared = _best(tapped) if taps else plain
+        shared = shortest_call(tapped) if taps else plain
         for p, _ in flags:
             p.requires_grad_(False)
 
@@ -123,7 +123,7 @@ def time_model(ctx: Context, taps: list[str], measures: list | None = None) -> T
                 out = out if isinstance(out, torch.Tensor) else next(iter(out.values()))
                 torch.autograd.grad(out.float().sum(), xr)
 
-        fb = _best(both)
+        fb = shortest_call(both)
     finally:
         for p, f in flags:
             p.requires_grad_(f)

@@ -207,14 +207,14 @@ def own_seconds(opts: SimilarityOptions, n: int, layers: int, dims: int) -> floa
     permutation drawn, each layer's side reordered, each pair's product); the map of L layers costs
     r(L) + n_perm d(L), each fitted curve kept at or above its largest timed value's share (a noisy fit cannot go
     negative)."""
-    from analysis.engine.cost import _best
+    from analysis.engine.cost import shortest_call  # the estimate times its calls as the model timing does
 
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(n, dims, generator=gen) for _ in range(max(TIMING_LAYERS))]
 
     def timed(k: int, perms: int) -> float:
         o = dataclasses.replace(opts, n_perm=perms)
-        return _best(lambda: similarity_map(xs[:k], None, o))
+        return shortest_call(lambda: similarity_map(xs[:k], None, o))
 
     ls = np.array(TIMING_LAYERS, dtype=float)
     design = np.stack([np.ones_like(ls), ls, ls**2], 1)

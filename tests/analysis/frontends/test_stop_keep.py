@@ -252,7 +252,7 @@ def test_similarity_prices_its_own_map_and_null_in_seconds(monkeypatch):
     # against the measured map: 4 layers of 32 features, 256 images, 100 permutations (timings: generous bounds)
     opts = SimilarityOptions(n_perm=100, images=256)
     xs = [torch.randn(256, 32) for _ in range(4)]
-    measured = C._best(lambda: similarity_map(xs, None, opts))
+    measured = C.shortest_call(lambda: similarity_map(xs, None, opts))
     est = own_seconds(opts, 256, 4, 32)
     assert measured / 5 < est < measured * 5, (est, measured)
     # the estimate's lines say it, and a checkpoint's estimates add up
