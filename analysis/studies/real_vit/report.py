@@ -206,7 +206,7 @@ def similarity_nulls(model, data, n_perm: int = SIMILARITY_PERMUTATIONS) -> dict
     m = SimilarityMeasure(S.make_context(model, data, BATCH), SimilarityOptions(n_perm=n_perm))
     mb = m.ctx.minibatches
     for j in range(len(mb)):
-        with Taps(model, sorted(m.taps())) as cap:
+        with torch.no_grad(), Taps(model, sorted(m.taps())) as cap:  # features only: no autograd graph kept
             model(data.normalize(mb.take(data.analysis.images, j)))
         m.update(j, cap, None, None)
     feats = m.features()
