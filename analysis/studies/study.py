@@ -21,7 +21,8 @@ name, with its recipe's seed.
 
 Stages (``--stage``, default all): ``train`` (finished runs skipped, interrupted ones resumed, every run's
 recipe validated before the first starts; ``--jobs N`` trains N runs at once with 1/N of the cores each, ``--only
-CONFIG ...`` those configurations only), ``analyze`` (the offline suite on every checkpoint, cached), and
+CONFIG ...`` those configurations only), ``analyze`` (the offline suite on every checkpoint, cached; ``--only`` analyses
+those configurations only, so several processes can share the work: each writes only its own runs' caches), and
 ``report`` (cross-run comparisons and the claims document, see analysis/studies/study_report.py).
 
 ``go_no_go: true`` on a run makes its configuration a pilot: its first seed trains to the second scheduled checkpoint
@@ -371,7 +372,11 @@ def main(argv=None) -> int:
         help="runs trained at once, each with an equal share of the cores, output in ROOT/logs/ (default 1)",
     )
     p.add_argument(
-        "--only", nargs="+", metavar="CONFIG", help="train only these configurations (names in the study file)"
+        "--only",
+        nargs="+",
+        metavar="CONFIG",
+        help="train or analyse only these configurations (names in the study file); the analyses of separate "
+        "configurations can run as separate processes at once",
     )
     p.add_argument(
         "--no-go-no-go",
@@ -409,16 +414,22 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rc = 0
+    configs = study.configs()
+    unknown = sorted(set(args.only or []) - set(configs))
+    if unknown:
+        print(
+            f"error: --only names {', '.join(unknown)}, which the study does not have: choose from "
+            f"{', '.join(configs)}.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.only and args.stage == "report":
+        print(
+            "error: --only trains or analyses some configurations, but a report reads them all: drop --only.",
+            file=sys.stderr,
+        )
+        return 2
     if args.stage in ("all", "train"):
-        configs = study.configs()
-        unknown = sorted(set(args.only or []) - set(configs))
-        if unknown:
-            print(
-                f"error: --only names {', '.join(unknown)}, which the study does not have: choose from "
-                f"{', '.join(configs)}.",
-                file=sys.stderr,
-            )
-            return 2
         try:
             failed, started, skipped = train_stage(study, args.only, args.dry_run, args.jobs, args.no_go_no_go)
         except RunsStopped as e:  # SIGTERM / Ctrl-C: the runs checkpointed and stopped; nothing is analysed
@@ -439,8 +450,10 @@ def main(argv=None) -> int:
     from analysis.studies.study_report import analyze_study, write_report
 
     if args.stage in ("all", "analyze"):
-        rc = analyze_study(study) or rc
-    if args.stage in ("all", "report"):
+        rc = analyze_study(study, args.only) or rc
+    if args.only and args.stage == "all":
+        print(f"study {study.name}: no report: --only trained and analysed some configurations, and a report reads all")
+    elif args.stage in ("all", "report"):
         if args.stage == "report":
             try:
                 study = _bundle_study(study, args.from_bundle)

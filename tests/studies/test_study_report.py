@@ -389,3 +389,28 @@ def test_runs_table_shows_each_override_key_once_with_its_last_value():
     ov = ["callbacks=[]", "data.val_size=5000", "callbacks=[attention_distance]", "data.val_size=0", "seed=0"]
     assert R.effective_overrides(ov) == "callbacks=[attention_distance] data.val_size=0 seed=0"
     assert R.effective_overrides([]) == "-"
+
+
+def test_analyze_only_some_configurations(tmp_path, monkeypatch, capsys):
+    """``--stage analyze --only C``: only C's runs are analysed (so processes can split a study's analysis by
+    configuration), and a partial pass is not recorded as the study's analysis time."""
+    s = _study(tmp_path, ("vit_cls", "vit_gap"))
+    runs = {name: types.SimpleNamespace(name=name) for name in s.runs}
+    seen = []
+    monkeypatch.setattr(R, "open_runs", lambda study: (runs, {}))
+    monkeypatch.setattr(R.RN, "analyze_run", lambda run, steps, opts: seen.append((run.name, steps)))
+    monkeypatch.setattr(R.R, "progress", lambda run: (True, "finished"))
+    monkeypatch.setattr(R, "write_run_report", lambda run: None)
+    assert R.analyze_study(s, ["vit_gap"]) == 0
+    assert sorted({n for n, _ in seen}) == ["vit_gap_s0", "vit_gap_s1"] and ("vit_gap_s0", ["last"]) in seen
+    assert "analysed vit_gap in" in capsys.readouterr().out
+    assert "analyze_s" not in R._times(s)
+    seen.clear()
+    assert R.analyze_study(s) == 0
+    assert sorted({n for n, _ in seen}) == ["vit_cls_s0", "vit_cls_s1", "vit_gap_s0", "vit_gap_s1"]
+    assert "analyze_s" in R._times(s)
+    # the command line: a report reads every configuration, so --only with --stage report is refused
+    from analysis.studies.study import main
+
+    assert main([str(tmp_path / "s.yaml"), "--stage", "report", "--only", "vit_cls"]) == 2
+    assert "a report reads them all: drop --only." in capsys.readouterr().err
