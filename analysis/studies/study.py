@@ -22,7 +22,8 @@ name, with its recipe's seed.
 Stages (``--stage``, default all): ``train`` (finished runs skipped, interrupted ones resumed, every run's
 recipe validated before the first starts; ``--jobs N`` trains N runs at once with 1/N of the cores each, ``--only
 CONFIG ...`` those configurations only), ``analyze`` (the offline suite on every checkpoint, cached; ``--only`` analyses
-those configurations only, so several processes can share the work: each writes only its own runs' caches), and
+those configurations or runs only, so several processes can share the work: each writes only its own runs' caches),
+and
 ``report`` (cross-run comparisons and the claims document, see analysis/studies/study_report.py).
 
 ``go_no_go: true`` on a run makes its configuration a pilot: its first seed trains to the second scheduled checkpoint
@@ -375,8 +376,8 @@ def main(argv=None) -> int:
         "--only",
         nargs="+",
         metavar="CONFIG",
-        help="train or analyse only these configurations (names in the study file); the analyses of separate "
-        "configurations can run as separate processes at once",
+        help="train or analyse only these configurations (names in the study file; with --stage analyze also runs, "
+        "CONFIG_sSEED): separate processes can analyse separate ones at once",
     )
     p.add_argument(
         "--no-go-no-go",
@@ -415,11 +416,14 @@ def main(argv=None) -> int:
         return 2
     rc = 0
     configs = study.configs()
-    unknown = sorted(set(args.only or []) - set(configs))
+    # a run (CONFIG_sSEED) may be named when only analysing: its analyses are its own, unlike a pilot's training
+    known = set(configs) | (set(study.runs) if args.stage == "analyze" else set())
+    unknown = sorted(set(args.only or []) - known)
     if unknown:
+        runs = " (or, with --stage analyze, runs)" if args.stage != "analyze" else " or their runs"
         print(
             f"error: --only names {', '.join(unknown)}, which the study does not have: choose from "
-            f"{', '.join(configs)}.",
+            f"{', '.join(configs)}{runs}.",
             file=sys.stderr,
         )
         return 2

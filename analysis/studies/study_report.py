@@ -84,14 +84,15 @@ def _save_time(study, key: str, seconds: float) -> None:
 
 
 def analyze_study(study, only=None) -> int:
-    """The study's analyses of every run (of the configurations in ``only``, or all), cached in each run's folder.
+    """The study's analyses of every run (of the configurations or runs named in ``only``, or all), cached in each
+    run's folder.
     With ``only`` the wall time is printed but not recorded as the study's analysis time, which a partial pass is
     not."""
     t0 = time.time()
     try:
         runs, absent = open_runs(study)
         pilot = _pilot_of(study)
-        keep = {name for name, r in study.runs.items() if not only or r.config in only}
+        keep = {name for name, r in study.runs.items() if not only or r.config in only or name in only}
         for name, why in absent.items():
             if name in keep:
                 print(f"study {study.name}: pilot run {name}: {why}; left out of the analysis")

@@ -161,7 +161,9 @@ def test_study_only_and_jobs_are_checked(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "b_s0: would start" in out and "b_s1: would start" in out and "a_s0" not in out
     assert main([p, "--only", "c"]) == 2
-    assert "--only names c, which the study does not have: choose from a, b." in capsys.readouterr().err
+    assert "--only names c, which the study does not have: choose from a, b (or, with --stage analyze, runs)." in (
+        capsys.readouterr().err
+    )
     assert main([p, "--jobs", "0"]) == 2
     assert not (tmp_path / "runs").exists()
 

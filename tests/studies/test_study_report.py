@@ -406,6 +406,8 @@ def test_analyze_only_some_configurations(tmp_path, monkeypatch, capsys):
     assert "analysed vit_gap in" in capsys.readouterr().out
     assert "analyze_s" not in R._times(s)
     seen.clear()
+    assert R.analyze_study(s, ["vit_cls_s1"]) == 0 and sorted({n for n, _ in seen}) == ["vit_cls_s1"]
+    seen.clear()
     assert R.analyze_study(s) == 0
     assert sorted({n for n, _ in seen}) == ["vit_cls_s0", "vit_cls_s1", "vit_gap_s0", "vit_gap_s1"]
     assert "analyze_s" in R._times(s)
@@ -414,3 +416,5 @@ def test_analyze_only_some_configurations(tmp_path, monkeypatch, capsys):
 
     assert main([str(tmp_path / "s.yaml"), "--stage", "report", "--only", "vit_cls"]) == 2
     assert "a report reads them all: drop --only." in capsys.readouterr().err
+    assert main([str(tmp_path / "s.yaml"), "--stage", "train", "--only", "vit_cls_s0"]) == 2
+    assert "choose from vit_cls, vit_gap (or, with --stage analyze, runs)." in capsys.readouterr().err
