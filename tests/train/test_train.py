@@ -4,6 +4,7 @@ callback cadence and timing."""
 import json
 import os
 import subprocess
+import types
 import warnings
 from pathlib import Path
 from typing import ClassVar
@@ -100,6 +101,30 @@ def test_lr_schedule_warmup_then_decay():
     )
     t.schedule = "linear"
     assert lr_at(55, t) == pytest.approx(0.5) and lr_at(28, t) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_thread_share_of_a_run_is_kept_on_a_gpu_too(device, monkeypatch):
+    """``--jobs N`` sets VITLAB_THREADS to each run's share of the cores; a GPU run obeys it as a CPU run does (it
+    once returned early on a GPU, and N runs on one GPU host each started every core's threads). Without it a GPU
+    run leaves torch's own count."""
+    from train import trainer as T
+
+    acc = types.SimpleNamespace(device=torch.device(device), num_processes=1)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("VITLAB_THREADS", "1")
+        T._cpu_threads(acc)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.delenv("VITLAB_THREADS")
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        T._cpu_threads(acc)
+        cores = len(os.sched_getaffinity(0))
+        assert torch.get_num_threads() == (cores if device == "cpu" else 2)
+    finally:
+        torch.set_num_threads(n)
 
 
 def test_smoke_run_through_launch_sh(write_recipe, tmp_path):
