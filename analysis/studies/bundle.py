@@ -23,6 +23,12 @@ A report from a bundle (``./launch.sh study FILE --stage report`` when no run of
 ``--from-bundle [DIR]``) checks every file against the manifest, then reads a scratch copy of the bundle as the
 study's root: the bundle itself is never written, the audit hook refuses any write there but a drawing (a report-time
 cache must be a hit), and a report that needs a file the bundle lacks stops with one sentence naming it.
+
+A report that is no study uses the same functions with an object that looks like one (``root``, ``report``,
+``committed``, ``name``, ``path``, ``runs`` = {} and a ``bundle`` slot, plus ``rerun``: the command that writes it from
+its runs, and ``reread``: the option that reads the bundle): the real-ViT report (analysis/studies/real_vit/report.py
+``Target``), whose root is one external model's analysis folder and whose manifest also records the weights'
+identity and the images' fingerprint (``write``'s ``extra``), which key its cached results.
 """
 
 from __future__ import annotations
@@ -126,6 +132,18 @@ def watching(root: Path, guard: bool = False):
         _WATCH = None
 
 
+@contextlib.contextmanager
+def unwatched():
+    """Record nothing while the block runs: a report-time result computed from other files, which the report then
+    reads back (the result is what the bundle needs, not what it was computed from)."""
+    global _WATCH
+    w, _WATCH = _WATCH, None
+    try:
+        yield
+    finally:
+        _WATCH = w
+
+
 def location(study, reading: bool = False) -> Path:
     """The study's bundle folder: beside the report this invocation writes (``<report folder>/bundles/<report
     name>/``); when ``reading`` and none is there, beside the study file's committed report (``docs/bundles/<its
@@ -179,8 +197,10 @@ def _commit() -> tuple[str, bool]:
     return head.stdout.strip(), bool(dirty.stdout.strip())
 
 
-def write(study, w: _Watch, report: Path, fig_dir: Path) -> tuple[Path, dict]:
-    """Write the bundle of the report just written from the runs (replacing an older one); its folder and manifest."""
+def write(study, w: _Watch, report: Path, fig_dir: Path, extra: dict | None = None) -> tuple[Path, dict]:
+    """Write the bundle of the report just written from the runs (replacing an older one); its folder and manifest.
+    ``extra``: more the report needs to know without its runs (a report over one external model: the weights'
+    identity and the images' fingerprint its cached results are keyed by), recorded in the manifest."""
     from analysis.sources.models import FINGERPRINTS
 
     dest = location(study)
@@ -204,6 +224,7 @@ def write(study, w: _Watch, report: Path, fig_dir: Path) -> tuple[Path, dict]:
         "dirty": dirty,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "fingerprints": {runs[Path(k)]: v[1] for k, v in sorted(FINGERPRINTS.items()) if Path(k) in runs},
+        **(extra or {}),
         "bytes": sum(v["bytes"] for v in listing.values()),
         "files": listing,
     }
@@ -257,6 +278,17 @@ def open_bundle(study, folder: Path):
     return out
 
 
+def _rerun(study) -> str:
+    """The command that rewrites the report and its bundle from the runs: a study's ``./launch.sh study FILE --stage
+    report``, or what a report that is no study (the real-ViT one) names as ``study.rerun``."""
+    return getattr(study, "rerun", None) or f"./launch.sh study {shown(study.path)} --stage report"
+
+
+def _reread(study) -> str:
+    """The option that made a report read its bundle: a study's ``--stage report``, or ``study.reread``."""
+    return getattr(study, "reread", None) or "--stage report"
+
+
 def provenance(study) -> str:
     """How the report was made, for its first paragraph: from the saved runs, or from the bundle (its commit, date)."""
     b = getattr(study, "bundle", None)
@@ -264,7 +296,7 @@ def provenance(study) -> str:
         return "from the saved runs"
     commit = b["commit"][:10] + (" with uncommitted changes" if b.get("dirty") else "")
     return (
-        f"with `--stage report` from the results bundle {shown(b['folder'])} alone (written from the saved runs at "
+        f"with `{_reread(study)}` from the results bundle {shown(b['folder'])} alone (written from the saved runs at "
         f"commit {commit} on {b['date']}; no run folder read)"
     )
 
@@ -282,6 +314,6 @@ def failure(study, w: _Watch, e: Exception) -> BundleError:
         why = (str(e).replace(str(root) + os.sep, "").splitlines() or [type(e).__name__])[0].rstrip(".")
         what = f"does not hold what the report reads (it stopped at: {why})"
     return BundleError(
-        f"the results bundle {shown(study.bundle['folder'])} {what}: rerun the study's report from its runs "
-        f"(./launch.sh study {shown(study.path)} --stage report) to write a complete bundle."
+        f"the results bundle {shown(study.bundle['folder'])} {what}: rerun the report from its runs "
+        f"({_rerun(study)}) to write a complete bundle."
     )

@@ -123,7 +123,7 @@ def test_a_report_that_needs_more_than_its_bundle_says_which_file(tmp_path, caps
     capsys.readouterr()
     assert main([p, "--stage", "report", "--from-bundle"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "vit_cls_s0" in err and "rerun the study's report from its runs" in err
+    assert err.count("\n") == 1 and "vit_cls_s0" in err and "rerun the report from its runs" in err
 
 
 def test_the_recorder_sees_reads_and_writes_under_the_root_only(tmp_path):
