@@ -100,6 +100,8 @@ def test_the_real_vit_report_is_regenerated_from_its_bundle_alone(tmp_path, tiny
     assert "analysis/step_0000000/report/image_context.npz" in files
     assert "analysis/step_0000000/report/localization.npz" in files  # the scores the report reads ...
     assert "analysis/step_0000000/localization.npz" not in files  # ... not the token x patch matrices
+    assert "analysis/step_0000000/aligned_attention.npz" not in files  # its shown part only (no per-offset means)
+    assert "analysis/step_0000000/report/aligned_attention.npz" in files
     assert not any(f.endswith(B.WEIGHTS) for f in files) and manifest["options"]["views"] == 2
     first_md, first_json = (docs / "real-vit.md").read_text(), (docs / "real-vit.json").read_bytes()
 

@@ -9,7 +9,8 @@ permutation nulls, the CLS attention maps the report draws on four photos, and w
 and the images. A second report computes none of them; a report from the bundle reads them with neither weights nor
 photos. The measures' results are read from the analysis folder, but for those whose bulk the report does not show
 (:data:`SHOWN`: localization's [L, 256, 256] token x patch CKA matrices, 6 MB, of which the report reads the per-block
-scores), whose shown part is cached beside them, keyed by the full result's key.
+scores; aligned_attention's per-offset means beside the mass maps it draws; cls_attention's maps before the prefix
+tokens' share is removed), whose shown part is cached beside them, keyed by the full result's key.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from analysis.studies.real_vit.claims import ImageContext
 
 REPORT = "report"  # the report-time results' folder, in the run's analysis step folder
 # a measure's arrays the report does not read: its result is read without them (a copy cached in REPORT)
-SHOWN = {"localization": ("cka",)}
+SHOWN = {"localization": ("cka",), "aligned_attention": ("maps",), "cls_attention": ("maps_raw",)}
 SUITE = (
     "suite.json"  # the last suite pass's wall time and counts (not a result: rewritten by every report from the run)
 )
