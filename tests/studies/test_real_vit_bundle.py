@@ -13,10 +13,12 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import timm
 from safetensors.torch import save_file
 
+from analysis.engine.measure import load_result
 from analysis.results import publish as PB
 from analysis.results.runs import Run
 from analysis.sources import images as IM
@@ -50,7 +52,7 @@ def tiny(tmp_path, monkeypatch):
                   "weights": str(weights), "preprocessing": "model", "images": "photos"})  # fmt: skip
         run._model = model
         run._data = IM.image_set("photos", model, img_size=56, views=views, probe_views=probe_views)
-        opened.append(root)
+        opened.append(run._data)
         return run, run._data, ARCH
 
     monkeypatch.setattr(R, "open_run", open_run)
@@ -95,6 +97,9 @@ def test_the_real_vit_report_is_regenerated_from_its_bundle_alone(tmp_path, tiny
     assert {"image_context", "similarity_nulls", "cls_maps", "setup", "localization"} <= set(
         json.loads((step / "cache.json").read_text())
     )
+    views, cls = tiny[0].analysis, load_result(step / "cls_maps.npz")
+    whole = np.flatnonzero(np.r_[True, np.diff(views.labels.numpy()) != 0])[:4]  # each photo's whole view
+    assert np.array_equal(cls["images"], views.images[whole].permute(0, 2, 3, 1).numpy())  # the photos as kept
     manifest = json.loads((bundle / B.MANIFEST).read_text())
     files = set(manifest["files"])
     assert "analysis/step_0000000/report/image_context.npz" in files

@@ -18,10 +18,8 @@ def suite_figures(res: dict, names) -> dict:
     """{file name: figure} of the measures' figures named in ``names``, drawn from the results ``res`` now rather than
     copied from the run's figure folder, where a figure drawn by an earlier version may lie beside a reused result:
     the model comes from elsewhere, so no title names a training step ("step 0"), and blocks are numbered from 0 on
-    every axis (BLOCK_AXIS), as in the report's tables and text. Only the measures with a figure named are drawn (a
-    figure's file begins with its measure's name)."""
-    drawn = {m: r for m, r in res.items() if any(n.startswith(f"{m}_") for n in names)}
-    return {f: fig for tag, fig in make_figures(drawn, None).items() if (f := figure_file(tag)) in names}
+    every axis (BLOCK_AXIS), as in the report's tables and text."""
+    return {f: fig for tag, fig in make_figures(res, None).items() if (f := figure_file(tag)) in names}
 
 
 def distance_figure(dist_mean: np.ndarray, uniform: float, path: Path) -> None:
@@ -56,7 +54,8 @@ def cls_maps(model, split, normalize, names: list, n: int = 4, blocks=(5, 11)) -
     with Taps(model, [f"{bn[b]}.attn_probs" for b in blocks]) as cap:
         model(normalize(split.images[idx]))
     maps = [cap.captures[f"{bn[b]}.attn_probs"][:, :, 0, p:].mean(1).reshape(-1, gh, gw).numpy() for b in blocks]
-    images = (split.images[idx].permute(0, 2, 3, 1).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    x = split.images[idx].permute(0, 2, 3, 1)  # uint8 as the photos are kept (analysis/sources/images.py)
+    images = (x if x.dtype == torch.uint8 else (x.clamp(0, 1) * 255).round().to(torch.uint8)).numpy()
     return {
         "maps": np.stack(maps),
         "images": images,
