@@ -124,9 +124,12 @@ def build(
 
     When ``out_md`` lies outside ``root`` (``--out docs/real-vit.md``), the results bundle of what the report read is
     written beside it (``docs/bundles/real-vit/``, analysis/studies/bundle.py). With ``from_bundle`` (a folder; ``''``:
-    the report's own bundle), or when ``root`` holds no analysis, the report is made from that bundle alone: neither
-    the weights nor the photos are loaded, and nothing is computed (a result the bundle lacks stops it, BundleError)."""
-    target = Target(Path(root), Path(out_md))
+    the report's own bundle, else for the default ``root`` the committed one), or when ``root`` holds no analysis and
+    such a bundle is there, the report is made from that bundle alone: neither the weights nor the photos are loaded,
+    and nothing is computed (a result the bundle lacks stops it, BundleError)."""
+    # the committed report's bundle stands in for the default run folder only (another --root is computed when empty)
+    default = Path(root).resolve() == (ROOT / "runs" / "real-vit").resolve()
+    target = Target(Path(root), Path(out_md), committed=COMMITTED if default else None)
     if from_bundle is None and not (Path(root) / "analysis").is_dir():
         folder = B.location(target, reading=True)
         from_bundle = "" if (folder / B.MANIFEST).is_file() else None
@@ -156,7 +159,7 @@ class Target:
     report: Path
     name: str = "real-vit"
     path: Path = PACKAGE
-    committed: Path | None = COMMITTED
+    committed: Path | None = None
     runs: dict = field(default_factory=dict)
     bundle: dict | None = None
 
