@@ -184,8 +184,9 @@ def _files(study, w: _Watch, outputs: list[Path]) -> list[Path]:
     )
 
 
-def _commit() -> tuple[str, bool]:
-    """The repository's commit and whether its tracked files differ from it ("unknown" outside a git checkout)."""
+def _commit(outputs: list[Path] = ()) -> tuple[str, bool]:
+    """The repository's commit and whether its tracked files other than ``outputs`` (the report just written, its
+    twin, figures and bundles) differ from it ("unknown" outside a git checkout)."""
     from analysis.studies.study import ROOT
 
     try:
@@ -194,7 +195,9 @@ def _commit() -> tuple[str, bool]:
                                capture_output=True, text=True, check=True)  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return "unknown", False
-    return head.stdout.strip(), bool(dirty.stdout.strip())
+    outs = [Path(o).resolve() for o in outputs]
+    changed = [(ROOT / line[3:].split(" -> ")[-1].strip('"')).resolve() for line in dirty.stdout.splitlines() if line]
+    return head.stdout.strip(), any(not any(p == o or p.is_relative_to(o) for o in outs) for p in changed)
 
 
 def write(study, w: _Watch, report: Path, fig_dir: Path, extra: dict | None = None) -> tuple[Path, dict]:
@@ -205,7 +208,8 @@ def write(study, w: _Watch, report: Path, fig_dir: Path, extra: dict | None = No
 
     dest = location(study)
     root = study.root.resolve()
-    files = _files(study, w, [report, report.with_suffix(".json"), fig_dir, dest, report.parent / "bundles"])
+    outputs = [report, report.with_suffix(".json"), fig_dir, dest, report.parent / "bundles"]
+    files = _files(study, w, outputs)
     if dest.exists():
         shutil.rmtree(dest)
     listing = {}
@@ -214,7 +218,7 @@ def write(study, w: _Watch, report: Path, fig_dir: Path, extra: dict | None = No
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(f, dest / rel)
         listing[rel] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-    commit, dirty = _commit()
+    commit, dirty = _commit(outputs)
     runs = {r.run_dir.resolve(): r.name for r in study.runs.values()}
     manifest = {
         "study": study.name,
