@@ -16,7 +16,7 @@ photos``: :func:`analysis.sources.models.external_run` and :func:`analysis.front
 Everything the report computes from the model besides the suite (the claims' per-image statistics, the similarity
 nulls, the CLS maps it draws) is a report-time result cached in the run's analysis folder (cached.py), so a second
 report computes nothing; ``--out docs/...`` also writes the results bundle of what the report read
-(``docs/bundles/real-vit/``, analysis/studies/bundle.py: about 1.8 MB, without localization's token x patch
+(``docs/bundles/real-vit/``, analysis/studies/bundle.py: 2.0 MB, without localization's token x patch
 matrices), from which ``--from-bundle`` (or a checkout without ``runs/real-vit/``) regenerates the report with neither
 the weights nor the photos.
 
