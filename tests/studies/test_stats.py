@@ -513,8 +513,8 @@ def test_tost_power_against_direct_integration_and_simulation():
 
 
 def test_equivalence_part_states_its_power_margin_and_the_seeds_it_needs():
-    """The registers study's first k-NN seeds (3 vs 3) at +-0.01: power 3%, the margin shown with 80% power about 0.038, 23
-    seeds needed; the seeds needed are the fewest with 80% power (one fewer has less); the numbers reach the JSON and
+    """The registers study's first k-NN seeds (3 vs 3) at +-0.01: power 3%, the margin shown with 80% power about 0.038,
+    23 seeds needed; the seeds needed are the fewest with 80% power (one fewer has less); the numbers reach the JSON and
     the sentence of a non-significant part; a bootstrap part gets the normal approximation and no seeds."""
     a, b = [0.865234375, 0.865625, 0.855859375], [0.880078125, 0.863671875, 0.85078125]
     e = S.equivalence_part(S.two_sample_part("k-NN", a, b), 0.01)
