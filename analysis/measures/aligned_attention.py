@@ -339,31 +339,25 @@ class AlignedAttention(BlockSums):
         mark = np.asarray(r["offset_local"], bool)
         peaks = np.asarray(r["peak_offset"])
         red = "red frame: offset local head; title: its peak (dr, dc) on the aligned aggregated map"
-        figs = {
-            "aligned_attention/mass_maps": map_grid(
-                np.asarray(r["mass_maps"]),
+
+        def grid(key: str, title: str, scale: str):
+            return map_grid(
+                np.asarray(r[key]),
                 blocks,
-                f"Aligned Aggregated Attention Maps (Walmer §4.2): share of the attention at each offset, mean over "
-                f"queries{suffix}\n{red}",
+                f"{title}{suffix}\n{red}",
                 marked=mark,
                 peaks=peaks,
                 midlines=True,
                 shared=False,
-                scale_label=SCALE[0],
+                scale_label=scale,
                 cell=OFFSETS,
-            ),
-        }
+            )
+
+        title = "Aligned Aggregated Attention Maps (Walmer §4.2): share of the attention at each offset, mean over "
+        title += "queries"
+        figs = {"aligned_attention/mass_maps": grid("mass_maps", title, SCALE[0])}
         if "maps" not in r:  # a result read without them (the real-ViT report's, analysis/studies/real_vit/cached.py)
             return figs
-        figs["aligned_attention/maps"] = map_grid(
-            np.asarray(r["maps"]),
-            blocks,
-            f"per-offset mean over the queries that have each offset (not Walmer's map){suffix}\n{red}",
-            marked=mark,
-            peaks=peaks,
-            midlines=True,
-            shared=False,
-            scale_label=SCALE[1],
-            cell=OFFSETS,
-        )
+        title = "per-offset mean over the queries that have each offset (not Walmer's map)"
+        figs["aligned_attention/maps"] = grid("maps", title, SCALE[1])
         return figs
