@@ -8,7 +8,6 @@ options like a measure's result (``similarity.npz`` beside ``cross_cka.npz``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -225,20 +224,12 @@ def against(
                 order_seed=opts.order_seed,
             )
         out.mkdir(parents=True, exist_ok=True)
-        save_result(res, out / "cross_cka.npz")
         if heads is not None:
             save_result(heads, out / "head_subsets.npz")
-        _keep_key(out, "cross_cka", key)
+        stats["results"][step] = storage.keep_result(out, "cross_cka", key, res)
         draw_cross(res, fig_dir, *names, heads)
-        stats["results"][step] = load_result(out / "cross_cka.npz")
         stats["computed"].append(step)
     return stats
-
-
-def _keep_key(out: Path, name: str, key: str) -> None:
-    """Record ``name``'s cache key in the folder's cache.json beside the others' (the similarity measure's too)."""
-    with storage.folder_lock(out):
-        storage.atomic_text(out / "cache.json", json.dumps({**storage.cached_keys(out), name: key}, indent=1))
 
 
 def draw_cross(res: dict, fig_dir: Path, name_a: str, name_b: str, heads: dict | None = None) -> list[Path]:

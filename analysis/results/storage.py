@@ -143,6 +143,24 @@ def is_kept(out_dir: Path, name: str, key: str) -> bool:
     return cached_keys(out_dir).get(name) == key and f.is_file() and readable(f)
 
 
+def keep_result(out_dir: Path, name: str, key: str, res: dict) -> dict:
+    """Save a result that is not a measure's (cross-run CKA, a study's report-time baselines, the real-ViT report's
+    statistics) as ``<name>.npz`` (atomically, the folder made) under ``key`` in the folder's cache.json, beside the
+    other entries (read-merge-write under the folder's lock); returns it as read back, so that the caller sees what a
+    later cached read gives. :func:`is_kept` is its test."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(out_dir / name, ".npz")
+    try:
+        save_result(res, tmp)
+        tmp.replace(out_dir / f"{name}.npz")
+    finally:
+        tmp.unlink(missing_ok=True)
+    with folder_lock(out_dir):
+        atomic_text(out_dir / "cache.json", json.dumps({**cached_keys(out_dir), name: key}, indent=1))
+    return load_result(out_dir / f"{name}.npz")
+
+
 def summary_of(res: dict) -> dict:
     """Key numbers of a suite result (summary.json, reports): {"meta": ..., <measure>: summary}."""
     reg = registry()

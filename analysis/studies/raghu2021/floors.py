@@ -7,14 +7,13 @@ raw pixels and with the same layer at random initialisation, and the random-init
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from analysis.engine.figures import layer_lines, save
-from analysis.engine.measure import load_result, save_result
+from analysis.engine.measure import load_result
 from analysis.engine.suite import make_context
 from analysis.estimators import baselines as B
 from analysis.measures.cka import cka_layers
@@ -58,10 +57,7 @@ def _cka_floors(run, opts) -> dict:
         co.unbiased,
         opts.order_seed,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    save_result(res, out / "cka_floors.npz")
-    storage.atomic_text(out / "cache.json", json.dumps({"cka_floors": key}))
-    return load_result(out / "cka_floors.npz")
+    return storage.keep_result(out, "cka_floors", key, res)
 
 
 def _uniformity(m) -> dict:

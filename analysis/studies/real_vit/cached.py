@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.engine.measure import load_result, save_result
+from analysis.engine.measure import load_result
 from analysis.results import storage
 from analysis.studies.bundle import unwatched
 from analysis.studies.real_vit.claims import ImageContext
@@ -30,9 +30,8 @@ from analysis.studies.real_vit.claims import ImageContext
 REPORT = "report"  # the report-time results' folder, in the run's analysis step folder
 # a measure's arrays the report does not read: its result is read without them (a copy cached in REPORT)
 SHOWN = {"localization": ("cka",), "aligned_attention": ("maps",), "cls_attention": ("maps_raw",)}
-SUITE = (
-    "suite.json"  # the last suite pass's wall time and counts (not a result: rewritten by every report from the run)
-)
+# the last suite pass's wall time and counts (not a result: rewritten by every report from the run)
+SUITE = "suite.json"
 
 
 class NotCached(LookupError):
@@ -97,12 +96,7 @@ class Source:
         with unwatched():  # what it is computed from is no part of the bundle: the result is
             res = compute()
         res["wall_s"] = time.time() - t0
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = storage.temp_name(out / f"{name}.npz", ".npz")
-        save_result(res, tmp)
-        tmp.replace(out / f"{name}.npz")
-        storage.atomic_text(out / "cache.json", json.dumps({**storage.cached_keys(out), name: key}, indent=1))
-        return load_result(out / f"{name}.npz")
+        return storage.keep_result(out, name, key, res)
 
     def results(self, measures, opts) -> dict:
         """The suite's results of ``measures`` kept under the suite options ``opts`` (those not measured left out);

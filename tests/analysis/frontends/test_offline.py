@@ -518,3 +518,17 @@ def test_against_a_run_of_another_seed_reads_both_on_its_images(runs, tmp_path):
     with pytest.raises(RF0.AnalysisError, match="analyse different images") as e:
         WR.cls_cka(a, ref, study)
     assert not any(w.startswith("/") for w in str(e.value).split())
+
+
+def test_a_kept_result_joins_the_folders_cache_and_reads_back(tmp_path):
+    """storage.keep_result, the one writer of results that are no measure's (cross-run CKA, the CKA floors, the
+    real-ViT report's statistics): saved under its key beside the keys already there, returned as read back."""
+    from analysis.results import storage
+
+    out = tmp_path / "step_0000008"
+    storage.keep_result(out, "cross_cka", "k1", {"matrix": np.eye(2)})
+    back = storage.keep_result(out, "cka_floors", "k2", {"pixels": np.arange(3.0)})
+    assert storage.cached_keys(out) == {"cross_cka": "k1", "cka_floors": "k2"}
+    assert storage.is_kept(out, "cross_cka", "k1") and not storage.is_kept(out, "cross_cka", "k2")
+    np.testing.assert_array_equal(back["pixels"], np.arange(3.0))
+    assert sorted(p.name for p in out.iterdir()) == ["cache.json", "cka_floors.npz", "cross_cka.npz"]  # no temp left
