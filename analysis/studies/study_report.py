@@ -43,12 +43,15 @@ def _pilot_of(study) -> C.Pilot | None:
     return paper.pilot if paper is not None else None
 
 
-def open_runs(study) -> tuple[dict, dict]:
-    """The study's runs opened, and {run name: why it is absent} for the pilot runs not trained yet (other runs must
-    have a checkpoint)."""
+def open_runs(study, names=None) -> tuple[dict, dict]:
+    """The study's runs opened (those in ``names``, or all), and {run name: why it is absent} for the pilot runs not
+    trained yet (other runs must have a checkpoint). Runs left out of ``names`` are not looked at: they may still be
+    training."""
     runs, absent = {}, {}
     pilot = _pilot_of(study)
     for name, r in study.runs.items():
+        if names is not None and name not in names:
+            continue
         try:
             runs[name] = RF.open_run(r.run_dir)
         except RF0.AnalysisError as e:
@@ -86,13 +89,13 @@ def _save_time(study, key: str, seconds: float) -> None:
 def analyze_study(study, only=None) -> int:
     """The study's analyses of every run (of the configurations or runs named in ``only``, or all), cached in each
     run's folder.
-    With ``only`` the wall time is printed but not recorded as the study's analysis time, which a partial pass is
-    not."""
+    With ``only`` the other runs need not be trained yet (each run can be analysed as soon as its training ends), and
+    the wall time is printed but not recorded as the study's analysis time, which a partial pass is not."""
     t0 = time.time()
     try:
-        runs, absent = open_runs(study)
-        pilot = _pilot_of(study)
         keep = {name for name, r in study.runs.items() if not only or r.config in only or name in only}
+        runs, absent = open_runs(study, keep if only else None)
+        pilot = _pilot_of(study)
         for name, why in absent.items():
             if name in keep:
                 print(f"study {study.name}: pilot run {name}: {why}; left out of the analysis")

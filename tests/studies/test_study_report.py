@@ -170,6 +170,10 @@ def test_a_missing_pilot_is_said_but_a_missing_study_run_is_an_error(tmp_path):
     s2 = _study(tmp_path / "b")  # a second study with nothing trained: vit_cls missing is an error, not a pilot
     with pytest.raises(R.RF0.AnalysisError, match="study run 'vit_cls_s0' is not trained yet"):
         R.open_runs(s2)
+    # a run named alone is opened while its study's other runs are still untrained (analysis as each run finishes)
+    _fake_run(s2, "vit_cls_s1", {1500: FLAT}, final=True)
+    runs, absent = R.open_runs(s2, {"vit_cls_s1"})
+    assert set(runs) == {"vit_cls_s1"} and absent == {}
 
 
 def test_the_locality_claims_prefer_vit_local_when_all_its_seeds_have_finished(tmp_path):
@@ -397,7 +401,13 @@ def test_analyze_only_some_configurations(tmp_path, monkeypatch, capsys):
     s = _study(tmp_path, ("vit_cls", "vit_gap"))
     runs = {name: types.SimpleNamespace(name=name) for name in s.runs}
     seen = []
-    monkeypatch.setattr(R, "open_runs", lambda study: (runs, {}))
+    opened = []
+
+    def open_runs(study, names=None):
+        opened.append(names)
+        return ({n: r for n, r in runs.items() if names is None or n in names}, {})
+
+    monkeypatch.setattr(R, "open_runs", open_runs)
     monkeypatch.setattr(R.RN, "analyze_run", lambda run, steps, opts: seen.append((run.name, steps)))
     monkeypatch.setattr(R.R, "progress", lambda run: (True, "finished"))
     monkeypatch.setattr(R, "write_run_report", lambda run: None)
@@ -405,6 +415,7 @@ def test_analyze_only_some_configurations(tmp_path, monkeypatch, capsys):
     assert sorted({n for n, _ in seen}) == ["vit_gap_s0", "vit_gap_s1"] and ("vit_gap_s0", ["last"]) in seen
     assert "analysed vit_gap in" in capsys.readouterr().out
     assert "analyze_s" not in R._times(s)
+    assert opened[-1] == {"vit_gap_s0", "vit_gap_s1"}  # the others are not opened: they may still be training
     seen.clear()
     assert R.analyze_study(s, ["vit_cls_s1"]) == 0 and sorted({n for n, _ in seen}) == ["vit_cls_s1"]
     seen.clear()
