@@ -424,6 +424,34 @@ def float32_forward(model):
             model.forward = patched
 
 
+def feed(ctx: Context, ms: list, budget: int | None = None, on_stage=None) -> None:
+    """The passes of :func:`run_suite` without the results: the analysis images (and the probe-train images, for the
+    measures with probe taps) through ``ctx``'s model in eval mode and float32, feeding the measures ``ms``, each
+    minibatch forwarded in chunks within ``budget`` bytes of taps (default: :func:`memory_budget`'s share of the
+    device). For a caller that reads a measure's gathered state itself rather than its one result (a report that
+    recomputes a measure's map under two nulls); the model's training mode is restored."""
+    on_stage = on_stage or (lambda text: None)
+    budget = memory_budget(ctx, SuiteOptions()) if budget is None else budget
+    data, model = ctx.data, ctx.model
+    was_training = model.training
+    model.eval()
+    try:
+        with float32_forward(model):
+            if any(m.taps() for m in ms):
+                what = f"pass over the analysis images ({', '.join(m.name for m in ms)})"
+                _measured_pass(ctx, data.analysis, ms, "", budget, what, on_stage)
+            pms = [m for m in ms if m.probe_taps()]
+            if pms:
+                rows = probe_rows(pms, data.probe_train)  # only the images some measure reads
+                for m in pms:
+                    m.probe_index = rows
+                n = len(data.probe_train) if rows is None else len(rows)
+                what = f"pass over the probe-train images ({n} of {len(data.probe_train)})"
+                _measured_pass(ctx, data.probe_train, pms, "probe_", budget, what, on_stage, rows)
+    finally:
+        model.train(was_training)
+
+
 def run_suite(
     model,
     data,
@@ -455,20 +483,9 @@ def run_suite(
     was_training = model.training
     model.eval()
     try:
-        with float32_forward(model):
+        with float32_forward(model):  # measures are built, fed and finished on the eval-mode float32 model
             ms = make_measures(ctx, opts, names)
-            budget = memory_budget(ctx, opts)
-            if any(m.taps() for m in ms):
-                what = f"pass over the analysis images ({', '.join(m.name for m in ms)})"
-                _measured_pass(ctx, data.analysis, ms, "", budget, what, on_stage)
-            pms = [m for m in ms if m.probe_taps()]
-            if pms:
-                rows = probe_rows(pms, data.probe_train)  # only the images some measure reads
-                for m in pms:
-                    m.probe_index = rows
-                n = len(data.probe_train) if rows is None else len(rows)
-                what = f"pass over the probe-train images ({n} of {len(data.probe_train)})"
-                _measured_pass(ctx, data.probe_train, pms, "probe_", budget, what, on_stage, rows)
+            feed(ctx, ms, memory_budget(ctx, opts), on_stage)
             out: dict = {
                 "meta": {
                     "arch": ctx.arch,

@@ -308,16 +308,11 @@ def similarity_nulls(model, data, n_perm: int = SIMILARITY_PERMUTATIONS) -> dict
     null (whole photos permuted, :func:`analysis.similarity.group_permutations`). Per estimator and null: mean
     off-diagonal score and z, the layer pairs (i < j) significant with family-wise error 0.05 (max statistic), the
     smallest family-wise p; and how many distinct photo permutations there are."""
-    from analysis.engine.taps import Taps
     from analysis.estimators.permutation import distinct_permutations
     from analysis.measures.similarity import SimilarityMeasure, SimilarityOptions, similarity_map
 
     m = SimilarityMeasure(S.make_context(model, data, BATCH), SimilarityOptions(n_perm=n_perm))
-    mb = m.ctx.minibatches
-    for j in range(len(mb)):
-        with torch.no_grad(), Taps(model, sorted(m.taps())) as cap:  # features only: no autograd graph kept
-            model(data.normalize(mb.take(data.analysis.images, j)))
-        m.update(j, cap, None, None)
+    S.feed(m.ctx, [m])  # the suite's own pass; the features are read here, for two nulls, not the measure's result
     feats = m.features()
     groups = m.kept_groups(int(feats[0].shape[0]))
     upper = np.triu(np.ones((len(feats),) * 2, dtype=bool), 1)

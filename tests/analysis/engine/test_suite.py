@@ -365,3 +365,29 @@ def test_cka_does_not_depend_on_the_order_the_images_are_stored_in():
     sorted_, shuffled_ = first_last(every, 0), first_last(shuffled, 0)
     assert abs(sorted_ - shuffled_) < 0.006
     assert shuffled_ - first_last(every, None) > 0.012  # stored order of grouped images: the bias removed above
+
+
+def test_feed_gives_a_measure_the_features_of_each_analysis_image_and_keeps_the_models_mode():
+    """``feed``: the suite's passes without the results, for a report that reads a measure's gathered state itself
+    (the real-ViT report's similarity maps under two nulls): the features are those of a plain forward of each
+    minibatch, in the minibatches' order, and the model's training mode is restored."""
+    from analysis.engine.suite import feed, make_context
+    from analysis.engine.taps import Taps
+    from analysis.measures.similarity import SimilarityMeasure, SimilarityOptions
+
+    model, data = _setup()
+    fed = SimilarityMeasure(make_context(model, data, 32), SimilarityOptions(n_perm=20))
+    model.train()
+    feed(fed.ctx, [fed])
+    assert model.training
+    by_hand = SimilarityMeasure(make_context(model, data, 32), SimilarityOptions(n_perm=20))
+    model.eval()
+    mb = by_hand.ctx.minibatches
+    for j in range(len(mb)):
+        with torch.no_grad(), Taps(model, sorted(by_hand.taps())) as cap:
+            model(data.normalize(mb.take(data.analysis.images, j)))
+        by_hand.update(j, cap, None, None)
+    a, b = fed.features(), by_hand.features()
+    assert len(a) == 3 and all(f.shape[0] == len(data.analysis) for f in a)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
