@@ -282,25 +282,14 @@ def open_bundle(study, folder: Path):
     return out
 
 
-def _rerun(study) -> str:
-    """The command that rewrites the report and its bundle from the runs: a study's ``./launch.sh study FILE --stage
-    report``, or what a report that is no study (the real-ViT one) names as ``study.rerun``."""
-    return getattr(study, "rerun", None) or f"./launch.sh study {shown(study.path)} --stage report"
-
-
-def _reread(study) -> str:
-    """The option that made a report read its bundle: a study's ``--stage report``, or ``study.reread``."""
-    return getattr(study, "reread", None) or "--stage report"
-
-
 def provenance(study) -> str:
     """How the report was made, for its first paragraph: from the saved runs, or from the bundle (its commit, date)."""
-    b = getattr(study, "bundle", None)
+    b = study.bundle
     if not b:
         return "from the saved runs"
     commit = b["commit"][:10] + (" with uncommitted changes" if b.get("dirty") else "")
     return (
-        f"with `{_reread(study)}` from the results bundle {shown(b['folder'])} alone (written from the saved runs at "
+        f"with `{study.reread}` from the results bundle {shown(b['folder'])} alone (written from the saved runs at "
         f"commit {commit} on {b['date']}; no run folder read)"
     )
 
@@ -319,5 +308,5 @@ def failure(study, w: _Watch, e: Exception) -> BundleError:
         what = f"does not hold what the report reads (it stopped at: {why})"
     return BundleError(
         f"the results bundle {shown(study.bundle['folder'])} {what}: rerun the report from its runs "
-        f"({_rerun(study)}) to write a complete bundle."
+        f"({study.rerun}) to write a complete bundle."
     )

@@ -50,7 +50,7 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import yaml
 
@@ -92,6 +92,14 @@ class Study:
     paper: str | None = None  # the paper plug-in that judges it (analysis/studies/<paper>/); None: found by name
     committed: Path | None = None  # the study file's report in docs/, not written unless --report names it
     bundle: dict | None = None  # the manifest of the results bundle read as the root (analysis/studies/bundle.py)
+    reread: ClassVar[str] = "--stage report"  # the option that makes a report read its results bundle
+
+    @property
+    def rerun(self) -> str:
+        """The command that rewrites the report and its results bundle from the runs."""
+        from analysis.results.storage import shown
+
+        return f"./launch.sh study {shown(self.path)} --stage report"
 
     def committed_note(self) -> str:
         """`` (the committed docs/... is left as it is: --report docs/... rewrites it)`` when the study file's report
