@@ -66,6 +66,7 @@ class Reading:
     b: Sequence[dict | None] | None
     stat: Callable[[np.ndarray, dict], float]
     cells: Callable[[dict], np.ndarray]
+    part: str | None = None  # the claim's part this reading stands beside (same quantity on the claim's own maps)
 
 
 def off_diagonal(r: dict) -> np.ndarray:
@@ -193,12 +194,44 @@ def lines(calibration: dict, second: dict) -> list[str]:
     return [*out, calibration["sentence"], "", second["sentence"], ""]
 
 
+def representation_differs(result, readings: Sequence[Reading]) -> list[dict]:
+    """The readings whose raw contrast on the similarity measure's maps points against the effect of the claim part
+    they stand beside (``Reading.part``), both in the paper's direction: the similarity maps read another
+    representation than the claim's own (e.g. block outputs' mean spatial token on 1,000 images against the paper's
+    layer set on all the analysis images), so such a reading and the verdict differ before any calibration, and
+    "survives calibration" speaks of the similarity maps' conclusion, not of the verdict's."""
+    parts = {p.name: p for p in result.decision.parts}
+    out = []
+    for rd, o in zip(readings, (result.calibration or {}).get("readings") or []):
+        part = parts.get(rd.part) if rd.part else None
+        if part is None:
+            continue
+        raw = (-1.0 if o["lower"] else 1.0) * o["raw"]
+        if np.isfinite(raw) and np.isfinite(part.effect) and raw * part.effect < 0:
+            out.append({"reading": o["name"], "raw": raw, "part": part.name, "effect": float(part.effect)})
+    return out
+
+
 def attach(result, readings: Sequence[Reading]):
     """Set ``result.calibration`` and ``result.second_measure`` from ``readings`` and add their table and sentences
-    to its lines; the verdict is left as it is. Returns ``result``."""
+    to its lines (and a sentence where a reading's raw contrast points against the part it stands beside:
+    :func:`representation_differs`); the verdict is left as it is. Returns ``result``."""
     result.calibration = assess(readings)
     result.second_measure = assess(readings, "second_")
     result.lines += lines(result.calibration, result.second_measure)
+    differs = representation_differs(result, readings)
+    if differs:
+        result.calibration["representation_differs"] = differs
+        pairs = "; ".join(
+            f"{d['reading']} {d['raw']:+.3g} raw, against {d['part']} {d['effect']:+.3g}" for d in differs
+        )
+        result.lines += [
+            "The similarity maps read another representation than the verdict's own maps, and their raw contrast "
+            f"already points the other way ({pairs}; both in the paper's direction): the two differ before any "
+            "calibration, so whether the conclusion survives calibration is said of the similarity maps' reading, "
+            "not of the verdict's.",
+            "",
+        ]
     return result
 
 

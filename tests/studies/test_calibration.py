@@ -193,3 +193,34 @@ def test_the_second_estimator_is_the_same_map_as_computing_it_alone():
         np.testing.assert_allclose(both[f"second_{k}"], alone[k], atol=1e-12)
     assert both["second_estimator"] == "mutual_knn" and "second_second_score" not in both
     assert "another estimator" in SimilarityOptions(estimator="cka", second="cka").check()
+
+
+def test_a_reading_whose_raw_contrast_points_against_its_claim_part_is_said_to_read_another_representation():
+    """The similarity maps (block outputs, mean spatial token) may read a contrast the claim's own maps (the paper's
+    layer set) do not: when a reading's raw contrast and the effect of the part it stands beside (``Reading.part``)
+    have opposite signs, the report says the two differ before any calibration, and the record lists them."""
+    from analysis.studies import stats as S
+
+    maps = [_hand(np.full((4, 4), 0.8), np.full((4, 4), 0.2), np.full((4, 4), 0.001)) for _ in range(2)]
+    low = [_hand(np.full((4, 4), 0.4), np.full((4, 4), 0.2), np.full((4, 4), 0.001)) for _ in range(2)]
+    readings = RC.uniformity_readings(maps, low)
+    assert [rd.part for rd in readings] == ["mean_offdiag", "first_last"]
+    against = S.two_sample_part("mean_offdiag", [0.50, 0.52, 0.51], [0.60, 0.61, 0.62])  # ViT - ResNet < 0
+    along = S.two_sample_part("first_last", [0.70, 0.72, 0.71], [0.60, 0.61, 0.62])
+    r = CAL.attach(C.Result(S.decide([against, along])), readings)
+    (d,) = r.calibration["representation_differs"]
+    assert d["reading"] == "mean off-diagonal similarity, ViT - ResNet" and d["part"] == "mean_offdiag"
+    assert d["raw"] == pytest.approx(0.4) and d["effect"] == pytest.approx(-0.1)
+    text = "\n".join(r.lines)
+    assert "already points the other way (mean off-diagonal similarity, ViT - ResNet +0.4 raw, against " in text
+    assert "mean_offdiag -0.1;" in text and "first_last" not in text.split("already points the other way")[1]
+    json.dumps(C.record(RAGHU.claims["uniformity"], r))
+    # both in the paper's direction: nothing to say
+    r = CAL.attach(C.Result(S.decide([along])), readings)
+    assert "representation_differs" not in r.calibration and "already points the other way" not in "\n".join(r.lines)
+    # every similarity claim's readings name the claim part they stand beside
+    assert RC.partition_readings(maps, {3: low})[0].part == "block 3 CKA across (normal - no skip)"
+    assert (
+        RC.drift_readings(maps, maps, 0.03)[0].part == "subset 0.03: lower - upper half, minus the cross-seed ceiling's"
+    )
+    assert WC.cls_readings(maps, low)[0].part == "last-block CLS CKA, (supervised vs dino) - (supervised vs mae)"

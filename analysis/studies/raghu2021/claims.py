@@ -150,9 +150,16 @@ def uniformity_readings(vit: list, resnet: list) -> list:
     first-last cell (analysis/studies/calibration.py)."""
     return [
         CAL.Reading(
-            "mean off-diagonal similarity, ViT - ResNet", vit, resnet, CAL.mean_over(CAL.off_diagonal), CAL.off_diagonal
+            "mean off-diagonal similarity, ViT - ResNet",
+            vit,
+            resnet,
+            CAL.mean_over(CAL.off_diagonal),
+            CAL.off_diagonal,
+            "mean_offdiag",
         ),
-        CAL.Reading("first vs last layer, ViT - ResNet", vit, resnet, CAL.mean_over(_first_last), _first_last),
+        CAL.Reading(
+            "first vs last layer, ViT - ResNet", vit, resnet, CAL.mean_over(_first_last), _first_last, "first_last"
+        ),
     ]
 
 
@@ -262,7 +269,12 @@ def partition_readings(normal: list, noskip: dict) -> list:
 
     return [
         CAL.Reading(
-            f"block {b} similarity across (normal - no skip)", normal, maps, CAL.mean_over(across(b)), across(b)
+            f"block {b} similarity across (normal - no skip)",
+            normal,
+            maps,
+            CAL.mean_over(across(b)),
+            across(b),
+            f"block {b} CKA across (normal - no skip)",
         )
         for b, maps in noskip.items()
     ]
@@ -927,7 +939,8 @@ def drift_readings(smallest: list, ceiling: list | None, fraction: float) -> lis
     lower-half minus upper-half mean against the full-data model, minus the same of the cross-seed ceiling (None: the
     gap alone) (analysis/studies/calibration.py)."""
     name = f"subset {fraction:g}: same-index lower - upper half" + (", minus the ceiling's" if ceiling else "")
-    return [CAL.Reading(name, smallest, ceiling, _diagonal_gap, _lower_diagonal)]
+    part = f"subset {fraction:g}: lower - upper half" + (", minus the cross-seed ceiling's" if ceiling else "")
+    return [CAL.Reading(name, smallest, ceiling, _diagonal_gap, _lower_diagonal, part)]
 
 
 # ------------------------------------------------------------------------------------------------ Walmer offset heads

@@ -927,7 +927,8 @@ def cls_readings(near: list, far: list) -> list:
     """Walmer Fig. 6 left on the similarity measure's cross-model maps (per seed pair): the last-block cell,
     (supervised vs dino) minus (supervised vs mae) (analysis/studies/calibration.py)."""
     name = "last-block CLS similarity, (supervised vs dino) - (supervised vs mae)"
-    return [CAL.Reading(name, near, far, CAL.mean_over(_last_cell), _last_cell)]
+    part = "last-block CLS CKA, (supervised vs dino) - (supervised vs mae)"
+    return [CAL.Reading(name, near, far, CAL.mean_over(_last_cell), _last_cell, part)]
 
 
 @CLAIMS.claim(
