@@ -150,12 +150,7 @@ def keep_result(out_dir: Path, name: str, key: str, res: dict) -> dict:
     later cached read gives. :func:`is_kept` is its test."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(out_dir / name, ".npz")
-    try:
-        save_result(res, tmp)
-        tmp.replace(out_dir / f"{name}.npz")
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_npz(res, out_dir / f"{name}.npz")
     with folder_lock(out_dir):
         atomic_text(out_dir / "cache.json", json.dumps({**cached_keys(out_dir), name: key}, indent=1))
     return load_result(out_dir / f"{name}.npz")
@@ -172,6 +167,17 @@ def temp_name(path: Path, suffix: str = "") -> Path:
     folders), ending in ``suffix`` (np.savez appends .npz to a name without it)."""
     path = Path(path)
     return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp{suffix}")
+
+
+def atomic_npz(res: dict, path: Path) -> None:
+    """``save_result(res)`` to ``path`` (``<name>.npz``) through a temporary name beside it: a reader sees the old
+    file or the new one, never half of one."""
+    tmp = temp_name(path.with_suffix(""), ".npz")
+    try:
+        save_result(res, tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_text(path: Path, text: str) -> None:
@@ -215,12 +221,7 @@ def write_results(res: dict, out_dir: Path, step: int | None = None, keys: dict 
     reg = registry()
     for name, r in res.items():
         if name in reg:
-            tmp = temp_name(out_dir / name, ".npz")
-            try:
-                save_result(r, tmp)
-                tmp.replace(out_dir / f"{name}.npz")
-            finally:
-                tmp.unlink(missing_ok=True)
+            atomic_npz(r, out_dir / f"{name}.npz")
     with folder_lock(out_dir):
         old = read_summary(out_dir)
         if old is None:  # none yet, or unreadable: the key numbers of the other results in the folder, from their files
